@@ -1,0 +1,334 @@
+"""The one canonical DFlash drafter config.
+
+Every key of a drafter ``config.json`` is spelled here and nowhere else. We read the z-lab
+"flat" layout (``block_size`` and ``rope_theta`` at top level) and the newer "nested" one
+(``block_size`` only inside ``dflash_config``, ``rope_parameters`` only), and we always write
+the flat layout with every resolved value, duplicated where engines disagree on where to look.
+The file is written as JSON from this dataclass, never through a transformers config object
+(transformers 5 drops top-level keys that the MLX loaders need).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+ARCHITECTURE = "DFlashDraftModel"
+MODELING_FILE = "modeling_dflash"  # shipped next to config.json so auto_map resolves
+SLIDING_BLOCK_MODES = ("bidirectional", "causal")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class ConfigError(ValueError):
+    """A drafter config value is wrong. The message names the field, the value and the fix."""
+
+    def __init__(self, field_name: str, value: Any, problem: str, fix: str):
+        self.field = field_name
+        self.value = value
+        super().__init__(f"{field_name}={value!r}: {problem}. Fix: {fix}")
+
+
+def default_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """Taps spread evenly from layer 1 to layer L-3: ``round(1 + i (L-4) / (n-1))``.
+
+    36 layers, 5 taps -> [1, 9, 17, 25, 33]; 32 layers -> [1, 8, 15, 22, 29]. The last layer is
+    never tapped (several engines cannot capture it).
+    """
+    L, n = num_target_layers, num_taps
+    if n < 1:
+        raise ConfigError("num_taps", n, "at least one target layer must be tapped", "use num_taps >= 1 (default 5)")
+    if n == 1:
+        return [L // 2]
+    if L < n + 3:
+        raise ConfigError(
+            "num_target_layers", L, f"too few target layers for {n} distinct taps in [1, L-3]",
+            f"use fewer taps (at most {max(L - 3, 1)}) or pass target_layer_ids explicitly",
+        )
+    # floor(x + 0.5) rather than round(): Python rounds halves to even, the rule rounds them up.
+    return [int(math.floor(1 + i * (L - 4) / (n - 1) + 0.5)) for i in range(n)]
+
+
+def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:
+    """First embedding row the tokenizer never emits (Qwen3: 151669)."""
+    emitted = set(int(i) for i in emitted_ids)
+    for row in range(embedding_rows):
+        if row not in emitted:
+            return row
+    raise ConfigError(
+        "mask_token_id", None,
+        f"every one of the target's {embedding_rows} embedding rows is a token the tokenizer emits, "
+        "so there is no spare row to use as the mask token",
+        "pass mask_token_id explicitly (a rarely used token), or resize the target embedding by one row",
+    )
+
+
+def tokenizer_emitted_ids(tokenizer) -> set[int]:
+    """Every id the tokenizer can produce: its vocabulary plus added/special tokens."""
+    ids = set(tokenizer.get_vocab().values())
+    ids.update(getattr(tokenizer, "all_special_ids", []) or [])
+    return ids
+
+
+@dataclass
+class DFlashConfig:
+    """Resolved drafter config. Field names are the flat ``config.json`` names."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    # In-block semantics of sliding layers: runtimes disagree, so it is one explicit field.
+    sliding_block_attention: str = "bidirectional"
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_taps * self.hidden_size
+
+    @property
+    def use_sliding_window(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Checks that need only the config itself."""
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(name, v, "must be a positive integer", f"set {name} to a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "num_key_value_heads", self.num_key_value_heads,
+                f"must divide num_attention_heads={self.num_attention_heads} (grouped-query attention)",
+                "choose a divisor of num_attention_heads",
+            )
+        if self.block_size < 2:
+            raise ConfigError("block_size", self.block_size, "a block needs the bonus token and at least one mask",
+                              "use block_size >= 2 (default 16)")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids", self.target_layer_ids, "no target layer is tapped",
+                              f"use default_layer_ids({self.num_target_layers})")
+        last = self.num_target_layers - 1
+        for i in self.target_layer_ids:
+            if not 0 <= i < last:
+                raise ConfigError(
+                    "target_layer_ids", self.target_layer_ids,
+                    f"layer id {i} is outside [0, {last}) for a target with {self.num_target_layers} layers "
+                    "(the last layer cannot be tapped: capture breaks in vLLM and SGLang)",
+                    f"use ids in 0..{last - 1}, e.g. {default_layer_ids(self.num_target_layers, min(self.num_taps, max(self.num_target_layers - 3, 1)))}",
+                )
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ConfigError("target_layer_ids", self.target_layer_ids, "a layer is tapped twice",
+                              "list each layer id once")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError("mask_token_id", self.mask_token_id,
+                              f"outside the target embedding (vocab_size={self.vocab_size})",
+                              "pick a spare embedding row with choose_mask_token()")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError("layer_types", self.layer_types,
+                              f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+                              "give one entry per drafter layer")
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise ConfigError("layer_types", self.layer_types, f"unknown layer type {t!r}",
+                                  f"use one of {LAYER_TYPES}")
+        if self.use_sliding_window and not (self.sliding_window and self.sliding_window > 0):
+            raise ConfigError("sliding_window", self.sliding_window,
+                              "sliding_attention layers are configured but the window is not a positive integer",
+                              "set sliding_window (tokens) or make every layer full_attention")
+        if self.sliding_block_attention not in SLIDING_BLOCK_MODES:
+            raise ConfigError("sliding_block_attention", self.sliding_block_attention,
+                              "unknown in-block semantics for sliding layers", f"use one of {SLIDING_BLOCK_MODES}")
+
+    def check_target(self, *, hidden_size: int, vocab_size: int, num_layers: int,
+                     emitted_ids: Iterable[int] | None = None) -> None:
+        """Checks that need the target: a drafter only works with the target it was trained for."""
+        if self.hidden_size != hidden_size:
+            raise ConfigError("hidden_size", self.hidden_size,
+                              f"the target's hidden size is {hidden_size}; the drafter must match it",
+                              "use a drafter trained for this target (or set hidden_size to the target's)")
+        if self.vocab_size != vocab_size:
+            raise ConfigError("vocab_size", self.vocab_size,
+                              f"the target's embedding has {vocab_size} rows; the drafter must match it",
+                              "use a drafter trained for this target")
+        if self.num_target_layers != num_layers:
+            raise ConfigError("num_target_layers", self.num_target_layers,
+                              f"the target has {num_layers} decoder layers",
+                              "use a drafter trained for this target")
+        if emitted_ids is not None and self.mask_token_id in set(emitted_ids):
+            raise ConfigError("mask_token_id", self.mask_token_id,
+                              "is a token the target's tokenizer emits, so drafts would confuse it with real text",
+                              "pick a spare embedding row with choose_mask_token()")
+
+    # ------------------------------------------------------------------ writing
+    def to_dict(self) -> dict[str, Any]:
+        """The flat z-lab layout with every resolved value (what vLLM, SGLang, z-lab and MLX read)."""
+        d: dict[str, Any] = {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "auto_map": {"AutoModel": f"{MODELING_FILE}.{ARCHITECTURE}"},
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.use_sliding_window,
+            "torch_dtype": self.torch_dtype,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            # Plain full-head 1-D RoPE, whatever the target uses (never a Qwen3.5 mrope block).
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+                "sliding_block_attention": self.sliding_block_attention,
+            },
+        }
+        return d
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Read the flat or the nested layout; the two must agree where both are present."""
+        nested = d.get("dflash_config") or {}
+
+        def pick(name: str, *sources: tuple[str, Any]) -> Any:
+            found = [(where, v) for where, v in sources if v is not None]
+            if not found:
+                raise ConfigError(name, None, "missing from config.json",
+                                  f"add {name} (flat top level or inside dflash_config)")
+            values = {json.dumps(v) for _, v in found}
+            if len(values) > 1:
+                raise ConfigError(name, dict(found), "given twice with different values",
+                                  "make both places agree")
+            return found[0][1]
+
+        rope_params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError("rope_parameters.rope_type", rope_type,
+                              "the drafter uses plain full-head RoPE",
+                              "write rope_parameters={'rope_type': 'default', 'rope_theta': ...}")
+        rope_theta = pick("rope_theta", ("rope_theta", d.get("rope_theta")),
+                          ("rope_parameters.rope_theta", rope_params.get("rope_theta")))
+        block_size = pick("block_size", ("block_size", d.get("block_size")),
+                          ("dflash_config.block_size", nested.get("block_size")))
+        mask_token_id = pick("mask_token_id", ("dflash_config.mask_token_id", nested.get("mask_token_id")),
+                             ("mask_token_id", d.get("mask_token_id")))
+        layer_ids = pick("target_layer_ids", ("dflash_config.target_layer_ids", nested.get("target_layer_ids")),
+                         ("target_layer_ids", d.get("target_layer_ids")))
+        num_layers = d.get("num_hidden_layers")
+        layer_types = d.get("layer_types") or []
+        head_dim = d.get("head_dim") or (d["hidden_size"] // d["num_attention_heads"])
+        num_target_layers = d.get("num_target_layers")
+        if num_target_layers is None:
+            raise ConfigError("num_target_layers", None, "missing from config.json",
+                              "add the target's decoder layer count (SGLang needs it too)")
+        sliding = d.get("sliding_window") if (d.get("use_sliding_window") or "sliding_attention" in layer_types) else None
+        if d.get("use_sliding_window") and not layer_types:
+            raise ConfigError("layer_types", None, "use_sliding_window is true but no layer_types say which layers slide",
+                              "list layer_types explicitly")
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=head_dim,
+            vocab_size=d["vocab_size"],
+            num_target_layers=num_target_layers,
+            target_layer_ids=list(layer_ids),
+            mask_token_id=int(mask_token_id),
+            block_size=int(block_size),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            layer_types=list(layer_types),
+            sliding_window=sliding,
+            sliding_block_attention=nested.get("sliding_block_attention", "bidirectional"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
+        )
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "DFlashConfig":
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a drafter folder needs config.json next to its safetensors")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError("config.json", str(path), f"is not valid JSON ({e})", "re-export the drafter") from None
+        return cls.from_dict(d)
+
+    def replace(self, **changes: Any) -> "DFlashConfig":
+        d = asdict(self)
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], None, "not a drafter config field",
+                              f"use one of {[f.name for f in fields(self)]}")
+        d.update(changes)
+        return DFlashConfig(**d)
+
+    @classmethod
+    def for_target(cls, *, hidden_size: int, vocab_size: int, num_target_layers: int,
+                   max_position_embeddings: int, mask_token_id: int, num_hidden_layers: int = 5,
+                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                   head_dim: int | None = None, intermediate_size: int | None = None,
+                   target_layer_ids: list[int] | None = None, num_taps: int = 5, **kw: Any) -> "DFlashConfig":
+        """A drafter shaped for a target: hidden size/vocab/positions from the target, the rest defaulted."""
+        head_dim = head_dim or 128
+        heads = num_attention_heads or max(hidden_size // head_dim, 1)
+        return cls(
+            hidden_size=hidden_size, vocab_size=vocab_size, num_target_layers=num_target_layers,
+            max_position_embeddings=max_position_embeddings, mask_token_id=mask_token_id,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=num_key_value_heads or heads, head_dim=head_dim,
+            intermediate_size=intermediate_size or 3 * hidden_size,
+            target_layer_ids=target_layer_ids or default_layer_ids(num_target_layers, num_taps), **kw,
+        )

@@ -1,0 +1,178 @@
+"""Target adapters (PyTorch): load a causal LM and tap the outputs of chosen decoder layers.
+
+One adapter covers the architectures whose decoder stack is ``embed_tokens -> layers -> norm``
+with an ``lm_head``: Qwen3 (dense, MoE), Llama 3.x and Qwen3.5 / 3.6 (hybrid GatedDeltaNet +
+attention, dense and MoE; the text tower of the multimodal checkpoint). Taps are forward hooks
+on the chosen layers, so only those layers' outputs are kept; when logits are not needed and no
+cache is being filled, the forward stops right after the deepest tapped layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.hub import resolve_model_dir
+
+# model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
+SUPPORTED = {
+    "qwen3": "qwen3", "qwen3_moe": "qwen3",
+    "llama": "llama",
+    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
+}
+
+
+class UnsupportedTarget(ValueError):
+    pass
+
+
+def check_supported(model_type: str) -> str:
+    if model_type not in SUPPORTED:
+        raise UnsupportedTarget(f"not supported yet: {model_type} (draftsmith targets: {sorted(SUPPORTED)})")
+    return SUPPORTED[model_type]
+
+
+class _StopForward(Exception):
+    """Raised by the deepest tap when nothing after it is needed."""
+
+
+@dataclass
+class TargetOutput:
+    features: torch.Tensor | None  # [b, s, taps * hidden], tapped layer outputs in config order
+    logits: torch.Tensor | None  # [b, s', vocab] (s' = s, or the requested positions)
+    cache: object | None = None
+
+
+class TargetModel:
+    """A loaded target: embedding, LM head, sizes, and a tapped forward."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = ""):
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "")
+        self.model_type = model.config.model_type
+        self.family = check_supported(self.model_type)
+        self.config = model.config.get_text_config(decoder=True)
+        inner = model.model
+        self.decoder = getattr(inner, "language_model", inner)  # multimodal checkpoints wrap the text tower
+        self.layers = self.decoder.layers
+        self.embed_tokens = self.decoder.embed_tokens
+        self.lm_head = model.get_output_embeddings()
+        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return getattr(self.config, "max_position_embeddings", 32768)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def linear_attention_modules(self) -> list[tuple[int, nn.Module]]:
+        return [(i, layer.linear_attn) for i, layer in enumerate(self.layers) if hasattr(layer, "linear_attn")]
+
+    def eos_token_ids(self) -> list[int]:
+        ids = getattr(self.model.generation_config, "eos_token_id", None) if hasattr(self.model, "generation_config") else None
+        if ids is None:
+            ids = self.config.eos_token_id
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+
+    # ----------------------------------------------------------------- compute
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, layer_ids: list[int] | None = None, *, cache=None,
+                position_ids: torch.Tensor | None = None, with_logits: bool = True,
+                logits_slice: slice | None = None, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        """Run the target; return the tapped layers' outputs (``hidden_states[l + 1]``) and logits."""
+        layer_ids = list(layer_ids or [])
+        for i in layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"layer id {i} is outside this target's {self.num_layers} layers")
+        captured: dict[int, torch.Tensor] = {}
+        stop_after = max(layer_ids) if (layer_ids and not with_logits and cache is None) else None
+
+        def tap(idx):
+            def hook(_module, _args, output):
+                captured[idx] = output[0] if isinstance(output, tuple) else output
+                if idx == stop_after:
+                    raise _StopForward
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(tap(i)) for i in sorted(set(layer_ids))]
+        out = None
+        try:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=cache, use_cache=cache is not None)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        logits = None
+        if with_logits:
+            hidden = out.last_hidden_state
+            logits = self.lm_head(hidden if logits_slice is None else hidden[:, logits_slice])
+        return TargetOutput(features=features, logits=logits, cache=cache)
+
+    # ------------------------------------------------------------------ load
+    @classmethod
+    def from_pretrained(cls, path_or_id: str | Path, dtype: torch.dtype | str | None = None,
+                        device: str | torch.device | None = None, revision: str | None = None,
+                        **kwargs) -> "TargetModel":
+        """Load a target from a local folder or a Hub id (config checked before any weights load)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = resolve_model_dir(path_or_id, revision=revision, what="target")
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: a target folder needs config.json")
+        model_type = json.loads(config_path.read_text()).get("model_type", "<missing model_type>")
+        check_supported(model_type)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or "auto", **kwargs)
+        if device is not None:
+            model = model.to(device)
+        tokenizer = None
+        if any(directory.glob("tokenizer*")):
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+        return cls(model, tokenizer=tokenizer, name=str(path_or_id))

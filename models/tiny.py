@@ -1,0 +1,133 @@
+"""Tiny targets and a tiny tokenizer, built locally from configs with seeded weights.
+
+Tests and the ``tiny`` recipe use them: no download, seconds to build, and the same code paths
+as the real models (Qwen3 dense / MoE, Llama 3, Qwen3.5 hybrid with GatedDeltaNet layers, and
+the Qwen3.5 multimodal checkpoint whose text tower is the target).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Byte-level vocabulary: the 256 byte symbols, then the specials. Ids past the tokenizer's
+# length are spare embedding rows (where the mask token goes).
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+TINY_VOCAB = 288  # 256 bytes + 9 specials + spare rows
+
+# ChatML with Qwen3-style thinking: ``enable_thinking=False`` renders an empty think block
+# after the generation prompt, assistant ``reasoning_content`` renders inside <think>.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "<|im_start|>assistant\n"
+    "{% if message.reasoning_content is defined and message.reasoning_content %}"
+    "<think>\n{{ message.reasoning_content }}\n</think>\n\n"
+    "{% endif %}"
+    "{{ message.content }}<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+LLAMA3_TEMPLATE = (
+    "<|begin_of_text|>"
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ message.content }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def tiny_tokenizer(template: str = "chatml"):
+    """A byte-level tokenizer (one token per byte) with ChatML (default) or Llama 3 chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256.. in list order
+    if template == "chatml":
+        eos, chat_template = "<|im_end|>", CHATML_TEMPLATE
+    elif template == "llama3":
+        eos, chat_template = "<|eot_id|>", LLAMA3_TEMPLATE
+    else:
+        raise ValueError(f"unknown tiny template {template!r}: use 'chatml' or 'llama3'")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>")
+    assert [fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(256, 256 + len(SPECIAL_TOKENS))), \
+        "tiny tokenizer special ids moved"
+    fast.chat_template = chat_template
+    return fast
+
+
+def _tiny_config(arch: str, vocab_size: int, num_layers: int):
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
+                  bos_token_id=256, eos_token_id=258, pad_token_id=256)
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+        return Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                              decoder_sparse_step=1, norm_topk_prob=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    if arch == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **common)
+    if arch in ("qwen3_5", "qwen3_5_vl"):
+        from transformers import Qwen3_5TextConfig
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+        text = Qwen3_5TextConfig(layer_types=layer_types, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.25}, **common)
+        if arch == "qwen3_5":
+            return text
+        from transformers import Qwen3_5Config
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,
+                             image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2)
+    raise ValueError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
+
+
+TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_vl")
+
+
+def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_size: int = TINY_VOCAB,
+                dtype: torch.dtype = torch.float32):
+    """A tiny causal LM of the given architecture with seeded random weights (fp32, eval mode)."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    config = _tiny_config(arch, vocab_size, num_layers)
+    torch.manual_seed(seed)
+    if arch == "qwen3_5_vl":
+        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def save_tiny_target(directory: str | Path, arch: str = "qwen3", seed: int = 0, num_layers: int = 8,
+                     template: str | None = None) -> Path:
+    """Write a tiny target as a folder laid out like a Hub repo (config, safetensors, tokenizer)."""
+    directory = Path(directory)
+    model = tiny_target(arch, seed=seed, num_layers=num_layers)
+    model.save_pretrained(directory)
+    tok = tiny_tokenizer(template or ("llama3" if arch == "llama" else "chatml"))
+    tok.save_pretrained(directory)
+    gen = {"eos_token_id": tok.eos_token_id, "bos_token_id": 256, "do_sample": False}
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return directory

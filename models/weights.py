@@ -1,0 +1,55 @@
+"""Safetensors folders: sharded save with an index, and loading that names what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB") -> list[Path]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than a shard."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    for old in list(directory.glob("model*.safetensors")) + list(directory.glob(INDEX)):
+        old.unlink()  # a stale shard from an earlier save must not be read back
+    written = []
+    for filename, names in split.filename_to_tensors.items():
+        shard = {n: state[n].contiguous() for n in names}
+        tmp = directory / (filename + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        tmp.replace(directory / filename)  # atomic: a crash never leaves a half-written shard
+        written.append(directory / filename)
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (directory / INDEX).write_text(json.dumps(index, indent=2))
+    return written
+
+
+def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    directory = Path(directory)
+    index = directory / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is listed in {INDEX} but missing: the download or export is incomplete")
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is corrupt or truncated ({e}); re-download or re-export it") from None
+    return state
