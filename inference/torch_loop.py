@@ -1,0 +1,169 @@
+"""The DFlash decoding loop in PyTorch (CUDA, and CPU for tests); the MLX twin is ``mlx_loop.py``.
+
+One cycle (DESIGN.md section 2): draft a block from the bonus token, verify the whole block in one
+target pass, accept the longest prefix where draft == target token plus the target's own token
+at the first mismatch, roll the target cache back to the committed length, and carry the target's
+features at the committed positions into the next draft. Drafts are greedy; the target's tokens
+are sampled at the requested temperature, so every committed token is a sample from the
+target's own distribution (greedy: identical to target-only greedy decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from inference.rollback_torch import CacheRollback
+from inference.stats import GenerationResult, commit_tokens, leading_matches
+from models.drafter import DFlashDraftModel, DraftCache
+from models.target import TargetModel
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Greedy at temperature 0, else a draw from softmax(logits / T). ``[..., V] -> [...]``."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+class Proposer(Protocol):
+    """Anything that drafts a block: the real drafter, or test stand-ins."""
+
+    layer_ids: list[int]
+    block_size: int
+
+    def reset(self) -> None: ...
+
+    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> list[int]:
+        """Draft tokens for block slots 1..B-1. ``new_features`` are the target's features at positions
+        ``start - c .. start - 1`` (not yet seen); the bonus token sits at position ``start``."""
+        ...
+
+    def context_length(self) -> int: ...
+
+
+class DrafterProposer:
+    """The drafter with its committed-context cache, bound to the target's embedding and LM head."""
+
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
+        drafter.config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                    num_layers=target.num_layers)
+        drafter.bind_target(target.embed_tokens, target.lm_head)
+        self.drafter = drafter
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.block_size = drafter.config.block_size
+        self.mask_id = drafter.config.mask_token_id
+        self.cache = DraftCache(drafter.config.num_hidden_layers)
+
+    def reset(self) -> None:
+        self.cache = DraftCache(self.drafter.config.num_hidden_layers)
+
+    @torch.no_grad()
+    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> list[int]:
+        device = new_features.device
+        c = new_features.shape[1]
+        block = torch.tensor([[bonus] + [self.mask_id] * (block_size - 1)], device=device)
+        positions = torch.arange(start - c, start + block_size, device=device)[None]
+        feats = new_features.to(self.drafter.fc.weight.dtype)
+        logits = self.drafter.draft(block, feats, positions, cache=self.cache)
+        return logits[0].argmax(-1).tolist()
+
+    def context_length(self) -> int:
+        return len(self.cache)
+
+
+def resolve_block_size(requested: int | None, trained: int) -> int:
+    if requested is None:
+        return trained
+    if not 2 <= requested <= trained:
+        raise ValueError(f"--block-size {requested} must be between 2 and the drafter's trained block size {trained}")
+    return requested
+
+
+@torch.no_grad()
+def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+                    temperature: float = 0.0, block_size: int | None = None, eos_token_ids: list[int] | None = None,
+                    seed: int = 0) -> GenerationResult:
+    """Speculative generation with a DFlash drafter; lossless with respect to the target."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    B = resolve_block_size(block_size, proposer.block_size)
+    eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    device = target.device
+    gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    rollback = CacheRollback(target)
+    cache = target.new_cache()
+    proposer.reset()
+    result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
+
+    t0 = time.perf_counter()
+    out = target.forward(torch.tensor([prompt_ids], device=device), proposer.layer_ids, cache=cache,
+                         logits_slice=slice(-1, None))
+    first = int(sample(out.logits[0, -1], temperature, gen))
+    _sync(device)
+    result.prefill_s = time.perf_counter() - t0
+    committed = len(prompt_ids)  # tokens whose keys/values (and features) exist
+    new_features = out.features
+    stop = commit_tokens([first], result.tokens, eos, max_new_tokens)
+
+    t1 = time.perf_counter()
+    while stop is None:
+        bonus = result.tokens[-1]
+        drafts = proposer.propose(bonus, new_features, committed, B)
+        assert proposer.context_length() in (committed, -1), \
+            f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
+        block = torch.tensor([[bonus] + drafts], device=device)
+        positions = torch.arange(committed, committed + B, device=device)[None]
+        with rollback.recording(cache):
+            verify = target.forward(block, proposer.layer_ids, cache=cache, position_ids=positions)
+        target_tokens = sample(verify.logits[0], temperature, gen).tolist()
+        accepted = leading_matches(drafts, target_tokens)
+        keep = accepted + 1  # the previous bonus and the accepted drafts now have keys and features
+        rollback.commit(cache, keep=keep, block_len=B)
+        committed += keep
+        rollback.check(cache, committed)
+        new_features = verify.features[:, :keep]
+        result.acceptance_lengths.append(keep)
+        for k in range(accepted):
+            result.position_accepts[k] += 1
+        stop = commit_tokens(drafts[:accepted] + [target_tokens[accepted]], result.tokens, eos, max_new_tokens)
+    _sync(device)
+    result.decode_s = time.perf_counter() - t1
+    result.stop_reason = stop
+    return result
+
+
+@torch.no_grad()
+def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                    eos_token_ids: list[int] | None = None, seed: int = 0) -> GenerationResult:
+    """The baseline: target-only decoding, one token per forward, same stop rules and timers."""
+    eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    device = target.device
+    gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    cache = target.new_cache()
+    result = GenerationResult(tokens=[], block_size=1)
+    t0 = time.perf_counter()
+    out = target.forward(torch.tensor([prompt_ids], device=device), cache=cache, logits_slice=slice(-1, None))
+    tok = int(sample(out.logits[0, -1], temperature, gen))
+    _sync(device)
+    result.prefill_s = time.perf_counter() - t0
+    stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
+    t1 = time.perf_counter()
+    while stop is None:
+        out = target.forward(torch.tensor([[tok]], device=device), cache=cache)
+        tok = int(sample(out.logits[0, -1], temperature, gen))
+        result.acceptance_lengths.append(1)
+        stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
+    _sync(device)
+    result.decode_s = time.perf_counter() - t1
+    result.stop_reason = stop
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
