@@ -11,7 +11,7 @@ target's own distribution (greedy: identical to target-only greedy decoding).
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -87,8 +87,11 @@ def resolve_block_size(requested: int | None, trained: int) -> int:
 @torch.no_grad()
 def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                     temperature: float = 0.0, block_size: int | None = None, eos_token_ids: list[int] | None = None,
-                    seed: int = 0) -> GenerationResult:
-    """Speculative generation with a DFlash drafter; lossless with respect to the target."""
+                    seed: int = 0, on_cycle: Callable[[object, int], None] | None = None) -> GenerationResult:
+    """Speculative generation with a DFlash drafter; lossless with respect to the target.
+
+    ``on_cycle(cache, committed)`` is called after every cycle's rollback (tests inspect the cache).
+    """
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     B = resolve_block_size(block_size, proposer.block_size)
@@ -126,6 +129,8 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
         rollback.commit(cache, keep=keep, block_len=B)
         committed += keep
         rollback.check(cache, committed)
+        if on_cycle is not None:
+            on_cycle(cache, committed)
         new_features = verify.features[:, :keep]
         result.acceptance_lengths.append(keep)
         for k in range(accepted):

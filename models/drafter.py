@@ -156,16 +156,12 @@ class DFlashDecoderLayer(nn.Module):
 def sliding_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, num_ctx: int, window: int, block_mode: str) -> torch.Tensor:
     """Boolean ``[b, 1, q, k]`` mask of a sliding layer at inference (all context before the block).
 
-    Context keys are visible within ``window`` positions of the query; block keys are all visible
-    (``bidirectional``) or only those at or before the query (``causal``).
+    The window applies to context keys (visible when ``q_pos - k_pos < window``). Inside the block
+    every key is visible (``bidirectional``) or only those at or before the query (``causal``).
     """
     dist = q_pos[:, :, None] - k_pos[:, None, :]
     visible = dist < window
-    if block_mode == "causal":
-        is_blk = torch.arange(k_pos.shape[-1], device=k_pos.device) >= num_ctx
-        visible = visible & (~is_blk | (dist >= 0))
-    else:
-        visible[..., num_ctx:] = True
+    visible[..., num_ctx:] = True if block_mode == "bidirectional" else dist[..., num_ctx:] >= 0
     return visible[:, None]
 
 

@@ -1,0 +1,94 @@
+"""Shared test helpers: tiny targets, an assert_close that reports the size of a mismatch, stand-ins."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def assert_close(actual, expected, atol: float = 1e-5, what: str = "values") -> None:
+    """Fail with the max and mean absolute difference, not just 'not close'."""
+    a = torch.as_tensor(actual, dtype=torch.float64)
+    e = torch.as_tensor(expected, dtype=torch.float64)
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    diff = (a - e).abs()
+    assert diff.max().item() <= atol, (f"{what}: max abs diff {diff.max().item():.3e} (mean {diff.mean().item():.3e}) "
+                                       f"exceeds {atol:.1e}")
+
+
+class ReferenceProposer:
+    """Proposes the target's own continuation (from a reference run), with planted mistakes.
+
+    ``mistakes`` are absolute sequence positions whose drafted token is deliberately wrong, so the
+    acceptance length of every cycle is known in advance.
+    """
+
+    def __init__(self, sequence: list[int], layer_ids: list[int], block_size: int, vocab: int,
+                 mistakes: set[int] = frozenset()):
+        self.sequence = sequence
+        self.layer_ids = layer_ids
+        self.block_size = block_size
+        self.vocab = vocab
+        self.mistakes = set(mistakes)
+        self.seen = 0
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def propose(self, bonus, new_features, start, block_size):
+        self.seen += new_features.shape[1]
+        out = []
+        for pos in range(start + 1, start + block_size):
+            tok = self.sequence[pos]
+            out.append((tok + 1) % self.vocab if pos in self.mistakes else tok)
+        return out
+
+    def context_length(self) -> int:
+        return self.seen
+
+
+def expected_acceptance(prompt_len: int, max_new: int, block: int, mistakes: set[int]) -> list[int]:
+    """Acceptance lengths a reference proposer must get, from the rule alone."""
+    lengths, pos, produced = [], prompt_len, 1
+    while produced < max_new:
+        acc = 0
+        while acc < block - 1 and (pos + 1 + acc) not in mistakes:
+            acc += 1
+        lengths.append(acc + 1)
+        pos += acc + 1
+        produced += acc + 1
+    return lengths
+
+
+@pytest.fixture(scope="session")
+def tiny_targets():
+    """Tiny targets by architecture, built once per session."""
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = TargetModel(tiny_target(arch, seed=0), tiny_tokenizer("llama3" if arch == "llama" else "chatml"))
+        return cache[arch]
+
+    return get
+
+
+def tiny_drafter_config(target, **kw):
+    from models.config import DFlashConfig, choose_mask_token, tokenizer_emitted_ids
+
+    args = dict(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+                max_position_embeddings=target.max_position_embeddings,
+                mask_token_id=choose_mask_token(target.vocab_size, tokenizer_emitted_ids(target.tokenizer)),
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                num_taps=3, block_size=8, torch_dtype="float32")
+    args.update(kw)
+    return DFlashConfig.for_target(**args)

@@ -1,0 +1,121 @@
+"""The canonical drafter config: both layouts, the written schema, the layer-id rule, every validation."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from models.config import ConfigError, DFlashConfig, choose_mask_token, default_layer_ids, tokenizer_emitted_ids
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+WRITTEN_KEYS = {
+    "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "attention_bias",
+    "attention_dropout", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "layer_types",
+    "sliding_window", "use_sliding_window", "torch_dtype", "num_target_layers", "block_size", "rope_theta",
+    "rope_parameters", "dflash_config",
+}
+
+
+def load(name):
+    return json.loads((FIXTURES / name).read_text())
+
+
+def test_flat_and_nested_layouts_read_to_the_same_config():
+    flat = DFlashConfig.from_dict(load("config_flat.json"))
+    nested = DFlashConfig.from_dict(load("config_nested.json"))
+    assert flat == nested
+    assert flat.target_layer_ids == [1, 9, 17, 25, 33]
+    assert flat.block_size == 16 and flat.mask_token_id == 151669 and flat.rope_theta == 1e6
+    assert flat.fc_in_features == 5 * 4096
+
+
+def test_written_layout_is_flat_complete_and_round_trips(tmp_path):
+    cfg = DFlashConfig.from_dict(load("config_nested.json"))
+    d = cfg.to_dict()
+    assert set(d) == WRITTEN_KEYS
+    assert d["architectures"] == ["DFlashDraftModel"] and d["model_type"] == "qwen3"
+    assert d["block_size"] == d["dflash_config"]["block_size"] == 16
+    assert d["rope_theta"] == d["rope_parameters"]["rope_theta"] == 1e6
+    assert d["rope_parameters"]["rope_type"] == "default"
+    assert d["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert d["layer_types"] == ["full_attention"] * 5 and d["use_sliding_window"] is False
+    assert "eagle_aux_hidden_state_layer_ids" not in json.dumps(d)
+    assert DFlashConfig.from_dict(d) == cfg
+    cfg.save(tmp_path)
+    assert DFlashConfig.load(tmp_path) == cfg
+    assert json.loads((tmp_path / "config.json").read_text()) == d
+
+
+def test_drafter_rope_is_plain_even_for_a_partial_rotary_target():
+    # A Qwen3.5 target uses partial rotary + mrope; the drafter config must not inherit it.
+    cfg = DFlashConfig.for_target(hidden_size=64, vocab_size=300, num_target_layers=8, max_position_embeddings=512,
+                                  mask_token_id=290, head_dim=16, num_taps=3)
+    assert cfg.to_dict()["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    d = cfg.to_dict()
+    d["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    with pytest.raises(ConfigError, match="plain full-head RoPE"):
+        DFlashConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("layers,taps,expected", [
+    (36, 5, [1, 9, 17, 25, 33]), (32, 5, [1, 8, 15, 22, 29]), (64, 5, [1, 16, 31, 46, 61]),
+    (28, 1, [14]), (8, 3, [1, 3, 5]),
+])
+def test_default_layer_ids(layers, taps, expected):
+    assert default_layer_ids(layers, taps) == expected
+    assert max(expected) < layers - 1
+
+
+def base(**kw):
+    d = load("config_flat.json")
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("change,field,words", [
+    ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 35]}}, "target_layer_ids",
+     "last layer cannot be tapped"),
+    ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [-1, 9]}}, "target_layer_ids", "outside"),
+    ({"dflash_config": {"mask_token_id": 151936, "target_layer_ids": [1, 9]}}, "mask_token_id",
+     "outside the target embedding"),
+    ({"block_size": 1, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1], "block_size": 1}}, "block_size",
+     "at least one mask"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads", "must divide"),
+    ({"layer_types": ["full_attention"] * 4}, "layer_types", "has 4 entries"),
+    ({"layer_types": ["sliding_attention"] * 5, "use_sliding_window": True, "sliding_window": None}, "sliding_window",
+     "positive integer"),
+    ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9], "block_size": 8}}, "block_size",
+     "different values"),
+    ({"num_target_layers": None}, "num_target_layers", "missing"),
+])
+def test_validation_errors_name_field_value_and_fix(change, field, words):
+    with pytest.raises(ConfigError) as err:
+        DFlashConfig.from_dict(base(**change))
+    assert err.value.field == field
+    assert words in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_target_checks():
+    cfg = DFlashConfig.from_dict(load("config_flat.json"))
+    cfg.check_target(hidden_size=4096, vocab_size=151936, num_layers=36, emitted_ids=range(151669))
+    with pytest.raises(ConfigError, match="hidden size is 5120"):
+        cfg.check_target(hidden_size=5120, vocab_size=151936, num_layers=36)
+    with pytest.raises(ConfigError, match="152064 rows"):
+        cfg.check_target(hidden_size=4096, vocab_size=152064, num_layers=36)
+    with pytest.raises(ConfigError, match="has 40 decoder layers"):
+        cfg.check_target(hidden_size=4096, vocab_size=151936, num_layers=40)
+    with pytest.raises(ConfigError, match="tokenizer emits"):
+        cfg.check_target(hidden_size=4096, vocab_size=151936, num_layers=36, emitted_ids=range(151700))
+
+
+def test_mask_token_choice():
+    from models.tiny import TINY_VOCAB, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    mask = choose_mask_token(TINY_VOCAB, tokenizer_emitted_ids(tok))
+    assert mask == len(tok) == 265  # first row past the byte tokens and the specials
+    assert choose_mask_token(10, [0, 1, 3]) == 2  # a gap inside the vocabulary counts too
+    with pytest.raises(ConfigError, match="no spare row"):
+        choose_mask_token(len(tok), tokenizer_emitted_ids(tok))
