@@ -1,0 +1,173 @@
+"""Chat templating and assistant-only loss masks, derived from the target's own template.
+
+No per-family regexes: for every assistant turn ``i`` we ask the template three questions and
+diff the answers.
+
+1. ``prompt``  = render(messages[:i], add_generation_prompt=True): what the server feeds the
+   target before it answers turn ``i`` (with the thinking switch, e.g. Qwen3's empty
+   ``<think></think>`` when thinking is off).
+2. ``head`` / ``trailer`` = render(messages[:i] + [assistant: SENTINEL]) split at the sentinel:
+   the template's text right before and right after an answer in that position
+   (``<|im_start|>assistant\\n`` ... ``<|im_end|>\\n``).
+3. ``full`` = render(messages[:i+1]).
+
+The part of the generation prompt that the turn itself also renders is ``lcp(prompt, head)``;
+everything of ``full`` after it, minus the trailer, is what the target generated: the answer,
+including a ``<think>`` block when thinking is on. The loss mask covers that text plus the first
+token of the trailer (the end-of-turn token: ``<|im_end|>``, ``<|eot_id|>``); the rest of the
+trailer (a newline) is context. The served text of the turn is ``prompt + generated + trailer``.
+
+Multi-turn: turns are appended to one row while each next prompt extends the text so far. Some
+templates re-render history differently from how it was served (Qwen3 drops ``<think>`` blocks of
+earlier turns, and its thinking-off prompt adds an empty think block that history lacks); then
+the row is split and the next turn starts a new row whose context is exactly its served prompt.
+The target is never trained on a context it would not see at serving time.
+
+Segments are tokenized one by one (``add_special_tokens=False``: the template renders BOS
+itself), so mask boundaries are exact by construction and the answer's tokens are tokenized
+alone, as the server's generated tokens would be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+SENTINEL = "\u2063DRAFTSMITH\u2063"  # invisible separator: never produced by a template
+
+
+class TemplateError(ValueError):
+    """The chat template renders a turn in a way the mask derivation cannot follow."""
+
+
+@dataclass
+class Segment:
+    text: str
+    kind: str  # "context" | "answer" (all loss) | "trailer" (first token loss: end-of-turn)
+
+
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, thinking: bool | None = None) -> str:
+    """The target's chat template as text. ``thinking=None`` leaves the template's default."""
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError("the tokenizer has no chat_template; draftsmith tokenizes with the target's own template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def _lcp(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prepare_messages(messages: list[dict], thinking: bool | None) -> list[dict]:
+    """Messages as the template should see them: thinking off drops reasoning (the server would too)."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if k in ("role", "content", "reasoning_content")}
+        if thinking is False:
+            m.pop("reasoning_content", None)
+        out.append(m)
+    return out
+
+
+def conversation_segments(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[list[Segment]]:
+    """Split a conversation into rows of segments (see the module docstring)."""
+    msgs = prepare_messages(messages, thinking)
+    rows: list[list[Segment]] = []
+    segs: list[Segment] = []
+    text = ""
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, msgs[:i], add_generation_prompt=True, thinking=thinking)
+        probe = render(tokenizer, msgs[:i] + [{"role": "assistant", "content": SENTINEL}], thinking=thinking)
+        if probe.count(SENTINEL) != 1:
+            raise TemplateError("the chat template does not render assistant content verbatim")
+        head, trailer = probe.split(SENTINEL)
+        full = render(tokenizer, msgs[:i + 1], thinking=thinking)
+        start = _lcp(prompt, head)
+        if not full.endswith(trailer) or len(full) - len(trailer) <= start:
+            raise TemplateError(f"assistant turn {i}: rendered turn does not end with the template's trailer {trailer!r}")
+        answer = full[start:len(full) - len(trailer)]
+        if not prompt.startswith(text):
+            rows.append(segs)
+            segs, text = [], ""
+        segs.append(Segment(prompt[len(text):], "context"))
+        segs.append(Segment(answer, "answer"))
+        segs.append(Segment(trailer, "trailer"))
+        text = prompt + answer + trailer
+    rows.append(segs)
+    return [r for r in rows if r]
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def tokenize_segments(tokenizer, segments: list[Segment]) -> tuple[list[int], list[int]]:
+    """Token ids and the 0/1 loss mask of one row."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg in segments:
+        tok = encode(tokenizer, seg.text)
+        ids += tok
+        if seg.kind == "answer":
+            mask += [1] * len(tok)
+        elif seg.kind == "trailer":
+            mask += [1] * min(1, len(tok)) + [0] * max(0, len(tok) - 1)
+        else:
+            mask += [0] * len(tok)
+    return ids, mask
+
+
+@dataclass
+class TokenizedRow:
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool = False
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None = None,
+                          max_length: int | None = None) -> tuple[list[TokenizedRow], int]:
+    """Rows of one conversation, truncated to ``max_length``; returns (rows, dropped).
+
+    A row that truncation leaves without loss tokens is dropped (counted), never kept: it would
+    cost a target forward and teach nothing.
+    """
+    rows, dropped = [], 0
+    for segs in conversation_segments(tokenizer, messages, thinking):
+        ids, mask = tokenize_segments(tokenizer, segs)
+        truncated = max_length is not None and len(ids) > max_length
+        if truncated:
+            ids, mask = ids[:max_length], mask[:max_length]
+        if sum(mask) == 0:
+            dropped += 1
+            continue
+        rows.append(TokenizedRow(ids, mask, truncated))
+    return rows, dropped
+
+
+def loss_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` runs of ones: one per assistant turn."""
+    spans, start = [], None
+    for i, m in enumerate(list(loss_mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the vocabulary (token -> id, added tokens included): what token ids mean.
+
+    The offline feature store and the prepared data record it, so a trainer pointed at data
+    tokenized by another tokenizer fails loudly instead of learning garbage.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]

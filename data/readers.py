@@ -1,0 +1,258 @@
+"""Chat data set readers: every supported layout becomes one conversation form.
+
+A conversation is ``{"id": str, "messages": [{"role", "content"[, "reasoning_content"]}, ...]}``
+with roles ``system`` / ``user`` / ``assistant``. ``id`` is the row's position in the source
+(``"17"``): stable across runs of the same source, which is what resumable regeneration keys on.
+The source's own id, if it has one, is kept as ``source_id``.
+
+Layouts (detected per row, or forced with ``layout=``):
+
+- ``openai``:    ``messages: [{role, content}]`` (system and multi-turn included)
+- ``sharegpt``:  ``conversations: [{from, value}]`` (``human``/``gpt``/``system``; role/content also read)
+- ``alpaca``:    ``instruction``, optional ``input``, ``output`` (Alpaca, CodeAlpaca); optional ``system``
+- ``nemotron``:  NVIDIA post-training layout: ``input`` (a list of role/content messages, or a
+  string), ``output`` (string, may hold ``<think>...</think>``), optional ``system_prompt``
+
+Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder written by
+``datasets.save_to_disk``, a folder of such files, or a Hub data set id (``org/name``, read with
+``datasets.load_dataset`` with ``split`` / ``subset`` / ``streaming``).
+
+Bad rows (malformed JSON, no assistant turn, empty content, unknown roles, unknown layout) are
+skipped and counted by reason; :class:`ReadStats` prints the summary. A source with no usable
+row raises :class:`NoUsableRows`, so a wrong column layout cannot silently train on nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+LAYOUTS = ("openai", "sharegpt", "alpaca", "nemotron")
+ROLE_ALIASES = {
+    "system": "system", "user": "user", "assistant": "assistant",
+    "human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant",
+}
+ID_COLUMNS = ("id", "uuid", "conversation_id", "idx")
+
+
+class BadRow(ValueError):
+    """A row that cannot become a conversation; the message is the reason counted in the summary."""
+
+
+class NoUsableRows(ValueError):
+    pass
+
+
+@dataclass
+class ReadStats:
+    """Rows seen, kept, and skipped by reason."""
+
+    seen: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    layouts: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n} {why}" for why, n in self.skipped.most_common()) or "none"
+        layouts = ", ".join(f"{k}={v}" for k, v in self.layouts.most_common()) or "-"
+        return f"read {self.seen} rows: kept {self.kept} (layouts {layouts}); skipped {self.skipped.total()}: {reasons}"
+
+    def as_dict(self) -> dict:
+        return {"seen": self.seen, "kept": self.kept, "skipped": dict(self.skipped), "layouts": dict(self.layouts)}
+
+
+# ----------------------------------------------------------------------------- layouts
+def detect_layout(row: dict) -> str:
+    if "messages" in row:
+        return "openai"
+    if "conversations" in row:
+        return "sharegpt"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    if "input" in row and "output" in row:
+        return "nemotron"
+    raise BadRow("unknown layout")
+
+
+def split_think(text: str) -> tuple[str | None, str]:
+    """``"<think>r</think>c"`` -> ``("r", "c")``; text without a closed think block -> ``(None, text)``."""
+    if "</think>" not in text:
+        return None, text
+    head, content = text.split("</think>", 1)
+    reasoning = head.split("<think>", 1)[-1]
+    return reasoning.strip("\n"), content.lstrip("\n")
+
+
+def _message(role: Any, content: Any, reasoning: Any = None) -> dict:
+    if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+        raise BadRow("unknown role")
+    role = ROLE_ALIASES[role.lower()]
+    if not isinstance(content, str) or not content.strip():
+        raise BadRow("empty content")
+    msg = {"role": role, "content": content}
+    if role == "assistant":
+        if reasoning is None:
+            reasoning, msg["content"] = split_think(content)
+            if not msg["content"].strip():
+                raise BadRow("empty content")
+        if isinstance(reasoning, str) and reasoning.strip():
+            msg["reasoning_content"] = reasoning
+    return msg
+
+
+def _from_list(turns: Any, role_key: str, content_key: str) -> list[dict]:
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise BadRow("malformed turns")
+    out = []
+    for t in turns:
+        rk = role_key if role_key in t else ("role" if "role" in t else "from")
+        ck = content_key if content_key in t else ("content" if "content" in t else "value")
+        out.append(_message(t.get(rk), t.get(ck), t.get("reasoning_content")))
+    return out
+
+
+def to_messages(row: dict, layout: str) -> list[dict]:
+    """One raw row -> validated messages. Raises :class:`BadRow` with the reason."""
+    if layout == "openai":
+        msgs = _from_list(row["messages"], "role", "content")
+    elif layout == "sharegpt":
+        msgs = _from_list(row["conversations"], "from", "value")
+    elif layout == "alpaca":
+        instruction, extra = row.get("instruction"), row.get("input") or ""
+        if not isinstance(instruction, str) or not isinstance(extra, str):
+            raise BadRow("malformed turns")
+        prompt = instruction + ("\n\n" + extra if extra.strip() else "")
+        msgs = ([_message("system", row["system"])] if row.get("system") else []) + \
+            [_message("user", prompt), _message("assistant", row.get("output"))]
+    elif layout == "nemotron":
+        given = row["input"]
+        prompt = _from_list(given, "role", "content") if isinstance(given, list) else [_message("user", given)]
+        system = row.get("system_prompt")
+        if system and not any(m["role"] == "system" for m in prompt):
+            prompt = [_message("system", system)] + prompt
+        msgs = prompt + [_message("assistant", row.get("output"))]
+    else:
+        raise ValueError(f"unknown layout {layout!r}: use one of {LAYOUTS}")
+    while msgs and msgs[-1]["role"] != "assistant":  # a trailing question has no answer to learn
+        msgs.pop()
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise BadRow("no assistant turn")
+    if msgs[0]["role"] == "assistant" or (msgs[0]["role"] == "system" and msgs[1]["role"] == "assistant"):
+        raise BadRow("assistant turn before any user turn")
+    return msgs
+
+
+# ----------------------------------------------------------------------------- sources
+def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        yield from (data if isinstance(data, list) else [data])
+        return
+    with path.open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                yield BadRow("malformed JSON")
+                continue
+            yield row if isinstance(row, dict) else BadRow("malformed JSON")
+
+
+def _parquet_rows(path: Path) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def _hub_rows(name: str, split: str, subset: str | None, streaming: bool, revision: str | None = None) -> Iterator[dict]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(name, subset, split=split, streaming=streaming, revision=revision)
+    except Exception as e:  # datasets raises many types; all mean "could not get it"
+        raise OSError(f"could not load data set {name!r} (subset={subset}, split={split}): "
+                      f"{type(e).__name__}: {e}") from e
+    yield from ds
+
+
+def _disk_rows(path: Path, split: str) -> Iterator[dict]:
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(path))
+    if isinstance(ds, DatasetDict):
+        if split not in ds:
+            raise KeyError(f"split {split!r} not in {path} (splits: {list(ds)})")
+        ds = ds[split]
+    yield from ds
+
+
+def iter_source_rows(source: str | Path, split: str = "train", subset: str | None = None,
+                     streaming: bool = False, revision: str | None = None) -> Iterator[dict | BadRow]:
+    """Raw rows of a source, in a stable order. Malformed JSON lines come out as :class:`BadRow`."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix in (".jsonl", ".json"):
+            yield from _jsonl_rows(path)
+        elif path.suffix == ".parquet":
+            yield from _parquet_rows(path)
+        else:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl, .json or .parquet)")
+    elif path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            yield from _disk_rows(path, split)
+            return
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
+        for f in files:
+            yield from iter_source_rows(f)
+    elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
+        yield from _hub_rows(str(source), split, subset, streaming, revision)
+    else:
+        raise FileNotFoundError(f"data source {str(source)!r} is neither a local file/folder nor a Hub id org/name")
+
+
+def iter_conversations(source: str | Path, *, split: str = "train", subset: str | None = None,
+                       streaming: bool = False, layout: str = "auto", limit: int | None = None,
+                       stats: ReadStats | None = None, revision: str | None = None) -> Iterator[dict]:
+    """Yield conversations from ``source``, skipping and counting bad rows in ``stats``."""
+    stats = stats if stats is not None else ReadStats()
+    for index, row in enumerate(iter_source_rows(source, split, subset, streaming, revision)):
+        if limit is not None and stats.kept >= limit:
+            break
+        stats.seen += 1
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            kind = detect_layout(row) if layout == "auto" else layout
+            messages = to_messages(row, kind)
+        except BadRow as why:
+            stats.skipped[str(why)] += 1
+            continue
+        except (KeyError, TypeError, AttributeError):
+            stats.skipped["malformed turns"] += 1
+            continue
+        stats.kept += 1
+        stats.layouts[kind] += 1
+        conv = {"id": str(index), "messages": messages}
+        source_id = next((row[k] for k in ID_COLUMNS if row.get(k) is not None), None)
+        if source_id is not None:
+            conv["source_id"] = str(source_id)
+        yield conv
+
+
+def load_conversations(source: str | Path, **kwargs) -> tuple[list[dict], ReadStats]:
+    """All usable conversations of ``source`` and the read summary; no usable row is an error."""
+    stats = ReadStats()
+    convs = list(iter_conversations(source, stats=stats, **kwargs))
+    if not convs:
+        raise NoUsableRows(f"{source}: no usable conversations. {stats.summary()}. Supported layouts: "
+                           "openai (messages), sharegpt (conversations), alpaca (instruction/input/output), "
+                           "nemotron (input/output)")
+    return convs, stats
