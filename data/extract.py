@@ -1,0 +1,163 @@
+"""Extract target features once, to a sharded offline store (:mod:`data.store`).
+
+    python -m data.extract --target Qwen/Qwen3-8B --data data/qwen3-8b --out feats/qwen3-8b --dtype fp8
+    python -m data.extract --target ./tiny-target --data /tmp/tiny-data --out /tmp/tiny-feats \\
+        --layers 1 3 5 --dtype bf16 --topk 32
+
+``--data`` is a folder written by ``python -m data.prepare``. Layers default to the drafter
+default (5 taps spread over the target, see ``models.config.default_layer_ids``). Rows are split
+into shards of about ``--shard-mb`` MiB (the plan is fixed in the index when the store is
+created); each shard is computed in batches of ``--batch-size`` rows with the same code as the
+online provider, written atomically and checksummed. Re-running the same command resumes: intact
+finished shards are kept, the rest are computed. A store made for another target, other layers,
+dtype or data refuses to be resumed into.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class ExtractReport:
+    shards: int = 0
+    shards_skipped: int = 0
+    shards_written: int = 0
+    rows: int = 0
+    tokens: int = 0
+    tokens_extracted: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    out: str = ""
+
+    def line(self) -> str:
+        return json.dumps({"extract": asdict(self)})
+
+
+def bytes_per_token(hidden: int, taps: int, dtype: str, topk: int = 0) -> int:
+    """Stored bytes per token (features + ids/mask/docs + top-k)."""
+    feat = taps * hidden * 2 if dtype == "bf16" else taps * hidden + taps * 2
+    return feat + 4 + 1 + 4 + 4 + topk * 6
+
+
+def shard_plan(lengths: list[int], tokens_per_shard: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges of about ``tokens_per_shard`` tokens (at least one row each)."""
+    plan, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if used and used + n > tokens_per_shard:
+            plan.append((start, i))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        plan.append((start, len(lengths)))
+    return plan
+
+
+def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None, dtype: str = "bf16",
+            topk: int = 0, batch_size: int = 8, shard_mb: float = 2048, shard_tokens: int | None = None,
+            max_shards: int | None = None, progress: bool = True) -> ExtractReport:
+    """Extract features of prepared ``data`` (folder or loaded dataset) with ``target`` into ``out``.
+
+    ``max_shards`` stops after writing that many new shards (tests use it to interrupt a run).
+    """
+    from tqdm import tqdm
+
+    from data.chat import tokenizer_fingerprint
+    from data.features import OnlineFeatures
+    from data.prepare import load_prepared
+    from data.store import DTYPES, StoreWriter, target_identity
+    from models.config import default_layer_ids
+    from models.target import TargetModel
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {DTYPES}")
+    if isinstance(target, (str, Path)):
+        target = TargetModel.from_pretrained(target)
+    meta = {}
+    if isinstance(data, (str, Path)):
+        dataset, meta = load_prepared(data, tokenizer=target.tokenizer)
+    else:
+        dataset = data
+    layer_ids = list(layer_ids) if layer_ids else default_layer_ids(target.num_layers)
+    provider = OnlineFeatures(target, layer_ids, dataset, topk=topk)
+    lengths = [int(n) for n in dataset["num_tokens"]]
+    per_token = bytes_per_token(target.hidden_size, len(layer_ids), dtype, topk)
+    plan = shard_plan(lengths, shard_tokens or max(1, int(shard_mb * 2**20 / per_token)))
+    header = {**target_identity(target), "layer_ids": layer_ids, "hidden_size": target.hidden_size,
+              "feature_dim": target.hidden_size * len(layer_ids), "dtype": dtype, "topk": topk,
+              "tokenizer_hash": tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
+              "data": str(data) if isinstance(data, (str, Path)) else "<in-memory>",
+              "data_fingerprint": getattr(dataset, "_fingerprint", None), "data_meta": meta,
+              "rows": len(lengths), "tokens": sum(lengths)}
+    writer = StoreWriter(out, header, plan)
+    report = ExtractReport(shards=len(plan), rows=len(lengths), tokens=sum(lengths), out=str(out))
+    start = time.time()
+    todo = [k for k in range(len(plan)) if not writer.done(k)]
+    report.shards_skipped = len(plan) - len(todo)
+    done_tokens = sum(sum(lengths[a:b]) for k, (a, b) in enumerate(plan) if writer.done(k))
+    with tqdm(total=sum(lengths), initial=done_tokens, desc="extract", unit="tok", unit_scale=True,
+              disable=not progress) as bar:
+        for k in todo:
+            if max_shards is not None and report.shards_written >= max_shards:
+                break
+            a, b = plan[k]
+            rows = []
+            for i in range(a, b, batch_size):
+                batch = provider.get_batch(range(i, min(i + batch_size, b)))
+                for j in range(batch.input_ids.shape[0]):
+                    rows.append(_unpad(batch, j))
+                bar.update(int(batch.lengths.sum()))
+            info = writer.write_shard(k, rows)
+            report.shards_written += 1
+            report.tokens_extracted += info["tokens"]
+            report.bytes_written += info["bytes"]
+    report.seconds = round(time.time() - start, 3)
+    return report
+
+
+def _unpad(batch, j: int):
+    from data.features import FeatureRow
+
+    n = int(batch.lengths[j])
+    sl = lambda t: None if t is None else t[j, :n].cpu()
+    return FeatureRow(sl(batch.input_ids), sl(batch.loss_mask), sl(batch.doc_ids), sl(batch.position_ids),
+                      sl(batch.features), sl(batch.topk_ids), sl(batch.topk_logprobs))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m data.extract", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target folder or Hub id (must be the one the data was prepared for)")
+    p.add_argument("--data", required=True, help="prepared data folder (python -m data.prepare --out)")
+    p.add_argument("--out", required=True, help="store folder; rerun with the same folder to resume")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="target layer ids to tap, in drafter config order (default: 5 taps, models.config.default_layer_ids)")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="stored feature type: bf16, or fp8 e4m3 + per-token-per-layer scale (half the bytes)")
+    p.add_argument("--topk", type=int, default=0, help="also store the target's top-k next-token log-probs (for KL); 0 = off")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per target forward (default 8)")
+    p.add_argument("--shard-mb", type=float, default=2048, help="approximate shard size in MiB (default 2048)")
+    p.add_argument("--device", default=None, help="torch device for the target (default: cuda if available)")
+    p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default bfloat16)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    from models.target import TargetModel
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device=device)
+    report = extract(target, a.data, a.out, layer_ids=a.layers, dtype=a.dtype, topk=a.topk, batch_size=a.batch_size,
+                     shard_mb=a.shard_mb, progress=not a.no_progress)
+    print(report.line())
+    if report.shards_written + report.shards_skipped < report.shards:
+        sys.exit("extraction stopped early; re-run the same command to resume")
+
+
+if __name__ == "__main__":
+    main()

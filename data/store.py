@@ -1,0 +1,321 @@
+"""The offline feature store: sharded safetensors + ``index.json``, checked on every read.
+
+Layout of a store folder::
+
+    index.json                  what the store is (see below) and the shards written so far
+    shard-00000.safetensors     rows [plan[0][0], plan[0][1]) of the prepared data, concatenated
+    shard-00001.safetensors     ...
+
+Each shard holds, for its rows laid end to end (``T`` tokens, ``R`` rows):
+
+- ``row_offsets`` int64 ``[R + 1]``; ``input_ids`` int32, ``loss_mask`` int8, ``doc_ids`` int32,
+  ``position_ids`` int32, all ``[T]``: the store is self-sufficient for training
+- ``features``: ``[T, taps * hidden]`` bf16, or float8 e4m3 with ``feature_scales`` bf16
+  ``[T, taps]`` (one scale per token per tapped layer: ``x ~= q * scale``, ``scale = amax / 448``)
+- optional ``topk_ids`` int32 / ``topk_logprobs`` float16 ``[T, k]``: the target's top-k
+  next-token log-probs for KL distillation (k = 32: 192 bytes per token)
+
+``index.json`` records the format version, target name, revision and fingerprint, layer ids,
+hidden size, dtype, top-k, tokenizer fingerprint, the prepared data it came from, row and token
+counts, the shard plan (row ranges, fixed when the store is created, so resume is exact) and per
+shard its rows, tokens, bytes and sha256. Shards are written to a temp file, hashed, then renamed;
+the index is rewritten (temp + rename) after each shard. On read, a shard's size and sha256 are
+checked the first time it is opened: a truncated or tampered shard is an error naming the file.
+
+fp8 halves the bytes of bf16 (``(H + 2) / 2H`` of them: 0.5002x at H = 4096); the e4m3 rounding
+error is at most 2^-4 of a value (3 mantissa bits), or 2^-10 of the scale for the smallest values.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from data.features import FeatureBatch, FeatureRow, collate
+
+FORMAT = "draftsmith-features"
+VERSION = 1
+INDEX = "index.json"
+DTYPES = ("bf16", "fp8")
+E4M3_MAX = 448.0
+
+
+class StoreError(ValueError):
+    pass
+
+
+class StoreCorrupt(StoreError):
+    """A shard is missing, truncated or its checksum does not match the index."""
+
+
+class StoreMismatch(StoreError):
+    """The store was extracted for another target, other layers or another tokenizer."""
+
+
+# ----------------------------------------------------------------------------- fp8 codec
+def quantize_fp8(x: torch.Tensor, taps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, taps * H]`` -> (e4m3 values ``[T, taps * H]``, bf16 scales ``[T, taps]``)."""
+    T = x.shape[0]
+    v = x.reshape(T, taps, -1).float()
+    amax = v.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+    # divide by the *stored* (rounded) scale; bf16 rounding can push |v/scale| a hair over 448
+    q = (v / scale.float().unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(T, -1), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    T, taps = scale.shape
+    return (q.reshape(T, taps, -1).float() * scale.float().unsqueeze(-1)).reshape(T, -1).to(dtype)
+
+
+def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on ``|x - dequantize(quantize(x))|`` in float32 (half an e4m3 ulp)."""
+    T, taps = scale.shape
+    s = scale.float().unsqueeze(-1).expand(T, taps, x.shape[-1] // taps).reshape(T, -1)
+    return torch.maximum(x.float().abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 2.0 ** -7)
+
+
+# ----------------------------------------------------------------------------- identity
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def target_identity(target) -> dict:
+    """Name, revision (Hub commit if known) and fingerprint of a target.
+
+    The fingerprint hashes config.json and the weight files' names and sizes: cheap, and equal for
+    a Hub snapshot and a local copy of it, different for another model or another quantization.
+    """
+    from models.hub import resolve_model_dir
+
+    name = target if isinstance(target, (str, Path)) else getattr(target, "name", "")
+    config = getattr(getattr(target, "model", None), "config", None)
+    revision = getattr(config, "_commit_hash", None)
+    h = hashlib.sha256()
+    folder = Path(str(name)).expanduser()
+    if isinstance(target, (str, Path)) and not folder.is_dir():
+        folder = resolve_model_dir(target, what="target")
+    if folder.is_dir() and (folder / "config.json").is_file():
+        h.update((folder / "config.json").read_bytes())
+        for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        if revision is None and folder.parent.name == "snapshots":
+            revision = folder.name
+    elif config is not None:
+        h.update(config.to_json_string(use_diff=False).encode())
+    return {"target": str(name), "target_revision": revision, "target_fingerprint": h.hexdigest()[:16]}
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_index(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / INDEX).is_file():
+        raise FileNotFoundError(f"{path} is not a feature store (no {INDEX}); create one with python -m data.extract")
+    index = json.loads((path / INDEX).read_text())
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise StoreError(f"{path}/{INDEX}: format {index.get('format')} v{index.get('version')}, "
+                         f"this reader reads {FORMAT} v{VERSION}")
+    return index
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+# ----------------------------------------------------------------------------- writer
+class StoreWriter:
+    """Creates or resumes a store; ``write_shard(k, rows)`` is atomic and recorded in the index."""
+
+    def __init__(self, path: str | Path, header: dict, plan: list[tuple[int, int]], verify_existing: bool = True):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        for tmp in self.path.glob("*.tmp"):  # leftovers of a killed write
+            tmp.unlink()
+        if (self.path / INDEX).is_file():
+            index = read_index(self.path)
+            for key, value in header.items():
+                if index.get(key) != value:
+                    raise StoreMismatch(f"{self.path} already holds a store with {key}={index.get(key)!r}, "
+                                        f"this run asks for {value!r}: use another --out, or delete it to start over")
+            if [tuple(p) for p in index["plan"]] != [tuple(p) for p in plan]:
+                raise StoreMismatch(f"{self.path}: shard plan differs from the existing store's (data or shard size "
+                                    "changed): use another --out, or delete it to start over")
+            self.index = index
+            for key, info in list(self.index["shards"].items()):  # keep only shards that are intact
+                f = self.path / info["file"]
+                ok = f.is_file() and f.stat().st_size == info["bytes"] and (not verify_existing or sha256_file(f) == info["sha256"])
+                if not ok:
+                    del self.index["shards"][key]
+        else:
+            self.index = {"format": FORMAT, "version": VERSION, **header, "plan": [list(p) for p in plan],
+                          "shards": {}, "complete": False}
+        self.flush_index()
+
+    def done(self, k: int) -> bool:
+        return shard_name(k) in self.index["shards"]
+
+    def flush_index(self) -> None:
+        shards = self.index["shards"]
+        self.index["rows_done"] = sum(s["rows"] for s in shards.values())
+        self.index["tokens_done"] = sum(s["tokens"] for s in shards.values())
+        self.index["complete"] = len(shards) == len(self.index["plan"])
+        _atomic_write_text(self.path / INDEX, json.dumps(self.index, indent=1))
+
+    def write_shard(self, k: int, rows: list[FeatureRow]) -> dict:
+        from safetensors.torch import save_file
+
+        dtype = self.index["dtype"]
+        taps = len(self.index["layer_ids"])
+        lengths = [r.input_ids.shape[0] for r in rows]
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        cat = lambda name, dt: torch.cat([getattr(r, name) for r in rows]).to(dt).contiguous()
+        tensors = {"row_offsets": offsets, "input_ids": cat("input_ids", torch.int32),
+                   "loss_mask": cat("loss_mask", torch.int8), "doc_ids": cat("doc_ids", torch.int32),
+                   "position_ids": cat("position_ids", torch.int32)}
+        feats = torch.cat([r.features for r in rows])
+        if dtype == "bf16":
+            tensors["features"] = feats.to(torch.bfloat16).contiguous()
+        else:
+            tensors["features"], tensors["feature_scales"] = quantize_fp8(feats, taps)
+        if self.index.get("topk"):
+            tensors["topk_ids"] = cat("topk_ids", torch.int32)
+            tensors["topk_logprobs"] = cat("topk_logprobs", torch.float16)
+        name = shard_name(k)
+        tmp = self.path / (name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "shard": str(k)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        info = {"file": name, "rows": len(rows), "row_start": self.index["plan"][k][0], "tokens": int(offsets[-1]),
+                "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp),
+                "feature_bytes": sum(t.numel() * t.element_size() for key, t in tensors.items()
+                                     if key in ("features", "feature_scales"))}
+        os.replace(tmp, self.path / name)
+        self.index["shards"][name] = info
+        self.flush_index()
+        return info
+
+
+# ----------------------------------------------------------------------------- reader
+class FeatureStore:
+    """Reads an offline store; the trainer's offline feature provider.
+
+    ``row(i)`` / ``get_batch(indices)`` give the same :class:`~data.features.FeatureRow` /
+    :class:`~data.features.FeatureBatch` as :class:`~data.features.OnlineFeatures`, with features
+    in ``dtype`` (fp8 dequantized). Call :meth:`check_compatible` with what the training run uses
+    before training.
+    """
+
+    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.bfloat16, verify: bool = True,
+                 pad_id: int = 0, max_open: int = 4):
+        self.path = Path(path)
+        self.index = read_index(self.path)
+        if not self.index.get("complete"):
+            raise StoreError(f"{self.path}: extraction not finished ({len(self.index['shards'])}/"
+                             f"{len(self.index['plan'])} shards); re-run the same data.extract command to resume")
+        self.dtype, self.verify, self.pad_id, self.max_open = dtype, verify, pad_id, max_open
+        self.starts = [p[0] for p in self.index["plan"]]
+        self._open: OrderedDict[int, tuple] = OrderedDict()
+        self._checked: set[int] = set()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.index["layer_ids"])
+
+    def __len__(self) -> int:
+        return int(self.index["rows"])
+
+    def check_compatible(self, *, target=None, layer_ids: Sequence[int] | None = None, tokenizer=None) -> None:
+        """Raise :class:`StoreMismatch` unless the store matches this target, these layers and tokenizer."""
+        from data.chat import tokenizer_fingerprint
+
+        problems = []
+        if layer_ids is not None and list(layer_ids) != self.layer_ids:
+            problems.append(f"layer ids: store {self.layer_ids}, training asks {list(layer_ids)}")
+        if target is not None:
+            ident = target_identity(target)
+            if ident["target_fingerprint"] != self.index["target_fingerprint"]:
+                problems.append(f"target: store was extracted from {self.index['target']!r} "
+                                f"(fingerprint {self.index['target_fingerprint']}), training uses {ident['target']!r} "
+                                f"(fingerprint {ident['target_fingerprint']})")
+        if tokenizer is not None:
+            h = tokenizer if isinstance(tokenizer, str) else tokenizer_fingerprint(tokenizer)
+            if h != self.index["tokenizer_hash"]:
+                problems.append(f"tokenizer: store {self.index['tokenizer_hash']}, training {h}")
+        if problems:
+            raise StoreMismatch(f"feature store {self.path} does not match this training run: " + "; ".join(problems)
+                                + ". Re-extract with python -m data.extract, or fix the recipe")
+
+    def _shard(self, k: int):
+        if k in self._open:
+            self._open.move_to_end(k)
+            return self._open[k]
+        from safetensors import safe_open
+
+        name = shard_name(k)
+        info = self.index["shards"].get(name)
+        f = self.path / name
+        if info is None or not f.is_file():
+            raise StoreCorrupt(f"{f}: shard missing; re-run data.extract on this store to rebuild it")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise StoreCorrupt(f"{f}: {size} bytes, index says {info['bytes']}: the shard is truncated or "
+                               "was replaced; re-run data.extract on this store to rebuild it")
+        if self.verify and k not in self._checked:
+            digest = sha256_file(f)
+            if digest != info["sha256"]:
+                raise StoreCorrupt(f"{f}: sha256 {digest[:16]}... does not match the index ({info['sha256'][:16]}...): "
+                                   "the shard was modified or corrupted; delete it and re-run data.extract to rebuild it")
+            self._checked.add(k)
+        handle = safe_open(str(f), framework="pt")
+        offsets = handle.get_tensor("row_offsets")
+        self._open[k] = (handle, offsets)
+        if len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+        return self._open[k]
+
+    def row(self, i: int) -> FeatureRow:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} outside the store's {len(self)} rows")
+        k = bisect.bisect_right(self.starts, i) - 1
+        handle, offsets = self._shard(k)
+        j = i - self.starts[k]
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        get = lambda name: handle.get_slice(name)[a:b]
+        feats = get("features")
+        if self.index["dtype"] == "fp8":
+            feats = dequantize_fp8(feats, get("feature_scales"), self.dtype)
+        else:
+            feats = feats.to(self.dtype)
+        row = FeatureRow(get("input_ids").long(), get("loss_mask"), get("doc_ids"), get("position_ids"), feats)
+        if self.index.get("topk"):
+            row.topk_ids, row.topk_logprobs = get("topk_ids"), get("topk_logprobs").float()
+        return row
+
+    def get_batch(self, indices: Sequence[int]) -> FeatureBatch:
+        return collate([self.row(int(i)) for i in indices], self.pad_id)
+
+    def verify_all(self) -> None:
+        """Check every shard's size and checksum now (the reader otherwise checks lazily)."""
+        for k in range(len(self.index["plan"])):
+            self._shard(k)
