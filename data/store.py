@@ -227,13 +227,14 @@ class FeatureStore:
     """
 
     def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.bfloat16, verify: bool = True,
-                 pad_id: int = 0, max_open: int = 4):
+                 pad_id: int = 0, max_open: int = 4, device: str | torch.device = "cpu"):
         self.path = Path(path)
         self.index = read_index(self.path)
         if not self.index.get("complete"):
             raise StoreError(f"{self.path}: extraction not finished ({len(self.index['shards'])}/"
                              f"{len(self.index['plan'])} shards); re-run the same data.extract command to resume")
         self.dtype, self.verify, self.pad_id, self.max_open = dtype, verify, pad_id, max_open
+        self.device = torch.device(device)  # features are moved (fp8: before dequantizing) to this device
         self.starts = [p[0] for p in self.index["plan"]]
         self._open: OrderedDict[int, tuple] = OrderedDict()
         self._checked: set[int] = set()
@@ -302,9 +303,9 @@ class FeatureStore:
         j = i - self.starts[k]
         a, b = int(offsets[j]), int(offsets[j + 1])
         get = lambda name: handle.get_slice(name)[a:b]
-        feats = get("features")
+        feats = get("features").to(self.device, non_blocking=True)
         if self.index["dtype"] == "fp8":
-            feats = dequantize_fp8(feats, get("feature_scales"), self.dtype)
+            feats = dequantize_fp8(feats, get("feature_scales").to(self.device), self.dtype)
         else:
             feats = feats.to(self.dtype)
         row = FeatureRow(get("input_ids").long(), get("loss_mask"), get("doc_ids"), get("position_ids"), feats)

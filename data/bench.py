@@ -1,0 +1,140 @@
+"""Benchmarks for the feature path; one JSON line per result. Never run by the tests.
+
+    python -m data.bench                                  # random-weight Qwen3-shaped target, CPU or CUDA
+    python -m data.bench --hidden 2048 --layers 24 --rows 64 --seq 1024 --device cuda
+
+Prints:
+
+- ``forward``:  plain target forward (logits) tokens/s over the benchmark batches
+- ``tapped_forward``: the target forward that returns only the tapped layers (what extraction runs)
+- ``extract``:  per dtype, extraction tokens/s (target forward + quantize + shard write + checksum)
+  and its overhead in % over the plain forward (negative is possible: the tapped forward stops
+  at the deepest tap) and over the tapped forward (the cost of the store itself)
+- ``bytes``:    per dtype, feature bytes per token and whole-store bytes per token
+- ``read``:     per dtype, store read throughput (tokens/s, MB/s) with and without checksum verification
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_target(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from models.target import TargetModel
+
+    heads = max(hidden // 128, 2)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=128 if hidden >= 256 else hidden // heads,
+                      max_position_embeddings=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    return TargetModel(model, tokenizer=None, name=f"random-qwen3-h{hidden}-l{layers}")
+
+
+def random_data(rows: int, seq: int, vocab: int):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
+                              "doc_ids": [[0] * seq] * rows, "position_ids": [list(range(seq))] * rows,
+                              "num_tokens": [seq] * rows, "num_loss_tokens": [seq - seq // 4] * rows})
+
+
+def main(argv: list[str] | None = None) -> None:
+    from data.extract import extract
+    from data.store import FeatureStore
+    from models.config import default_layer_ids
+
+    p = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512, help="target hidden size (default 512)")
+    p.add_argument("--layers", type=int, default=12, help="target layers (default 12)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    p.add_argument("--rows", type=int, default=16, help="rows of random tokens (default 16)")
+    p.add_argument("--seq", type=int, default=512, help="tokens per row (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="rows per forward (default 4)")
+    p.add_argument("--taps", type=int, default=5, help="tapped layers (default 5)")
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], help="store dtypes to measure")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--repeats", type=int, default=2, help="timed repeats; the best is reported (default 2)")
+    a = p.parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    wdtype = torch.bfloat16
+    target = random_target(a.hidden, a.layers, a.vocab, device, wdtype)
+    data = random_data(a.rows, a.seq, a.vocab)
+    layer_ids = default_layer_ids(a.layers, a.taps)
+    tokens = a.rows * a.seq
+    common = {"device": device, "hidden": a.hidden, "layers": a.layers, "taps": layer_ids, "rows": a.rows, "seq": a.seq}
+
+    batches = [torch.tensor(data[i:i + a.batch_size]["input_ids"], device=device) for i in range(0, a.rows, a.batch_size)]
+    with torch.no_grad():
+        target.model(batches[0])  # warm-up
+        best = float("inf")
+        for _ in range(a.repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            for b in batches:
+                target.model(b)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+    forward_tps = tokens / best
+    print(json.dumps({"bench": "forward", **common, "tokens_per_s": round(forward_tps, 1)}), flush=True)
+    with torch.no_grad():
+        best = float("inf")
+        for _ in range(a.repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            for b in batches:
+                target.forward(b, layer_ids, with_logits=False)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+    tapped_tps = tokens / best
+    print(json.dumps({"bench": "tapped_forward", **common, "tokens_per_s": round(tapped_tps, 1)}), flush=True)
+
+    for dtype in a.dtypes:
+        best, store_dir = float("inf"), None
+        for r in range(a.repeats):
+            tmp = tempfile.mkdtemp(prefix=f"dsbench-{dtype}-")
+            _sync(device)
+            t0 = time.perf_counter()
+            extract(target, data, tmp, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
+                    shard_tokens=max(tokens // 4, 1), progress=False)
+            _sync(device)
+            best, store_dir = min(best, time.perf_counter() - t0), tmp
+        tps = tokens / best
+        print(json.dumps({"bench": "extract", **common, "dtype": dtype, "tokens_per_s": round(tps, 1),
+                          "overhead_pct_vs_forward": round((forward_tps / tps - 1) * 100, 1),
+                          "overhead_pct_vs_tapped_forward": round((tapped_tps / tps - 1) * 100, 1)}), flush=True)
+        store = FeatureStore(store_dir)
+        shards = store.index["shards"].values()
+        feat_bytes = sum(s["feature_bytes"] for s in shards)
+        file_bytes = sum(s["bytes"] for s in shards)
+        print(json.dumps({"bench": "bytes", **common, "dtype": dtype, "feature_bytes_per_token": feat_bytes / tokens,
+                          "store_bytes_per_token": round(file_bytes / tokens, 1),
+                          "bf16_feature_bytes_per_token": len(layer_ids) * a.hidden * 2}), flush=True)
+        for verify in (True, False):
+            s = FeatureStore(store_dir, verify=verify, device=device)
+            t0 = time.perf_counter()
+            for i in range(0, len(s), a.batch_size):
+                s.get_batch(range(i, min(i + a.batch_size, len(s))))
+            dt = time.perf_counter() - t0
+            print(json.dumps({"bench": "read", **common, "dtype": dtype, "verify_checksums": verify,
+                              "tokens_per_s": round(tokens / dt, 1), "MB_per_s": round(file_bytes / dt / 2**20, 1)}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
