@@ -1,0 +1,244 @@
+"""The DFlash decoding loop in MLX (Metal on a Mac, CPU on Linux); the twin of ``torch_loop.py``.
+
+Same cycle and semantics (DESIGN.md section 2): draft a block from the bonus token, verify the
+whole block in one target pass, accept the longest prefix where draft == target token plus the
+target's own token at the first mismatch, roll the target cache back to the committed length
+(``rollback_mlx``), and carry the target's features at the committed positions into the next
+draft. Drafts are greedy; the target's tokens are sampled at the requested temperature, so
+every committed token is a sample from the target's own distribution (greedy: identical to
+target-only greedy decoding). Results are ``inference.stats.GenerationResult``, as in torch.
+
+MLX is lazy: the draft pass and the verify pass of a cycle are one graph, evaluated once when
+the acceptance count is read (the only host sync of a cycle). Long prompts are prefilled in
+chunks; ``memory_limit_gb`` sets ``mx.set_memory_limit`` for the call and the buffer cache is
+cleared every ``clear_cache_every`` cycles, so long runs do not grow without bound.
+
+The baseline (``target_generate``) is stock ``mlx_lm.generate.generate_step`` on the same ids.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Protocol
+
+import mlx.core as mx
+
+from inference.rollback_mlx import CacheRollback
+from inference.stats import GenerationResult, commit_tokens, leading_matches
+from models.drafter_mlx import DFlashDraftModel, DraftCache
+from models.target_mlx import TargetModel
+
+PREFILL_STEP = 2048
+
+
+def sample(logits: mx.array, temperature: float, key: mx.array | None = None) -> mx.array:
+    """Greedy at temperature 0, else a draw from softmax(logits / T). ``[..., V] -> [...]``."""
+    if temperature <= 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(logits.astype(mx.float32) / temperature, axis=-1, key=key)
+
+
+class Proposer(Protocol):
+    """Anything that drafts a block: the real drafter, or test stand-ins."""
+
+    layer_ids: list[int]
+    block_size: int
+
+    def reset(self) -> None: ...
+
+    def propose(self, bonus: int, new_features: mx.array, start: int, block_size: int) -> mx.array | list[int]:
+        """Draft tokens for block slots 1..B-1 (an unevaluated ``mx.array`` is best: no extra sync).
+        ``new_features`` are the target's features at positions ``start - c .. start - 1`` (not yet
+        seen); the bonus token sits at position ``start``."""
+        ...
+
+    def context_length(self) -> int: ...
+
+
+class DrafterProposer:
+    """The MLX drafter with its committed-context cache, bound to the target's embedding and LM head.
+
+    The drafter runs in the target's compute dtype (features and embeddings arrive in it).
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
+        drafter.config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                    num_layers=target.num_layers)
+        drafter.bind_target(target.embed_tokens, target.lm_head)
+        drafter.to_dtype(target.dtype)
+        self.drafter = drafter
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.block_size = drafter.config.block_size
+        self.mask_id = drafter.config.mask_token_id
+        self.cache = DraftCache(drafter.config.num_hidden_layers)
+
+    def reset(self) -> None:
+        self.cache = DraftCache(self.drafter.config.num_hidden_layers)
+
+    def propose(self, bonus: int, new_features: mx.array, start: int, block_size: int) -> mx.array:
+        c = new_features.shape[1]
+        block = mx.array([[bonus] + [self.mask_id] * (block_size - 1)])
+        positions = mx.arange(start - c, start + block_size)[None]
+        logits = self.drafter.draft(block, new_features.astype(self.drafter.dtype), positions, cache=self.cache)
+        return mx.argmax(logits[0], axis=-1)
+
+    def context_length(self) -> int:
+        return len(self.cache)
+
+
+def resolve_block_size(requested: int | None, trained: int) -> int:
+    if requested is None:
+        return trained
+    if not 2 <= requested <= trained:
+        raise ValueError(f"--block-size {requested} must be between 2 and the drafter's trained block size {trained}")
+    return requested
+
+
+@contextmanager
+def memory_limit(gb: float | None):
+    """``mx.set_memory_limit`` for the duration of a generation (None: leave MLX's default)."""
+    if gb is None:
+        yield
+        return
+    old = mx.set_memory_limit(int(gb * 2**30))
+    try:
+        yield
+    finally:
+        mx.set_memory_limit(old)
+
+
+def prefill(target: TargetModel, prompt_ids: list[int], layer_ids: list[int], cache: list,
+            step: int = PREFILL_STEP) -> tuple[mx.array | None, mx.array]:
+    """Run the prompt through the target in chunks of ``step``; return all features and the last logits."""
+    feats, logits = [], None
+    for s in range(0, len(prompt_ids), step):
+        chunk = mx.array([prompt_ids[s:s + step]])
+        last = s + step >= len(prompt_ids)
+        out = target.forward(chunk, layer_ids, cache=cache, with_logits=last, logits_slice=slice(-1, None))
+        if layer_ids:
+            feats.append(out.features)
+        if last:
+            logits = out.logits
+        else:
+            # Bound the graph (and the memory) per chunk.
+            mx.eval([c.state for c in cache] + feats)
+            mx.clear_cache()
+    features = (feats[0] if len(feats) == 1 else mx.concatenate(feats, axis=1)) if feats else None
+    return features, logits
+
+
+def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+                    temperature: float = 0.0, block_size: int | None = None, eos_token_ids: list[int] | None = None,
+                    seed: int = 0, prefill_step_size: int = PREFILL_STEP, memory_limit_gb: float | None = None,
+                    clear_cache_every: int = 64,
+                    on_cycle: Callable[[list, int], None] | None = None) -> GenerationResult:
+    """Speculative generation with a DFlash drafter on MLX; lossless with respect to the target.
+
+    ``on_cycle(cache, committed)`` is called after every cycle's rollback (tests use it to compare
+    the rolled-back caches with a fresh prefill).
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one token")
+    B = resolve_block_size(block_size, proposer.block_size)
+    eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    key = mx.random.key(seed) if temperature > 0 else None
+    rollback = CacheRollback(target)
+    cache = target.new_cache()
+    proposer.reset()
+    result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
+
+    with memory_limit(memory_limit_gb):
+        t0 = time.perf_counter()
+        new_features, logits = prefill(target, prompt_ids, proposer.layer_ids, cache, prefill_step_size)
+        key, sub = _split(key)
+        first = sample(logits[0, -1], temperature, sub).item()
+        result.prefill_s = time.perf_counter() - t0
+        committed = len(prompt_ids)  # tokens whose keys/values (and features) exist
+        stop = commit_tokens([first], result.tokens, eos, max_new_tokens)
+
+        t1 = time.perf_counter()
+        cycle = 0
+        while stop is None:
+            bonus = result.tokens[-1]
+            drafts = proposer.propose(bonus, new_features, committed, B)
+            drafts = drafts if isinstance(drafts, mx.array) else mx.array(drafts)
+            block = mx.concatenate([mx.array([bonus], dtype=drafts.dtype), drafts])[None]
+            with rollback.recording(cache):
+                verify = target.forward(block, proposer.layer_ids, cache=cache)
+            key, sub = _split(key)
+            target_tokens = sample(verify.logits[0], temperature, sub)
+            mx.eval(drafts, target_tokens)  # the one sync of the cycle
+            drafts_l, target_l = drafts.tolist(), target_tokens.tolist()
+            assert proposer.context_length() in (committed, -1), \
+                f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
+            accepted = leading_matches(drafts_l, target_l)
+            keep = accepted + 1  # the previous bonus and the accepted drafts now have keys and features
+            rollback.commit(cache, keep=keep, block_len=B)
+            committed += keep
+            rollback.check(cache, committed)
+            if on_cycle is not None:
+                on_cycle(cache, committed)
+            new_features = verify.features[:, :keep]
+            result.acceptance_lengths.append(keep)
+            for k in range(accepted):
+                result.position_accepts[k] += 1
+            stop = commit_tokens(drafts_l[:accepted] + [target_l[accepted]], result.tokens, eos, max_new_tokens)
+            cycle += 1
+            if clear_cache_every and cycle % clear_cache_every == 0:
+                mx.clear_cache()
+        mx.eval([c.state for c in cache])
+        result.decode_s = time.perf_counter() - t1
+    result.stop_reason = stop
+    return result
+
+
+def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                    eos_token_ids: list[int] | None = None, seed: int = 0, prefill_step_size: int = PREFILL_STEP,
+                    memory_limit_gb: float | None = None) -> GenerationResult:
+    """The baseline: stock ``mlx_lm`` ``generate_step`` on the same ids, same stop rules and timers."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    if temperature > 0:
+        mx.random.seed(seed)
+    result = GenerationResult(tokens=[], block_size=1)
+    stop = None
+    with memory_limit(memory_limit_gb):
+        t0 = time.perf_counter()
+        steps = generate_step(mx.array(prompt_ids), target.model, max_tokens=max_new_tokens,
+                              sampler=make_sampler(temp=temperature), prefill_step_size=prefill_step_size)
+        t1 = None
+        for tok, _ in steps:
+            if t1 is None:
+                t1 = time.perf_counter()
+                result.prefill_s = t1 - t0
+            else:
+                result.acceptance_lengths.append(1)
+            stop = commit_tokens([int(tok)], result.tokens, eos, max_new_tokens)
+            if stop is not None:
+                break
+        steps.close()
+        result.decode_s = time.perf_counter() - (t1 if t1 is not None else t0)
+    result.stop_reason = stop or "max_new_tokens"
+    return result
+
+
+def load(target: str, drafter: str, revision: str | None = None,
+         drafter_revision: str | None = None) -> tuple[TargetModel, DrafterProposer]:
+    """Target (``mlx_lm.load``) and drafter (HF or MLX export folder, or Hub ids), ready for ``dflash_generate``."""
+    t = TargetModel.from_pretrained(target, revision=revision)
+    d = DFlashDraftModel.from_pretrained(drafter, revision=drafter_revision)
+    return t, DrafterProposer(d, t)
+
+
+def _split(key: mx.array | None):
+    if key is None:
+        return None, None
+    k, sub = mx.random.split(key)
+    return k, sub

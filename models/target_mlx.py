@@ -1,0 +1,250 @@
+"""Target adapters in MLX, the twin of ``target.py``: load a target with ``mlx_lm`` and tap layer outputs.
+
+The target's forward is mlx_lm's own. To read the outputs of chosen decoder layers we swap those
+layer objects, inside the decoder's ``layers`` list, for thin proxies that call the real layer and
+keep its output (and, for cache rollback, its input), for the duration of one ``capture`` context.
+The list is restored on exit, so the model is unmodified between calls, two drafters with
+different layer ids never see each other's taps, and nested captures compose (each proxy wraps
+whatever the list held and puts it back).
+
+Architectures (same list as the torch adapter, ``models.target.SUPPORTED``): Qwen3 dense / MoE,
+Llama 3.x, Qwen3.5 / 3.6 hybrid (GatedDeltaNet + attention, dense / MoE, the text tower of the
+multimodal checkpoints). bf16 and mlx-community affine-quantized (4 / 8 bit) checkpoints both load
+through ``mlx_lm.load``; transformers 5 folders whose configs mlx_lm does not read yet (only
+``rope_parameters``, ``num_local_experts``, ``qwen3_5_text``) are adapted by config overrides.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from models.hub import resolve_model_dir
+from models.target import SUPPORTED, UnsupportedTarget, check_supported
+
+__all__ = ["TargetModel", "TargetOutput", "Capture", "check_supported", "UnsupportedTarget", "SUPPORTED"]
+
+
+@dataclass
+class TargetOutput:
+    features: mx.array | None  # [b, s, taps * hidden], tapped layer outputs in config order
+    logits: mx.array | None  # [b, s', vocab] (s' = s, or the requested positions)
+    cache: list | None = None
+
+
+@dataclass
+class Capture:
+    """What one ``capture`` context saw: outputs of the tapped layers, inputs of the recorded ones."""
+
+    outputs: dict[int, mx.array] = field(default_factory=dict)
+    inputs: dict[int, mx.array] = field(default_factory=dict)
+
+
+class _LayerTap:
+    """Stands in for one decoder layer inside a ``capture`` context; everything else is delegated."""
+
+    def __init__(self, layer, idx: int, capture: Capture, keep_output: bool, keep_input: bool):
+        self._layer, self._idx, self._capture = layer, idx, capture
+        self._keep_output, self._keep_input = keep_output, keep_input
+
+    def __call__(self, x, *args, **kwargs):
+        if self._keep_input:
+            self._capture.inputs[self._idx] = x
+        out = self._layer(x, *args, **kwargs)
+        if self._keep_output:
+            self._capture.outputs[self._idx] = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def __getattr__(self, name):  # is_linear, use_sliding, ... as the model's forward expects
+        return getattr(self._layer, name)
+
+
+class TargetModel:
+    """A loaded mlx_lm target: embedding, LM head, sizes, caches and a tapped forward."""
+
+    def __init__(self, model, tokenizer=None, config: dict | None = None, name: str = ""):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = dict(config or {})
+        self.model_type = self.config.get("model_type") or getattr(model, "model_type", "")
+        self.family = check_supported(self.model_type)
+        # Multimodal checkpoints wrap the text model in ``language_model``.
+        self.language_model = getattr(model, "language_model", None) or model
+        self.decoder = self.language_model.model
+        self.args = self.language_model.args
+        self.embed_tokens = self.decoder.embed_tokens
+        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.language_model, "lm_head"):
+            self.lm_head = self.embed_tokens.as_linear
+        else:
+            self.lm_head = self.language_model.lm_head
+        self.model.eval()
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def layers(self) -> list:
+        """The decoder's own layer list (the one the forward iterates)."""
+        return self.decoder.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.args.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(getattr(self.args, "max_position_embeddings", None) or 32768)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The compute dtype: what the embedding hands the first layer (scales' dtype when quantized)."""
+        emb = self.embed_tokens
+        return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+
+    @property
+    def layer_types(self) -> list[str]:
+        types = []
+        for layer in self.layers:
+            if getattr(layer, "is_linear", False):
+                types.append("linear_attention")
+            elif getattr(layer, "use_sliding", False):
+                types.append("sliding_attention")
+            else:
+                types.append("full_attention")
+        return types
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
+    def quantization(self) -> dict | None:
+        return self.config.get("quantization") or None
+
+    def linear_attention_layers(self) -> list[tuple[int, object]]:
+        """``(index, decoder layer)`` for every GatedDeltaNet layer."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if getattr(layer, "is_linear", False)]
+
+    def eos_token_ids(self) -> list[int]:
+        ids = None
+        if self.tokenizer is not None:
+            ids = getattr(self.tokenizer, "eos_token_ids", None)
+            if ids is None:
+                ids = getattr(self.tokenizer, "eos_token_id", None)
+        if ids is None:
+            ids = self.config.get("eos_token_id", (self.config.get("text_config") or {}).get("eos_token_id"))
+        if ids is None:
+            return []
+        return [int(ids)] if isinstance(ids, int) else sorted(int(i) for i in ids)
+
+    # ----------------------------------------------------------------- compute
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.lm_head(hidden)
+
+    def new_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    @contextmanager
+    def capture(self, layer_ids: list[int] = (), record_inputs: list[int] = ()):
+        """Tap the outputs of ``layer_ids`` and the inputs of ``record_inputs`` for the forwards inside.
+
+        The decoder's layer list is restored on exit, even when the forward raises.
+        """
+        cap = Capture()
+        outs, ins = set(layer_ids), set(record_inputs)
+        for i in outs | ins:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"layer id {i} is outside this target's {self.num_layers} layers")
+        layers = self.layers
+        originals = {i: layers[i] for i in sorted(outs | ins)}
+        try:
+            for i, layer in originals.items():
+                layers[i] = _LayerTap(layer, i, cap, keep_output=i in outs, keep_input=i in ins)
+            yield cap
+        finally:
+            for i, layer in originals.items():
+                layers[i] = layer
+
+    def forward(self, input_ids: mx.array, layer_ids: list[int] | None = None, *, cache: list | None = None,
+                with_logits: bool = True, logits_slice: slice | None = None) -> TargetOutput:
+        """Run the target (lazily); return the tapped layers' outputs (``hidden_states[l + 1]``) and logits.
+
+        Positions come from the cache offsets (mlx_lm's convention), so the caller keeps the cache
+        at the committed length.
+        """
+        layer_ids = list(layer_ids or [])
+        with self.capture(layer_ids) as cap:
+            hidden = self.decoder(input_ids, cache=cache)
+        features = mx.concatenate([cap.outputs[i] for i in layer_ids], axis=-1) if layer_ids else None
+        logits = None
+        if with_logits:
+            logits = self.lm_head(hidden if logits_slice is None else hidden[:, logits_slice])
+        return TargetOutput(features=features, logits=logits, cache=cache)
+
+    # ------------------------------------------------------------------ load
+    @classmethod
+    def from_pretrained(cls, path_or_id: str | Path, revision: str | None = None,
+                        dtype: mx.Dtype | None = None) -> "TargetModel":
+        """Load a target (local folder or Hub id; bf16 or MLX-quantized) with ``mlx_lm.load``.
+
+        ``dtype`` casts the floating weights (e.g. ``mx.float32`` for exactness tests); quantized
+        weights keep their packing and only their scales/biases are cast.
+        """
+        from mlx_lm.utils import load
+
+        directory = resolve_model_dir(path_or_id, revision=revision, what="target")
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: a target folder needs config.json")
+        config = json.loads(config_path.read_text())
+        model_type = config.get("model_type", "<missing model_type>")
+        check_supported(model_type)
+        model, tokenizer = load(str(directory), model_config=mlx_lm_overrides(config))
+        if dtype is not None:
+            _cast_floating(model, dtype)
+        return cls(model, tokenizer=tokenizer, config=config, name=str(path_or_id))
+
+
+def _cast_floating(model, dtype: mx.Dtype) -> None:
+    """Cast floating weights, honouring the model's ``cast_predicate`` (GatedDeltaNet ``A_log`` stays)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    keep = getattr(model, "cast_predicate", None) or (lambda _path: True)
+    cast = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and keep(k)]
+    if cast:
+        model.update(tree_unflatten(cast))
+        mx.eval(model.parameters())
+
+
+def mlx_lm_overrides(config: dict) -> dict:
+    """Config keys mlx_lm needs but a transformers 5 ``config.json`` spells differently (or not at all)."""
+    out: dict = {}
+    model_type = config.get("model_type")
+    # mlx_lm has no *_text modules; its qwen3_5 module reads a bare text config too.
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        out["model_type"] = model_type.removesuffix("_text")
+    rope = config.get("rope_parameters") or {}
+    if config.get("rope_theta") is None and "rope_theta" in rope and "text_config" not in config:
+        out["rope_theta"] = rope["rope_theta"]
+    if model_type == "qwen3_moe":
+        if "num_experts" not in config and "num_local_experts" in config:
+            out["num_experts"] = config["num_local_experts"]
+        out.setdefault("mlp_only_layers", config.get("mlp_only_layers") or [])
+    return out
