@@ -4,7 +4,8 @@ Not a production server: one request generates at a time (a lock), no streaming.
 enough of the API for :class:`data.regenerate.HTTPGenerator` and other clients: ``POST
 /v1/chat/completions`` (messages, max_tokens, temperature, ``chat_template_kwargs``) and
 ``GET /v1/models``. Requests are bounded: body size, ``max_tokens`` capped, socket timeout.
-``fail_first=N`` answers the first N requests with 503, to exercise client retries.
+``fail_first=N`` answers the first N requests with 503 and ``delay`` sleeps before each answer,
+to exercise client retries and interruption.
 
     python -m data.serve --target ./tiny-target --port 8000
 """
@@ -14,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MAX_BODY = 4 << 20
 
 
-def make_handler(target, model_name: str, max_tokens_cap: int, state: dict):
+def make_handler(target, model_name: str, max_tokens_cap: int, state: dict, delay: float = 0.0):
     from data.chat import encode, render
     from data.regenerate import decode_answer, generate_batch
 
@@ -65,6 +67,7 @@ def make_handler(target, model_name: str, max_tokens_cap: int, state: dict):
             tok = target.tokenizer
             prompt = encode(tok, render(tok, messages, add_generation_prompt=True, thinking=thinking))
             with lock:
+                time.sleep(delay)
                 (tokens, stopped), = generate_batch(target, [prompt], max_new, temperature)
             reasoning, content = decode_answer(tok, tokens)
             message = {"role": "assistant", "content": content}
@@ -81,10 +84,10 @@ def make_handler(target, model_name: str, max_tokens_cap: int, state: dict):
 
 
 def start_server(target, host: str = "127.0.0.1", port: int = 0, model_name: str = "target",
-                 max_tokens_cap: int = 4096, fail_first: int = 0):
+                 max_tokens_cap: int = 4096, fail_first: int = 0, delay: float = 0.0):
     """Serve ``target`` in a daemon thread; returns (server, base_url). ``server.shutdown()`` stops it."""
     state = {"requests": 0, "fail_first": fail_first}
-    server = ThreadingHTTPServer((host, port), make_handler(target, model_name, max_tokens_cap, state))
+    server = ThreadingHTTPServer((host, port), make_handler(target, model_name, max_tokens_cap, state, delay))
     server.daemon_threads = True
     server.state = state
     threading.Thread(target=server.serve_forever, daemon=True).start()

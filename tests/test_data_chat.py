@@ -1,0 +1,119 @@
+"""Loss masks from the rendered template, truncation, packing, and the prepare CLI end to end."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data.chat import loss_spans, tokenize_conversation
+from data.packing import document_bounds, pack_rows
+from models.tiny import tiny_tokenizer
+
+FIX = Path(__file__).parent / "fixtures" / "data"
+EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+
+SINGLE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+          {"role": "assistant", "content": "Blue, like the sky.", "reasoning_content": "Pick a common one."}]
+MULTI = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how can I help?",
+                                             "reasoning_content": "Greet back."},
+         {"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "2 + 3 = 5",
+                                                       "reasoning_content": "Simple sum."},
+         {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You're welcome."}]
+
+
+def expected_answers(messages, template, thinking):
+    """What the target generates per assistant turn, end-of-turn token included."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            think = ""
+            if template == "chatml" and thinking is not False and m.get("reasoning_content"):
+                think = f"<think>\n{m['reasoning_content']}\n</think>\n\n"
+            out.append(think + m["content"] + EOT[template])
+    return out
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+@pytest.mark.parametrize("thinking", [True, False, None])
+@pytest.mark.parametrize("conv", ["single", "multi"])
+def test_masked_spans_decode_to_answer_plus_end_of_turn(template, thinking, conv):
+    tok = tiny_tokenizer(template)
+    messages = SINGLE if conv == "single" else MULTI
+    rows, dropped = tokenize_conversation(tok, messages, thinking)
+    assert dropped == 0
+    spans = [tok.decode(r.input_ids[a:b]) for r in rows for a, b in loss_spans(r.loss_mask)]
+    assert spans == expected_answers(messages, template, thinking)
+    answers = [m for m in messages if m["role"] == "assistant"]
+    for k, r in enumerate(rows):  # every row is a real rendering: the row's text is what the server would have seen
+        text = tok.decode(r.input_ids)
+        assert text.startswith("<|im_start|>" if template == "chatml" else "<|begin_of_text|>")
+        if thinking is False and template == "chatml":
+            # thinking off: the served prompt holds the empty think block right before the answer
+            # (each turn is its own row: see test_row_splitting_only_where_history_is_re_rendered)
+            assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + answers[k]["content"] + "<|im_end|>\n")
+
+
+def test_row_splitting_only_where_history_is_re_rendered():
+    chatml, llama = tiny_tokenizer("chatml"), tiny_tokenizer("llama3")
+    assert len(tokenize_conversation(chatml, MULTI, True)[0]) == 1  # history renders as served: one row
+    assert len(tokenize_conversation(llama, MULTI, None)[0]) == 1
+    # thinking off: the served prompt carries an empty think block that re-rendered history lacks
+    rows = tokenize_conversation(chatml, MULTI, False)[0]
+    assert len(rows) == 3 and all(len(loss_spans(r.loss_mask)) == 1 for r in rows)
+
+
+def test_truncation_never_leaves_a_row_without_loss_tokens():
+    tok = tiny_tokenizer("chatml")
+    prompt = tok.apply_chat_template(SINGLE[:2], add_generation_prompt=True, tokenize=False)
+    prompt_len = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    rows, dropped = tokenize_conversation(tok, SINGLE, None, max_length=prompt_len)  # cut right before the answer
+    assert rows == [] and dropped == 1
+    rows, dropped = tokenize_conversation(tok, SINGLE, None, max_length=prompt_len + 5)
+    assert dropped == 0 and rows[0].truncated and sum(rows[0].loss_mask) == 5 and len(rows[0].input_ids) == prompt_len + 5
+
+
+def test_packing_keeps_document_boundaries():
+    rows = [([1] * 5, [0, 0, 1, 1, 1]), ([2] * 4, [0, 1, 1, 1]), ([3] * 7, [0] * 6 + [1]), ([4] * 3, [0, 1, 1])]
+    packed = pack_rows(rows, max_length=10)
+    assert [len(p["input_ids"]) for p in packed] == [9, 10]
+    assert packed[0]["doc_ids"] == [0] * 5 + [1] * 4
+    assert packed[0]["position_ids"] == list(range(5)) + list(range(4))
+    assert document_bounds(packed[1]["doc_ids"]) == [(0, 7), (7, 10)]
+    assert packed[1]["loss_mask"] == [0] * 6 + [1] + [0, 1, 1]
+
+
+def test_prepare_cli_end_to_end(tmp_path, capsys):
+    from datasets import load_from_disk
+
+    from data.prepare import main
+    from models.tiny import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target", "qwen3", num_layers=4)
+    out = tmp_path / "prepared"
+    main(["--target", str(target), "--source", str(FIX / "openai.jsonl"), "--out", str(out), "--thinking", "on",
+          "--max-length", "160", "--pack", "--no-progress"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ds = load_from_disk(str(out))
+    stats = json.loads((out / "stats.json").read_text())
+    assert line["prepare"]["rows"] == stats["rows"] == len(ds) < stats["documents"] == 3  # packing merged rows
+    assert stats["tokens"] == sum(ds["num_tokens"]) and stats["loss_tokens"] == sum(ds["num_loss_tokens"])
+    tok = tiny_tokenizer("chatml")
+    spans = []
+    for row in ds:
+        for a, b in document_bounds(row["doc_ids"]):
+            assert row["position_ids"][a:b] == list(range(b - a))
+            spans += [tok.decode(row["input_ids"][a:b][s:e]) for s, e in loss_spans(row["loss_mask"][a:b])]
+    assert spans == ["7<|im_end|>", "Hello!<|im_end|>", "1, 2, 3<|im_end|>", "<think>\nadd them\n</think>\n\n4<|im_end|>"]
+    meta = json.loads((out / "draftsmith_data.json").read_text())
+    assert meta["packed"] and meta["thinking"] is True and len(meta["tokenizer_hash"]) == 16
+
+
+@pytest.mark.parametrize("module", ["data.prepare", "data.regenerate", "data.extract", "data.bench", "data.serve"])
+def test_every_cli_has_help(module, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "usage: python -m " + module in text and len(text) > 400

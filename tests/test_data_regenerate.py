@@ -1,0 +1,174 @@
+"""Regeneration against a real local OpenAI-compatible server and in-process; kill + resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data.regenerate import HTTPGenerator, LocalGenerator, done_ids, read_rows, regenerate
+from data.serve import start_server
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = Path(__file__).parent / "fixtures" / "data"
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from models.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("regen") / "target", "qwen3", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    from models.target import TargetModel
+
+    return TargetModel.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    srv, url = start_server(target, max_tokens_cap=64, delay=0.05)
+    yield srv, url
+    srv.shutdown()
+
+
+def conversations(n):
+    convs = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"old answer {i}"}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "old follow-up"}]
+        convs.append({"id": str(i), "messages": msgs})
+    return convs
+
+
+def write_jsonl(path, convs):
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+
+
+def test_server_and_in_process_regenerate_the_same_turns(server, target, tmp_path):
+    _, url = server
+    convs = conversations(4)
+    http = regenerate(convs, tmp_path / "http.jsonl",
+                      HTTPGenerator(url, "tiny", max_tokens=MAX_TOKENS, thinking=False, concurrency=2), progress=False)
+    local = regenerate(convs, tmp_path / "local.jsonl",
+                       LocalGenerator(target, max_tokens=MAX_TOKENS, thinking=False, batch_size=3), progress=False)
+    assert http.done == local.done == 4 and http.failed == local.failed == 0
+    assert http.turns == local.turns == 6  # conversations 0 and 3 have two assistant turns
+    a, b = read_rows(tmp_path / "http.jsonl"), read_rows(tmp_path / "local.jsonl")
+    assert [r["id"] for r in a] == ["0", "1", "2", "3"]
+    for ra, rb, conv in zip(a, b, convs):
+        assert ra["messages"] == rb["messages"]  # greedy: the server and in-process give the same tokens
+        for new, old in zip(ra["messages"], conv["messages"]):
+            assert new["role"] == old["role"]
+            if old["role"] == "user":
+                assert new == old  # user turns are kept verbatim
+            else:
+                assert new["content"] != old["content"]  # every assistant turn was regenerated
+    # random tiny weights never say EOS within 6 tokens: every turn is counted as truncated
+    assert http.truncated == 4 and http.tokens_generated == 6 * MAX_TOKENS
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(server, tmp_path):
+    _, url = server
+    convs = conversations(10)
+    src = tmp_path / "src.jsonl"
+    write_jsonl(src, [{"messages": c["messages"]} for c in convs])
+    args = ["--source", str(src), "--server", url, "--model", "tiny", "--thinking", "off",
+            "--max-tokens", str(MAX_TOKENS), "--concurrency", "2", "--no-progress"]
+    from data.regenerate import main
+
+    main(args + ["--out", str(tmp_path / "whole.jsonl")])
+
+    out = tmp_path / "killed.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "data.regenerate", *args, "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = out.read_text().count("\n")
+    assert 3 <= written < 10, f"the run was not interrupted halfway ({written} rows written)"
+    with out.open("a") as f:
+        f.write('{"id": "9", "messages": [{"role": "us')  # a line cut short by the kill
+    main(args + ["--out", str(out)])
+    ids = [json.loads(l)["id"] for l in out.read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 10  # no duplicate, no lost row
+    assert read_rows(out) == read_rows(tmp_path / "whole.jsonl")
+
+
+def test_retries_with_backoff_and_failed_rows_are_retried_on_rerun(target, tmp_path):
+    srv, url = start_server(target, fail_first=2)
+    try:
+        convs = conversations(2)[1:]  # one single-turn conversation
+        gen = HTTPGenerator(url, "tiny", max_tokens=MAX_TOKENS, retries=0, backoff=0.01)
+        report = regenerate(convs, tmp_path / "out.jsonl", gen, progress=False)
+        assert report.failed == 1 and report.done == 0 and report.errors == {"RuntimeError": 1}
+        assert "HTTP 503" in (tmp_path / "out.jsonl.failed.jsonl").read_text()
+        gen.retries = 3
+        report = regenerate(convs, tmp_path / "out.jsonl", gen, progress=False)  # 2nd request fails, 3rd succeeds
+        assert report.failed == 0 and report.done == 1 and srv.state["requests"] == 3
+        assert not (tmp_path / "out.jsonl.failed.jsonl").exists()
+    finally:
+        srv.shutdown()
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StopsAfter:
+    """Wraps a generator and dies after ``n`` finished rows, like a killed process."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n = inner, n
+
+    def run(self, convs):
+        for k, item in enumerate(self.inner.run(convs)):
+            if k == self.n:
+                raise Interrupted
+            yield item
+
+
+def test_in_process_interrupted_run_resumes_to_the_same_rows(target, tmp_path):
+    convs = conversations(5)
+    make = lambda: LocalGenerator(target, max_tokens=MAX_TOKENS, thinking=True, batch_size=2)
+    regenerate(convs, tmp_path / "whole.jsonl", make(), progress=False)
+    out = tmp_path / "resumed.jsonl"
+    with pytest.raises(Interrupted):
+        regenerate(convs, out, StopsAfter(make(), 3), progress=False)
+    assert len(done_ids(out)) == 3
+    report = regenerate(convs, out, make(), progress=False)
+    assert report.already_done == 3 and report.done == 2
+    assert read_rows(out) == read_rows(tmp_path / "whole.jsonl")
+
+
+def test_prepare_regenerates_through_the_server(server, target_dir, tmp_path):
+    from datasets import load_from_disk
+
+    from data.chat import loss_spans
+    from data.prepare import main
+
+    _, url = server
+    out = tmp_path / "prepared"
+    main(["--target", str(target_dir), "--source", str(FIX / "sharegpt.jsonl"), "--out", str(out),
+          "--regenerate", url, "--thinking", "off", "--max-tokens", str(MAX_TOKENS), "--no-progress"])
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["regenerate"]["done"] == 2 and stats["regenerate"]["turns"] == 3
+    regenerated = read_rows(out / "regenerated.jsonl")
+    answers = [m["content"] + "<|im_end|>" for r in regenerated for m in r["messages"] if m["role"] == "assistant"]
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("chatml")
+    ds = load_from_disk(str(out))
+    spans = [tok.decode(row["input_ids"][a:b]) for row in ds for a, b in loss_spans(row["loss_mask"])]
+    assert spans == answers  # the training rows hold the target's answers, not the data set's
