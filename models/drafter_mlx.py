@@ -150,16 +150,13 @@ class DFlashDecoderLayer(nn.Module):
 def sliding_mask(q_pos: mx.array, k_pos: mx.array, num_ctx: int, window: int, block_mode: str) -> mx.array:
     """Boolean ``[b, 1, q, k]`` mask of a sliding layer at inference (all context before the block).
 
-    Context keys are visible within ``window`` positions of the query; block keys are all visible
-    (``bidirectional``) or only those at or before the query (``causal``).
+    The window applies to context keys (visible when ``q_pos - k_pos < window``). Inside the block
+    every key is visible (``bidirectional``) or only those at or before the query (``causal``).
     """
     dist = q_pos[:, :, None] - k_pos[:, None, :]
-    visible = dist < window
     is_blk = (mx.arange(k_pos.shape[-1]) >= num_ctx)[None, None]
-    if block_mode == "causal":
-        visible = visible & (~is_blk | (dist >= 0))
-    else:
-        visible = visible | is_blk
+    in_block = mx.array(True) if block_mode == "bidirectional" else dist >= 0
+    visible = mx.where(is_blk, in_block, dist < window)
     return visible[:, None]
 
 
