@@ -1,0 +1,349 @@
+"""The MLX DFlash loop: lossless against stock mlx_lm, exact acceptance, exact rollback, same as the torch loop.
+
+Tiny HF targets are written by ``models.tiny`` and converted with mlx_lm's own ``convert`` (fp32, and
+4-bit with group size 32), once per session. Everything runs on the MLX CPU device in float32, where
+the DFlash output is token-exact; no prompt or seed needed special picking.
+"""
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from conftest import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config  # noqa: E402
+from inference.mlx_loop import DrafterProposer, dflash_generate, target_generate  # noqa: E402
+from inference.rollback_mlx import CacheRollback  # noqa: E402
+from models.drafter import DFlashDraftModel as TorchDrafter  # noqa: E402
+from models.drafter_mlx import DFlashDraftModel  # noqa: E402
+from models.target_mlx import TargetModel, UnsupportedTarget  # noqa: E402
+
+ARCHS = ["qwen3", "llama", "qwen3_5"]
+PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
+NEW, B = 64, 8
+MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 30, 31, 33, 47, 50, 58)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_one_thread():
+    # Exactness is claimed in float32 on the CPU (also on a Mac); one torch thread keeps the torch
+    # reference fast when the machine is shared.
+    old_dev, old_threads = mx.default_device(), torch.get_num_threads()
+    mx.set_default_device(mx.cpu)
+    torch.set_num_threads(1)
+    yield
+    mx.set_default_device(old_dev)
+    torch.set_num_threads(old_threads)
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """HF and converted MLX folders of the tiny targets, built on first use and kept for the session.
+
+    ``qwen3_5`` is the multimodal Qwen3.5 checkpoint (the layout Qwen3.5 ships in; mlx_lm converts it
+    to its text tower); ``qwen3_5_text`` is the bare text checkpoint, loaded straight from HF format.
+    """
+    from mlx_lm.convert import convert
+
+    from models.tiny import save_tiny_target
+
+    root = tmp_path_factory.mktemp("mlx_targets")
+    made: dict[str, tuple] = {}
+    source = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_vl", "qwen3_q4": "qwen3",
+              "qwen3_5_text": "qwen3_5"}
+
+    def get(name: str):
+        if name not in made:
+            hf = root / f"hf_{source[name]}"
+            if not hf.exists():
+                save_tiny_target(hf, source[name])
+            if name == "qwen3_5_text":
+                made[name] = (hf, hf)
+            else:
+                out = root / f"mlx_{name}"
+                quant = dict(quantize=True, q_bits=4, q_group_size=32) if name.endswith("_q4") else {}
+                convert(str(hf), mlx_path=str(out), dtype="float32", **quant)
+                made[name] = (hf, out)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def runs(folders):
+    """Per target: the MLX target, its mlx_lm greedy reference (prompt + NEW + slack) and a random drafter."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            target = TargetModel.from_pretrained(folders(name)[1])
+            ref = target_generate(target, PROMPT, NEW + 2 * B, eos_token_ids=[])
+            torch.manual_seed(1)
+            cache[name] = (target, PROMPT + ref.tokens, TorchDrafter(tiny_drafter_config(target)).eval())
+        return cache[name]
+
+    return get
+
+
+def mlx_drafter(torch_drafter: TorchDrafter, tmp_path) -> DFlashDraftModel:
+    folder = tmp_path / "drafter"
+    torch_drafter.save_pretrained(folder)
+    return DFlashDraftModel.from_pretrained(folder)
+
+
+# ------------------------------------------------------------------------------- losslessness
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_drafter_is_lossless(runs, arch, tmp_path):
+    target, seq, drafter = runs(arch)
+    res = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, NEW,
+                          eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
+    assert 1.0 <= res.tau < 1.5  # a random drafter is (almost) never right
+    assert len(res.acceptance_lengths) >= NEW // 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_perfect_stand_in_accepts_whole_blocks(runs, arch):
+    target, seq, drafter = runs(arch)
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW,
+                          eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
+    assert res.acceptance_lengths == [B] * len(res.acceptance_lengths) == expected_acceptance(len(PROMPT), NEW, B, set())
+    assert res.tau == B and res.position_accepts == [len(res.acceptance_lengths)] * (B - 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
+    target, seq, drafter = runs(arch)
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
+                          PROMPT, NEW, eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, MISTAKES)
+    assert min(res.acceptance_lengths) < B < max(res.acceptance_lengths) + 1
+
+
+def test_quantized_4bit_target_is_lossless(runs, tmp_path):
+    target, seq, drafter = runs("qwen3_q4")
+    assert target.quantization["bits"] == 4 and target.quantization["group_size"] == 32
+    assert hasattr(target.embed_tokens, "scales") and target.dtype == mx.float32
+    full_seq = runs("qwen3")[1]
+    assert seq != full_seq  # the reference really is the quantized model's own output
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
+                          PROMPT, NEW, eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, MISTAKES)
+    res = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, NEW,
+                          eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
+
+
+# ---------------------------------------------------------------------------- capture and scoping
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text"])
+def test_captured_features_are_the_torch_hidden_states(folders, arch):
+    from transformers import AutoModelForCausalLM
+
+    hf, converted = folders(arch)
+    target = TargetModel.from_pretrained(converted)
+    ids = PROMPT[:12]
+    out = target.forward(mx.array([ids]), [1, 3, 6], cache=target.new_cache())
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_hidden_states=True)
+    expected = torch.cat([ref.hidden_states[i + 1] for i in (1, 3, 6)], dim=-1)  # output of decoder layer i
+    assert_close(np.array(out.features), expected, 1e-4, f"{arch} tapped layers 1, 3, 6")
+    assert_close(np.array(out.logits), ref.logits, 1e-4, f"{arch} logits")
+
+
+def test_captures_are_scoped_and_independent(runs):
+    target, _, _ = runs("qwen3")
+    originals = list(target.layers)
+    ids = mx.array([PROMPT])
+    a = target.forward(ids, [1, 3], cache=target.new_cache()).features
+    b = target.forward(ids, [2, 5], cache=target.new_cache()).features
+    with target.capture([1, 3]) as outer:
+        with target.capture([2, 5], record_inputs=[3]) as inner:
+            target.decoder(ids, cache=target.new_cache())
+        assert sorted(outer.outputs) == [1, 3] and sorted(inner.outputs) == [2, 5]
+    assert np.array_equal(np.concatenate([np.array(outer.outputs[i]) for i in (1, 3)], -1), np.array(a))
+    assert np.array_equal(np.concatenate([np.array(inner.outputs[i]) for i in (2, 5)], -1), np.array(b))
+    assert np.array_equal(np.array(inner.inputs[3]), np.array(inner.outputs[2]))  # layer 3's input = layer 2's output
+    with pytest.raises(RuntimeError, match="boom"):
+        with target.capture([4]):
+            raise RuntimeError("boom")
+    assert all(x is y for x, y in zip(target.layers, originals)) and len(target.layers) == len(originals)
+
+
+def test_model_is_unmodified_after_generation(runs, tmp_path):
+    from mlx.utils import tree_flatten
+
+    target, seq, drafter = runs("qwen3_5")
+    layers = list(target.layers)
+    params = {k: np.array(v) for k, v in tree_flatten(target.model.parameters())}
+    before = target_generate(target, PROMPT, 24, eos_token_ids=[]).tokens
+    dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, 24, eos_token_ids=[])
+    dflash_generate(target, ReferenceProposer(seq, [2, 4], B, 288, MISTAKES), PROMPT, 24, eos_token_ids=[])
+    assert target_generate(target, PROMPT, 24, eos_token_ids=[]).tokens == before == seq[len(PROMPT):len(PROMPT) + 24]
+    assert all(x is y for x, y in zip(target.layers, layers))
+    after = dict(tree_flatten(target.model.parameters()))
+    assert after.keys() == params.keys() and all(np.array_equal(np.array(after[k]), v) for k, v in params.items())
+
+
+def test_unsupported_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    with pytest.raises(UnsupportedTarget, match="not supported yet: gemma2"):
+        TargetModel.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------------------------------ the torch twin
+def biased_drafter(target_hf: TargetModel, token: int, seed: int = 1) -> TorchDrafter:
+    """A random drafter whose output leans towards ``token`` (so it is sometimes right, sometimes not).
+
+    Attention and MLP outputs are damped so the block slots stay near the mask embedding, and the
+    final norm maps that embedding onto the LM-head row of ``token``.
+    """
+    torch.manual_seed(seed)
+    drafter = TorchDrafter(tiny_drafter_config(target_hf)).eval()
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+        e = target_hf.embed_tokens.weight[drafter.config.mask_token_id]
+        drafter.norm.weight.copy_(target_hf.lm_head.weight[token] / (e / e.pow(2).mean().sqrt()))
+    return drafter
+
+
+@pytest.mark.parametrize("arch,new", [("qwen3", NEW), ("qwen3_5", 24)])
+def test_mlx_loop_equals_torch_loop(folders, runs, arch, new, tmp_path):
+    from inference import torch_loop
+    from models.target import TargetModel as TorchTarget
+
+    target, seq, _ = runs(arch)
+    torch_target = TorchTarget.from_pretrained(folders(arch)[0], dtype=torch.float32)
+    token = Counter(seq[len(PROMPT):]).most_common(1)[0][0]
+    drafter = biased_drafter(torch_target, token)
+    ours = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, new,
+                           eos_token_ids=[])
+    theirs = torch_loop.dflash_generate(torch_target, torch_loop.DrafterProposer(drafter, torch_target), PROMPT,
+                                        new, eos_token_ids=[])
+    assert ours.tokens == theirs.tokens == seq[len(PROMPT):len(PROMPT) + new]
+    assert ours.acceptance_lengths == theirs.acceptance_lengths
+    assert ours.position_accepts == theirs.position_accepts
+    assert ours.to_json().keys() == theirs.to_json().keys()
+    if arch == "qwen3":
+        assert max(ours.acceptance_lengths) > 2  # the comparison covers multi-token acceptance
+
+
+# ------------------------------------------------------------------------------------------ rollback
+def test_gated_delta_state_equals_a_fresh_prefill_after_every_cycle(runs):
+    from mlx_lm.models.cache import ArraysCache
+
+    target, seq, _ = runs("qwen3_5")
+    checked = []
+
+    def compare(cache, committed):
+        fresh = target.new_cache()
+        target.forward(mx.array([seq[:committed]]), cache=fresh, with_logits=False)
+        mx.eval([c.state for c in fresh])
+        for i, (c, ref) in enumerate(zip(cache, fresh)):
+            if isinstance(c, ArraysCache):
+                assert_close(np.array(c[0]), np.array(ref[0]), 1e-5, f"layer {i} conv state")
+                assert_close(np.array(c[1]), np.array(ref[1]), 1e-5, f"layer {i} recurrent state")
+            else:
+                assert c.offset == committed
+                k, _ = c.keys_and_values() if c.offset < c.keys.shape[2] else (c.keys, c.values)
+                assert_close(np.array(k), np.array(ref.keys[..., :committed, :]), 1e-5, f"layer {i} keys")
+        checked.append(committed)
+
+    proposer = ReferenceProposer(seq, [1, 3, 5], B, 288, MISTAKES)
+    res = dflash_generate(target, proposer, PROMPT, 40, eos_token_ids=[], on_cycle=compare)
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + 40]
+    assert len(checked) == len(res.acceptance_lengths) and min(res.acceptance_lengths) < B  # partial blocks replayed
+    assert B in res.acceptance_lengths  # and whole blocks skipped the replay
+
+
+def test_rotating_sliding_window_caches_roll_back(folders):
+    """Llama with sliding-window layers (mlx_lm ``RotatingKVCache``), the window overrun many times."""
+    from mlx_lm.models.cache import RotatingKVCache, trim_prompt_cache
+    from mlx_lm.utils import load
+
+    path = folders("llama")[1]
+    layer_types = ["sliding_attention", "full_attention"] * 4
+    model, tok = load(str(path), model_config={"layer_types": layer_types, "sliding_window": 6})
+    target = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
+    assert isinstance(target.new_cache()[0], RotatingKVCache)
+    seq = PROMPT + target_generate(target, PROMPT, 40 + 2 * B, eos_token_ids=[]).tokens
+    res = dflash_generate(target, ReferenceProposer(seq, [1, 3, 5], B, 288, MISTAKES), PROMPT, 40, eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + 40]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 40, B, MISTAKES)
+
+    # Why we trim cache by cache: once a window is full, mlx_lm's trim_prompt_cache trims nothing.
+    cache = target.new_cache()
+    target.forward(mx.array([PROMPT]), cache=cache)
+    assert trim_prompt_cache(cache, 3) == 0 and cache[1].offset == len(PROMPT)
+    rollback = CacheRollback(target)
+    with rollback.recording(cache):
+        target.forward(mx.array([seq[len(PROMPT):len(PROMPT) + B]]), cache=cache)
+    rollback.commit(cache, keep=3, block_len=B)
+    rollback.check(cache, len(PROMPT) + 3)
+
+
+# ------------------------------------------------------------------------------- stop rules & knobs
+def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
+    target, seq, drafter = runs("qwen3")
+    gen = seq[len(PROMPT):]
+    k = 11
+    eos = gen[k]
+    first = gen.index(eos)
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW,
+                          eos_token_ids=[eos])
+    assert res.tokens == gen[:first] and eos not in res.tokens and res.stop_reason == "eos"
+    base = target_generate(target, PROMPT, NEW, eos_token_ids=[eos])
+    assert base.tokens == res.tokens and base.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 13])
+def test_max_new_tokens_is_exact(runs, max_new):
+    target, seq, drafter = runs("qwen3")
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, max_new,
+                          eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + max_new] and res.stop_reason == "max_new_tokens"
+    assert len(target_generate(target, PROMPT, max_new, eos_token_ids=[]).tokens) == max_new
+
+
+def test_chunked_prefill_memory_limit_and_smaller_block(runs):
+    target, seq, drafter = runs("qwen3_5")
+    limit = mx.set_memory_limit(mx.device_info().get("memory_size", 2**34))
+    mx.set_memory_limit(limit)
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,
+                          30, block_size=4, eos_token_ids=[], prefill_step_size=7, memory_limit_gb=1.0,
+                          clear_cache_every=2)
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + 30]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 30, 4, MISTAKES)
+    assert mx.set_memory_limit(limit) == limit  # restored after the call
+
+
+def test_temperature_sampling_is_seeded_and_exact_in_length(runs, tmp_path):
+    target, _, drafter = runs("qwen3")
+    proposer = DrafterProposer(mlx_drafter(drafter, tmp_path), target)
+    a = dflash_generate(target, proposer, PROMPT, 20, temperature=0.8, seed=5, eos_token_ids=[])
+    b = dflash_generate(target, proposer, PROMPT, 20, temperature=0.8, seed=5, eos_token_ids=[])
+    c = dflash_generate(target, proposer, PROMPT, 20, temperature=0.8, seed=6, eos_token_ids=[])
+    assert a.tokens == b.tokens and len(a.tokens) == len(c.tokens) == 20 and a.tokens != c.tokens
+    assert all(0 <= t < 288 for t in a.tokens)
+
+
+def test_drafter_runs_in_the_target_compute_dtype(folders, tmp_path):
+    hf, converted = folders("qwen3")
+    target = TargetModel.from_pretrained(converted, dtype=mx.bfloat16)
+    assert target.dtype == mx.bfloat16
+    torch.manual_seed(1)
+    drafter = mlx_drafter(TorchDrafter(tiny_drafter_config(target)), tmp_path).quantize(bits=4, group_size=32)
+    assert drafter.dtype == mx.float32
+    proposer = DrafterProposer(drafter, target)
+    assert drafter.dtype == mx.bfloat16 and drafter.fc.scales.dtype == mx.bfloat16
+    res = dflash_generate(target, proposer, PROMPT, 12, eos_token_ids=[])
+    assert len(res.tokens) == 12
