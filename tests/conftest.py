@@ -12,14 +12,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 
 
-def assert_close(actual, expected, atol: float = 1e-5, what: str = "values") -> None:
-    """Fail with the max and mean absolute difference, not just 'not close'."""
+def assert_close(actual, expected, atol: float = 1e-5, what: str = "values", rtol: float = 0.0) -> None:
+    """``|a - e| <= atol + rtol |e|`` elementwise; failures print the max and mean absolute difference."""
     a = torch.as_tensor(actual, dtype=torch.float64)
     e = torch.as_tensor(expected, dtype=torch.float64)
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     diff = (a - e).abs()
-    assert diff.max().item() <= atol, (f"{what}: max abs diff {diff.max().item():.3e} (mean {diff.mean().item():.3e}) "
-                                       f"exceeds {atol:.1e}")
+    assert bool((diff <= atol + rtol * e.abs()).all()), (f"{what}: max abs diff {diff.max().item():.3e} (mean {diff.mean().item():.3e}) "
+                                       f"exceeds atol {atol:.1e} + rtol {rtol:.1e} x |expected|")
 
 
 class ReferenceProposer:
