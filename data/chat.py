@@ -164,10 +164,12 @@ def loss_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of the vocabulary (token -> id, added tokens included): what token ids mean.
+    """sha256 of the vocabulary (token -> id, added tokens included) and the chat template.
 
-    The offline feature store and the prepared data record it, so a trainer pointed at data
-    tokenized by another tokenizer fails loudly instead of learning garbage.
+    The vocabulary is what token ids mean; the template is how conversations became tokens and
+    masks. The offline feature store and the prepared data record it, so a trainer pointed at
+    data tokenized by another tokenizer or template fails loudly instead of learning garbage.
     """
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    template = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(json.dumps([vocab, template], ensure_ascii=False).encode()).hexdigest()[:16]

@@ -91,7 +91,7 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
     per_token = bytes_per_token(target.hidden_size, len(layer_ids), dtype, topk)
     plan = shard_plan(lengths, shard_tokens or max(1, int(shard_mb * 2**20 / per_token)))
     header = {**target_identity(target), "layer_ids": layer_ids, "hidden_size": target.hidden_size,
-              "feature_dim": target.hidden_size * len(layer_ids), "dtype": dtype, "topk": topk,
+              "feature_dim": target.hidden_size * len(layer_ids), "dtype": dtype, "topk": topk, "pad_id": provider.pad_id,
               "tokenizer_hash": tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
               "data": str(data) if isinstance(data, (str, Path)) else "<in-memory>",
               "data_fingerprint": getattr(dataset, "_fingerprint", None), "data_meta": meta,

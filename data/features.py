@@ -150,7 +150,12 @@ class OnlineFeatures:
 
     def batch_from_rows(self, rows: list[dict]) -> FeatureBatch:
         batch = collate(rows, self.pad_id)
-        batch.features, batch.topk_ids, batch.topk_logprobs = self.features_for(batch.input_ids, batch.doc_ids)
+        feats, ids, lps = self.features_for(batch.input_ids, batch.doc_ids)
+        pad = (batch.doc_ids < 0).to(feats.device)  # same padding values as the offline store's batches
+        batch.features = feats.masked_fill(pad[..., None], 0)
+        if ids is not None:
+            batch.topk_ids = ids.masked_fill(pad[..., None], 0)
+            batch.topk_logprobs = lps.masked_fill(pad[..., None], float("-inf"))
         return batch
 
     def get_batch(self, indices: Sequence[int]) -> FeatureBatch:

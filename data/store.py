@@ -95,8 +95,9 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
 def target_identity(target) -> dict:
     """Name, revision (Hub commit if known) and fingerprint of a target.
 
-    The fingerprint hashes config.json and the weight files' names and sizes: cheap, and equal for
-    a Hub snapshot and a local copy of it, different for another model or another quantization.
+    The fingerprint hashes config.json, the weight files' names and sizes, and the first and last
+    MiB of each weight file: cheap (a few MiB read), equal for a Hub snapshot and a local copy of
+    it, different for another model, a fine-tune with the same shapes, or another quantization.
     """
     from models.hub import resolve_model_dir
 
@@ -110,7 +111,12 @@ def target_identity(target) -> dict:
     if folder.is_dir() and (folder / "config.json").is_file():
         h.update((folder / "config.json").read_bytes())
         for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:  # head and tail bytes: a fine-tune with the same shapes differs here
+                h.update(fh.read(1 << 20))
+                fh.seek(max(size - (1 << 20), 0))
+                h.update(fh.read(1 << 20))
         if revision is None and folder.parent.name == "snapshots":
             revision = folder.name
     elif config is not None:
@@ -203,7 +209,7 @@ class StoreWriter:
             tensors["topk_logprobs"] = cat("topk_logprobs", torch.float16)
         name = shard_name(k)
         tmp = self.path / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "shard": str(k)})
+        save_file(tensors, str(tmp))  # no metadata: its key order is not stable, and equal shards should hash equal
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         info = {"file": name, "rows": len(rows), "row_start": self.index["plan"][k][0], "tokens": int(offsets[-1]),
@@ -227,13 +233,14 @@ class FeatureStore:
     """
 
     def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.bfloat16, verify: bool = True,
-                 pad_id: int = 0, max_open: int = 4, device: str | torch.device = "cpu"):
+                 pad_id: int | None = None, max_open: int = 4, device: str | torch.device = "cpu"):
         self.path = Path(path)
         self.index = read_index(self.path)
         if not self.index.get("complete"):
             raise StoreError(f"{self.path}: extraction not finished ({len(self.index['shards'])}/"
                              f"{len(self.index['plan'])} shards); re-run the same data.extract command to resume")
-        self.dtype, self.verify, self.pad_id, self.max_open = dtype, verify, pad_id, max_open
+        self.dtype, self.verify, self.max_open = dtype, verify, max_open
+        self.pad_id = pad_id if pad_id is not None else self.index.get("pad_id", 0)
         self.device = torch.device(device)  # features are moved (fp8: before dequantizing) to this device
         self.starts = [p[0] for p in self.index["plan"]]
         self._open: OrderedDict[int, tuple] = OrderedDict()

@@ -1,0 +1,200 @@
+"""Features: offline store vs online provider, fp8 bound and size, corruption, resume, mismatches."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.extract import extract
+from data.features import OnlineFeatures
+from data.prepare import load_prepared, prepare
+from data.store import FeatureStore, StoreCorrupt, StoreError, StoreMismatch, fp8_error_bound, quantize_fp8, sha256_file
+
+FIX = Path(__file__).parent / "fixtures" / "data"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models run ~50x slower with 2 intra-op threads when the machine is busy; restore after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+LAYERS = [1, 3, 5]
+BATCH = 2
+SHARD_TOKENS = 150
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+
+    root = tmp_path_factory.mktemp("features")
+    target_dir = save_tiny_target(root / "target", "qwen3", num_layers=8)
+    src = root / "chats"
+    src.mkdir()
+    for name in ("openai", "sharegpt", "alpaca", "nemotron"):
+        shutil.copy(FIX / f"{name}.jsonl", src)
+    prepare(str(target_dir), str(src), root / "plain", progress=False)
+    prepare(str(target_dir), str(src), root / "packed", max_length=160, pack=True, progress=False)
+    target = TargetModel.from_pretrained(target_dir, dtype=torch.bfloat16)
+    stores = {}
+    for data in ("plain", "packed"):
+        for dtype in ("bf16", "fp8"):
+            stores[data, dtype] = root / f"store-{data}-{dtype}"
+            extract(target, root / data, stores[data, dtype], layer_ids=LAYERS, dtype=dtype, topk=4 if dtype == "bf16" else 0,
+                    batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
+    return {"root": root, "target_dir": target_dir, "target": target, "stores": stores}
+
+
+def shard_groups(store):
+    """The row batches extraction used: BATCH rows at a time inside each shard."""
+    for a, b in store.index["plan"]:
+        for i in range(a, b, BATCH):
+            yield list(range(i, min(i + BATCH, b)))
+
+
+@pytest.mark.parametrize("data", ["plain", "packed"])
+def test_offline_bf16_is_bitwise_the_online_provider(setup, data):
+    ds, _ = load_prepared(setup["root"] / data)
+    online = OnlineFeatures(setup["target"], LAYERS, ds, topk=4)
+    store = FeatureStore(setup["stores"][data, "bf16"])
+    assert len(store) == len(ds) and len(store.index["plan"]) >= 3
+    if data == "packed":
+        assert max(max(d) for d in ds["doc_ids"]) >= 1  # some rows really hold several documents
+    for group in shard_groups(store):
+        on, off = online.get_batch(group), store.get_batch(group)
+        assert on.features.dtype == off.features.dtype == torch.bfloat16
+        assert on.features.shape[-1] == 3 * setup["target"].hidden_size
+        for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "lengths", "features", "topk_ids"):
+            assert torch.equal(getattr(on, name), getattr(off, name)), name
+        valid = on.doc_ids >= 0
+        diff = (on.topk_logprobs[valid] - off.topk_logprobs[valid]).abs().max().item()
+        assert diff <= 2 ** -10 * on.topk_logprobs[valid].abs().max().item() + 1e-6  # float16 storage
+
+
+def test_packed_documents_get_the_features_of_their_own_forward(setup):
+    ds, _ = load_prepared(setup["root"] / "packed")
+    store = FeatureStore(setup["stores"]["packed", "bf16"])
+    target = setup["target"]
+    row = next(i for i in range(len(ds)) if max(ds[i]["doc_ids"]) >= 1)
+    r = store.row(row)
+    leaky = target.forward(r.input_ids[None], LAYERS, with_logits=False).features[0].float()
+    for d in r.doc_ids.unique():
+        m = r.doc_ids == d
+        solo = target.forward(r.input_ids[m][None], LAYERS, with_logits=False).features[0].float()
+        # equal up to bf16 batch-shape rounding (the row ran padded next to the other documents) ...
+        assert (solo - r.features[m].float()).abs().max().item() < 0.1
+        if d > 0:  # ... and far from what the document would get with the previous one as context
+            assert (leaky[m] - r.features[m].float()).abs().max().item() > 1.0
+
+
+def test_fp8_within_e4m3_bound_and_half_the_bytes(setup):
+    bf = FeatureStore(setup["stores"]["plain", "bf16"], dtype=torch.float32)
+    f8 = FeatureStore(setup["stores"]["plain", "fp8"], dtype=torch.float32)
+    worst = 0.0
+    for i in range(len(bf)):
+        x, y = bf.row(i).features, f8.row(i).features
+        _, scale = quantize_fp8(x, len(LAYERS))
+        err = (x - y).abs()
+        assert bool((err <= fp8_error_bound(x, scale)).all()), f"row {i}: fp8 error above the e4m3 bound"
+        worst = max(worst, (err / x.abs().clamp_min(1e-3)).max().item())
+    assert 0 < worst <= 2 ** -4 * 1.01
+    fb = sum(s["feature_bytes"] for s in bf.index["shards"].values())
+    f8b = sum(s["feature_bytes"] for s in f8.index["shards"].values())
+    assert f8b <= 0.52 * fb, f"fp8 features take {f8b / fb:.4f}x of bf16"
+    assert f8b == bf.index["tokens"] * len(LAYERS) * (64 + 2)  # values + one bf16 scale per token per layer
+
+
+def test_fp8_codec_edge_values():
+    x = torch.tensor([[0.0] * 4 + [1e-8, -3e-3, 7.0, -448.0], [1e4, -1e4, 0.5, 0.0] + [0.0] * 4])
+    q, scale = quantize_fp8(x, taps=2)
+    from data.store import dequantize_fp8
+
+    y = dequantize_fp8(q, scale, torch.float32)
+    assert torch.isfinite(y).all() and y[0, :4].eq(0).all()  # all-zero group: scale 1, exact zeros
+    assert bool(((x - y).abs() <= fp8_error_bound(x, scale)).all())
+
+
+def test_truncated_or_tampered_shard_is_a_clear_error(setup, tmp_path):
+    store_dir = tmp_path / "store"
+    shutil.copytree(setup["stores"]["plain", "bf16"], store_dir)
+    shards = sorted(store_dir.glob("shard-*.safetensors"))
+    data = bytearray(shards[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[1].write_bytes(bytes(data))
+    with open(shards[0], "r+b") as f:
+        f.truncate(shards[0].stat().st_size - 100)
+    store = FeatureStore(store_dir)
+    with pytest.raises(StoreCorrupt, match=r"shard-00000.safetensors: \d+ bytes, index says \d+: the shard is truncated"):
+        store.row(0)
+    second = store.index["plan"][1][0]
+    with pytest.raises(StoreCorrupt, match="shard-00001.safetensors: sha256 .* does not match the index"):
+        store.row(second)
+    assert store.row(store.index["plan"][2][0]).features.shape[-1] == 192  # intact shards still read
+    # re-running the extraction rebuilds exactly the two damaged shards
+    report = extract(setup["target"], setup["root"] / "plain", store_dir, layer_ids=LAYERS, dtype="bf16", topk=4,
+                     batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
+    assert report.shards_written == 2 and report.shards_skipped == report.shards - 2
+    FeatureStore(store_dir).verify_all()
+
+
+def test_killed_extraction_resumes_without_redoing_finished_shards(setup, tmp_path):
+    out = tmp_path / "store"
+    kw = dict(layer_ids=LAYERS, dtype="fp8", batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
+    first = extract(setup["target"], setup["root"] / "plain", out, max_shards=2, **kw)
+    assert first.shards_written == 2 < first.shards
+    with pytest.raises(StoreError, match="extraction not finished"):
+        FeatureStore(out)
+    done = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in out.glob("shard-*.safetensors")}
+    assert len(done) == 2
+    (out / "shard-00002.safetensors.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
+    second = extract(setup["target"], setup["root"] / "plain", out, **kw)
+    assert second.shards_skipped == 2 and second.shards_written == second.shards - 2
+    for name, stamp in done.items():
+        p = out / name
+        assert (p.stat().st_mtime_ns, p.stat().st_ino) == stamp  # finished shards untouched
+    assert not list(out.glob("*.tmp"))
+    reference = setup["stores"]["plain", "fp8"]
+    assert {p.name: sha256_file(p) for p in out.glob("shard-*")} == \
+        {p.name: sha256_file(p) for p in reference.glob("shard-*")}
+
+
+def test_store_refuses_another_target_layers_or_tokenizer(setup, tmp_path):
+    from models.tiny import save_tiny_target, tiny_tokenizer
+
+    store = FeatureStore(setup["stores"]["plain", "bf16"])
+    store.check_compatible(target=setup["target"], layer_ids=LAYERS, tokenizer=setup["target"].tokenizer)
+    store.check_compatible(target=str(setup["target_dir"]))
+    with pytest.raises(StoreMismatch, match=r"layer ids: store \[1, 3, 5\], training asks \[1, 2, 3\]"):
+        store.check_compatible(layer_ids=[1, 2, 3])
+    with pytest.raises(StoreMismatch, match="tokenizer: store"):
+        store.check_compatible(tokenizer=tiny_tokenizer("llama3"))  # same vocabulary, other template
+    grown = tiny_tokenizer("chatml")
+    grown.add_tokens(["<tool_call>"])
+    with pytest.raises(StoreMismatch, match="tokenizer: store"):
+        store.check_compatible(tokenizer=grown)
+    other = save_tiny_target(tmp_path / "other", "qwen3", seed=1, num_layers=8)  # same shapes, other weights
+    with pytest.raises(StoreMismatch, match="target: store was extracted from"):
+        store.check_compatible(target=str(other))
+    # resuming into a store made with other settings is refused too
+    with pytest.raises(StoreMismatch, match="layer_ids"):
+        extract(setup["target"], setup["root"] / "plain", setup["stores"]["plain", "bf16"], layer_ids=[1, 2],
+                dtype="bf16", topk=4, batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
+
+
+def test_extract_cli(setup, tmp_path, capsys):
+    import json
+
+    from data.extract import main
+
+    main(["--target", str(setup["target_dir"]), "--data", str(setup["root"] / "packed"), "--out", str(tmp_path / "s"),
+          "--layers", "2", "4", "--dtype", "fp8", "--target-dtype", "float32", "--no-progress"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extract"]
+    store = FeatureStore(tmp_path / "s")
+    assert line["shards_written"] == line["shards"] == 1 and store.layer_ids == [2, 4]
+    assert store.index["tokens"] == line["tokens"] and len(store.index["tokenizer_hash"]) == 16
