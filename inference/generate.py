@@ -1,0 +1,142 @@
+"""Generate with a DFlash drafter and print the text, the acceptance length and the speed.
+
+    python -m inference.generate --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 \\
+        --prompt "Write a haiku about rivers." --chat
+    python -m inference.generate --backend mlx --target mlx-community/Qwen3-8B-4bit --draft DIR \\
+        --prompt-ids 1,2,3 --max-new-tokens 64 --json
+
+``--backend auto`` (default) picks MLX on Apple Silicon and PyTorch elsewhere. ``--json`` prints one
+JSON object (tokens, acceptance_lengths, tau, decode_tokens_per_s, ...). ``--baseline`` also runs
+the target alone on the same prompt and reports the speedup and whether the outputs match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto",
+                   help="torch (CUDA or CPU), mlx (Metal, or CPU on Linux), auto: mlx on Apple Silicon")
+    p.add_argument("--target", required=True, help="target model: local folder or Hugging Face Hub id")
+    p.add_argument("--draft", required=True, help="DFlash drafter: local folder or Hub id")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the target's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids, used as given")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the chat template")
+    p.add_argument("--thinking", choices=["on", "off"], default=None,
+                   help="with --chat: enable_thinking for templates that have it (default: the template's)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="exact number of new tokens unless EOS comes first")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless: equals the target's output)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per draft block (bonus included); at most the drafter's trained block size")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
+    p.add_argument("--baseline", action="store_true", help="also run the target alone and report the speedup")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, help="torch dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    if args.chat and args.prompt is None:
+        p.error("--chat needs --prompt (text); --prompt-ids are used as given")
+    return args
+
+
+def pick_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        try:
+            import mlx.core  # noqa: F401
+            return "mlx"
+        except ImportError:
+            pass
+    return "torch"
+
+
+def encode_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not ids:
+            raise SystemExit("--prompt-ids is empty")
+        return ids
+    if tokenizer is None:
+        raise SystemExit("the target folder has no tokenizer: pass --prompt-ids instead of --prompt")
+    if args.chat:
+        kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking == "on"}
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            tokenize=True, **kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(args.prompt, add_special_tokens=True)["input_ids"])
+
+
+def run_torch(args: argparse.Namespace):
+    import torch
+
+    from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    target = TargetModel.from_pretrained(args.target, dtype=dtype, device=device)
+    drafter = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, device=device)
+    prompt = encode_prompt(args, target.tokenizer)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    result = dflash_generate(target, DrafterProposer(drafter, target), prompt, block_size=args.block_size, **kw)
+    baseline = target_generate(target, prompt, **kw) if args.baseline else None
+    return target.tokenizer, result, baseline
+
+
+def run_mlx(args: argparse.Namespace):
+    try:
+        from inference.mlx_loop import dflash_generate, load, target_generate
+    except ImportError as e:
+        raise SystemExit(f"--backend mlx needs MLX: pip install -e '.[mlx]' ({e})") from None
+    target, proposer = load(args.target, args.draft)
+    prompt = encode_prompt(args, target.tokenizer)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    result = dflash_generate(target, proposer, prompt, block_size=args.block_size, **kw)
+    baseline = target_generate(target, prompt, **kw) if args.baseline else None
+    return target.tokenizer, result, baseline
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    backend = pick_backend(args.backend)
+    tokenizer, result, baseline = (run_mlx if backend == "mlx" else run_torch)(args)
+    report = {"backend": backend, **result.to_json()}
+    if baseline is not None:
+        report["baseline_decode_tokens_per_s"] = baseline.decode_tokens_per_s
+        report["speedup"] = (result.decode_tokens_per_s / baseline.decode_tokens_per_s
+                             if baseline.decode_tokens_per_s else None)
+        n = min(len(result.tokens), len(baseline.tokens))
+        first_diff = next((i for i in range(n) if result.tokens[i] != baseline.tokens[i]),
+                          None if len(result.tokens) == len(baseline.tokens) else n)
+        report["matches_baseline"] = first_diff is None
+        report["first_divergence"] = first_diff
+    if args.json:
+        print(json.dumps(report))
+    else:
+        text = tokenizer.decode(result.tokens) if tokenizer is not None else " ".join(map(str, result.tokens))
+        print(text)
+        print(f"\n[{backend}] {len(result.tokens)} tokens | tau {result.tau:.2f} | "
+              f"decode {result.decode_tokens_per_s:.1f} tok/s | acceptance histogram {result.histogram()}",
+              file=sys.stderr)
+        if baseline is not None:
+            print(f"baseline {report['baseline_decode_tokens_per_s']:.1f} tok/s | speedup {report['speedup'] or 0:.2f}x"
+                  f" | matches baseline: {report['matches_baseline']}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()
