@@ -74,7 +74,8 @@ class TargetModel:
         self.model_type = self.config.get("model_type") or getattr(model, "model_type", "")
         self.family = check_supported(self.model_type)
         # Multimodal checkpoints wrap the text model in ``language_model``.
-        self.language_model = getattr(model, "language_model", None) or model
+        inner = getattr(model, "language_model", None)
+        self.language_model = model if inner is None else inner
         self.decoder = self.language_model.model
         self.args = self.language_model.args
         self.embed_tokens = self.decoder.embed_tokens

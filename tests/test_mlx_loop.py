@@ -45,7 +45,8 @@ def folders(tmp_path_factory):
     """HF and converted MLX folders of the tiny targets, built on first use and kept for the session.
 
     ``qwen3_5`` is the multimodal Qwen3.5 checkpoint (the layout Qwen3.5 ships in; mlx_lm converts it
-    to its text tower); ``qwen3_5_text`` is the bare text checkpoint, loaded straight from HF format.
+    to its text tower). ``qwen3_5_text`` (bare text checkpoint) and ``qwen3_moe`` are loaded straight
+    from HF format: their transformers 5 configs need the overrides ``TargetModel`` applies.
     """
     from mlx_lm.convert import convert
 
@@ -54,14 +55,14 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlx_targets")
     made: dict[str, tuple] = {}
     source = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_vl", "qwen3_q4": "qwen3",
-              "qwen3_5_text": "qwen3_5"}
+              "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe"}
 
     def get(name: str):
         if name not in made:
             hf = root / f"hf_{source[name]}"
             if not hf.exists():
                 save_tiny_target(hf, source[name])
-            if name == "qwen3_5_text":
+            if name in ("qwen3_5_text", "qwen3_moe"):  # mlx_lm.convert cannot read these transformers 5 configs
                 made[name] = (hf, hf)
             else:
                 out = root / f"mlx_{name}"
@@ -142,7 +143,7 @@ def test_quantized_4bit_target_is_lossless(runs, tmp_path):
 
 
 # ---------------------------------------------------------------------------- capture and scoping
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe"])
 def test_captured_features_are_the_torch_hidden_states(folders, arch):
     from transformers import AutoModelForCausalLM
 
@@ -347,3 +348,14 @@ def test_drafter_runs_in_the_target_compute_dtype(folders, tmp_path):
     assert drafter.dtype == mx.bfloat16 and drafter.fc.scales.dtype == mx.bfloat16
     res = dflash_generate(target, proposer, PROMPT, 12, eos_token_ids=[])
     assert len(res.tokens) == 12
+
+
+def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
+    from inference.mlx_loop import load
+
+    _, seq, drafter = runs("qwen3")
+    drafter.save_pretrained(tmp_path / "drafter")
+    target, proposer = load(str(folders("qwen3")[1]), str(tmp_path / "drafter"))
+    res = dflash_generate(target, proposer, PROMPT, 16, eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + 16]
+    assert json.loads(json.dumps(res.to_json()))["num_tokens"] == 16
