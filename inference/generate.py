@@ -79,41 +79,39 @@ def encode_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
     return list(tokenizer(args.prompt, add_special_tokens=True)["input_ids"])
 
 
-def run_torch(args: argparse.Namespace):
-    import torch
+class Session:
+    """A loaded target + drafter on one backend; ``run`` generates (and optionally the baseline)."""
 
-    from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
-    from models.drafter import DFlashDraftModel
-    from models.target import TargetModel
+    def __init__(self, backend: str, target: str, draft: str, device: str | None = None, dtype: str | None = None):
+        self.backend = backend
+        if backend == "mlx":
+            try:
+                from inference import mlx_loop as loop
+            except ImportError as e:
+                raise SystemExit(f"--backend mlx needs MLX: pip install -e '.[mlx]' ({e})") from None
+            self.target, self.proposer = loop.load(target, draft)
+        else:
+            import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    target = TargetModel.from_pretrained(args.target, dtype=dtype, device=device)
-    drafter = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, device=device)
-    prompt = encode_prompt(args, target.tokenizer)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    result = dflash_generate(target, DrafterProposer(drafter, target), prompt, block_size=args.block_size, **kw)
-    baseline = target_generate(target, prompt, **kw) if args.baseline else None
-    return target.tokenizer, result, baseline
+            from inference import torch_loop as loop
+            from models.drafter import DFlashDraftModel
+            from models.target import TargetModel
+
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            tdtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            self.target = TargetModel.from_pretrained(target, dtype=tdtype, device=device)
+            drafter = DFlashDraftModel.from_pretrained(draft, dtype=tdtype, device=device)
+            self.proposer = loop.DrafterProposer(drafter, self.target)
+        self.loop = loop
+        self.tokenizer = self.target.tokenizer
+
+    def run(self, prompt: list[int], baseline: bool = False, block_size: int | None = None, **kw):
+        result = self.loop.dflash_generate(self.target, self.proposer, prompt, block_size=block_size, **kw)
+        base = self.loop.target_generate(self.target, prompt, **kw) if baseline else None
+        return result, base
 
 
-def run_mlx(args: argparse.Namespace):
-    try:
-        from inference.mlx_loop import dflash_generate, load, target_generate
-    except ImportError as e:
-        raise SystemExit(f"--backend mlx needs MLX: pip install -e '.[mlx]' ({e})") from None
-    target, proposer = load(args.target, args.draft)
-    prompt = encode_prompt(args, target.tokenizer)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    result = dflash_generate(target, proposer, prompt, block_size=args.block_size, **kw)
-    baseline = target_generate(target, prompt, **kw) if args.baseline else None
-    return target.tokenizer, result, baseline
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    backend = pick_backend(args.backend)
-    tokenizer, result, baseline = (run_mlx if backend == "mlx" else run_torch)(args)
+def report_of(backend: str, result, baseline) -> dict:
     report = {"backend": backend, **result.to_json()}
     if baseline is not None:
         report["baseline_decode_tokens_per_s"] = baseline.decode_tokens_per_s
@@ -124,6 +122,17 @@ def main(argv: list[str] | None = None) -> dict:
                           None if len(result.tokens) == len(baseline.tokens) else n)
         report["matches_baseline"] = first_diff is None
         report["first_divergence"] = first_diff
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    backend = pick_backend(args.backend)
+    session = Session(backend, args.target, args.draft, args.device, args.dtype)
+    tokenizer = session.tokenizer
+    result, baseline = session.run(encode_prompt(args, tokenizer), baseline=args.baseline, block_size=args.block_size,
+                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    report = report_of(backend, result, baseline)
     if args.json:
         print(json.dumps(report))
     else:
