@@ -229,10 +229,19 @@ def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: 
     return result
 
 
-def load(target: str, drafter: str, revision: str | None = None,
-         drafter_revision: str | None = None) -> tuple[TargetModel, DrafterProposer]:
-    """Target (``mlx_lm.load``) and drafter (HF or MLX export folder, or Hub ids), ready for ``dflash_generate``."""
-    t = TargetModel.from_pretrained(target, revision=revision)
+def load(target: str, drafter: str, revision: str | None = None, drafter_revision: str | None = None,
+         dtype: str | mx.Dtype | None = None) -> tuple[TargetModel, DrafterProposer]:
+    """Target (``mlx_lm.load``) and drafter (HF or MLX export folder, or Hub ids), ready for ``dflash_generate``.
+
+    ``dtype`` ("float32", "bfloat16", "float16" or an ``mx.Dtype``) casts the target's floating weights
+    (None: as stored); the drafter always runs in the target's compute dtype.
+    """
+    if isinstance(dtype, str):
+        names = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+        if dtype not in names:
+            raise ValueError(f"--dtype {dtype!r} is not an MLX compute dtype: use one of {sorted(names)}")
+        dtype = names[dtype]
+    t = TargetModel.from_pretrained(target, revision=revision, dtype=dtype)
     d = DFlashDraftModel.from_pretrained(drafter, revision=drafter_revision)
     return t, DrafterProposer(d, t)
 

@@ -68,7 +68,10 @@ class TargetModel:
 
     def __init__(self, model, tokenizer=None, config: dict | None = None, name: str = ""):
         self.model = model
-        self.tokenizer = tokenizer
+        # The HF tokenizer, as in the torch adapter (mlx_lm's TokenizerWrapper is not callable); the
+        # wrapper is kept for its eos set (tokenizer + generation_config) and streaming detokenizer.
+        self.tokenizer_wrapper = tokenizer if hasattr(tokenizer, "_tokenizer") else None
+        self.tokenizer = tokenizer._tokenizer if self.tokenizer_wrapper is not None else tokenizer
         self.name = name
         self.config = dict(config or {})
         self.model_type = self.config.get("model_type") or getattr(model, "model_type", "")
@@ -139,10 +142,10 @@ class TargetModel:
 
     def eos_token_ids(self) -> list[int]:
         ids = None
-        if self.tokenizer is not None:
-            ids = getattr(self.tokenizer, "eos_token_ids", None)
-            if ids is None:
-                ids = getattr(self.tokenizer, "eos_token_id", None)
+        if self.tokenizer_wrapper is not None:
+            ids = getattr(self.tokenizer_wrapper, "eos_token_ids", None)
+        if ids is None and self.tokenizer is not None:
+            ids = getattr(self.tokenizer, "eos_token_id", None)
         if ids is None:
             ids = self.config.get("eos_token_id", (self.config.get("text_config") or {}).get("eos_token_id"))
         if ids is None:

@@ -359,3 +359,7 @@ def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
     res = dflash_generate(target, proposer, PROMPT, 16, eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + 16]
     assert json.loads(json.dumps(res.to_json()))["num_tokens"] == 16
+    assert target.tokenizer("ab")["input_ids"] == [64, 65]  # the HF tokenizer, callable like the torch one
+    assert target.eos_token_ids() == [258]
+    target, proposer = load(str(folders("qwen3")[1]), str(tmp_path / "drafter"), dtype="bfloat16")
+    assert target.dtype == proposer.drafter.dtype == mx.bfloat16
