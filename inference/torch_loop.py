@@ -10,6 +10,7 @@ target's own distribution (greedy: identical to target-only greedy decoding).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Protocol
 
@@ -19,6 +20,8 @@ from inference.rollback_torch import CacheRollback
 from inference.stats import GenerationResult, commit_tokens, leading_matches
 from models.drafter import DFlashDraftModel, DraftCache
 from models.target import TargetModel
+
+log = logging.getLogger(__name__)
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -38,8 +41,8 @@ class Proposer(Protocol):
 
     def reset(self) -> None: ...
 
-    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> list[int]:
-        """Draft tokens for block slots 1..B-1. ``new_features`` are the target's features at positions
+    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> torch.Tensor | list[int]:
+        """Draft tokens for block slots 1..B-1 (a ``[B-1]`` tensor on the target's device, or a list). ``new_features`` are the target's features at positions
         ``start - c .. start - 1`` (not yet seen); the bonus token sits at position ``start``."""
         ...
 
@@ -52,6 +55,7 @@ class DrafterProposer:
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
         drafter.config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                                     num_layers=target.num_layers)
+        warn_if_mask_is_emitted(drafter.config.mask_token_id, target.tokenizer)
         drafter.bind_target(target.embed_tokens, target.lm_head)
         self.drafter = drafter
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -63,17 +67,26 @@ class DrafterProposer:
         self.cache = DraftCache(self.drafter.config.num_hidden_layers)
 
     @torch.no_grad()
-    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> list[int]:
+    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
         device = new_features.device
         c = new_features.shape[1]
         block = torch.tensor([[bonus] + [self.mask_id] * (block_size - 1)], device=device)
         positions = torch.arange(start - c, start + block_size, device=device)[None]
         feats = new_features.to(self.drafter.fc.weight.dtype)
         logits = self.drafter.draft(block, feats, positions, cache=self.cache)
-        return logits[0].argmax(-1).tolist()
+        return logits[0].argmax(-1)  # stays on the device: the loop syncs once per cycle
 
     def context_length(self) -> int:
         return len(self.cache)
+
+
+def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
+    """A published drafter may use a reserved token as its mask; warn rather than refuse to run it."""
+    from models.config import tokenizer_emitted_ids
+
+    if tokenizer is not None and mask_id in tokenizer_emitted_ids(tokenizer):
+        log.warning("the drafter's mask_token_id %d is a token the target's tokenizer can emit "
+                    "(%r); drafts stay lossless but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id))
 
 
 def resolve_block_size(requested: int | None, trained: int) -> int:
@@ -116,14 +129,15 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
     t1 = time.perf_counter()
     while stop is None:
         bonus = result.tokens[-1]
-        drafts = proposer.propose(bonus, new_features, committed, B)
-        assert proposer.context_length() in (committed, -1), \
-            f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
-        block = torch.tensor([[bonus] + drafts], device=device)
+        drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+        block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
         positions = torch.arange(committed, committed + B, device=device)[None]
         with rollback.recording(cache):
             verify = target.forward(block, proposer.layer_ids, cache=cache, position_ids=positions)
-        target_tokens = sample(verify.logits[0], temperature, gen).tolist()
+        both = torch.cat([drafts, sample(verify.logits[0], temperature, gen)]).tolist()  # the one sync per cycle
+        drafts, target_tokens = both[:B - 1], both[B - 1:]
+        assert proposer.context_length() in (committed, -1), \
+            f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
         accepted = leading_matches(drafts, target_tokens)
         keep = accepted + 1  # the previous bonus and the accepted drafts now have keys and features
         rollback.commit(cache, keep=keep, block_len=B)
