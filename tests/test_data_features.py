@@ -14,15 +14,6 @@ from data.store import FeatureStore, StoreCorrupt, StoreError, StoreMismatch, fp
 FIX = Path(__file__).parent / "fixtures" / "data"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run ~50x slower with 2 intra-op threads when the machine is busy; restore after."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 LAYERS = [1, 3, 5]
 BATCH = 2
 SHARD_TOKENS = 150
