@@ -72,6 +72,22 @@ def tokenizer_emitted_ids(tokenizer) -> set[int]:
     return ids
 
 
+def _sliding_block_mode(d: dict[str, Any], nested: dict[str, Any], layer_types: list[str]) -> str:
+    """Our explicit field if present; else z-lab's convention (sliding layers causal unless is_causal=false)."""
+    if "sliding_block_attention" in nested:
+        return nested["sliding_block_attention"]
+    if "sliding_attention" not in layer_types:
+        return "bidirectional"
+    is_causal = d.get("is_causal")
+    if is_causal is None:
+        return "causal"
+    if is_causal:
+        raise ConfigError("is_causal", is_causal, "makes every layer causal inside the block, full-attention "
+                          "layers included, which draftsmith does not implement",
+                          "set dflash_config.sliding_block_attention to 'causal' (sliding layers only) instead")
+    return "bidirectional"
+
+
 @dataclass
 class DFlashConfig:
     """Resolved drafter config. Field names are the flat ``config.json`` names."""
@@ -224,6 +240,9 @@ class DFlashConfig:
                 "sliding_block_attention": self.sliding_block_attention,
             },
         }
+        if self.use_sliding_window and self.sliding_block_attention == "bidirectional":
+            # z-lab's modeling code makes sliding layers causal unless told otherwise.
+            d["is_causal"] = False
         return d
 
     def save(self, directory: str | Path) -> Path:
@@ -291,7 +310,7 @@ class DFlashConfig:
             rope_theta=float(rope_theta),
             layer_types=list(layer_types),
             sliding_window=sliding,
-            sliding_block_attention=nested.get("sliding_block_attention", "bidirectional"),
+            sliding_block_attention=_sliding_block_mode(d, nested, layer_types),
             torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
         )
 

@@ -9,7 +9,7 @@ from models.config import ConfigError, DFlashConfig, choose_mask_token, default_
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-WRITTEN_KEYS = {
+WRITTEN_KEYS = {  # plus is_causal=false for bidirectional sliding layers
     "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "attention_bias",
     "attention_dropout", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "layer_types",
@@ -119,3 +119,15 @@ def test_mask_token_choice():
     assert choose_mask_token(10, [0, 1, 3]) == 2  # a gap inside the vocabulary counts too
     with pytest.raises(ConfigError, match="no spare row"):
         choose_mask_token(len(tok), tokenizer_emitted_ids(tok))
+
+
+def test_sliding_semantics_follow_the_explicit_field_then_the_zlab_convention():
+    d = load("config_flat.json")
+    d.update(layer_types=["sliding_attention", "full_attention"] * 2 + ["full_attention"], sliding_window=64,
+             use_sliding_window=True)
+    assert DFlashConfig.from_dict(d).sliding_block_attention == "causal"  # z-lab: sliding layers are causal
+    written = DFlashConfig.from_dict({**d, "is_causal": False}).to_dict()
+    assert written["is_causal"] is False and written["dflash_config"]["sliding_block_attention"] == "bidirectional"
+    assert "is_causal" not in DFlashConfig.from_dict(d).to_dict()
+    with pytest.raises(ConfigError, match="full-attention layers included"):
+        DFlashConfig.from_dict({**d, "is_causal": True})
