@@ -1,0 +1,103 @@
+"""Eval during training: simulated acceptance on held-out rows, and (optionally) true acceptance.
+
+*Simulated tau*: the training objective's forward on held-out rows with a fixed anchor draw; per
+block, ``1 + leading slots whose argmax equals the label``. With labels that are the target's own
+greedy tokens (regenerated data) this is exactly the acceptance length the block would get in the
+real loop at that position. Reported as the mean, per-slot accuracy, and per-slot acceptance.
+
+*True tau*: a real DFlash generation with the torch loop (``inference.torch_loop.dflash_generate``)
+on a few held-out prompts. Layering note: DESIGN.md lets ``train/`` import only ``models/`` and
+``data/``; this is the one deliberate exception, isolated in :func:`true_tau` and imported
+lazily there, because the point of the measurement is to run *the* inference loop, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
+
+
+def stream_seed(*parts) -> int:
+    """A 63-bit seed from any parts (seed, epoch, step, rank...): independent streams, no shared state."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+@torch.no_grad()
+def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: int, num_anchors: int, gamma: float,
+                 seed: int, max_batches: int, use_flex: bool, ce_chunk: int, autocast=None) -> dict:
+    """Held-out simulated tau, loss, per-slot accuracy/acceptance. Same anchors every call (fixed seed)."""
+    import contextlib
+
+    cfg = drafter.config
+    was_training = drafter.training
+    drafter.eval()
+    totals: dict[str, torch.Tensor] = {}
+    loss_sum, n_batches = 0.0, 0
+    for bi, start in enumerate(range(0, len(indices), batch_size)):
+        if bi >= max_batches:
+            break
+        batch = provider.get_batch(indices[start:start + batch_size])
+        dev = target.device
+        ids, lm, doc, pos = (batch.input_ids.to(dev), batch.loss_mask.to(dev), batch.doc_ids.to(dev).long(),
+                             batch.position_ids.to(dev))
+        gen = torch.Generator().manual_seed(stream_seed(seed, "eval", bi))
+        blocks = draw_blocks(ids, lm, doc, pos, num_anchors, cfg.block_size, cfg.mask_token_id, gen)
+        mask = attention_masks(cfg, blocks, doc, pos, use_flex)
+        with (autocast() if autocast else contextlib.nullcontext()):
+            hidden = drafter_forward(drafter, target.embed_tokens, blocks, batch.features.to(dev), pos, mask)
+            out = block_loss(hidden, blocks, target.lm_head.weight, gamma, chunk=ce_chunk)
+        loss_sum += float(out.loss)
+        n_batches += 1
+        for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
+            totals[k] = totals[k] + v.cpu() if k in totals else v.cpu()
+    drafter.train(was_training)
+    if not n_batches:
+        return {}
+    blocks_n = max(float(totals["blocks"]), 1.0)
+    return {
+        "eval_loss": loss_sum / n_batches,
+        "eval_tau_sim": float(totals["tau_sum"]) / blocks_n,
+        "eval_pos_acc": [round(float(c / max(n, 1)), 4) for c, n in zip(totals["pos_correct"], totals["pos_count"])],
+        "eval_pos_accept": [round(float(a) / blocks_n, 4) for a in totals["pos_accept"]],
+        "eval_blocks": int(totals["blocks"]),
+    }
+
+
+def held_out_prompts(rows, limit: int) -> list[list[int]]:
+    """Served prompts of held-out rows: the tokens before the first assistant answer (loss span)."""
+    prompts = []
+    for r in rows:
+        if len(prompts) >= limit:
+            break
+        mask = list(r["loss_mask"])
+        doc = list(r["doc_ids"])
+        if 1 not in mask:
+            continue
+        first = mask.index(1)
+        start = doc.index(doc[first])  # packed rows: the prompt starts at its document's first token
+        if first > start:
+            prompts.append([int(t) for t in list(r["input_ids"])[start:first]])
+    return prompts
+
+
+@torch.no_grad()
+def true_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Real DFlash generation (greedy) with the torch inference loop; tau pooled over all cycles."""
+    from inference.torch_loop import DrafterProposer, dflash_generate  # the documented layering exception
+
+    was_training = drafter.training
+    drafter.eval()
+    proposer = DrafterProposer(drafter, target)
+    lengths: list[int] = []
+    for p in prompts:
+        result = dflash_generate(target, proposer, p, max_new_tokens=max_new_tokens)
+        lengths += result.acceptance_lengths
+    drafter.train(was_training)
+    hist: dict[str, int] = {}
+    for n in lengths:
+        hist[str(n)] = hist.get(str(n), 0) + 1
+    return {"eval_tau_true": sum(lengths) / len(lengths) if lengths else 0.0, "eval_true_cycles": len(lengths),
+            "eval_true_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0])))}

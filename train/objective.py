@@ -1,0 +1,321 @@
+"""The DFlash block-diffusion objective (DESIGN.md section 2), as tensor ops only.
+
+One training row is a clean prompt+response of length ``s`` with the target's features at every
+position. From it we draw up to ``N`` anchors (default 512, re-drawn every epoch) among the
+positions where the token *and the next one* are inside the loss mask and in the same document
+(packed rows carry per-token document ids). Each anchor ``a`` gives one block
+``[token[a], MASK x (B-1)]`` at positions ``a .. a+B-1``; all ``N`` blocks of a row go through the
+drafter in *one* forward as ``N*B`` query tokens, with the row's ``s`` context features as the
+injected keys/values. The attention rule, per query of block ``n`` (anchor ``a_n``, document ``d_n``):
+
+* context key ``t`` is visible iff ``t < a_n`` and ``doc[t] == d_n`` (strictly before the anchor:
+  at inference the bonus token at ``a_n`` has no feature yet);
+* block key ``(m, i)`` is visible iff ``m == n`` (own block, bidirectional; never other blocks).
+
+Slot ``k`` (1..B-1) predicts the token at ``a_n + k``. A slot is scored only while the run of
+labels ``a_n+1 .. a_n+k`` stays inside the loss mask and the document ("slots past the loss mask
+get no loss": once the assistant turn ends, later slots are not scored even if another assistant
+turn starts within the block). The loss is ``sum w_k * l_k / sum w_k`` over scored slots of the
+batch, ``w_k = exp(-(k-1)/gamma)``, where ``l_k`` is cross-entropy to the label (``ce``), KL from
+the target's next-token distribution (``kl``), or their sum (``ce+kl``, KL scaled by
+``kl_weight``). LM head + loss run in chunks under activation checkpointing, so ``N*(B-1) x vocab``
+logits never exist at once, not even for the backward pass.
+
+Two mask builders give the same mask: ``dense_mask`` (boolean ``[b, 1, N*B, s+N*B]``, used with
+SDPA on CPU, where flex attention has no backward) and ``flex_block_mask`` (a flex-attention
+``BlockMask`` from the same rule, used on CUDA). Sliding-window drafter layers get their own
+mask (window on context keys, ``sliding_block_attention`` inside the block), passed per layer type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+# ----------------------------------------------------------------------------- weights
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/gamma)`` for slots k = 1..B-1 (unnormalised; the loss divides by the sum)."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+# ----------------------------------------------------------------------------- anchors and blocks
+@dataclass
+class Blocks:
+    """The blocks of a batch: ``b`` rows x ``n`` blocks x ``B`` slots."""
+
+    anchors: torch.Tensor  # [b, n] position of slot 0 (0 for padding blocks)
+    valid: torch.Tensor  # [b, n] bool: a real anchor (rows with fewer candidates get padding blocks)
+    doc: torch.Tensor  # [b, n] document id of the anchor (-2 for padding blocks: matches no key)
+    block_ids: torch.Tensor  # [b, n, B] [anchor token, MASK, ...]
+    positions: torch.Tensor  # [b, n, B] position ids of the block slots
+    labels: torch.Tensor  # [b, n, B-1] token at anchor + k
+    label_mask: torch.Tensor  # [b, n, B-1] bool: slot k is scored
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.block_ids.shape[2]
+
+
+def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: token and next token in the loss mask and in the same document."""
+    lm = loss_mask.bool()
+    cand = torch.zeros_like(lm)
+    cand[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    return cand
+
+
+def sample_anchors(candidates: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``num_anchors`` distinct candidates per row, uniformly at random, sorted by position.
+
+    Returns ``(anchors [b, n], valid [b, n])`` with ``n = min(num_anchors, most candidates in a row)``;
+    rows with fewer candidates are padded with invalid anchors at position 0. Random keys come from
+    ``generator`` (CPU), so the draw depends only on its seed, not on the device.
+    """
+    b, s = candidates.shape
+    n = int(min(num_anchors, max(int(candidates.sum(1).max()), 1)))
+    keys = torch.rand(b, s, generator=generator).to(candidates.device)
+    keys = keys.masked_fill(~candidates, -1.0)
+    top, idx = keys.topk(n, dim=1)
+    valid = top >= 0
+    # Sort chosen anchors by position (invalid ones last) for readable, cache-friendly blocks.
+    order_key = torch.where(valid, idx, s + idx)
+    order = order_key.argsort(dim=1)
+    idx, valid = idx.gather(1, order), valid.gather(1, order)
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor,
+                 anchors: torch.Tensor, valid: torch.Tensor, block_size: int, mask_token_id: int) -> Blocks:
+    """Blocks, labels and label masks for given anchors (all gathers, no loops)."""
+    b, s = input_ids.shape
+    B = block_size
+    lm = loss_mask.bool()
+    doc_a = torch.where(valid, doc_ids.gather(1, anchors), torch.full_like(anchors, -2))
+    block_ids = torch.full((b, anchors.shape[1], B), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    offsets = torch.arange(B, device=input_ids.device)
+    positions = position_ids.gather(1, anchors)[:, :, None] + offsets
+    lab_pos = anchors[:, :, None] + offsets[1:]  # [b, n, B-1]
+    in_bounds = lab_pos < s
+    flat = lab_pos.clamp(max=s - 1).flatten(1)
+    labels = input_ids.gather(1, flat).view_as(lab_pos)
+    ok = in_bounds & lm.gather(1, flat).view_as(lab_pos) & (doc_ids.gather(1, flat).view_as(lab_pos) == doc_a[:, :, None])
+    label_mask = ok.long().cumprod(-1).bool() & valid[:, :, None]
+    return Blocks(anchors=anchors, valid=valid, doc=doc_a, block_ids=block_ids, positions=positions,
+                  labels=labels, label_mask=label_mask)
+
+
+def draw_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor | None,
+                position_ids: torch.Tensor | None, num_anchors: int, block_size: int, mask_token_id: int,
+                generator: torch.Generator) -> Blocks:
+    """Sample anchors and build blocks. ``doc_ids`` None = one document per row (padding: loss_mask 0)."""
+    if doc_ids is None:
+        doc_ids = torch.zeros_like(input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    anchors, valid = sample_anchors(anchor_candidates(loss_mask, doc_ids), num_anchors, generator)
+    return build_blocks(input_ids, loss_mask, doc_ids, position_ids, anchors, valid, block_size, mask_token_id)
+
+
+# ----------------------------------------------------------------------------- masks
+def dense_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = None, block_causal: bool = False,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[b, 1, n*B, s + n*B]`` mask (True = attend). Keys: ``s`` context, then the blocks.
+
+    ``window`` (sliding layers): context keys also need ``q_pos - k_pos < window``; ``block_causal``:
+    inside the block, slot j sees slots <= j only.
+    """
+    b, n = blocks.anchors.shape
+    B = blocks.block_size
+    s = doc_ids.shape[1]
+    t = torch.arange(s, device=doc_ids.device)
+    ctx = (t[None, None, :] < blocks.anchors[:, :, None]) & (doc_ids[:, None, :] == blocks.doc[:, :, None])  # [b,n,s]
+    ctx = ctx[:, :, None, :].expand(b, n, B, s)
+    if window is not None:
+        if position_ids is None:
+            position_ids = t.expand(b, s)
+        q_pos = blocks.positions  # [b, n, B]
+        ctx = ctx & ((q_pos[..., None] - position_ids[:, None, None, :]) < window)
+    ctx = ctx.reshape(b, n * B, s)
+    blk_of = torch.arange(n * B, device=doc_ids.device) // B
+    blk = blk_of[:, None] == blk_of[None, :]
+    if block_causal:
+        slot = torch.arange(n * B, device=doc_ids.device) % B
+        blk = blk & (slot[None, :] <= slot[:, None])
+    blk = blk[None].expand(b, n * B, n * B)
+    return torch.cat([ctx, blk], dim=-1)[:, None]
+
+
+def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = None, block_causal: bool = False,
+                    position_ids: torch.Tensor | None = None):
+    """The same rule as ``dense_mask`` as a flex-attention ``BlockMask`` (built once per batch)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = blocks.anchors.shape
+    B = blocks.block_size
+    s = doc_ids.shape[1]
+    q_anchor = blocks.anchors.repeat_interleave(B, dim=1)  # [b, n*B]
+    q_doc = blocks.doc.repeat_interleave(B, dim=1)
+    q_pos = blocks.positions.flatten(1)
+    if position_ids is None:
+        position_ids = torch.arange(s, device=doc_ids.device).expand(b, s)
+
+    def mask_mod(bi, h, q, kv):
+        is_ctx = kv < s
+        kc = torch.clamp(kv, max=s - 1)
+        ctx = is_ctx & (kc < q_anchor[bi, q]) & (doc_ids[bi, kc] == q_doc[bi, q])
+        if window is not None:
+            ctx = ctx & ((q_pos[bi, q] - position_ids[bi, kc]) < window)
+        kb = torch.clamp(kv - s, min=0)
+        blk = (~is_ctx) & (kb // B == q // B)
+        if block_causal:
+            blk = blk & (kb % B <= q % B)
+        return ctx | blk
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=n * B, KV_LEN=s + n * B, device=doc_ids.device)
+
+
+def attention_masks(drafter_config, blocks: Blocks, doc_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                    use_flex: bool):
+    """The mask argument for ``DFlashDraftModel.forward``: one mask, or a dict by layer type."""
+    build = flex_block_mask if use_flex else dense_mask
+    full = build(blocks, doc_ids)
+    if not drafter_config.use_sliding_window:
+        return full
+    sliding = build(blocks, doc_ids, window=drafter_config.sliding_window,
+                    block_causal=drafter_config.sliding_block_attention == "causal", position_ids=position_ids)
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
+# ----------------------------------------------------------------------------- forward + loss
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, weighted mean over scored slots
+    correct: torch.Tensor  # [b, n, B-1] bool: argmax == label (False where not scored)
+    label_mask: torch.Tensor  # [b, n, B-1]
+    valid: torch.Tensor  # [b, n]
+    ce: torch.Tensor  # scalar: unweighted mean CE over scored slots (for logs)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.valid.sum())
+
+
+def _chunk_loss(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
+                t_logp: torch.Tensor | None, mode: str, kl_weight: float):
+    logits = (h @ head_w.t()).float()
+    logp = F.log_softmax(logits, dim=-1)
+    ce = -logp.gather(-1, labels[:, None])[:, 0]
+    per_slot = ce if mode in ("ce", "ce+kl") else torch.zeros_like(ce)
+    if mode in ("kl", "ce+kl"):
+        # KL(target || drafter) over the target's top-k tokens (the mass outside top-k is dropped).
+        p = t_logp.exp()
+        diff = torch.where(p > 0, t_logp - logp.gather(-1, t_ids.long()), torch.zeros_like(p))
+        kl = (p * diff).sum(-1)
+        per_slot = per_slot + kl_weight * kl
+    return per_slot, ce.detach(), logits.argmax(-1)
+
+
+def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, gamma: float, *, chunk: int = 4096,
+               mode: str = "ce", kl_weight: float = 1.0, topk_ids: torch.Tensor | None = None,
+               topk_logprobs: torch.Tensor | None = None) -> LossOutput:
+    """Decayed, normalised loss over the scored slots of every block; LM head in checkpointed chunks.
+
+    hidden: drafter output ``[b, n*B, H]``. topk_ids / topk_logprobs (KL only, ``[b, s, k]``): the
+    target's top-k next-token log-probs at every position; slot k's teacher is the target's
+    distribution at position ``anchor + k - 1`` (the one that predicts ``anchor + k``).
+    """
+    b, n = blocks.anchors.shape
+    B = blocks.block_size
+    H = hidden.shape[-1]
+    slot_h = hidden.view(b, n, B, H)[:, :, 1:]  # slot 0 is the given anchor token: nothing to predict
+    sel = blocks.label_mask
+    h = slot_h[sel]  # [M, H] only scored slots reach the LM head
+    y = blocks.labels[sel]
+    w = slot_weights(B, gamma, hidden.device).expand(b, n, B - 1)[sel]
+    t_ids = t_logp = None
+    if mode != "ce":
+        if topk_ids is None or topk_logprobs is None:
+            raise ValueError(f"train.loss={mode} needs the target's top-k log-probs (online: train.kl_topk > 0; "
+                             "offline: a store extracted with top-k)")
+        src = (blocks.anchors[:, :, None] + torch.arange(B - 1, device=hidden.device)).flatten(1)
+        k = topk_ids.shape[-1]
+        t_ids = topk_ids.gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
+        t_logp = topk_logprobs.float().gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
+    per_slot, ce, pred = [], [], []
+    for i in range(0, h.shape[0], chunk):
+        args = (h[i:i + chunk], head_weight, y[i:i + chunk], None if t_ids is None else t_ids[i:i + chunk],
+                None if t_logp is None else t_logp[i:i + chunk], mode, kl_weight)
+        if torch.is_grad_enabled() and h.requires_grad:
+            ls, c, p = checkpoint(_chunk_loss, *args, use_reentrant=False)
+        else:
+            ls, c, p = _chunk_loss(*args)
+        per_slot.append(ls)
+        ce.append(c)
+        pred.append(p)
+    if per_slot:
+        per_slot_t, ce_t, pred_t = torch.cat(per_slot), torch.cat(ce), torch.cat(pred)
+        loss = (w * per_slot_t).sum() / w.sum()
+        ce_mean = ce_t.mean()
+    else:  # no scored slot in this batch: a zero loss that still touches the graph
+        loss = hidden.sum() * 0.0
+        ce_mean = loss.detach()
+        pred_t = y
+    correct = torch.zeros_like(sel)
+    correct[sel] = pred_t == y
+    return LossOutput(loss=loss, correct=correct, label_mask=sel, valid=blocks.valid, ce=ce_mean)
+
+
+def drafter_forward(drafter, embed, blocks: Blocks, features: torch.Tensor, position_ids: torch.Tensor,
+                    mask) -> torch.Tensor:
+    """All blocks of a batch in one drafter pass: ``[b, n*B, H]`` hidden states.
+
+    ``embed`` is the target's (frozen) embedding; ``drafter`` may be a DDP/FSDP wrapper.
+    """
+    noise = embed(blocks.block_ids.flatten(1))
+    pos = torch.cat([position_ids, blocks.positions.flatten(1)], dim=1)
+    return drafter(noise, features, pos, attention_mask=mask)
+
+
+# ----------------------------------------------------------------------------- acceptance
+def simulated_acceptance(correct: torch.Tensor, label_mask: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Greedy acceptance each block would get: ``1 + leading slots with argmax == label``.
+
+    Returns sums (to aggregate across batches and processes): ``tau_sum`` and ``blocks`` over valid
+    blocks, per-slot ``pos_correct`` / ``pos_count`` (accuracy where the slot is scored) and
+    ``pos_accept`` (blocks whose first k slots are all accepted).
+    """
+    acc = (correct & label_mask).long().cumprod(-1)  # [b, n, B-1]
+    tau = 1 + acc.sum(-1)
+    v = valid
+    return {
+        "tau_sum": tau[v].sum().float(),
+        "blocks": v.sum().float(),
+        "pos_correct": (correct & label_mask).flatten(0, 1).sum(0).float(),
+        "pos_count": label_mask.flatten(0, 1).sum(0).float(),
+        "pos_accept": acc[v].sum(0).float(),
+    }
+
+
+def model_flops_per_token(num_layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                          context: float, vocab: int, lm_head: bool = True) -> float:
+    """Forward FLOPs per query token of a Qwen3-style layer stack (2 x MACs), attention over ``context`` keys."""
+    attn_proj = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * intermediate
+    attn = 2 * heads * head_dim * context
+    per_layer = 2 * (attn_proj + mlp) + 2 * attn
+    return num_layers * per_layer + (2 * hidden * vocab if lm_head else 0)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+

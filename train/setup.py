@@ -1,0 +1,117 @@
+"""What ``train/distill.py`` needs before its loop: the target, the prepared data, a feature provider.
+
+Kept out of the entry script so the script reads as the loop. Everything here delegates:
+tokenization, loss masks, regeneration and packing to ``data.prepare``, features to
+``data.features.OnlineFeatures`` / ``data.store.FeatureStore``, loading to ``models.target``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_target(cfg, out_dir: Path, accelerator, log):
+    """The frozen target on this process's device (bf16 on CUDA unless target.dtype says otherwise)."""
+    from models.target import TargetModel
+    from train.tiny import build_tiny_target, parse_tiny
+
+    path = cfg.target.path
+    if not path:
+        raise ValueError("target.path is empty: set it to a local folder, a Hub id, or tiny:<arch>")
+    arch = parse_tiny(path)
+    if arch:
+        path = str(out_dir / "tiny_target")
+        if accelerator.is_main_process:
+            build_tiny_target(path, arch=arch, log=log)
+        accelerator.wait_for_everyone()
+    dtype = cfg.target.dtype
+    if dtype == "auto":
+        dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
+    target = TargetModel.from_pretrained(path, dtype=dtype, device=accelerator.device, revision=cfg.target.revision)
+    if target.tokenizer is None:
+        raise ValueError(f"target {path} has no tokenizer files: training needs its tokenizer and chat template")
+    log(f"target: {path} ({target.model_type}, {target.num_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.vocab_size}, {target.dtype})")
+    return target, path
+
+
+def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
+    """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
+    from data.prepare import META_FILE, load_prepared, prepare
+
+    prepared = Path(cfg.data.prepared) if cfg.data.prepared else out_dir / "data"
+    if not (prepared / META_FILE).is_file():
+        if accelerator.is_main_process:
+            source = cfg.data.source
+            if not source:
+                raise ValueError("data.source is empty and no prepared data set exists at "
+                                 f"{prepared}: set data.source (file, folder, Hub id or tiny)")
+            if source == "tiny":
+                from data.tiny_chat import write
+
+                source = str(write(out_dir / "tiny_chat.jsonl", n=cfg.data.tiny_conversations, seed=cfg.train.seed))
+            regenerate = None if cfg.data.regenerate in ("none", "", None) else cfg.data.regenerate
+            log(f"preparing data: {source} -> {prepared} (regenerate={regenerate}, thinking={cfg.data.thinking})")
+            prepare(target_path, source, prepared, regenerate=regenerate, thinking=cfg.data.thinking,
+                    max_length=cfg.data.max_length, pack=cfg.data.pack, limit=cfg.data.limit, split=cfg.data.split,
+                    subset=cfg.data.subset, progress=cfg.logging.progress,
+                    gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens, "batch_size": 64})
+        accelerator.wait_for_everyone()
+    ds, meta = load_prepared(prepared, tokenizer=target.tokenizer)
+    if cfg.data.thinking is not None and meta.get("thinking") not in (None, cfg.data.thinking):
+        raise ValueError(f"{prepared} was prepared with thinking={meta.get('thinking')}, the recipe says "
+                         f"data.thinking={cfg.data.thinking}: re-prepare, or point data.prepared elsewhere")
+    n_eval = min(cfg.data.eval_rows, len(ds) // 5) if cfg.data.eval_rows else 0
+    train_ds = ds.select(range(len(ds) - n_eval))
+    eval_ds = ds.select(range(len(ds) - n_eval, len(ds)))
+    log(f"data: {prepared}: {len(train_ds)} training rows, {len(eval_ds)} held out")
+    return train_ds, eval_ds, meta
+
+
+class _Subset:
+    """Rows ``offset ..`` of a feature store seen as their own provider (held-out split)."""
+
+    def __init__(self, store, offset: int, n: int):
+        self.store, self.offset, self.n = store, offset, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get_batch(self, indices):
+        return self.store.get_batch([self.offset + int(i) for i in indices])
+
+
+def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
+    """Providers for the training and held-out rows: online (target in the step) or offline (store)."""
+    if cfg.features.mode == "online":
+        from data.features import OnlineFeatures
+
+        topk = cfg.train.kl_topk if cfg.train.loss != "ce" else 0
+        return (OnlineFeatures(target, layer_ids, data=train_ds, topk=topk),
+                OnlineFeatures(target, layer_ids, data=eval_ds, topk=0))
+    from data.store import FeatureStore
+
+    store = FeatureStore(cfg.features.store, dtype=target.dtype, device=device)
+    store.check_compatible(target=target, layer_ids=layer_ids, tokenizer=target.tokenizer)
+    if len(store) != len(train_ds) + len(eval_ds):
+        raise ValueError(f"feature store {cfg.features.store} has {len(store)} rows but the prepared data has "
+                         f"{len(train_ds) + len(eval_ds)}: extract features from the same prepared data set")
+    if cfg.train.loss != "ce" and not store.index.get("topk"):
+        raise ValueError(f"train.loss={cfg.train.loss} needs top-k log-probs in the store: re-extract with --topk")
+    return _Subset(store, 0, len(train_ds)), _Subset(store, len(train_ds), len(eval_ds))
+
+
+def enable_compiled_flex() -> None:
+    """Use a compiled flex_attention (the fused kernel) wherever ``models.drafter.attend`` calls it.
+
+    Uncompiled flex_attention falls back to an eager path that materialises the full score matrix;
+    ``attend`` looks the function up at call time, so swapping the module attribute is enough.
+    """
+    import torch.nn.attention.flex_attention as fa
+
+    if not getattr(fa.flex_attention, "_draftsmith_compiled", False):
+        compiled = torch.compile(fa.flex_attention, dynamic=False)
+        compiled._draftsmith_compiled = True
+        fa.flex_attention = compiled
