@@ -18,6 +18,7 @@ The baseline (``target_generate``) is stock ``mlx_lm.generate.generate_step`` on
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from typing import Callable, Protocol
@@ -30,6 +31,8 @@ from models.drafter_mlx import DFlashDraftModel, DraftCache
 from models.target_mlx import TargetModel
 
 PREFILL_STEP = 2048
+
+log = logging.getLogger(__name__)
 
 
 def sample(logits: mx.array, temperature: float, key: mx.array | None = None) -> mx.array:
@@ -65,6 +68,7 @@ class DrafterProposer:
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
         drafter.config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                                     num_layers=target.num_layers)
+        warn_if_mask_is_emitted(drafter.config.mask_token_id, target.tokenizer)
         drafter.bind_target(target.embed_tokens, target.lm_head)
         drafter.to_dtype(target.dtype)
         self.drafter = drafter
@@ -85,6 +89,15 @@ class DrafterProposer:
 
     def context_length(self) -> int:
         return len(self.cache)
+
+
+def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
+    """Same rule and message as the torch loop (kept here so the MLX loop does not import the torch one)."""
+    from models.config import tokenizer_emitted_ids
+
+    if tokenizer is not None and mask_id in tokenizer_emitted_ids(tokenizer):
+        log.warning("the drafter's mask_token_id %d is a token the target's tokenizer can emit "
+                    "(%r); drafts stay lossless but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id))
 
 
 def resolve_block_size(requested: int | None, trained: int) -> int:
