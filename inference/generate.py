@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
     p.add_argument("--baseline", action="store_true", help="also run the target alone and report the speedup")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, help="torch dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="compute dtype, e.g. float32 for exactness (torch default: bfloat16 on cuda, float32 on cpu; "
+                        "mlx default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -89,7 +91,7 @@ class Session:
                 from inference import mlx_loop as loop
             except ImportError as e:
                 raise SystemExit(f"--backend mlx needs MLX: pip install -e '.[mlx]' ({e})") from None
-            self.target, self.proposer = loop.load(target, draft)
+            self.target, self.proposer = loop.load(target, draft, dtype=dtype)
         else:
             import torch
 

@@ -18,7 +18,6 @@ The baseline (``target_generate``) is stock ``mlx_lm.generate.generate_step`` on
 
 from __future__ import annotations
 
-import logging
 import time
 from contextlib import contextmanager
 from typing import Callable, Protocol
@@ -26,13 +25,12 @@ from typing import Callable, Protocol
 import mlx.core as mx
 
 from inference.rollback_mlx import CacheRollback
-from inference.stats import GenerationResult, commit_tokens, leading_matches
+from inference.stats import (GenerationResult, commit_tokens, leading_matches, resolve_block_size,
+                             warn_if_mask_is_emitted)
 from models.drafter_mlx import DFlashDraftModel, DraftCache
 from models.target_mlx import TargetModel
 
 PREFILL_STEP = 2048
-
-log = logging.getLogger(__name__)
 
 
 def sample(logits: mx.array, temperature: float, key: mx.array | None = None) -> mx.array:
@@ -89,23 +87,6 @@ class DrafterProposer:
 
     def context_length(self) -> int:
         return len(self.cache)
-
-
-def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
-    """Same rule and message as the torch loop (kept here so the MLX loop does not import the torch one)."""
-    from models.config import tokenizer_emitted_ids
-
-    if tokenizer is not None and mask_id in tokenizer_emitted_ids(tokenizer):
-        log.warning("the drafter's mask_token_id %d is a token the target's tokenizer can emit "
-                    "(%r); drafts stay lossless but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id))
-
-
-def resolve_block_size(requested: int | None, trained: int) -> int:
-    if requested is None:
-        return trained
-    if not 2 <= requested <= trained:
-        raise ValueError(f"--block-size {requested} must be between 2 and the drafter's trained block size {trained}")
-    return requested
 
 
 @contextmanager

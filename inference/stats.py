@@ -7,8 +7,11 @@ both report the same numbers under the same names.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
+
+log = logging.getLogger("inference")
 
 
 @dataclass
@@ -69,3 +72,21 @@ def commit_tokens(new: list[int], out: list[int], eos_ids: set[int], max_new_tok
         if len(out) >= max_new_tokens:
             return "max_new_tokens"
     return None
+
+
+def resolve_block_size(requested: int | None, trained: int) -> int:
+    """A smaller block than the drafter was trained with is fine; a larger one has no trained slots."""
+    if requested is None:
+        return trained
+    if not 2 <= requested <= trained:
+        raise ValueError(f"--block-size {requested} must be between 2 and the drafter's trained block size {trained}")
+    return requested
+
+
+def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
+    """A published drafter may use a reserved token as its mask; warn rather than refuse to run it."""
+    from models.config import tokenizer_emitted_ids
+
+    if tokenizer is not None and mask_id in tokenizer_emitted_ids(tokenizer):
+        log.warning("the drafter's mask_token_id %d is a token the target's tokenizer can emit (%r); drafts stay "
+                    "lossless but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id))

@@ -10,18 +10,16 @@ target's own distribution (greedy: identical to target-only greedy decoding).
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable, Protocol
 
 import torch
 
 from inference.rollback_torch import CacheRollback
-from inference.stats import GenerationResult, commit_tokens, leading_matches
+from inference.stats import (GenerationResult, commit_tokens, leading_matches, resolve_block_size,
+                             warn_if_mask_is_emitted)
 from models.drafter import DFlashDraftModel, DraftCache
 from models.target import TargetModel
-
-log = logging.getLogger(__name__)
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -78,23 +76,6 @@ class DrafterProposer:
 
     def context_length(self) -> int:
         return len(self.cache)
-
-
-def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
-    """A published drafter may use a reserved token as its mask; warn rather than refuse to run it."""
-    from models.config import tokenizer_emitted_ids
-
-    if tokenizer is not None and mask_id in tokenizer_emitted_ids(tokenizer):
-        log.warning("the drafter's mask_token_id %d is a token the target's tokenizer can emit "
-                    "(%r); drafts stay lossless but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id))
-
-
-def resolve_block_size(requested: int | None, trained: int) -> int:
-    if requested is None:
-        return trained
-    if not 2 <= requested <= trained:
-        raise ValueError(f"--block-size {requested} must be between 2 and the drafter's trained block size {trained}")
-    return requested
 
 
 @torch.no_grad()

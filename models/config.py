@@ -111,6 +111,8 @@ class DFlashConfig:
     # In-block semantics of sliding layers: runtimes disagree, so it is one explicit field.
     sliding_block_attention: str = "bidirectional"
     torch_dtype: str = "bfloat16"
+    # MLX affine quantization of the drafter's linears ({bits, group_size, mode}); None = not quantized.
+    quantization: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -180,6 +182,13 @@ class DFlashConfig:
             raise ConfigError("sliding_window", self.sliding_window,
                               "sliding_attention layers are configured but the window is not a positive integer",
                               "set sliding_window (tokens) or make every layer full_attention")
+        q = self.quantization
+        if q is not None:
+            if not isinstance(q, dict) or q.get("bits") not in (2, 3, 4, 5, 6, 8) or \
+                    q.get("group_size") not in (32, 64, 128) or q.get("mode", "affine") != "affine":
+                raise ConfigError("quantization", q, "must be MLX affine quantization {bits, group_size[, mode]}",
+                                  "use bits 4 or 8 and group_size 32, 64 or 128 (mode 'affine'); re-export the drafter")
+            self.quantization = {"bits": int(q["bits"]), "group_size": int(q["group_size"]), "mode": "affine"}
         if self.sliding_block_attention not in SLIDING_BLOCK_MODES:
             raise ConfigError("sliding_block_attention", self.sliding_block_attention,
                               "unknown in-block semantics for sliding layers", f"use one of {SLIDING_BLOCK_MODES}")
@@ -240,6 +249,8 @@ class DFlashConfig:
                 "sliding_block_attention": self.sliding_block_attention,
             },
         }
+        if self.quantization:
+            d["quantization"] = dict(self.quantization)
         if self.use_sliding_window and self.sliding_block_attention == "bidirectional":
             # z-lab's modeling code makes sliding layers causal unless told otherwise.
             d["is_causal"] = False
@@ -312,6 +323,7 @@ class DFlashConfig:
             sliding_window=sliding,
             sliding_block_attention=_sliding_block_mode(d, nested, layer_types),
             torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
+            quantization=d.get("quantization") or None,
         )
 
     @classmethod

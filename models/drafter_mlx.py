@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from models.config import DFlashConfig
 from models.hub import resolve_model_dir
-from models.weights import INDEX
+from models.weights import weight_files
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +274,7 @@ class DFlashDraftModel(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(self.parameters()))
         dtype_name = str(self.dtype).removeprefix("mlx.core.")
-        config = self.config.replace(torch_dtype=dtype_name).to_dict()
-        if self.quantization:
-            config["quantization"] = dict(self.quantization)
+        config = self.config.replace(torch_dtype=dtype_name, quantization=self.quantization).to_dict()
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
         return directory
@@ -294,9 +292,7 @@ class DFlashDraftModel(nn.Module):
         """An HF drafter folder (flat / nested config, fp32 / bf16) or an MLX (quantized) export."""
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
-        # TODO(config): DFlashConfig should learn ``quantization``; until then it is read raw here.
-        raw = json.loads((directory / "config.json").read_text())
-        quant = raw.get("quantization") or None
+        quant = config.quantization
         state = load_safetensors(directory)
         stray = sorted(k for k in state if STRAY_KEY.search(k))
         if stray:
@@ -305,12 +301,10 @@ class DFlashDraftModel(nn.Module):
                 del state[k]
         model = cls(config)
         if quant:
-            _check_quantization(quant, directory)
             quantized = {k.rsplit(".", 1)[0] for k in state if k.endswith(".scales")}
-            nn.quantize(model, group_size=int(quant["group_size"]), bits=int(quant["bits"]),
-                        mode=quant.get("mode", "affine"), class_predicate=lambda p, _m: p in quantized)
-            model._quantization = _Outside({"bits": int(quant["bits"]), "group_size": int(quant["group_size"]),
-                                            "mode": quant.get("mode", "affine")})
+            nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], mode=quant["mode"],
+                        class_predicate=lambda p, _m: p in quantized)
+            model._quantization = _Outside(dict(quant))
         _check_state(model, state, config, directory)
         model.load_weights(list(state.items()), strict=True)
         target_dtype = dtype or _dtype_from_name(config.torch_dtype) or next(
@@ -337,16 +331,6 @@ def _dtype_from_name(name: str | None) -> mx.Dtype | None:
     return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}.get(name or "")
 
 
-def _check_quantization(quant: dict, directory: Path) -> None:
-    if not isinstance(quant, dict) or "bits" not in quant or "group_size" not in quant:
-        raise ValueError(f"{directory}/config.json: quantization={quant!r} must be {{'bits': 4|8, 'group_size': "
-                         "32|64|128}; re-export the MLX drafter")
-    mode = quant.get("mode", "affine")
-    if mode != "affine":
-        raise ValueError(f"{directory}/config.json: quantization mode {mode!r} is not supported; draftsmith "
-                         "drafters use affine quantization (bits 4/8, group size 32/64/128)")
-
-
 def _check_state(model: DFlashDraftModel, state: dict, config: DFlashConfig, directory: Path) -> None:
     from mlx.utils import tree_flatten
 
@@ -370,19 +354,8 @@ def _check_state(model: DFlashDraftModel, state: dict, config: DFlashConfig, dir
 
 def load_safetensors(directory: Path) -> dict[str, mx.array]:
     """Every tensor of a (sharded) safetensors folder as MLX arrays (bf16 kept as bf16)."""
-    directory = Path(directory)
-    index = directory / INDEX
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {directory}")
     state: dict[str, mx.array] = {}
-    for name in files:
-        path = directory / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in {INDEX} but missing: the download or export is incomplete")
+    for path in weight_files(directory):
         try:
             state.update(mx.load(str(path)))
         except (RuntimeError, ValueError, OSError) as e:

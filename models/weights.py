@@ -33,21 +33,26 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_s
     return written
 
 
-def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a folder: the index's shards, or every ``*.safetensors``."""
     directory = Path(directory)
     index = directory / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not files:
+        names = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not names:
         raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+    for name in names:
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name} is listed in {INDEX} but missing: the download or export "
+                                    "is incomplete")
+    return [directory / n for n in names]
+
+
+def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = directory / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in {INDEX} but missing: the download or export is incomplete")
+    for path in weight_files(directory):
         try:
             state.update(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as e:

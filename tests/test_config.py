@@ -131,3 +131,13 @@ def test_sliding_semantics_follow_the_explicit_field_then_the_zlab_convention():
     assert "is_causal" not in DFlashConfig.from_dict(d).to_dict()
     with pytest.raises(ConfigError, match="full-attention layers included"):
         DFlashConfig.from_dict({**d, "is_causal": True})
+
+
+def test_quantization_is_part_of_the_config():
+    d = load("config_flat.json")
+    cfg = DFlashConfig.from_dict({**d, "quantization": {"bits": 4, "group_size": 64}})
+    assert cfg.quantization == {"bits": 4, "group_size": 64, "mode": "affine"}
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg
+    assert "quantization" not in DFlashConfig.from_dict(d).to_dict()
+    with pytest.raises(ConfigError, match="MLX affine quantization"):
+        DFlashConfig.from_dict({**d, "quantization": {"bits": 4, "group_size": 48}})
