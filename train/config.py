@@ -110,7 +110,7 @@ class TrainConfig:
     loss: str = "ce"  # ce | kl | ce+kl
     kl_weight: float = 1.0
     kl_topk: int = 32  # online KL: top-k of the target distribution kept per position
-    ce_chunk: int = 4096  # block slots per LM-head chunk
+    ce_chunk: int = 2048  # block slots per LM-head chunk (logits: chunk x vocab fp32)
     attention: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
     grad_checkpointing: bool = False
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | fp16 | no

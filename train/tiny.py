@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-FIT_VERSION = 1  # bump when the fitting procedure changes (invalidates cached tiny targets)
+FIT_VERSION = 2  # bump when the fitting procedure changes (invalidates cached tiny targets)
 
 
 def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: int = 6, seed: int = 0,
-                      fit_steps: int = 150, conversations: int = 512, log=print) -> Path:
+                      fit_steps: int = 100, conversations: int = 512, log=print) -> Path:
     """A tiny target folder (config, safetensors, tokenizer), fitted on tiny chat; cached by its recipe."""
     from data.chat import tokenize_conversation
     from data.tiny_chat import build
@@ -44,11 +44,11 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
             rows.append(row.input_ids)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
     pad = tok.pad_token_id
     model.train()
     for step in range(fit_steps):
-        batch = rng.sample(rows, min(32, len(rows)))
+        batch = rng.sample(rows, min(16, len(rows)))
         width = max(len(r) for r in batch)
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in batch])
         labels = torch.tensor([r + [-100] * (width - len(r)) for r in batch])

@@ -1,0 +1,200 @@
+"""The training objective against the rule itself: anchors, labels, mask (naive references), flex == dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from models.config import DFlashConfig
+from models.drafter import DFlashDraftModel
+from train.config import ConfigKeyError, load_config
+from train.objective import (attention_masks, block_loss, dense_mask, drafter_forward, draw_blocks, flex_block_mask,
+                             simulated_acceptance, slot_weights)
+
+B, H, V, MASK = 4, 32, 64, 63
+
+
+def _rows():
+    """Two rows: one unpacked with a user turn between two answers, one packed (2 docs) + padding."""
+    g = torch.Generator().manual_seed(1)
+    b, s = 2, 40
+    ids = torch.randint(0, 60, (b, s), generator=g)
+    lm = torch.zeros(b, s, dtype=torch.long)
+    lm[0, 5:15] = 1
+    lm[0, 22:34] = 1
+    lm[1, 8:18] = 1
+    lm[1, 24:33] = 1
+    doc = torch.zeros(b, s, dtype=torch.long)
+    doc[1, 20:35] = 1
+    doc[1, 35:] = -1  # padding
+    lm[1, 35:] = 0
+    pos = torch.arange(s).expand(b, s).clone()
+    pos[1, 20:35] = torch.arange(15)
+    pos[1, 35:] = 0
+    return ids, lm, doc, pos
+
+
+def _drafter(layer_types=None):
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=V, num_target_layers=8, target_layer_ids=[1, 3],
+                       mask_token_id=MASK, block_size=B, torch_dtype="float32", layer_types=layer_types or [],
+                       sliding_window=6 if layer_types else None)
+    d = DFlashDraftModel(cfg)
+    emb, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    d.bind_target(emb, head)
+    return d, emb, head
+
+
+def test_anchors_and_labels_follow_the_rule():
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, num_anchors=64, block_size=B, mask_token_id=MASK,
+                         generator=torch.Generator().manual_seed(0))
+    b, s = ids.shape
+    for r in range(b):
+        cands = {a for a in range(s - 1) if lm[r, a] and lm[r, a + 1] and doc[r, a] == doc[r, a + 1] >= 0}
+        got = [int(a) for a, v in zip(blocks.anchors[r], blocks.valid[r]) if v]
+        assert set(got) == cands and len(got) == len(cands), "64 >= candidates: every candidate is an anchor once"
+        for n, a in enumerate(blocks.anchors[r].tolist()):
+            if not blocks.valid[r, n]:
+                assert not blocks.label_mask[r, n].any()
+                continue
+            assert blocks.block_ids[r, n].tolist() == [int(ids[r, a])] + [MASK] * (B - 1)
+            assert blocks.positions[r, n].tolist() == [int(pos[r, a]) + k for k in range(B)]
+            alive = True
+            for k in range(1, B):
+                p = a + k
+                alive = alive and p < s and bool(lm[r, p]) and doc[r, p] == doc[r, a]
+                assert bool(blocks.label_mask[r, n, k - 1]) == alive, (r, a, k)
+                if alive:
+                    assert blocks.labels[r, n, k - 1] == ids[r, p]
+
+
+def test_anchor_draw_is_seeded_and_subsamples():
+    ids, lm, doc, pos = _rows()
+    draw = lambda seed: draw_blocks(ids, lm, doc, pos, 5, B, MASK, torch.Generator().manual_seed(seed)).anchors
+    assert torch.equal(draw(3), draw(3))
+    assert not torch.equal(draw(3), draw(4)), "a new epoch (new seed) must redraw the anchors"
+    assert draw(3).shape == (2, 5)
+
+
+def naive_mask(blocks, doc, window=None, block_causal=False, pos=None):
+    b, n = blocks.anchors.shape
+    s = doc.shape[1]
+    m = torch.zeros(b, 1, n * B, s + n * B, dtype=torch.bool)
+    for r in range(b):
+        for qn in range(n):
+            a, d = int(blocks.anchors[r, qn]), int(blocks.doc[r, qn])
+            for j in range(B):
+                q = qn * B + j
+                for t in range(s):  # context strictly before the anchor, same document
+                    ok = t < a and int(doc[r, t]) == d
+                    if window is not None:
+                        ok = ok and int(blocks.positions[r, qn, j]) - int(pos[r, t]) < window
+                    m[r, 0, q, t] = ok
+                for kn in range(n):  # own block only
+                    for i in range(B):
+                        m[r, 0, q, s + kn * B + i] = kn == qn and (not block_causal or i <= j)
+    return m
+
+
+@pytest.mark.parametrize("window,causal", [(None, False), (6, False), (6, True)])
+def test_dense_mask_equals_naive_reference(window, causal):
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    got = dense_mask(blocks, doc, window=window, block_causal=causal, position_ids=pos)
+    assert torch.equal(got, naive_mask(blocks, doc, window, causal, pos))
+
+
+def test_flex_mask_equals_naive_reference():
+    from torch.nn.attention.flex_attention import create_mask
+
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    bm = flex_block_mask(blocks, doc)
+    dense = create_mask(bm.mask_mod, 2, 1, 6 * B, doc.shape[1] + 6 * B, device="cpu")
+    assert torch.equal(dense, naive_mask(blocks, doc))
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_flex_forward_equals_dense_loss(sliding):
+    """CPU flex attention has a forward only: same hidden states and loss as the dense SDPA path."""
+    d, emb, head = _drafter(["sliding_attention", "full_attention"] if sliding else None)
+    ids, lm, doc, pos = _rows()
+    feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2))
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    dense_h = drafter_forward(d, emb, blocks, feats, pos, attention_masks(d.config, blocks, doc, pos, use_flex=False))
+    dense = block_loss(dense_h, blocks, head.weight, 4.0, chunk=7)
+    with torch.no_grad():
+        flex_h = drafter_forward(d, emb, blocks, feats, pos, attention_masks(d.config, blocks, doc, pos, use_flex=True))
+        flex = block_loss(flex_h, blocks, head.weight, 4.0, chunk=7)
+    scored = blocks.valid.repeat_interleave(B, dim=1)
+    assert_close(flex_h[scored], dense_h.detach()[scored], atol=1e-5, what="flex vs dense hidden")
+    assert_close(flex.loss, dense.loss.detach(), atol=1e-6, what="flex vs dense loss")
+    dense.loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.parameters())
+
+
+def test_loss_is_decayed_normalised_ce():
+    d, emb, head = _drafter()
+    ids, lm, doc, pos = _rows()
+    feats = torch.randn(2, ids.shape[1], 2 * H)
+    blocks = draw_blocks(ids, lm, doc, pos, 8, B, MASK, torch.Generator().manual_seed(0))
+    hidden = drafter_forward(d, emb, blocks, feats, pos, dense_mask(blocks, doc))
+    out = block_loss(hidden, blocks, head.weight, 4.0, chunk=5)
+    # Reference: whole logits at once, explicit weights.
+    logits = head(hidden.view(2, -1, B, H)[:, :, 1:])
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
+    w = (slot_weights(B, 4.0).expand_as(blocks.labels) * blocks.label_mask).flatten()
+    assert_close(out.loss, (w * ce).sum() / w.sum(), atol=1e-6, what="chunked decayed CE")
+    assert_close(slot_weights(16, 7.0)[[0, 7]], torch.tensor([1.0, torch.exp(torch.tensor(-1.0))]), atol=1e-7)
+    acc = simulated_acceptance(out.correct, out.label_mask, out.valid)
+    pred = logits.argmax(-1) == blocks.labels
+    lead = (pred & blocks.label_mask).long().cumprod(-1).sum(-1) + 1
+    assert_close(acc["tau_sum"] / acc["blocks"], lead[blocks.valid].float().mean(), what="simulated tau")
+
+
+def test_kl_loss_uses_top_k_teacher():
+    d, emb, head = _drafter()
+    ids, lm, doc, pos = _rows()
+    feats = torch.randn(2, ids.shape[1], 2 * H)
+    blocks = draw_blocks(ids, lm, doc, pos, 8, B, MASK, torch.Generator().manual_seed(0))
+    hidden = drafter_forward(d, emb, blocks, feats, pos, dense_mask(blocks, doc))
+    # A teacher whose top-k covers the whole vocabulary: top-k KL is then the exact KL.
+    teacher = torch.log_softmax(torch.randn(2, ids.shape[1], V), -1)
+    lp, ti = teacher.topk(V, dim=-1)
+    out = block_loss(hidden, blocks, head.weight, 4.0, mode="kl", topk_ids=ti, topk_logprobs=lp)
+    src = (blocks.anchors[:, :, None] + torch.arange(B - 1)).clamp(max=ids.shape[1] - 1)
+    t = teacher.gather(1, src.flatten(1)[..., None].expand(-1, -1, V)).view(2, -1, B - 1, V)
+    q = torch.log_softmax(head(hidden.view(2, -1, B, H)[:, :, 1:]), -1)
+    kl = (t.exp() * (t - q)).sum(-1)
+    w = slot_weights(B, 4.0).expand_as(kl) * blocks.label_mask
+    assert_close(out.loss, (w * kl).sum() / w.sum(), atol=1e-5, what="top-k KL")
+    out.loss.backward()
+
+
+def test_config_rejects_unknown_keys_with_closest():
+    with pytest.raises(ConfigKeyError, match="did you mean 'train.lr'"):
+        load_config(["recipe=tiny", "train.lrate=1e-3"])
+    with pytest.raises(ConfigKeyError, match="did you mean 'data.max_length'"):
+        load_config(["recipe=tiny", "data.max_len=10"])
+    cfg = load_config(["recipe=qwen3-8b", "train.lr=3e-4", "data.max_length=4096", "features.mode=offline",
+                       "features.store=/x", "--dry-run"])
+    assert (cfg.train.lr, cfg.data.max_length, cfg.features.mode, cfg.dry_run) == (3e-4, 4096, "offline", True)
+    for name in ("qwen35-4b", "qwen35-9b", "qwen35-27b", "qwen35-35b-a3b", "qwen3-8b", "llama31-8b"):
+        c = load_config([f"recipe={name}"])
+        assert (c.drafter.num_hidden_layers, c.drafter.num_taps, c.drafter.block_size, c.gamma, c.train.anchors,
+                c.train.lr, c.train.warmup_ratio, c.train.clip, c.train.epochs, c.data.max_length) == \
+            (5, 5, 16, 7.0, 512, 6e-4, 0.04, 1.0, 6, 3072), name
+
+
+def test_dry_run_qwen35_9b_offline(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from train.distill import main
+
+    plan = main(["recipe=qwen35-9b", "--dry-run", "out_dir=/nonexistent/never-written"])
+    text = capsys.readouterr().out
+    assert "could not fetch config.json of Qwen/Qwen3.5-9B" in text
+    assert plan["target_shape"]["num_hidden_layers"] == 32 and plan["target_layer_ids"] == [1, 8, 15, 22, 29]
+    assert plan["drafter"]["layers"] == 5 and plan["memory_per_gpu"]["total_gib"] > 0

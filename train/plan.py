@@ -1,0 +1,158 @@
+"""``dry_run=true``: print what a run would do (sizes, tokens, steps, memory) and exit.
+
+Nothing heavy is downloaded: the target's shape comes from a local ``config.json``, else from the
+Hub's ``config.json`` alone (a few KB) when the Hub is reachable, else from the shape facts the
+recipe carries (``target.num_layers``, ``target.hidden_size``, ...); the plan says which, and what
+it could not fetch. Data size comes from a prepared data set's ``stats.json`` when one exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from train.objective import model_flops_per_token
+
+TEXT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "max_position_embeddings", "model_type")
+
+
+def _fetch_config(cfg) -> tuple[dict | None, str]:
+    """(config dict, where it came from or why not)."""
+    from train.tiny import parse_tiny
+
+    path = cfg.target.path
+    if parse_tiny(path):
+        return None, f"{path} is built locally at train time (tiny recipe)"
+    local = Path(path).expanduser() / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text()), f"local {local}"
+    try:
+        from huggingface_hub import hf_hub_download
+
+        f = hf_hub_download(path, "config.json", revision=cfg.target.revision)
+        return json.loads(Path(f).read_text()), f"Hub config.json of {path} (config only, no weights)"
+    except Exception as e:  # offline, gated, unknown id: all mean "use the recipe's facts"
+        reason = str(e).splitlines()[0][:160]
+        return None, f"could not fetch config.json of {path} ({type(e).__name__}: {reason}); using the recipe's shape facts"
+
+
+def target_shape(cfg) -> tuple[dict, str]:
+    t = cfg.target
+    shape = {"num_hidden_layers": t.num_layers, "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+             "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+             "head_dim": t.head_dim, "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings,
+             "model_type": t.model_type}
+    fetched, source = _fetch_config(cfg)
+    if fetched:
+        text = fetched.get("text_config") or fetched  # Qwen3.5 multimodal checkpoints nest the text tower
+        for k in TEXT_KEYS:
+            if text.get(k) is not None:
+                shape[k] = text[k]
+        shape["model_type"] = fetched.get("model_type", shape["model_type"])
+        if not shape.get("head_dim") and shape.get("hidden_size") and shape.get("num_attention_heads"):
+            shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    return shape, source
+
+
+def drafter_params(H: int, layers: int, heads: int, kv: int, hd: int, inter: int, taps: int) -> int:
+    per_layer = H * hd * (heads + 2 * kv) + heads * hd * H + 3 * H * inter + 2 * H + 2 * hd
+    return layers * per_layer + taps * H * H + 2 * H
+
+
+def plan(cfg) -> dict:
+    shape, source = target_shape(cfg)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not shape.get(k)]
+    out: dict = {"recipe": cfg.recipe, "target": cfg.target.path, "target_shape_from": source}
+    if missing:
+        out["error"] = f"cannot plan: target {missing} unknown (set target.{missing[0].replace('num_hidden_layers', 'num_layers')})"
+        return out
+    from models.config import default_layer_ids
+
+    d, tr = cfg.drafter, cfg.train
+    L, H, V = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
+    heads = d.num_attention_heads or shape.get("num_attention_heads") or max(H // 128, 1)
+    kv = d.num_key_value_heads or shape.get("num_key_value_heads") or heads
+    hd = d.head_dim or shape.get("head_dim") or H // heads
+    inter = d.intermediate_size or shape.get("intermediate_size") or 3 * H
+    taps = d.target_layer_ids or default_layer_ids(L, d.num_taps)
+    B, N, S = d.block_size, tr.anchors, cfg.data.max_length
+    n_draft = drafter_params(H, d.num_hidden_layers, heads, kv, hd, inter, len(taps))
+    params_b = cfg.target.params_b or (12 * L * H * H + 2 * V * H) / 1e9
+    active_b = cfg.target.active_params_b or params_b
+
+    # Data size: a prepared set's stats when present; else per-row figures only.
+    prepared = Path(cfg.data.prepared) if cfg.data.prepared else cfg.resolved_out_dir() / "data"
+    stats_file = prepared / "stats.json"
+    rows = tokens = None
+    if stats_file.is_file():
+        stats = json.loads(stats_file.read_text())
+        rows, tokens = stats.get("rows"), stats.get("tokens")
+    rows_per_step = tr.batch_size * tr.grad_accum  # per process
+    steps = None
+    if rows:
+        steps_per_epoch = math.ceil(max(rows - cfg.data.eval_rows, 1) / rows_per_step)
+        steps = tr.max_steps or math.ceil(tr.epochs * steps_per_epoch)
+
+    # Memory per GPU (bf16 target, fp32 drafter + AdamW, bf16 activations). Rough, on purpose.
+    gib = 1024 ** 3
+    q = N * B  # drafter query tokens per row
+    mem = {
+        "target_weights_gib": round(params_b * 1e9 * 2 / gib, 2),
+        "drafter_weights_grads_adam_gib": round(n_draft * 16 / gib, 2),
+        "features_gib": round(tr.batch_size * S * len(taps) * H * 2 / gib, 3),
+        "drafter_activations_gib": round(tr.batch_size * d.num_hidden_layers * q * (12 * H + 3 * inter) * 2
+                                         / (gib * (4 if tr.grad_checkpointing else 1)), 2),
+        "lm_head_chunk_gib": round(min(tr.ce_chunk, q) * V * 4 * 3 / gib, 2),
+    }
+    mem["total_gib"] = round(sum(mem.values()) * 1.15, 1)  # + allocator slack
+    draft_fwd = model_flops_per_token(d.num_hidden_layers, H, inter, heads, kv, hd, S / 2 + B, V)
+    flops_row = 3 * draft_fwd * q + 2 * active_b * 1e9 * S  # drafter fwd+bwd + target fwd
+    out.update({
+        "target_shape": {k: shape.get(k) for k in TEXT_KEYS}, "target_params_b": params_b,
+        "target_layer_ids": taps,
+        "drafter": {"layers": d.num_hidden_layers, "hidden": H, "heads": heads, "kv_heads": kv, "head_dim": hd,
+                    "intermediate": inter, "block_size": B, "params_m": round(n_draft / 1e6, 1)},
+        "objective": {"anchors_per_row": N, "gamma": cfg.gamma, "loss": tr.loss, "query_tokens_per_row": q,
+                      "max_length": S},
+        "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
+                 "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
+        "schedule": {"rows_per_step_per_process": rows_per_step, "epochs": tr.epochs, "steps": steps,
+                     "lr": tr.lr, "warmup_ratio": tr.warmup_ratio},
+        "memory_per_gpu": mem,
+        "tflops_per_row": round(flops_row / 1e12, 2),
+    })
+    if steps is None:
+        out["schedule"]["note"] = (f"data not prepared yet ({stats_file} missing): steps = "
+                                   f"epochs x rows / {rows_per_step} per process")
+    return out
+
+
+def print_plan(cfg) -> dict:
+    p = plan(cfg)
+    print(f"dry run: recipe {p['recipe']!r}, target {p['target']}")
+    print(f"  target shape from: {p['target_shape_from']}")
+    if "error" in p:
+        print(f"  {p['error']}")
+    else:
+        s = p["target_shape"]
+        print(f"  target: {s['model_type']}, {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
+              f"vocab {s['vocab_size']}, ~{p['target_params_b']:.1f}B params; taps {p['target_layer_ids']}")
+        dr = p["drafter"]
+        print(f"  drafter: {dr['layers']} layers x hidden {dr['hidden']} ({dr['heads']} heads / {dr['kv_heads']} kv "
+              f"x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, {dr['params_m']}M params")
+        o = p["objective"]
+        print(f"  objective: {o['anchors_per_row']} anchors/row, gamma {o['gamma']}, loss {o['loss']}, "
+              f"{o['query_tokens_per_row']} query tokens/row, max length {o['max_length']}")
+        dt = p["data"]
+        print(f"  data: {dt['source']} -> {dt['prepared']} (rows {dt['rows']}, tokens {dt['tokens']}), "
+              f"regenerate {dt['regenerate']}, thinking {dt['thinking']}, features {dt['features']}")
+        sc = p["schedule"]
+        print(f"  schedule: {sc['epochs']} epochs, steps {sc['steps']}, lr {sc['lr']} cosine, warmup "
+              f"{sc['warmup_ratio']:.0%}" + (f" ({sc['note']})" if "note" in sc else ""))
+        m = p["memory_per_gpu"]
+        print(f"  memory/GPU ~{m['total_gib']} GiB: " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "total_gib"))
+        print(f"  compute: {p['tflops_per_row']} TFLOPs per row (drafter fwd+bwd + target fwd)")
+    print(json.dumps({"plan": p}))
+    return p
