@@ -1,0 +1,93 @@
+"""The tiny recipe end to end: pinned 2-step loss, learning (simulated and true tau), exact resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_close
+
+GOLDEN = Path(__file__).parent / "golden" / "train_tiny_2step.json"
+FAST = ["logging.progress=false", "eval.at_start=false", "eval.true_tau_prompts=0", "checkpoint.every=0"]
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs(tmp_path_factory):
+    """A fitted tiny target and its regenerated, prepared tiny chat data, built once for the module."""
+    import torch
+
+    from data.prepare import prepare
+    from data.tiny_chat import write
+    from train.tiny import build_tiny_target
+
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("tiny_inputs")
+    target = build_tiny_target(root / "target", log=lambda *_: None)
+    source = write(root / "tiny_chat.jsonl", n=320, seed=0)
+    prepare(str(target), str(source), root / "data", regenerate="local", thinking=False, max_length=256,
+            progress=False, gen_kwargs={"max_tokens": 40, "batch_size": 64})
+    return [f"target.path={target}", f"data.prepared={root / 'data'}"]
+
+
+def run(out_dir, *args):
+    from train.config import load_config
+    from train.distill import train
+
+    return train(load_config(["recipe=tiny", f"out_dir={out_dir}", *args]))
+
+
+def losses(out_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_two_step_loss_matches_golden(tiny_inputs, tmp_path):
+    run(tmp_path, *tiny_inputs, *FAST, "train.max_steps=2", "logging.every=1")
+    got = losses(tmp_path)
+    golden = json.loads(GOLDEN.read_text())
+    assert_close([got[1], got[2]], golden["losses"], atol=1e-4,
+                 what="tiny 2-step loss (regenerate with python tests/golden/make_train_golden.py)")
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "final" / "drafter" / "config.json").is_file()
+
+
+def test_resume_reproduces_uninterrupted_losses(tiny_inputs, tmp_path):
+    full = tmp_path / "full"
+    run(full, *tiny_inputs, *FAST, "train.max_steps=6", "checkpoint.every=3", "logging.every=1")
+    ref = losses(full)
+    assert sorted(ref) == [1, 2, 3, 4, 5, 6]
+    # "Kill after step 3": the run dir as it was when step 3's checkpoint had been written.
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_6")
+    shutil.rmtree(cut / "final")
+    rows = [line for line in (cut / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
+    (cut / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    run(cut, *tiny_inputs, *FAST, "train.max_steps=6", "checkpoint.every=3", "logging.every=1", "resume=true")
+    resumed = losses(cut)
+    assert_close([resumed[k] for k in (4, 5, 6)], [ref[k] for k in (4, 5, 6)], atol=1e-6, what="resumed losses")
+    ckpt = full / "checkpoints" / "step_6"
+    assert {p.name for p in ckpt.iterdir()} >= {"drafter", "state", "config.yaml", "trainer_state.json"}
+
+
+def test_tiny_recipe_learns(tiny_inputs, tmp_path):
+    """Held-out simulated tau >= 1.5x the untrained drafter's; true tau (torch loop) within 15% of it."""
+    import torch
+
+    from inference.torch_loop import DrafterProposer, dflash_generate
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+
+    result = run(tmp_path, *tiny_inputs, "logging.progress=false", "checkpoint.every=0")
+    before, after = result["first_eval"], [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                                           if "eval_tau_sim" in line][-1]
+    print(f"tau before {before['eval_tau_sim']:.3f} after {after['eval_tau_sim']:.3f} true {after['eval_tau_true']:.3f}")
+    assert after["eval_tau_sim"] >= 1.5 * before["eval_tau_sim"]
+    assert abs(after["eval_tau_true"] - after["eval_tau_sim"]) <= 0.15 * after["eval_tau_sim"]
+    # The final folder is what the inference loop loads.
+    target = TargetModel.from_pretrained(tiny_inputs[0].split("=", 1)[1], dtype=torch.float32)
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "final" / "drafter", dtype=torch.float32)
+    res = dflash_generate(target, DrafterProposer(drafter, target), [257, 85, 82, 68, 81, 198], max_new_tokens=16)
+    assert res.tau >= 1.0
