@@ -1,0 +1,122 @@
+"""Training-step speed: one JSON line per configuration (random weights; speed only, never in tests).
+
+    python -m train.bench                                   # CPU, tiny shape
+    python -m train.bench --hidden 4096 --layers 5 --heads 32 --kv-heads 8 --head-dim 128 \\
+        --intermediate 12288 --vocab 151936 --seq 3072 --anchors 512 --block 16   # Qwen3-8B drafter on CUDA
+
+Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward,
+AdamW step) on random context features, as in ``train/distill.py`` (flex attention on CUDA, dense
+on CPU; bf16 autocast on CUDA). The target forward is excluded: it is measured by ``data.bench``
+(online features) and absent with offline features. Reports tokens/s (context tokens of the rows),
+anchors/s, peak memory and, on CUDA, model FLOPs utilisation against the device's bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "B200": 2250.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, model_flops_per_token
+    from train.setup import enable_compiled_flex
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=288)
+    p.add_argument("--taps", type=int, default=3)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--anchors", type=int, nargs="+", default=[32])
+    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--ce-chunk", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
+    a = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    use_flex = a.attention == "flex" or (a.attention == "auto" and cuda)
+    if use_flex and cuda:
+        enable_compiled_flex()
+    torch.manual_seed(0)
+    H = a.hidden
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
+                       vocab_size=a.vocab, num_target_layers=max(a.taps + 4, 8),
+                       target_layer_ids=list(range(1, a.taps + 1)), mask_token_id=a.vocab - 1, block_size=a.block)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    drafter = DFlashDraftModel(cfg).to(device)
+    embed = torch.nn.Embedding(a.vocab, H).to(device, dtype).requires_grad_(False)
+    head = torch.nn.Linear(H, a.vocab, bias=False).to(device, dtype).requires_grad_(False)
+    drafter.bind_target(embed, head)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    for n_anchors in a.anchors:
+        ids = torch.randint(0, a.vocab - 1, (a.batch, a.seq), device=device)
+        lm = torch.ones_like(ids)
+        lm[:, : a.seq // 4] = 0  # a prompt, then the answer
+        doc = torch.zeros_like(ids)
+        pos = torch.arange(a.seq, device=device).expand(a.batch, -1)
+        feats = torch.randn(a.batch, a.seq, a.taps * H, device=device, dtype=dtype)
+
+        def step(i: int) -> int:
+            blocks = draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
+                                 torch.Generator().manual_seed(i))
+            mask = attention_masks(cfg, blocks, doc, pos, use_flex)
+            with autocast:
+                hidden = drafter_forward(drafter, embed, blocks, feats, pos, mask)
+                out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out.num_blocks
+
+        for i in range(a.warmup):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        blocks_done = sum(step(100 + i) for i in range(a.steps))
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        q_tokens = blocks_done * a.block
+        # Attention context per query ~ half the row on average (anchors are uniform over the answer).
+        fwd = model_flops_per_token(a.layers, H, a.intermediate, a.heads, a.kv_heads, a.head_dim,
+                                    a.seq * 5 / 8 + a.block, a.vocab)
+        flops = 3 * fwd * q_tokens + 3 * 2 * a.seq * a.batch * a.steps * (a.taps * H * H)  # + fc over context
+        row = {"bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
+               "attention": "flex" if use_flex else "dense", "hidden": H, "layers": a.layers, "seq": a.seq,
+               "batch": a.batch, "anchors": n_anchors, "block": a.block, "steps": a.steps,
+               "step_s": round(dt / a.steps, 4), "tokens_per_s": round(a.seq * a.batch * a.steps / dt, 1),
+               "anchors_per_s": round(blocks_done / dt, 1), "tflops": round(flops / dt / 1e12, 3)}
+        if cuda:
+            row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
+            name = torch.cuda.get_device_name()
+            peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+            row["mfu"] = round(flops / dt / 1e12 / peak, 4) if peak else None
+        else:
+            import resource
+
+            row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
