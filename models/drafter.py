@@ -118,14 +118,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     from torch.nn.attention.flex_attention import BlockMask
 
     if isinstance(mask, BlockMask):
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_attention(cuda: bool):
+    """Compiled on CUDA (the fused kernel; eager flex materialises every score), eager elsewhere."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not cuda:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 class DFlashMLP(nn.Module):

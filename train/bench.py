@@ -26,7 +26,6 @@ def main(argv: list[str] | None = None) -> None:
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, model_flops_per_token
-    from train.setup import enable_compiled_flex
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=64)
@@ -50,8 +49,6 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     use_flex = a.attention == "flex" or (a.attention == "auto" and cuda)
-    if use_flex and cuda:
-        enable_compiled_flex()
     torch.manual_seed(0)
     H = a.hidden
     cfg = DFlashConfig(hidden_size=H, intermediate_size=a.intermediate, num_hidden_layers=a.layers,

@@ -81,7 +81,7 @@ def train(cfg) -> dict:
     from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
     from train.eval import evaluate_sim, held_out_prompts, stream_seed, true_tau
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
-    from train.setup import load_data, load_target, make_features, enable_compiled_flex
+    from train.setup import load_data, load_target, make_features
 
     # ------------------------------------------------------------------ config, accelerator, out_dir
     cuda = torch.cuda.is_available()
@@ -140,8 +140,6 @@ def train(cfg) -> dict:
         for layer in drafter.layers:
             layer.forward = (lambda f: (lambda *a: checkpoint(f, *a, use_reentrant=False)))(layer.forward)
     use_flex = cfg.train.attention == "flex" or (cfg.train.attention == "auto" and device.type == "cuda")
-    if use_flex and device.type == "cuda":
-        enable_compiled_flex()
 
     world, rank = accelerator.num_processes, accelerator.process_index
     micro_per_epoch = len(epoch_order(len(train_ds), 0, 0, rank, world)) // cfg.train.batch_size

@@ -101,17 +101,3 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
     if cfg.train.loss != "ce" and not store.index.get("topk"):
         raise ValueError(f"train.loss={cfg.train.loss} needs top-k log-probs in the store: re-extract with --topk")
     return _Subset(store, 0, len(train_ds)), _Subset(store, len(train_ds), len(eval_ds))
-
-
-def enable_compiled_flex() -> None:
-    """Use a compiled flex_attention (the fused kernel) wherever ``models.drafter.attend`` calls it.
-
-    Uncompiled flex_attention falls back to an eager path that materialises the full score matrix;
-    ``attend`` looks the function up at call time, so swapping the module attribute is enough.
-    """
-    import torch.nn.attention.flex_attention as fa
-
-    if not getattr(fa.flex_attention, "_draftsmith_compiled", False):
-        compiled = torch.compile(fa.flex_attention, dynamic=False)
-        compiled._draftsmith_compiled = True
-        fa.flex_attention = compiled
