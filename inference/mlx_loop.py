@@ -25,8 +25,7 @@ from typing import Callable, Protocol
 import mlx.core as mx
 
 from inference.rollback_mlx import CacheRollback
-from inference.stats import (GenerationResult, commit_tokens, leading_matches, resolve_block_size,
-                             warn_if_mask_is_emitted)
+from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from models.drafter_mlx import DFlashDraftModel, DraftCache
 from models.target_mlx import TargetModel
 
@@ -168,18 +167,13 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
             drafts_l, target_l = drafts.tolist(), target_tokens.tolist()
             assert proposer.context_length() in (committed, -1), \
                 f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
-            accepted = leading_matches(drafts_l, target_l)
-            keep = accepted + 1  # the previous bonus and the accepted drafts now have keys and features
+            keep, stop = result.record_cycle(drafts_l, target_l, eos, max_new_tokens)
             rollback.commit(cache, keep=keep, block_len=B)
             committed += keep
             rollback.check(cache, committed)
             if on_cycle is not None:
                 on_cycle(cache, committed)
             new_features = verify.features[:, :keep]
-            result.acceptance_lengths.append(keep)
-            for k in range(accepted):
-                result.position_accepts[k] += 1
-            stop = commit_tokens(drafts_l[:accepted] + [target_l[accepted]], result.tokens, eos, max_new_tokens)
             cycle += 1
             if clear_cache_every and cycle % clear_cache_every == 0:
                 mx.clear_cache()

@@ -34,6 +34,20 @@ class GenerationResult:
         n = max(len(self.tokens) - 1, 0)
         return n / self.decode_s if self.decode_s > 0 else 0.0
 
+    def record_cycle(self, drafts: list[int], target_tokens: list[int], eos_ids: set[int],
+                     max_new_tokens: int) -> tuple[int, str | None]:
+        """Accept the longest prefix where draft == target token, plus the target's own token.
+
+        Returns ``(keep, stop)``: ``keep`` = accepted drafts + 1 block positions now committed (the
+        previous bonus and the accepted drafts), ``stop`` = why generation ends, or None.
+        """
+        accepted = leading_matches(drafts, target_tokens)
+        self.acceptance_lengths.append(accepted + 1)
+        for k in range(accepted):
+            self.position_accepts[k] += 1
+        stop = commit_tokens(drafts[:accepted] + [target_tokens[accepted]], self.tokens, eos_ids, max_new_tokens)
+        return accepted + 1, stop
+
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
 

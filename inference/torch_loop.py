@@ -16,8 +16,7 @@ from typing import Callable, Protocol
 import torch
 
 from inference.rollback_torch import CacheRollback
-from inference.stats import (GenerationResult, commit_tokens, leading_matches, resolve_block_size,
-                             warn_if_mask_is_emitted)
+from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from models.drafter import DFlashDraftModel, DraftCache
 from models.target import TargetModel
 
@@ -119,18 +118,13 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
         drafts, target_tokens = both[:B - 1], both[B - 1:]
         assert proposer.context_length() in (committed, -1), \
             f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
-        accepted = leading_matches(drafts, target_tokens)
-        keep = accepted + 1  # the previous bonus and the accepted drafts now have keys and features
+        keep, stop = result.record_cycle(drafts, target_tokens, eos, max_new_tokens)
         rollback.commit(cache, keep=keep, block_len=B)
         committed += keep
         rollback.check(cache, committed)
         if on_cycle is not None:
             on_cycle(cache, committed)
         new_features = verify.features[:, :keep]
-        result.acceptance_lengths.append(keep)
-        for k in range(accepted):
-            result.position_accepts[k] += 1
-        stop = commit_tokens(drafts[:accepted] + [target_tokens[accepted]], result.tokens, eos, max_new_tokens)
     _sync(device)
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop
