@@ -16,20 +16,25 @@ MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 30, 31, 33, 47, 50, 58)}
 
 @pytest.fixture(scope="module")
 def runs(tiny_targets):
-    """Per architecture: the target, its greedy reference (with slack past NEW) and a random drafter."""
-    out = {}
-    for arch in ARCHS:
-        target = tiny_targets(arch)
-        ref = target_generate(target, PROMPT, NEW + 2 * B, eos_token_ids=[])
-        torch.manual_seed(1)
-        drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
-        out[arch] = (target, PROMPT + ref.tokens, drafter)
-    return out
+    """Per architecture (built on first use): the target, its greedy reference (with slack past NEW)
+    and a random drafter."""
+    built = {}
+
+    def get(arch):
+        if arch not in built:
+            target = tiny_targets(arch)
+            ref = target_generate(target, PROMPT, NEW + 2 * B, eos_token_ids=[])
+            torch.manual_seed(1)
+            drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+            built[arch] = (target, PROMPT + ref.tokens, drafter)
+        return built[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe"])
 def test_random_drafter_is_lossless(runs, arch):
-    target, seq, drafter = runs[arch]
+    target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
     assert 1.0 <= res.tau < 1.5  # a random drafter is (almost) never right
@@ -38,7 +43,7 @@ def test_random_drafter_is_lossless(runs, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_perfect_stand_in_accepts_whole_blocks(runs, arch):
-    target, seq, drafter = runs[arch]
+    target, seq, drafter = runs(arch)
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW,
                           eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
@@ -48,7 +53,7 @@ def test_perfect_stand_in_accepts_whole_blocks(runs, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
-    target, seq, drafter = runs[arch]
+    target, seq, drafter = runs(arch)
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
                           PROMPT, NEW, eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
@@ -110,7 +115,7 @@ def test_rollback_restores_exactly_what_the_committed_tokens_give(tiny_targets, 
 
 
 def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
-    target, seq, drafter = runs["qwen3"]
+    target, seq, drafter = runs("qwen3")
     generated = seq[len(PROMPT):]
     eos = generated[21]
     cut = generated.index(eos)
@@ -121,21 +126,21 @@ def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
 
 
 def test_eos_as_the_first_token_gives_nothing(runs):
-    target, seq, drafter = runs["llama"]
+    target, seq, drafter = runs("llama")
     res = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[seq[len(PROMPT)]])
     assert res.tokens == [] and res.acceptance_lengths == [] and res.stop_reason == "eos"
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 9, 37])
 def test_max_new_tokens_is_exact(runs, max_new):
-    target, seq, drafter = runs["qwen3"]
+    target, seq, drafter = runs("qwen3")
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, max_new,
                           eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + max_new]
 
 
 def test_smaller_block_than_trained_is_lossless(runs):
-    target, seq, drafter = runs["qwen3_5"]
+    target, seq, drafter = runs("qwen3_5")
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
                           PROMPT, 30, block_size=4, eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + 30]
@@ -145,7 +150,7 @@ def test_smaller_block_than_trained_is_lossless(runs):
 
 
 def test_temperature_sampling_is_seeded_and_exact_in_length(runs):
-    target, seq, drafter = runs["qwen3"]
+    target, seq, drafter = runs("qwen3")
     a = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, 30, temperature=0.8, seed=3, eos_token_ids=[])
     b = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, 30, temperature=0.8, seed=3, eos_token_ids=[])
     assert a.tokens == b.tokens and len(a.tokens) == 30
@@ -163,7 +168,7 @@ def test_sampling_follows_the_softmax():
 
 
 def test_mismatched_drafter_and_target_is_refused(runs):
-    target, _, _ = runs["qwen3"]
+    target, _, _ = runs("qwen3")
     wrong = DFlashDraftModel(tiny_drafter_config(target, num_target_layers=12, target_layer_ids=[1, 5, 9]))
     with pytest.raises(ValueError, match="num_target_layers=12: the target has 8 decoder layers"):
         DrafterProposer(wrong, target)
