@@ -40,14 +40,39 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from train.config import load_config
+    from train.config import ConfigKeyError, load_config
 
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print_help()
+        return {}
+    try:
+        cfg = load_config(argv)
+    except (ConfigKeyError, FileNotFoundError, ValueError, TypeError) as e:
+        # A mistyped key or recipe is the user's to fix: say what and how, without a traceback.
+        raise SystemExit(f"error: {e.args[0] if isinstance(e, KeyError) else e}\n(see: python train/distill.py --help)")
     if cfg.dry_run:
         from train.plan import print_plan
 
         return print_plan(cfg)
     return train(cfg)
+
+
+def print_help() -> None:
+    from dataclasses import fields
+
+    from train.config import RunConfig, recipe_path, valid_keys
+
+    print(__doc__)
+    recipes = sorted(p.stem for p in recipe_path("tiny").parent.glob("*.yaml"))
+    print("recipes:", ", ".join(recipes))
+    print("config keys (README 'Train' explains each):")
+    keys = valid_keys()
+    print("  " + ", ".join(k for k in keys if "." not in k and not any(o.startswith(k + ".") for o in keys)))
+    for section in fields(RunConfig):
+        sub = [k.split(".", 1)[1] for k in keys if k.startswith(section.name + ".")]
+        if sub:
+            print(f"  {section.name}.: " + ", ".join(sub))
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float):
