@@ -160,4 +160,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from models.cli import run_cli
+
+    run_cli(main)

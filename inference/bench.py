@@ -78,4 +78,6 @@ def main(argv: list[str] | None = None) -> None:
                               "first_divergence": r["first_divergence"]}), flush=True)
 
 if __name__ == "__main__":
-    main()
+    from models.cli import run_cli
+
+    run_cli(main)

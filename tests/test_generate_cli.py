@@ -69,3 +69,11 @@ def test_bad_input_is_explained(folders):
 def test_help_explains_the_flags():
     out = subprocess.run([sys.executable, "-m", "inference.generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--block-size" in out.stdout and "auto" in out.stdout
+
+
+def test_command_line_mistakes_print_one_line(folders):
+    target, _ = folders
+    out = subprocess.run([sys.executable, "-m", "inference.generate", "--target", target, "--draft", "/no/such/drafter",
+                          "--prompt-ids", "1"], capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "error: drafter '/no/such/drafter' is neither a local folder nor a Hub id" in out.stderr

@@ -40,17 +40,13 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from train.config import ConfigKeyError, load_config
+    from train.config import load_config
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print_help()
         return {}
-    try:
-        cfg = load_config(argv)
-    except (ConfigKeyError, FileNotFoundError, ValueError, TypeError) as e:
-        # A mistyped key or recipe is the user's to fix: say what and how, without a traceback.
-        raise SystemExit(f"error: {e.args[0] if isinstance(e, KeyError) else e}\n(see: python train/distill.py --help)")
+    cfg = load_config(argv)  # a mistyped key or recipe ends in models.cli.run_cli's one-line error
     if cfg.dry_run:
         from train.plan import print_plan
 
@@ -322,4 +318,6 @@ def train(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from models.cli import run_cli
+
+    run_cli(main)
