@@ -17,13 +17,10 @@ FAST = ["logging.progress=false", "eval.at_start=false", "eval.true_tau_prompts=
 @pytest.fixture(scope="module")
 def tiny_inputs(tmp_path_factory):
     """A fitted tiny target and its regenerated, prepared tiny chat data, built once for the module."""
-    import torch
-
     from data.prepare import prepare
     from data.tiny_chat import write
     from train.tiny import build_tiny_target
 
-    torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("tiny_inputs")
     target = build_tiny_target(root / "target", log=lambda *_: None)
     source = write(root / "tiny_chat.jsonl", n=320, seed=0)

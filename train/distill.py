@@ -19,9 +19,11 @@ only prepares the model and optimizer (devices, DDP/FSDP/DeepSpeed, mixed precis
 gradient sync of non-final micro-batches, and saves/loads state; the loop is ours.
 
 Determinism: the data order of epoch e is a permutation drawn from (seed, e), and the anchors of
-each micro-batch from (seed, epoch, micro-batch, rank), both from their own generators. So the
-data-order state is just (epoch, step in epoch), and a resumed run draws exactly the same anchors
-as an uninterrupted one.
+each row from (seed, epoch, row), both from their own generators. So the data-order state is just
+(epoch, step in epoch), a resumed run draws exactly the same anchors as an uninterrupted one, and
+a row's blocks do not depend on the batch size, gradient accumulation or process count. The loss
+of an optimizer step is normalised by the slot-weight sum of the whole step (see the loop), so
+``batch_size=2 grad_accum=1`` and ``batch_size=1 grad_accum=2`` take the same step.
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ def train(cfg) -> dict:
     from models.drafter import DFlashDraftModel
     from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
     from train.eval import evaluate_sim, held_out_prompts, stream_seed, true_tau
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
-    from train.setup import load_data, load_target, make_features
+    from train.objective import (attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight,
+                                 simulated_acceptance)
+    from train.setup import check_same_rows, load_data, load_target, make_features, token_batch
 
     # ------------------------------------------------------------------ config, accelerator, out_dir
     cuda = torch.cuda.is_available()
@@ -247,27 +250,44 @@ def train(cfg) -> dict:
         while step_in_epoch < steps_per_epoch and step < total_steps:
             first = step_in_epoch * cfg.train.grad_accum
             micro_ids = range(first, min(first + cfg.train.grad_accum, micro_per_epoch))
-            loss_acc, ce_acc = 0.0, 0.0
-            acc_stats: dict[str, torch.Tensor] = {}
-            for i, micro in enumerate(micro_ids):
+            # The step's loss is sum(w_k * loss_k) / sum(w_k) over every scored slot of the whole
+            # optimizer step (all micro-batches, all processes), as if it were one big batch: a
+            # mean of per-micro-batch means would weigh a slot of a row with few anchors more than
+            # one of a row with many, so batch_size=2 x grad_accum=1 and 1 x 2 would train
+            # differently. The denominator must be known before the first backward, so the
+            # blocks of every micro-batch are drawn first, from the token columns alone (cheap; no
+            # features). Anchors come from one stream per (seed, epoch, data row), so a row's
+            # blocks do not depend on how rows are grouped into micro-batches or processes.
+            plans = []
+            for micro in micro_ids:
                 rows = order[micro * cfg.train.batch_size:(micro + 1) * cfg.train.batch_size]
-                batch = train_feats.get_batch(rows)
-                ids, lm = batch.input_ids.to(device), batch.loss_mask.to(device)
-                doc, pos = batch.doc_ids.to(device).long(), batch.position_ids.to(device)
-                gen = torch.Generator().manual_seed(stream_seed(cfg.train.seed, epoch, micro, rank))
+                tok = token_batch(train_ds, rows)
+                ids, lm = tok.input_ids.to(device), tok.loss_mask.to(device)
+                doc, pos = tok.doc_ids.to(device).long(), tok.position_ids.to(device)
+                gens = [torch.Generator().manual_seed(stream_seed(cfg.train.seed, epoch, r)) for r in rows]
                 blocks = draw_blocks(ids, lm, doc, pos, cfg.train.anchors, drafter_cfg.block_size,
-                                     drafter_cfg.mask_token_id, gen)
+                                     drafter_cfg.mask_token_id, gens)
+                plans.append((rows, tok, blocks, doc, pos))
+            step_weight = accelerator.reduce(sum(loss_weight(p[2], cfg.gamma) for p in plans).float(), "sum")
+            # DDP / FSDP average gradients over processes: scale by `world` so they sum instead.
+            scale = world / step_weight.clamp_min(1e-12)
+            loss_acc = torch.zeros((), device=device)
+            ce_acc, kl_acc, scored_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
+            acc_stats: dict[str, torch.Tensor] = {}
+            for i, (rows, tok, blocks, doc, pos) in enumerate(plans):
+                batch = train_feats.get_batch(rows)
+                check_same_rows(tok, batch, cfg.features.store)
                 mask = attention_masks(drafter_cfg, blocks, doc, pos, use_flex)
-                sync = i == len(micro_ids) - 1
+                sync = i == len(plans) - 1
                 with (contextlib.nullcontext() if sync else accelerator.no_sync(model)), accelerator.autocast():
                     hidden = drafter_forward(model, target.embed_tokens, blocks, batch.features.to(device), pos, mask)
                     out = block_loss(hidden, blocks, target.lm_head.weight, cfg.gamma, chunk=cfg.train.ce_chunk,
                                      mode=cfg.train.loss, kl_weight=cfg.train.kl_weight,
                                      topk_ids=None if batch.topk_ids is None else batch.topk_ids.to(device),
                                      topk_logprobs=None if batch.topk_logprobs is None else batch.topk_logprobs.to(device))
-                    accelerator.backward(out.loss / len(micro_ids))
-                loss_acc += out.loss.detach() / len(micro_ids)
-                ce_acc += out.ce / len(micro_ids)
+                    accelerator.backward(out.weighted_sum * scale)
+                loss_acc += out.weighted_sum.detach() / step_weight.clamp_min(1e-12)
+                ce_acc, kl_acc, scored_acc = ce_acc + out.ce_sum, kl_acc + out.kl_sum, scored_acc + out.scored
                 for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
                     acc_stats[k] = acc_stats[k] + v if k in acc_stats else v
                 tokens_since += int(batch.lengths.sum())
@@ -280,14 +300,17 @@ def train(cfg) -> dict:
             step_in_epoch += 1
 
             if step % cfg.logging.every == 0 or step == total_steps:
-                loss_mean = accelerator.reduce(torch.as_tensor(loss_acc, device=device).float(), "mean")
-                ce_mean = accelerator.reduce(torch.as_tensor(ce_acc, device=device).float(), "mean")
+                loss_mean = accelerator.reduce(loss_acc.float(), "sum")  # each process holds its share
+                scored = accelerator.reduce(torch.tensor(float(scored_acc), device=device), "sum").clamp_min(1)
+                ce_mean = accelerator.reduce(ce_acc.float(), "sum") / scored
+                kl_mean = accelerator.reduce(kl_acc.float(), "sum") / scored
                 tau_sum = accelerator.reduce(acc_stats["tau_sum"], "sum")
                 nblk = accelerator.reduce(acc_stats["blocks"], "sum")
                 dt = time.perf_counter() - t_log
                 tok_s = tokens_since * world / dt
                 last = {"step": step, "epoch": round(epoch + step_in_epoch / steps_per_epoch, 4),
                         "loss": float(loss_mean), "ce": float(ce_mean), "tau": float(tau_sum / nblk.clamp_min(1)),
+                        **({"kl": float(kl_mean)} if cfg.train.loss != "ce" else {}),
                         "lr": scheduler.get_last_lr()[0],
                         "grad_norm": None if grad_norm is None else float(grad_norm),
                         "tokens_per_s": round(tok_s, 1), "anchors_per_s": round(anchors_since * world / dt, 1)}

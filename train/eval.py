@@ -43,8 +43,9 @@ def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: i
         dev = target.device
         ids, lm, doc, pos = (batch.input_ids.to(dev), batch.loss_mask.to(dev), batch.doc_ids.to(dev).long(),
                              batch.position_ids.to(dev))
-        gen = torch.Generator().manual_seed(stream_seed(seed, "eval", bi))
-        blocks = draw_blocks(ids, lm, doc, pos, num_anchors, cfg.block_size, cfg.mask_token_id, gen)
+        rows = indices[start:start + batch_size]  # one stream per held-out row: same blocks at any batch size
+        gens = [torch.Generator().manual_seed(stream_seed(seed, "eval", int(r))) for r in rows]
+        blocks = draw_blocks(ids, lm, doc, pos, num_anchors, cfg.block_size, cfg.mask_token_id, gens)
         mask = attention_masks(cfg, blocks, doc, pos, use_flex)
         with (autocast() if autocast else contextlib.nullcontext()):
             hidden = drafter_forward(drafter, target.embed_tokens, blocks, batch.features.to(dev), pos, mask)

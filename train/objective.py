@@ -30,6 +30,7 @@ mask (window on context keys, ``sliding_block_attention`` inside the block), pas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,12 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """``w_k = exp(-(k-1)/gamma)`` for slots k = 1..B-1 (unnormalised; the loss divides by the sum)."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)
+
+
+def loss_weight(blocks: "Blocks", gamma: float) -> torch.Tensor:
+    """Sum of ``w_k`` over the scored slots of ``blocks``: the denominator of their loss (before any forward)."""
+    w = slot_weights(blocks.block_size, gamma, blocks.label_mask.device)
+    return (w * blocks.label_mask).sum()
 
 
 # ----------------------------------------------------------------------------- anchors and blocks
@@ -73,16 +80,30 @@ def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.T
     return cand
 
 
-def sample_anchors(candidates: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(candidates: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``num_anchors`` distinct candidates per row, uniformly at random, sorted by position.
 
     Returns ``(anchors [b, n], valid [b, n])`` with ``n = min(num_anchors, most candidates in a row)``;
     rows with fewer candidates are padded with invalid anchors at position 0. Random keys come from
-    ``generator`` (CPU), so the draw depends only on its seed, not on the device.
+    ``generator`` (CPU), so the draw depends only on its seed, not on the device. A list of
+    generators, one per row, draws each row's keys from its own stream over the row's own candidate
+    span: a row's anchors then do not depend on the other rows of its batch or on the padding
+    width, so batch_size x grad_accum can be traded without changing the blocks (the trainer seeds
+    one stream per (seed, epoch, data row)).
     """
     b, s = candidates.shape
     n = int(min(num_anchors, max(int(candidates.sum(1).max()), 1)))
-    keys = torch.rand(b, s, generator=generator).to(candidates.device)
+    if isinstance(generator, torch.Generator):
+        keys = torch.rand(b, s, generator=generator).to(candidates.device)
+    else:
+        if len(generator) != b:
+            raise ValueError(f"{len(generator)} generators for {b} rows")
+        keys = torch.zeros(b, s)
+        for r, (row, g) in enumerate(zip(candidates.cpu(), generator)):
+            span = int(row.nonzero().max()) + 1 if bool(row.any()) else 0  # up to the row's last candidate
+            keys[r, :span] = torch.rand(span, generator=g)
+        keys = keys.to(candidates.device)
     keys = keys.masked_fill(~candidates, -1.0)
     top, idx = keys.topk(n, dim=1)
     valid = top >= 0
@@ -116,8 +137,11 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torc
 
 def draw_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor | None,
                 position_ids: torch.Tensor | None, num_anchors: int, block_size: int, mask_token_id: int,
-                generator: torch.Generator) -> Blocks:
-    """Sample anchors and build blocks. ``doc_ids`` None = one document per row (padding: loss_mask 0)."""
+                generator: torch.Generator | Sequence[torch.Generator]) -> Blocks:
+    """Sample anchors and build blocks. ``doc_ids`` None = one document per row (padding: loss_mask 0).
+
+    ``generator``: one for the batch, or one per row (see :func:`sample_anchors`).
+    """
     if doc_ids is None:
         doc_ids = torch.zeros_like(input_ids)
     if position_ids is None:
@@ -199,11 +223,19 @@ def attention_masks(drafter_config, blocks: Blocks, doc_ids: torch.Tensor, posit
 # ----------------------------------------------------------------------------- forward + loss
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar, weighted mean over scored slots
+    loss: torch.Tensor  # scalar, weighted mean over scored slots (= weighted_sum / weight)
     correct: torch.Tensor  # [b, n, B-1] bool: argmax == label (False where not scored)
     label_mask: torch.Tensor  # [b, n, B-1]
     valid: torch.Tensor  # [b, n]
     ce: torch.Tensor  # scalar: unweighted mean CE over scored slots (for logs)
+    # Sums, for normalising over several micro-batches / processes (the trainer divides by the
+    # weight sum of the whole optimizer step): sum of w_k * loss_k, sum of w_k, and the unweighted
+    # per-slot CE and KL sums over the `scored` slots (logs).
+    weighted_sum: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    ce_sum: torch.Tensor | None = None
+    kl_sum: torch.Tensor | None = None
+    scored: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -216,13 +248,14 @@ def _chunk_loss(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, t_i
     logp = F.log_softmax(logits, dim=-1)
     ce = -logp.gather(-1, labels[:, None])[:, 0]
     per_slot = ce if mode in ("ce", "ce+kl") else torch.zeros_like(ce)
+    kl = torch.zeros_like(ce)
     if mode in ("kl", "ce+kl"):
         # KL(target || drafter) over the target's top-k tokens (the mass outside top-k is dropped).
         p = t_logp.exp()
         diff = torch.where(p > 0, t_logp - logp.gather(-1, t_ids.long()), torch.zeros_like(p))
         kl = (p * diff).sum(-1)
         per_slot = per_slot + kl_weight * kl
-    return per_slot, ce.detach(), logits.argmax(-1)
+    return per_slot, ce.detach(), kl.detach(), logits.argmax(-1)
 
 
 def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, gamma: float, *, chunk: int = 4096,
@@ -251,28 +284,31 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         k = topk_ids.shape[-1]
         t_ids = topk_ids.gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
         t_logp = topk_logprobs.float().gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
-    per_slot, ce, pred = [], [], []
+    per_slot, ce, kl, pred = [], [], [], []
     for i in range(0, h.shape[0], chunk):
         args = (h[i:i + chunk], head_weight, y[i:i + chunk], None if t_ids is None else t_ids[i:i + chunk],
                 None if t_logp is None else t_logp[i:i + chunk], mode, kl_weight)
         if torch.is_grad_enabled() and h.requires_grad:
-            ls, c, p = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            ls, c, k_, p = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
-            ls, c, p = _chunk_loss(*args)
+            ls, c, k_, p = _chunk_loss(*args)
         per_slot.append(ls)
         ce.append(c)
+        kl.append(k_)
         pred.append(p)
     if per_slot:
-        per_slot_t, ce_t, pred_t = torch.cat(per_slot), torch.cat(ce), torch.cat(pred)
-        loss = (w * per_slot_t).sum() / w.sum()
-        ce_mean = ce_t.mean()
+        per_slot_t, ce_t, kl_t, pred_t = torch.cat(per_slot), torch.cat(ce), torch.cat(kl), torch.cat(pred)
+        weighted_sum, weight = (w * per_slot_t).sum(), w.sum()
+        loss = weighted_sum / weight
+        ce_mean, ce_sum, kl_sum = ce_t.mean(), ce_t.sum(), kl_t.sum()
     else:  # no scored slot in this batch: a zero loss that still touches the graph
-        loss = hidden.sum() * 0.0
-        ce_mean = loss.detach()
+        loss = weighted_sum = hidden.sum() * 0.0
+        weight = ce_mean = ce_sum = kl_sum = loss.detach()
         pred_t = y
     correct = torch.zeros_like(sel)
     correct[sel] = pred_t == y
-    return LossOutput(loss=loss, correct=correct, label_mask=sel, valid=blocks.valid, ce=ce_mean)
+    return LossOutput(loss=loss, correct=correct, label_mask=sel, valid=blocks.valid, ce=ce_mean,
+                      weighted_sum=weighted_sum, weight=weight, ce_sum=ce_sum, kl_sum=kl_sum, scored=int(y.shape[0]))
 
 
 def drafter_forward(drafter, embed, blocks: Blocks, features: torch.Tensor, position_ids: torch.Tensor,

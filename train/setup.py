@@ -101,3 +101,22 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
     if cfg.train.loss != "ce" and not store.index.get("topk"):
         raise ValueError(f"train.loss={cfg.train.loss} needs top-k log-probs in the store: re-extract with --topk")
     return _Subset(store, 0, len(train_ds)), _Subset(store, len(train_ds), len(eval_ds))
+
+
+def token_batch(ds, indices):
+    """The token columns of prepared rows as a right-padded ``FeatureBatch`` (no features): what the
+    anchor draw needs, read before any feature is computed or loaded."""
+    from data.features import collate
+
+    return collate([ds[int(i)] for i in indices])
+
+
+def check_same_rows(tokens, batch, store: str | None) -> None:
+    """The provider's batch holds the same tokens as the prepared rows the blocks were drawn from."""
+    real = tokens.doc_ids >= 0
+    same = (tokens.input_ids.shape == batch.input_ids.shape and torch.equal(batch.doc_ids.cpu() >= 0, real)
+            and torch.equal(tokens.input_ids[real], batch.input_ids.cpu()[real])
+            and torch.equal(tokens.loss_mask, batch.loss_mask.cpu()) and torch.equal(tokens.doc_ids, batch.doc_ids.cpu()))
+    if not same:
+        raise ValueError(f"feature store {store} holds other tokens than the prepared data (data.prepared) for the "
+                         "same rows: extract features from the same prepared data set")

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 def main() -> None:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # as tests/conftest.py (the value is the same with 2 threads)
     from data.prepare import prepare
     from data.tiny_chat import write
     from train.config import load_config
