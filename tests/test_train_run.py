@@ -14,19 +14,36 @@ GOLDEN = Path(__file__).parent / "golden" / "train_tiny_2step.json"
 FAST = ["logging.progress=false", "eval.at_start=false", "eval.true_tau_prompts=0", "checkpoint.every=0"]
 
 
+_INPUTS: dict[str, Path] = {}
+
+
+def tiny_input_dirs(tmp_path_factory) -> dict[str, Path]:
+    """``target``, ``data`` and ``packed`` (the same documents packed) folders, built once per session.
+
+    Shared with tests/test_train_modes.py: fitting the tiny target is most of the cost.
+    """
+    if not _INPUTS:
+        from data.prepare import prepare
+        from data.tiny_chat import write
+        from train.tiny import build_tiny_target
+
+        root = tmp_path_factory.mktemp("tiny_inputs")
+        target = build_tiny_target(root / "target", log=lambda *_: None)
+        source = write(root / "tiny_chat.jsonl", n=320, seed=0)
+        prepare(str(target), str(source), root / "data", regenerate="local", thinking=False, max_length=256,
+                progress=False, gen_kwargs={"max_tokens": 40, "batch_size": 64})
+        # The packed variant re-reads the target's regenerated answers: no second regeneration.
+        prepare(str(target), str(root / "data" / "regenerated.jsonl"), root / "packed", thinking=False,
+                max_length=256, pack=True, progress=False)
+        _INPUTS.update(target=target, data=root / "data", packed=root / "packed")
+    return _INPUTS
+
+
 @pytest.fixture(scope="module")
 def tiny_inputs(tmp_path_factory):
-    """A fitted tiny target and its regenerated, prepared tiny chat data, built once for the module."""
-    from data.prepare import prepare
-    from data.tiny_chat import write
-    from train.tiny import build_tiny_target
-
-    root = tmp_path_factory.mktemp("tiny_inputs")
-    target = build_tiny_target(root / "target", log=lambda *_: None)
-    source = write(root / "tiny_chat.jsonl", n=320, seed=0)
-    prepare(str(target), str(source), root / "data", regenerate="local", thinking=False, max_length=256,
-            progress=False, gen_kwargs={"max_tokens": 40, "batch_size": 64})
-    return [f"target.path={target}", f"data.prepared={root / 'data'}"]
+    """A fitted tiny target and its regenerated, prepared tiny chat data (recipe overrides)."""
+    d = tiny_input_dirs(tmp_path_factory)
+    return [f"target.path={d['target']}", f"data.prepared={d['data']}"]
 
 
 def run(out_dir, *args):
@@ -36,9 +53,12 @@ def run(out_dir, *args):
     return train(load_config(["recipe=tiny", f"out_dir={out_dir}", *args]))
 
 
-def losses(out_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+def metrics(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def losses(out_dir, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in metrics(out_dir) if key in r}
 
 
 def test_two_step_loss_matches_golden(tiny_inputs, tmp_path):

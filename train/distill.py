@@ -33,6 +33,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch train/distill.py`
@@ -201,7 +202,10 @@ def train(cfg) -> dict:
             wandb_run = wandb.init(project=cfg.logging.wandb_project, config=cfg.to_dict(), dir=str(out_dir),
                                    mode=cfg.logging.wandb_mode, resume="allow" if cfg.resume else None)
         except ImportError:
-            log("logging.wandb=true but wandb is not installed (pip install wandb): logging to metrics.jsonl only")
+            msg = ("logging.wandb=true but wandb is not importable (pip install wandb): logging to the console and "
+                   f"{metrics_path} only")
+            warnings.warn(msg, stacklevel=1)
+            log(f"warning: {msg}")
 
     def emit(row: dict) -> None:
         if not is_main:
@@ -316,6 +320,8 @@ def train(cfg) -> dict:
                         "tokens_per_s": round(tok_s, 1), "anchors_per_s": round(anchors_since * world / dt, 1)}
                 emit(last)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['tau']:.2f}", tok_s=f"{tok_s:.0f}")
+                if not cfg.logging.progress:  # no bar (logs, CI): the console still gets every logged step
+                    log("step " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in last.items()}))
                 t_log, tokens_since, anchors_since = time.perf_counter(), 0, 0
             bar.update(1)
             final_step = step == total_steps

@@ -280,7 +280,9 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         if topk_ids is None or topk_logprobs is None:
             raise ValueError(f"train.loss={mode} needs the target's top-k log-probs (online: train.kl_topk > 0; "
                              "offline: a store extracted with top-k)")
-        src = (blocks.anchors[:, :, None] + torch.arange(B - 1, device=hidden.device)).flatten(1)
+        # Slots past the row's end are never scored, but their index must still be inside the row.
+        src = (blocks.anchors[:, :, None] + torch.arange(B - 1, device=hidden.device)).clamp(max=topk_ids.shape[1] - 1)
+        src = src.flatten(1)
         k = topk_ids.shape[-1]
         t_ids = topk_ids.gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
         t_logp = topk_logprobs.float().gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
