@@ -128,6 +128,8 @@ def test_packed_rows_train_and_learn(tiny, tmp_path):
 
     meta = json.loads((tiny["packed"] / "draftsmith_data.json").read_text())
     assert meta["packed"]
+    with pytest.raises(ValueError, match="prepared with pack=True, the recipe says data.pack=False"):
+        run(tmp_path / "unflagged", f"target.path={tiny['target']}", f"data.prepared={tiny['packed']}", *FAST)
     run(tmp_path, f"target.path={tiny['target']}", f"data.prepared={tiny['packed']}", "data.pack=true",
         *FAST, "eval.at_start=true", *STEPS, "train.max_steps=12")
     tau = losses(tmp_path, "eval_tau_sim")

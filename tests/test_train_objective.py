@@ -189,6 +189,12 @@ def test_config_rejects_unknown_keys_with_closest():
             (5, 5, 16, 7.0, 512, 6e-4, 0.04, 1.0, 6, 3072), name
 
 
+def test_yaml_boolean_spellings_stay_strings_for_string_keys():
+    """`no` is YAML for False; `train.mixed_precision=no` (the documented fp32 value) must still mean "no"."""
+    assert load_config(["recipe=tiny", "train.mixed_precision=no"]).train.mixed_precision == "no"
+    assert load_config(["recipe=tiny", "train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+
+
 def test_dry_run_qwen35_9b_offline(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from train.distill import main

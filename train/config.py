@@ -274,6 +274,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise TypeError(f"{key}={value!r}: expected a number")
         return float(value)
     if tp is str:
+        if isinstance(value, bool):  # YAML 1.1 reads no/off/false as False: `train.mixed_precision=no` means "no"
+            return "yes" if value else "no"
         if isinstance(value, (dict, list)):
             raise TypeError(f"{key}={value!r}: expected a string")
         return str(value)

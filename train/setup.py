@@ -63,6 +63,10 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     if cfg.data.thinking is not None and meta.get("thinking") not in (None, cfg.data.thinking):
         raise ValueError(f"{prepared} was prepared with thinking={meta.get('thinking')}, the recipe says "
                          f"data.thinking={cfg.data.thinking}: re-prepare, or point data.prepared elsewhere")
+    if bool(meta.get("packed")) != cfg.data.pack:  # else the saved config would misdescribe the rows trained on
+        raise ValueError(f"{prepared} was prepared with pack={bool(meta.get('packed'))}, the recipe says "
+                         f"data.pack={cfg.data.pack}: set data.pack={str(bool(meta.get('packed'))).lower()}, or point "
+                         "data.prepared elsewhere")
     n_eval = min(cfg.data.eval_rows, len(ds) // 5) if cfg.data.eval_rows else 0
     train_ds = ds.select(range(len(ds) - n_eval))
     eval_ds = ds.select(range(len(ds) - n_eval, len(ds)))
