@@ -74,6 +74,30 @@ def test_grad_accumulation_is_exact(tiny, tmp_path):
     assert abs(tau[0] - tau[1]) <= 5e-3, tau
 
 
+def test_two_processes_take_the_same_step_as_one(tiny, tmp_path):
+    """DDP (2 CPU processes, gloo) with 1 row each == 1 process with 2 rows: the step's weight sum is
+    reduced over processes and gradients are scaled by the world size (DDP averages them).
+    Measured: losses within 1e-6, weights within 3e-6."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    common = [*tiny["args"], *FAST, *STEPS, "train.max_steps=2", "train.anchors=8"]
+    run(tmp_path / "one", *common, "train.batch_size=2")
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(root / "train" / "distill.py"), "recipe=tiny", f"out_dir={tmp_path / 'two'}", *common, "train.batch_size=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout + proc.stderr
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert_close([b[1], b[2]], [a[1], a[2]], atol=1e-5, what="losses, 2 processes x 1 row vs 1 process x 2 rows")
+    wa, wb = drafter_weights(tmp_path / "one"), drafter_weights(tmp_path / "two")
+    for k in wa:
+        assert_close(wb[k], wa[k], atol=2e-5, what=f"drafter weight {k} after 2 steps")
+
+
 def test_offline_features_train_like_online(tiny, store, tmp_path):
     """Same first losses from a bf16 store as from the fp32 target in the step.
 
