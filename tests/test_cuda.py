@@ -1,0 +1,79 @@
+"""CUDA-only checks (skipped without a GPU; run them on a GPU node with ``pytest tests/test_cuda.py``).
+
+Flex attention's backward exists on CUDA only: there, flex and the dense SDPA path must give the
+same loss *and* the same gradients. The torch DFlash loop must be lossless on CUDA in fp32, and in
+bf16 it reports where (if anywhere) it first departs from target-only decoding.
+"""
+
+import pytest
+import torch
+
+from conftest import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+@pytest.mark.parametrize("sliding", [False, True])
+def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
+    """head_dim 16 takes the compiled flex kernel, 8 the eager fallback (the kernel needs >= 16)."""
+    from test_train_objective import B, H, MASK, _rows
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+
+    ids, lm, doc, pos = (t.cuda() for t in _rows())
+    feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2)).cuda()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    results = {}
+    for use_flex in (False, True):
+        d, emb, head = _drafter(["sliding_attention", "full_attention"] if sliding else None, head_dim)
+        masks = attention_masks(d.config, blocks, doc, pos, use_flex=use_flex)
+        out = block_loss(drafter_forward(d, emb, blocks, feats, pos, masks), blocks, head.weight, 4.0, chunk=7)
+        out.loss.backward()
+        results[use_flex] = (out.loss.detach(), {n: p.grad.detach().clone() for n, p in d.named_parameters()})
+    assert_close(results[True][0], results[False][0], atol=1e-5, what="flex vs dense loss (CUDA)")
+    for name, grad in results[False][1].items():
+        assert_close(results[True][1][name], grad, atol=1e-5, rtol=1e-4, what=f"flex vs dense grad {name}")
+
+
+def _drafter(layer_types, head_dim):
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+    from test_train_objective import B, H, MASK, V
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=head_dim, vocab_size=V, num_target_layers=8,
+                       target_layer_ids=[1, 3], mask_token_id=MASK, block_size=B, torch_dtype="float32",
+                       layer_types=layer_types or [], sliding_window=6 if layer_types else None)
+    d = DFlashDraftModel(cfg).cuda()
+    emb, head = torch.nn.Embedding(V, H).cuda(), torch.nn.Linear(H, V, bias=False).cuda()
+    d.bind_target(emb, head)
+    return d, emb, head
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_torch_loop_on_cuda(tiny_targets, arch):
+    from inference.torch_loop import dflash_generate, target_generate
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
+    mistakes = {len(prompt) + k for k in (3, 4, 12, 30, 31, 33, 47, 50, 58)}
+    for dtype in (torch.float32, torch.bfloat16):
+        target = TargetModel(tiny_target(arch, dtype=dtype).cuda(), tiny_tokenizer())
+        ref = target_generate(target, prompt, 80, eos_token_ids=[])
+        seq = prompt + ref.tokens
+        layer_ids = tiny_drafter_config(target).target_layer_ids
+        res = dflash_generate(target, ReferenceProposer(seq, layer_ids, 8, 288, mistakes), prompt, 64, eos_token_ids=[])
+        first = next((i for i, (a, b) in enumerate(zip(res.tokens, ref.tokens)) if a != b), None)
+        print(f"{arch} {dtype}: first divergence from target-only decoding: {first}")
+        if dtype == torch.float32:
+            assert first is None and res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
