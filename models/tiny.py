@@ -86,13 +86,16 @@ def _tiny_config(arch: str, vocab_size: int, num_layers: int):
     if arch == "llama":
         from transformers import LlamaConfig
         return LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **common)
-    if arch in ("qwen3_5", "qwen3_5_vl"):
-        from transformers import Qwen3_5TextConfig
+    if arch in ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe"):
+        from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
         layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-        text = Qwen3_5TextConfig(layer_types=layer_types, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16,
-                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                  "partial_rotary_factor": 0.25}, **common)
+        hybrid = dict(layer_types=layer_types, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_value_head_dim=16,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        if arch == "qwen3_5_moe":
+            return Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                        shared_expert_intermediate_size=48, **hybrid, **common)
+        text = Qwen3_5TextConfig(**hybrid, **common)
         if arch == "qwen3_5":
             return text
         from transformers import Qwen3_5Config
@@ -103,7 +106,7 @@ def _tiny_config(arch: str, vocab_size: int, num_layers: int):
     raise ValueError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
 
 
-TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_vl")
+TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
 
 
 def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_size: int = TINY_VOCAB,

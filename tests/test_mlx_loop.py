@@ -55,14 +55,16 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlx_targets")
     made: dict[str, tuple] = {}
     source = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_vl", "qwen3_q4": "qwen3",
-              "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe"}
+              "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe"}
 
     def get(name: str):
         if name not in made:
             hf = root / f"hf_{source[name]}"
             if not hf.exists():
                 save_tiny_target(hf, source[name])
-            if name in ("qwen3_5_text", "qwen3_moe"):  # mlx_lm.convert cannot read these transformers 5 configs
+                if name == "qwen3_5_moe":
+                    fuse_experts(hf)
+            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe"):  # mlx_lm.convert cannot read these configs
                 made[name] = (hf, hf)
             else:
                 out = root / f"mlx_{name}"
@@ -72,6 +74,27 @@ def folders(tmp_path_factory):
         return made[name]
 
     return get
+
+
+def fuse_experts(folder) -> None:
+    """Rewrite per-expert MoE weights as published Qwen3.5 MoE checkpoints store them (and mlx_lm reads):
+    ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``. transformers 5 saves the
+    tiny model one tensor per expert instead."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state, grouped = load_file(str(path)), {}
+    for key in list(state):
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", key)
+        if m:
+            grouped.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = state.pop(key)
+    for prefix, parts in grouped.items():
+        stack = {k: torch.stack([v[i] for i in sorted(v)]) for k, v in parts.items()}
+        state[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        state[f"{prefix}.down_proj"] = stack["down"]
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +120,7 @@ def mlx_drafter(torch_drafter: TorchDrafter, tmp_path) -> DFlashDraftModel:
 
 
 # ------------------------------------------------------------------------------- losslessness
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe"])
 def test_random_drafter_is_lossless(runs, arch, tmp_path):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, NEW,
@@ -143,7 +166,7 @@ def test_quantized_4bit_target_is_lossless(runs, tmp_path):
 
 
 # ---------------------------------------------------------------------------- capture and scoping
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe"])
 def test_captured_features_are_the_torch_hidden_states(folders, arch):
     from transformers import AutoModelForCausalLM
 

@@ -32,7 +32,7 @@ def runs(tiny_targets):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe"])
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe"])
 def test_random_drafter_is_lossless(runs, arch):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
