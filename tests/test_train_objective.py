@@ -204,3 +204,28 @@ def test_dry_run_qwen35_9b_offline(capsys, monkeypatch):
     assert "could not fetch config.json of Qwen/Qwen3.5-9B" in text
     assert plan["target_shape"]["num_hidden_layers"] == 32 and plan["target_layer_ids"] == [1, 8, 15, 22, 29]
     assert plan["drafter"]["layers"] == 5 and plan["memory_per_gpu"]["total_gib"] > 0
+
+
+@pytest.mark.parametrize("mode", ["ce", "kl", "ce+kl"])
+def test_frozen_head_gradient_from_forward_equals_autograd(mode):
+    """The frozen head's ``d loss / d hidden``, computed while each chunk's logits exist, equals plain
+    autograd through whole logits (repeated top-k ids and -inf teacher entries included)."""
+    torch.manual_seed(3)
+    b, k = 2, 5
+    hidden = torch.randn(b, 6 * B, H, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, H, dtype=torch.float64) / H ** 0.5
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    s = ids.shape[1]
+    ti = torch.randint(0, V, (b, s, k))
+    ti[..., 1] = ti[..., 0]
+    lp = torch.log_softmax(torch.randn(b, s, k, dtype=torch.float64), -1)
+    lp[..., -1] = -float("inf")
+    kw = dict(mode=mode, kl_weight=0.7, topk_ids=ti, topk_logprobs=lp)
+    out = block_loss(hidden, blocks, head, 4.0, chunk=7, **kw)
+    (g,) = torch.autograd.grad(out.loss, hidden)
+    ref = block_loss(hidden, blocks, head.requires_grad_(), 4.0, chunk=10 ** 6, **kw)  # trained head: checkpoint path
+    (g_ref,) = torch.autograd.grad(ref.loss, hidden)
+    assert_close(out.loss, ref.loss, atol=1e-6, what=f"{mode} loss")
+    assert_close(g, g_ref, atol=1e-7, rtol=1e-5, what=f"{mode} grad")
+    assert torch.equal(out.correct, ref.correct)

@@ -25,7 +25,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 def main(argv: list[str] | None = None) -> None:
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, model_flops_per_token
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=64)
@@ -71,7 +71,23 @@ def main(argv: list[str] | None = None) -> None:
         pos = torch.arange(a.seq, device=device).expand(a.batch, -1)
         feats = torch.randn(a.batch, a.seq, a.taps * H, device=device, dtype=dtype)
 
-        def step(i: int) -> int:
+        def step_flops(blocks, scored: int) -> float:
+            """Model FLOPs of one step (forward + backward, no recompute), from the blocks actually drawn.
+
+            Per query token: the layer matmuls x3 (forward, input and weight grads). Attention x3 over
+            the keys each query sees (context before its anchor + its own block). The context's fc
+            x2 (weight grad only: features need none) and each layer's context k/v projections x3.
+            The frozen LM head x2 (forward + input grad) over scored slots only.
+            """
+            q = blocks.valid.sum().item() * a.block
+            keys = ((blocks.anchors + a.block) * blocks.valid).sum().item() * a.block
+            proj = a.hidden * a.head_dim * (2 * a.heads + 2 * a.kv_heads) + 3 * a.hidden * a.intermediate
+            ctx = a.seq * a.batch
+            return (3 * a.layers * (2 * proj * q + 4 * a.heads * a.head_dim * keys)
+                    + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
+                    + 2 * 2 * H * a.vocab * scored)
+
+        def step(i: int) -> tuple[int, float]:
             blocks = draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
                                  torch.Generator().manual_seed(i))
             mask = attention_masks(cfg, blocks, doc, pos, use_flex)
@@ -81,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return out.num_blocks
+            return out.num_blocks, step_flops(blocks, out.scored)
 
         for i in range(a.warmup):
             step(i)
@@ -89,15 +105,11 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        blocks_done = sum(step(100 + i) for i in range(a.steps))
+        done = [step(100 + i) for i in range(a.steps)]
+        blocks_done, flops = sum(d[0] for d in done), sum(d[1] for d in done)
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        q_tokens = blocks_done * a.block
-        # Attention context per query ~ half the row on average (anchors are uniform over the answer).
-        fwd = model_flops_per_token(a.layers, H, a.intermediate, a.heads, a.kv_heads, a.head_dim,
-                                    a.seq * 5 / 8 + a.block, a.vocab)
-        flops = 3 * fwd * q_tokens + 3 * 2 * a.seq * a.batch * a.steps * (a.taps * H * H)  # + fc over context
         row = {"bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
                "attention": "flex" if use_flex else "dense", "hidden": H, "layers": a.layers, "seq": a.seq,
                "batch": a.batch, "anchors": n_anchors, "block": a.block, "steps": a.steps,

@@ -18,8 +18,9 @@ get no loss": once the assistant turn ends, later slots are not scored even if a
 turn starts within the block). The loss is ``sum w_k * l_k / sum w_k`` over scored slots of the
 batch, ``w_k = exp(-(k-1)/gamma)``, where ``l_k`` is cross-entropy to the label (``ce``), KL from
 the target's next-token distribution (``kl``), or their sum (``ce+kl``, KL scaled by
-``kl_weight``). LM head + loss run in chunks under activation checkpointing, so ``N*(B-1) x vocab``
-logits never exist at once, not even for the backward pass.
+``kl_weight``). LM head + loss run in chunks, so ``N*(B-1) x vocab`` logits never exist at once, not
+even for the backward pass: with the target's frozen head each chunk's ``d loss / d hidden`` is
+computed while its logits exist (``_LinearLoss``); a trained head falls back to checkpointing.
 
 Two mask builders give the same mask: ``dense_mask`` (boolean ``[b, 1, N*B, s+N*B]``, used with
 SDPA on CPU, where flex attention has no backward) and ``flex_block_mask`` (a flex-attention
@@ -258,10 +259,74 @@ def _chunk_loss(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, t_i
     return per_slot, ce.detach(), kl.detach(), logits.argmax(-1)
 
 
+def _loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
+                      t_logp: torch.Tensor | None, mode: str, kl_weight: float):
+    """``_chunk_loss`` from given logits, plus ``d per_slot_r / d logits_r`` (row r only depends on row r).
+
+    The same fp32 math as ``_chunk_loss`` (log-softmax, gathers, top-k KL), written so that one
+    compiled kernel reads the logits a few times and writes the gradient once in their dtype.
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    ce = (lse - x.gather(-1, labels[:, None]))[:, 0]
+    soft = torch.exp(x - lse)
+    c_ce = 1.0 if mode in ("ce", "ce+kl") else 0.0
+    vocab = torch.arange(x.shape[-1], device=x.device)
+    dlogits = soft * c_ce - (vocab == labels[:, None]).to(x.dtype) * c_ce
+    per_slot = ce * c_ce
+    kl = torch.zeros_like(ce)
+    if mode in ("kl", "ce+kl"):
+        p = t_logp.exp()
+        pp = torch.where(p > 0, p, torch.zeros_like(p))
+        diff = torch.where(p > 0, t_logp - (x.gather(-1, t_ids.long()) - lse), torch.zeros_like(p))
+        kl = (p * diff).sum(-1)
+        per_slot = per_slot + kl_weight * kl
+        # d/dx of -sum_i p_i logp[t_i] = softmax * sum_i p_i - scatter(p_i at t_i)
+        dlogits = (dlogits + kl_weight * soft * pp.sum(-1, keepdim=True)).scatter_add(
+            -1, t_ids.long(), -kl_weight * pp)
+    return per_slot, ce, kl, x.argmax(-1), dlogits.to(logits.dtype)
+
+
+_COMPILED_LOSS = None
+
+
+def _loss_kernel(device: torch.device):
+    """Compiled on CUDA: eager spends ~6 fp32 passes over chunk x vocab logits forward and again backward."""
+    global _COMPILED_LOSS
+    if device.type != "cuda":
+        return _loss_and_dlogits
+    if _COMPILED_LOSS is None:
+        _COMPILED_LOSS = torch.compile(_loss_and_dlogits, dynamic=None)
+    return _COMPILED_LOSS
+
+
+class _LinearLoss(torch.autograd.Function):
+    """LM head + loss of one chunk whose gradient is computed in the forward pass (frozen head).
+
+    Each scored slot's loss depends only on its own hidden row, so ``d loss_r / d h_r`` (a row of
+    ``H``) is all the backward needs: ``grad_h = grad_out[:, None] * G``. Computing ``G`` while the
+    logits exist costs one ``chunk x vocab x H`` product instead of checkpointing's recompute of the
+    logits plus that product, and keeps ``[chunk, H]`` rather than any ``chunk x vocab`` tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, h, head_w, labels, t_ids, t_logp, mode, kl_weight):
+        logits = h @ head_w.t()  # the ambient autocast applies, as in _chunk_loss
+        per_slot, ce, kl, pred, dlogits = _loss_kernel(h.device)(logits, labels, t_ids, t_logp, mode, kl_weight)
+        ctx.save_for_backward((dlogits @ head_w.to(dlogits.dtype)).to(h.dtype))
+        ctx.mark_non_differentiable(ce, kl, pred)
+        return per_slot, ce, kl, pred
+
+    @staticmethod
+    def backward(ctx, grad_per_slot, *_):
+        (g,) = ctx.saved_tensors
+        return (grad_per_slot[:, None] * g).to(g.dtype), None, None, None, None, None, None
+
+
 def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, gamma: float, *, chunk: int = 4096,
                mode: str = "ce", kl_weight: float = 1.0, topk_ids: torch.Tensor | None = None,
                topk_logprobs: torch.Tensor | None = None) -> LossOutput:
-    """Decayed, normalised loss over the scored slots of every block; LM head in checkpointed chunks.
+    """Decayed, normalised loss over the scored slots of every block; LM head + loss in chunks.
 
     hidden: drafter output ``[b, n*B, H]``. topk_ids / topk_logprobs (KL only, ``[b, s, k]``): the
     target's top-k next-token log-probs at every position; slot k's teacher is the target's
@@ -290,7 +355,9 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
     for i in range(0, h.shape[0], chunk):
         args = (h[i:i + chunk], head_weight, y[i:i + chunk], None if t_ids is None else t_ids[i:i + chunk],
                 None if t_logp is None else t_logp[i:i + chunk], mode, kl_weight)
-        if torch.is_grad_enabled() and h.requires_grad:
+        if torch.is_grad_enabled() and h.requires_grad and not head_weight.requires_grad:
+            ls, c, k_, p = _LinearLoss.apply(*args)
+        elif torch.is_grad_enabled() and h.requires_grad:  # a trained head needs its own gradient too
             ls, c, k_, p = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
             ls, c, k_, p = _chunk_loss(*args)
