@@ -143,32 +143,6 @@ def _flex_attention(fused: bool):
     return _COMPILED_FLEX
 
 
-def _compilable(layer: nn.Module, x: torch.Tensor, mask, head_dim: int) -> bool:
-    """The CUDA training path: a flex ``BlockMask``, a head_dim the compiled kernel takes, and a plain
-    layer (a wrapped or hooked one, e.g. FSDP per-layer sharding, must go through its own ``__call__``)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    return (isinstance(mask, BlockMask) and x.is_cuda and head_dim >= 16 and type(layer) is DFlashDecoderLayer
-            and not layer._forward_hooks and not layer._forward_pre_hooks)
-
-
-_COMPILED_LAYER = None
-
-
-def _compiled_layer():
-    """``DFlashDecoderLayer.forward`` compiled (one graph shared by every layer; shapes dynamic after a change).
-
-    Eager, each layer's RMSNorms (fp32 upcasts), RoPE, SiLU-gate and residual adds are ~100 separate
-    memory-bound kernels over ``[n*B, H]`` and ``[heads, n*B, head_dim]`` forward and backward; fused,
-    the H100 training step of an 8B-target drafter drops from ~0.23 s to ~0.18 s (train.bench).
-    Same ops, so the same math up to bf16/fp32 rounding; CPU, inference and eager flex stay eager.
-    """
-    global _COMPILED_LAYER
-    if _COMPILED_LAYER is None:
-        _COMPILED_LAYER = torch.compile(DFlashDecoderLayer.forward, dynamic=None)
-    return _COMPILED_LAYER
-
-
 class DFlashMLP(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -262,11 +236,7 @@ class DFlashDraftModel(nn.Module):
         masks = self._masks(attention_mask, position_ids, c, cache)
         hidden = noise_embedding
         for layer in self.layers:
-            mask = masks[layer.attention_type]
-            if cache is None and _compilable(layer, hidden, mask, self.config.head_dim):
-                hidden = _compiled_layer()(layer, hidden, context, rope_ctx, rope_blk, mask)
-            else:
-                hidden = layer(hidden, context, rope_ctx, rope_blk, mask, cache)
+            hidden = layer(hidden, context, rope_ctx, rope_blk, masks[layer.attention_type], cache)
         return self.norm(hidden)
 
     def _masks(self, attention_mask, position_ids, c, cache):
