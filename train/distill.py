@@ -1,6 +1,6 @@
 """Train a DFlash drafter: block-diffusion distillation from a target model (DESIGN.md section 2).
 
-    python train/distill.py recipe=tiny                                  # laptop CPU, ~2 minutes
+    python train/distill.py recipe=tiny                                  # laptop CPU, under a minute
     python train/distill.py recipe=qwen35-9b --dry-run                   # the plan, no download
     accelerate launch train/distill.py recipe=qwen35-9b                  # one GPU node
     accelerate launch --num_processes 8 train/distill.py recipe=qwen3-8b train.lr=3e-4
