@@ -132,14 +132,19 @@ _COMPILED_FLEX = None
 
 
 def _flex_attention(fused: bool):
-    """Compiled on CUDA (the fused kernel; eager flex materialises every score), eager elsewhere."""
+    """Compiled on CUDA (the fused kernel; eager flex materialises every score), eager elsewhere.
+
+    Training shapes vary from batch to batch (row length, anchor count). ``dynamic=False`` would
+    recompile for every new shape and, past dynamo's recompile limit, silently fall back to the
+    eager kernel; the default lets dynamo mark the changing sizes dynamic after the first change.
+    """
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
     if not fused:
         return flex_attention
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        _COMPILED_FLEX = torch.compile(flex_attention)
     return _COMPILED_FLEX
 
 
