@@ -185,11 +185,14 @@ def _disk_rows(path: Path, split: str) -> Iterator[dict]:
     from datasets import DatasetDict, load_from_disk
 
     ds = load_from_disk(str(path))
-    if isinstance(ds, DatasetDict):
-        if split not in ds:
-            raise KeyError(f"split {split!r} not in {path} (splits: {list(ds)})")
-        ds = ds[split]
-    yield from ds
+    if not isinstance(ds, DatasetDict):
+        yield from ds
+        return
+    # "chat+code" concatenates splits, as datasets.load_dataset does for Hub ids.
+    for one in split.split("+"):
+        if one not in ds:
+            raise KeyError(f"split {one!r} not in {path} (splits: {list(ds)}; join several with '+')")
+        yield from ds[one]
 
 
 def iter_source_rows(source: str | Path, split: str = "train", subset: str | None = None,

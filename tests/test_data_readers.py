@@ -82,6 +82,10 @@ def test_parquet_datasets_folder_and_load_dataset_paths(tmp_path):
     DatasetDict({"train": ds, "test": ds.select([1])}).save_to_disk(str(tmp_path / "saved"))
     assert len(load_conversations(tmp_path / "saved")[0]) == 2
     assert [c["source_id"] for c in load_conversations(tmp_path / "saved", split="test")[0]] == ["sg-2"]
+    both = load_conversations(tmp_path / "saved", split="train+test")[0]  # "+" joins splits, as on the Hub
+    assert [c["source_id"] for c in both] == ["sg-1", "sg-2", "sg-2"] and len({c["id"] for c in both}) == 3
+    with pytest.raises(KeyError, match="split 'code' not in"):
+        load_conversations(tmp_path / "saved", split="train+code")
 
     # the Hub path goes through datasets.load_dataset; a local data folder exercises split + streaming offline
     hub_like = tmp_path / "hub_like" / "data"
