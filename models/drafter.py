@@ -11,19 +11,18 @@ target's, borrowed frozen and never saved.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models.config import MODELING_FILE, DFlashConfig
 from models.hub import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
-STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")
 
 
 class RMSNorm(nn.Module):
@@ -115,8 +114,6 @@ class DFlashAttention(nn.Module):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """SDPA with a dense boolean mask (or none), flex attention with a ``BlockMask`` (CUDA training)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     if isinstance(mask, BlockMask):
         # The compiled kernel needs head_dim >= 16 (real drafters use 128); tiny test shapes run eager.
         fused = q.is_cuda and q.shape[-1] >= 16
@@ -139,8 +136,6 @@ def _flex_attention(fused: bool):
     eager kernel; the default lets dynamo mark the changing sizes dynamic after the first change.
     """
     global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
     if not fused:
         return flex_attention
     if _COMPILED_FLEX is None:
@@ -282,16 +277,11 @@ class DFlashDraftModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device | None = None, revision: str | None = None) -> "DFlashDraftModel":
-        from models.weights import load_state_dict
+        from models.weights import drop_stray_keys, load_state_dict
 
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
-        state = load_state_dict(directory)
-        stray = sorted(k for k in state if STRAY_KEY.search(k))
-        if stray:
-            log.warning("dropping %s from %s: the drafter borrows the target's embedding and LM head", stray, directory)
-            for k in stray:
-                del state[k]
+        state = drop_stray_keys(load_state_dict(directory), directory)
         model = cls(config)
         expected = model.state_dict()
         missing = sorted(set(expected) - set(state))

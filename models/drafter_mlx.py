@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,11 +25,10 @@ import mlx.nn as nn
 
 from models.config import DFlashConfig
 from models.hub import resolve_model_dir
-from models.weights import weight_files
+from models.weights import drop_stray_keys, weight_files
 
 log = logging.getLogger(__name__)
 
-STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")  # same rule as drafter.py
 QUANT_SUFFIXES = (".scales", ".biases")
 
 
@@ -293,12 +291,7 @@ class DFlashDraftModel(nn.Module):
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
         quant = config.quantization
-        state = load_safetensors(directory)
-        stray = sorted(k for k in state if STRAY_KEY.search(k))
-        if stray:
-            log.warning("dropping %s from %s: the drafter borrows the target's embedding and LM head", stray, directory)
-            for k in stray:
-                del state[k]
+        state = drop_stray_keys(load_safetensors(directory), directory)
         model = cls(config)
         if quant:
             quantized = {k.rsplit(".", 1)[0] for k in state if k.endswith(".scales")}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import torch
@@ -10,6 +12,22 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 INDEX = "model.safetensors.index.json"
+STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")
+
+log = logging.getLogger(__name__)
+
+
+def drop_stray_keys(state: dict, directory) -> dict:
+    """Drop ``embed_tokens`` / ``lm_head`` tensors (some exports include the target's) with a warning.
+
+    The drafter borrows the target's embedding and LM head, so such keys are never its own.
+    """
+    stray = sorted(k for k in state if STRAY_KEY.search(k))
+    if stray:
+        log.warning("dropping %s from %s: the drafter borrows the target's embedding and LM head", stray, directory)
+        for k in stray:
+            del state[k]
+    return state
 
 
 def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB") -> list[Path]:
