@@ -15,7 +15,6 @@ import json
 import random
 from pathlib import Path
 
-COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
 THINGS = ["sky", "grass", "sun", "snow", "coal", "plum", "lemon", "carrot"]
 THING_COLOUR = {"sky": "blue", "grass": "green", "sun": "yellow", "snow": "white", "coal": "black",
                 "plum": "purple", "lemon": "yellow", "carrot": "orange"}

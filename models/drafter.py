@@ -10,7 +10,6 @@ target's, borrowed frozen and never saved.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -20,9 +19,6 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models.config import MODELING_FILE, DFlashConfig
 from models.hub import resolve_model_dir
-
-log = logging.getLogger(__name__)
-
 
 
 class RMSNorm(nn.Module):

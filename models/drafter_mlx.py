@@ -17,7 +17,6 @@ fp16 activations under a bf16 target loses acceptance).
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,8 +25,6 @@ import mlx.nn as nn
 from models.config import DFlashConfig
 from models.hub import resolve_model_dir
 from models.weights import drop_stray_keys, weight_files
-
-log = logging.getLogger(__name__)
 
 QUANT_SUFFIXES = (".scales", ".biases")
 
@@ -354,7 +351,3 @@ def load_safetensors(directory: Path) -> dict[str, mx.array]:
         except (RuntimeError, ValueError, OSError) as e:
             raise ValueError(f"{path} is corrupt or truncated ({e}); re-download or re-export it") from None
     return state
-
-
-def load_drafter(path_or_id: str | Path, dtype: mx.Dtype | None = None, revision: str | None = None) -> DFlashDraftModel:
-    return DFlashDraftModel.from_pretrained(path_or_id, dtype=dtype, revision=revision)

@@ -420,7 +420,3 @@ def model_flops_per_token(num_layers: int, hidden: int, intermediate: int, heads
     per_layer = 2 * (attn_proj + mlp) + 2 * attn
     return num_layers * per_layer + (2 * hidden * vocab if lm_head else 0)
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
