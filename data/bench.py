@@ -36,7 +36,8 @@ def random_target(hidden: int, layers: int, vocab: int, device: str, dtype: torc
 
     heads = max(hidden // 128, 2)
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=128 if hidden >= 256 else hidden // heads,
+                      num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
+                      head_dim=128 if hidden >= 256 else hidden // heads,
                       max_position_embeddings=8192, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = a.rows * a.seq
     common = {"device": device, "hidden": a.hidden, "layers": a.layers, "taps": layer_ids, "rows": a.rows, "seq": a.seq}
 
-    batches = [torch.tensor(data[i:i + a.batch_size]["input_ids"], device=device) for i in range(0, a.rows, a.batch_size)]
+    batches = [torch.tensor(data[i:i + a.batch_size]["input_ids"], device=device)
+               for i in range(0, a.rows, a.batch_size)]
     with torch.no_grad():
         target.model(batches[0])  # warm-up
         best = float("inf")

@@ -47,12 +47,14 @@ class Segment:
     kind: str  # "context" | "answer" (all loss) | "trailer" (first token loss: end-of-turn)
 
 
-def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, thinking: bool | None = None) -> str:
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
+           thinking: bool | None = None) -> str:
     """The target's chat template as text. ``thinking=None`` leaves the template's default."""
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     if getattr(tokenizer, "chat_template", None) is None:
         raise TemplateError("the tokenizer has no chat_template; draftsmith tokenizes with the target's own template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
 
 
 def _lcp(a: str, b: str) -> int:
@@ -91,7 +93,8 @@ def conversation_segments(tokenizer, messages: list[dict], thinking: bool | None
         full = render(tokenizer, msgs[:i + 1], thinking=thinking)
         start = _lcp(prompt, head)
         if not full.endswith(trailer) or len(full) - len(trailer) <= start:
-            raise TemplateError(f"assistant turn {i}: rendered turn does not end with the template's trailer {trailer!r}")
+            raise TemplateError(f"assistant turn {i}: rendered turn does not end with the template's trailer "
+                                f"{trailer!r}")
         answer = full[start:len(full) - len(trailer)]
         if not prompt.startswith(text):
             rows.append(segs)

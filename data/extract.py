@@ -91,7 +91,8 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
     per_token = bytes_per_token(target.hidden_size, len(layer_ids), dtype, topk)
     plan = shard_plan(lengths, shard_tokens or max(1, int(shard_mb * 2**20 / per_token)))
     header = {**target_identity(target), "layer_ids": layer_ids, "hidden_size": target.hidden_size,
-              "feature_dim": target.hidden_size * len(layer_ids), "dtype": dtype, "topk": topk, "pad_id": provider.pad_id,
+              "feature_dim": target.hidden_size * len(layer_ids), "dtype": dtype, "topk": topk,
+              "pad_id": provider.pad_id,
               "tokenizer_hash": tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
               "data": str(data) if isinstance(data, (str, Path)) else "<in-memory>",
               "data_fingerprint": getattr(dataset, "_fingerprint", None), "data_meta": meta,
@@ -134,14 +135,17 @@ def _unpad(batch, j: int):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m data.extract", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="target folder or Hub id (must be the one the data was prepared for)")
+    p.add_argument("--target", required=True,
+                   help="target folder or Hub id (must be the one the data was prepared for)")
     p.add_argument("--data", required=True, help="prepared data folder (python -m data.prepare --out)")
     p.add_argument("--out", required=True, help="store folder; rerun with the same folder to resume")
     p.add_argument("--layers", type=int, nargs="+", default=None,
-                   help="target layer ids to tap, in drafter config order (default: 5 taps, models.config.default_layer_ids)")
+                   help="target layer ids to tap, in drafter config order "
+                        "(default: 5 taps, models.config.default_layer_ids)")
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                    help="stored feature type: bf16, or fp8 e4m3 + per-token-per-layer scale (half the bytes)")
-    p.add_argument("--topk", type=int, default=0, help="also store the target's top-k next-token log-probs (for KL); 0 = off")
+    p.add_argument("--topk", type=int, default=0,
+                   help="also store the target's top-k next-token log-probs (for KL); 0 = off")
     p.add_argument("--batch-size", type=int, default=8, help="rows per target forward (default 8)")
     p.add_argument("--shard-mb", type=float, default=2048, help="approximate shard size in MiB (default 2048)")
     p.add_argument("--device", default=None, help="torch device for the target (default: cuda if available)")

@@ -104,7 +104,8 @@ class OnlineFeatures:
             raise ConfigError("target_layer_ids", self.layer_ids, f"the last target layer ({target.num_layers - 1}) "
                               "cannot be tapped (engines cannot capture it)", "tap layers up to L-2")
         tok = target.tokenizer
-        self.pad_id = pad_id if pad_id is not None else (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
+        tok_pad = tok.pad_token_id if tok is not None else None
+        self.pad_id = pad_id if pad_id is not None else (tok_pad if tok_pad is not None else 0)
 
     def __len__(self) -> int:
         return len(self.data)

@@ -167,10 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target folder or Hub id (its tokenizer and chat template)")
-    p.add_argument("--source", required=True, help=".jsonl/.json/.parquet file, a datasets folder, or a Hub data set id")
+    p.add_argument("--source", required=True,
+                   help=".jsonl/.json/.parquet file, a datasets folder, or a Hub data set id")
     p.add_argument("--out", required=True, help="output folder (a datasets save_to_disk folder + stats.json)")
     p.add_argument("--regenerate", metavar="local|URL",
-                   help="regenerate assistant turns with the target: 'local' (in-process) or an OpenAI-compatible base URL")
+                   help="regenerate assistant turns with the target: 'local' (in-process) "
+                        "or an OpenAI-compatible base URL")
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default",
                    help="chat template thinking switch, as the target will be served (default: template default)")
     p.add_argument("--max-length", type=int, default=None, help="truncate rows to N tokens (and the packing budget)")

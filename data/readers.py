@@ -170,7 +170,8 @@ def _parquet_rows(path: Path) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def _hub_rows(name: str, split: str, subset: str | None, streaming: bool, revision: str | None = None) -> Iterator[dict]:
+def _hub_rows(name: str, split: str, subset: str | None, streaming: bool,
+              revision: str | None = None) -> Iterator[dict]:
     from datasets import load_dataset
 
     try:

@@ -215,7 +215,8 @@ class LocalGenerator:
                 break
             prompts = [encode(tok, render(tok, msgs[k], add_generation_prompt=True, thinking=self.thinking))
                        for k in waiting]
-            for k, (tokens, stopped) in zip(waiting, generate_batch(self.target, prompts, self.max_tokens, self.temperature)):
+            outs = generate_batch(self.target, prompts, self.max_tokens, self.temperature)
+            for k, (tokens, stopped) in zip(waiting, outs):
                 reasoning, content = decode_answer(tok, tokens)
                 c = Completion(content, reasoning, "stop" if stopped else "length", len(tokens) + int(stopped))
                 comps[k].append(c)
@@ -254,7 +255,7 @@ def done_ids(path: Path) -> set[str]:
 
 def read_rows(path: str | Path) -> list[dict]:
     """Regenerated rows sorted by id (numeric ids numerically): a deterministic order for tokenizing."""
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return sorted(rows, key=lambda r: (0, int(r["id"]), "") if str(r["id"]).isdigit() else (1, 0, str(r["id"])))
 
 

@@ -169,7 +169,8 @@ class StoreWriter:
             self.index = index
             for key, info in list(self.index["shards"].items()):  # keep only shards that are intact
                 f = self.path / info["file"]
-                ok = f.is_file() and f.stat().st_size == info["bytes"] and (not verify_existing or sha256_file(f) == info["sha256"])
+                ok = (f.is_file() and f.stat().st_size == info["bytes"]
+                      and (not verify_existing or sha256_file(f) == info["sha256"]))
                 if not ok:
                     del self.index["shards"][key]
         else:
@@ -292,8 +293,9 @@ class FeatureStore:
         if self.verify and k not in self._checked:
             digest = sha256_file(f)
             if digest != info["sha256"]:
-                raise StoreCorrupt(f"{f}: sha256 {digest[:16]}... does not match the index ({info['sha256'][:16]}...): "
-                                   "the shard was modified or corrupted; delete it and re-run data.extract to rebuild it")
+                raise StoreCorrupt(f"{f}: sha256 {digest[:16]}... does not match the index "
+                                   f"({info['sha256'][:16]}...): the shard was modified or corrupted; "
+                                   "delete it and re-run data.extract to rebuild it")
             self._checked.add(k)
         handle = safe_open(str(f), framework="pt")
         offsets = handle.get_tensor("row_offsets")
