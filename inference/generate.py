@@ -100,7 +100,8 @@ class Session:
             from models.target import TargetModel
 
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            tdtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            default = torch.bfloat16 if device.startswith("cuda") else torch.float32
+            tdtype = getattr(torch, dtype) if dtype else default
             self.target = TargetModel.from_pretrained(target, dtype=tdtype, device=device)
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=tdtype, device=device)
             self.proposer = loop.DrafterProposer(drafter, self.target)

@@ -82,7 +82,8 @@ class CacheRollback:
                         f"rotating cache layer {idx}: buffer holds {held} rows, write index {c._idx}, window "
                         f"{c.max_size}, committed {committed}: the trim left stale positions behind")
             elif isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] < committed:
-                raise AssertionError(f"target cache layer {idx} buffer has {c.keys.shape[2]} rows < committed {committed}")
+                raise AssertionError(f"target cache layer {idx} buffer has {c.keys.shape[2]} rows "
+                                     f"< committed {committed}")
 
 
 def trim_rotating(c: RotatingKVCache, n: int) -> None:

@@ -39,8 +39,9 @@ class Proposer(Protocol):
     def reset(self) -> None: ...
 
     def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> torch.Tensor | list[int]:
-        """Draft tokens for block slots 1..B-1 (a ``[B-1]`` tensor on the target's device, or a list). ``new_features`` are the target's features at positions
-        ``start - c .. start - 1`` (not yet seen); the bonus token sits at position ``start``."""
+        """Draft tokens for block slots 1..B-1 (a ``[B-1]`` tensor on the target's device, or a list).
+        ``new_features`` are the target's features at positions ``start - c .. start - 1`` (not yet seen);
+        the bonus token sits at position ``start``."""
         ...
 
     def context_length(self) -> int: ...

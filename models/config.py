@@ -113,8 +113,6 @@ class DFlashConfig:
     torch_dtype: str = "bfloat16"
     # MLX affine quantization of the drafter's linears ({bits, group_size, mode}); None = not quantized.
     quantization: dict[str, Any] | None = None
-    # Provenance of an export (target id/revision/quantization, recipe, steps, data); engines ignore it.
-    draftsmith: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -159,11 +157,12 @@ class DFlashConfig:
         last = self.num_target_layers - 1
         for i in self.target_layer_ids:
             if not 0 <= i < last:
+                taps = min(self.num_taps, max(self.num_target_layers - 3, 1))
                 raise ConfigError(
                     "target_layer_ids", self.target_layer_ids,
                     f"layer id {i} is outside [0, {last}) for a target with {self.num_target_layers} layers "
                     "(the last layer cannot be tapped: capture breaks in vLLM and SGLang)",
-                    f"use ids in 0..{last - 1}, e.g. {default_layer_ids(self.num_target_layers, min(self.num_taps, max(self.num_target_layers - 3, 1)))}",
+                    f"use ids in 0..{last - 1}, e.g. {default_layer_ids(self.num_target_layers, taps)}",
                 )
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ConfigError("target_layer_ids", self.target_layer_ids, "a layer is tapped twice",
@@ -253,9 +252,6 @@ class DFlashConfig:
         }
         if self.quantization:
             d["quantization"] = dict(self.quantization)
-            d["quantization_config"] = dict(self.quantization)  # mlx-lm writes both, with the same value
-        if self.draftsmith:
-            d["draftsmith"] = dict(self.draftsmith)
         if self.use_sliding_window and self.sliding_block_attention == "bidirectional":
             # z-lab's modeling code makes sliding layers causal unless told otherwise.
             d["is_causal"] = False
@@ -305,9 +301,11 @@ class DFlashConfig:
         if num_target_layers is None:
             raise ConfigError("num_target_layers", None, "missing from config.json",
                               "add the target's decoder layer count (SGLang needs it too)")
-        sliding = d.get("sliding_window") if (d.get("use_sliding_window") or "sliding_attention" in layer_types) else None
+        slides = d.get("use_sliding_window") or "sliding_attention" in layer_types
+        sliding = d.get("sliding_window") if slides else None
         if d.get("use_sliding_window") and not layer_types:
-            raise ConfigError("layer_types", None, "use_sliding_window is true but no layer_types say which layers slide",
+            raise ConfigError("layer_types", None,
+                              "use_sliding_window is true but no layer_types say which layers slide",
                               "list layer_types explicitly")
         return cls(
             hidden_size=d["hidden_size"],
@@ -329,7 +327,6 @@ class DFlashConfig:
             sliding_block_attention=_sliding_block_mode(d, nested, layer_types),
             torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
             quantization=d.get("quantization") or None,
-            draftsmith=d.get("draftsmith") or None,
         )
 
     @classmethod

@@ -98,7 +98,8 @@ class TargetModel:
         return [(i, layer.linear_attn) for i, layer in enumerate(self.layers) if hasattr(layer, "linear_attn")]
 
     def eos_token_ids(self) -> list[int]:
-        ids = getattr(self.model.generation_config, "eos_token_id", None) if hasattr(self.model, "generation_config") else None
+        gen = getattr(self.model, "generation_config", None)
+        ids = getattr(gen, "eos_token_id", None) if gen is not None else None
         if ids is None:
             ids = self.config.eos_token_id
         if ids is None and self.tokenizer is not None:

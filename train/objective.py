@@ -130,7 +130,8 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torc
     in_bounds = lab_pos < s
     flat = lab_pos.clamp(max=s - 1).flatten(1)
     labels = input_ids.gather(1, flat).view_as(lab_pos)
-    ok = in_bounds & lm.gather(1, flat).view_as(lab_pos) & (doc_ids.gather(1, flat).view_as(lab_pos) == doc_a[:, :, None])
+    same_doc = doc_ids.gather(1, flat).view_as(lab_pos) == doc_a[:, :, None]
+    ok = in_bounds & lm.gather(1, flat).view_as(lab_pos) & same_doc
     label_mask = ok.long().cumprod(-1).bool() & valid[:, :, None]
     return Blocks(anchors=anchors, valid=valid, doc=doc_a, block_ids=block_ids, positions=positions,
                   labels=labels, label_mask=label_mask)
@@ -392,7 +393,8 @@ def drafter_forward(drafter, embed, blocks: Blocks, features: torch.Tensor, posi
 
 
 # ----------------------------------------------------------------------------- acceptance
-def simulated_acceptance(correct: torch.Tensor, label_mask: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+def simulated_acceptance(correct: torch.Tensor, label_mask: torch.Tensor,
+                         valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """Greedy acceptance each block would get: ``1 + leading slots with argmax == label``.
 
     Returns sums (to aggregate across batches and processes): ``tau_sum`` and ``blocks`` over valid

@@ -35,7 +35,8 @@ def _fetch_config(cfg) -> tuple[dict | None, str]:
         return json.loads(Path(f).read_text()), f"Hub config.json of {path} (config only, no weights)"
     except Exception as e:  # offline, gated, unknown id: all mean "use the recipe's facts"
         reason = str(e).splitlines()[0][:160]
-        return None, f"could not fetch config.json of {path} ({type(e).__name__}: {reason}); using the recipe's shape facts"
+        return None, (f"could not fetch config.json of {path} ({type(e).__name__}: {reason}); "
+                      "using the recipe's shape facts")
 
 
 def target_shape(cfg) -> tuple[dict, str]:
@@ -66,7 +67,8 @@ def plan(cfg) -> dict:
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not shape.get(k)]
     out: dict = {"recipe": cfg.recipe, "target": cfg.target.path, "target_shape_from": source}
     if missing:
-        out["error"] = f"cannot plan: target {missing} unknown (set target.{missing[0].replace('num_hidden_layers', 'num_layers')})"
+        key = missing[0].replace("num_hidden_layers", "num_layers")
+        out["error"] = f"cannot plan: target {missing} unknown (set target.{key})"
         return out
     from models.config import default_layer_ids
 

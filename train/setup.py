@@ -120,7 +120,8 @@ def check_same_rows(tokens, batch, store: str | None) -> None:
     real = tokens.doc_ids >= 0
     same = (tokens.input_ids.shape == batch.input_ids.shape and torch.equal(batch.doc_ids.cpu() >= 0, real)
             and torch.equal(tokens.input_ids[real], batch.input_ids.cpu()[real])
-            and torch.equal(tokens.loss_mask, batch.loss_mask.cpu()) and torch.equal(tokens.doc_ids, batch.doc_ids.cpu()))
+            and torch.equal(tokens.loss_mask, batch.loss_mask.cpu())
+            and torch.equal(tokens.doc_ids, batch.doc_ids.cpu()))
     if not same:
         raise ValueError(f"feature store {store} holds other tokens than the prepared data (data.prepared) for the "
                          "same rows: extract features from the same prepared data set")
