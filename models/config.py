@@ -113,6 +113,8 @@ class DFlashConfig:
     torch_dtype: str = "bfloat16"
     # MLX affine quantization of the drafter's linears ({bits, group_size, mode}); None = not quantized.
     quantization: dict[str, Any] | None = None
+    # Provenance of an export (target id/revision/quantization, recipe, steps, data); engines ignore it.
+    draftsmith: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -252,6 +254,9 @@ class DFlashConfig:
         }
         if self.quantization:
             d["quantization"] = dict(self.quantization)
+            d["quantization_config"] = dict(self.quantization)  # mlx-lm writes both, with the same value
+        if self.draftsmith:
+            d["draftsmith"] = dict(self.draftsmith)
         if self.use_sliding_window and self.sliding_block_attention == "bidirectional":
             # z-lab's modeling code makes sliding layers causal unless told otherwise.
             d["is_causal"] = False
@@ -327,6 +332,7 @@ class DFlashConfig:
             sliding_block_attention=_sliding_block_mode(d, nested, layer_types),
             torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
             quantization=d.get("quantization") or None,
+            draftsmith=d.get("draftsmith") or None,
         )
 
     @classmethod
