@@ -1,13 +1,44 @@
-"""How every draftsmith command ends on a user mistake: one line saying what and how to fix it."""
+"""How every draftsmith command ends on a user mistake: one line saying what and how to fix it.
+
+A *user error* is one of the project's own error types (all subclass :class:`UserError`), a
+``ValueError`` raised by one of our checks, or a clear OS error (missing file, no permission,
+unreachable host). Everything else (``TypeError``, ``KeyError``, ``IndexError``,
+``AttributeError``, ``RuntimeError`` from torch...) is a bug in draftsmith or a library and keeps
+its full traceback, so it can be reported and fixed instead of hiding behind a one-liner.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
-# What our checks raise for bad input (missing/corrupt files, unknown keys, mismatched drafter and
-# target, unsupported architectures...): all are these types or subclasses of them.
-USER_ERRORS = (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError, OSError)
+
+class UserError(Exception):
+    """Base of every draftsmith error that means "your input is wrong; here is the fix".
+
+    Project error types inherit from it *and* from the builtin type they behave like
+    (``class ConfigKeyError(UserError, KeyError)``), so existing ``except KeyError`` still works.
+    """
+
+
+# Why ValueError is in: the project's checks raise it for bad values everywhere (a wrong layer id,
+# an empty path), and a library ValueError almost always comes from a value the user passed.
+# Why TypeError/KeyError are out: from our own code they are nearly always bugs (a wrong call,
+# a missing dict key), and their one-line form ("error: 'input_ids'") says nothing useful.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+    PermissionError, ConnectionError, TimeoutError,
+)
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True for errors that end a command with one line (see the module docstring)."""
+    if isinstance(e, USER_ERRORS):
+        return True
+    # A bare OSError raised by our own checks (hub fetch, data set download) carries its message;
+    # OSError subclasses not listed above (BrokenPipe, ChildProcessError...) are environment
+    # trouble too, and their message names the file or host.
+    return type(e) is OSError and bool(e.args)
 
 
 def run_cli(main: Callable[[], object]) -> None:
@@ -16,8 +47,8 @@ def run_cli(main: Callable[[], object]) -> None:
         main()
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-    except USER_ERRORS as e:
-        if os.environ.get("DRAFTSMITH_TRACEBACK"):
+    except Exception as e:
+        if not is_user_error(e) or os.environ.get("DRAFTSMITH_TRACEBACK"):
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise SystemExit(f"error: {message}\n(set DRAFTSMITH_TRACEBACK=1 to see where it came from)") from None

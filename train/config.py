@@ -21,15 +21,21 @@ from typing import Any
 
 import yaml
 
+from models.cli import UserError
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # DESIGN.md section 2 (paper values)
 
 
-class ConfigKeyError(KeyError):
+class ConfigKeyError(UserError, KeyError):
     """An override or recipe key that is not a config field."""
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it readable
         return self.args[0]
+
+
+class ConfigValueError(UserError, TypeError):
+    """A config value of the wrong type (``train.lr=fast``); a TypeError for callers that catch one."""
 
 
 @dataclass
@@ -243,41 +249,41 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except (TypeError, ValueError) as e:
                 errors.append(str(e))
-        raise TypeError(f"{key}={value!r}: expected {tp}")
+        raise ConfigValueError(f"{key}={value!r}: expected {tp}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise TypeError(f"{key} is a section: give keys under it (e.g. {key}.{fields(tp)[0].name}=...)")
+            raise ConfigValueError(f"{key} is a section: give keys under it (e.g. {key}.{fields(tp)[0].name}=...)")
         return _build(tp, value, key + ".")
     if origin is list:
         if isinstance(value, str):
             value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{key}={value!r}: expected a list")
+            raise ConfigValueError(f"{key}={value!r}: expected a list")
         return [_coerce(v, args[0], key) for v in value] if args else list(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise TypeError(f"{key}={value!r}: expected true or false")
+        raise ConfigValueError(f"{key}={value!r}: expected true or false")
     if tp in (int, float) and isinstance(value, str):
         try:  # PyYAML reads 6e-4 (no dot) as a string
             value = float(value)
         except ValueError:
-            raise TypeError(f"{key}={value!r}: expected a number") from None
+            raise ConfigValueError(f"{key}={value!r}: expected a number") from None
     if tp is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise TypeError(f"{key}={value!r}: expected an integer")
+            raise ConfigValueError(f"{key}={value!r}: expected an integer")
         return int(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{key}={value!r}: expected a number")
+            raise ConfigValueError(f"{key}={value!r}: expected a number")
         return float(value)
     if tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads no/off/false as False: `train.mixed_precision=no` means "no"
             return "yes" if value else "no"
         if isinstance(value, (dict, list)):
-            raise TypeError(f"{key}={value!r}: expected a string")
+            raise ConfigValueError(f"{key}={value!r}: expected a string")
         return str(value)
     return value
 
