@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 INDEX = "model.safetensors.index.json"
 STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")
@@ -31,24 +31,18 @@ def drop_stray_keys(state: dict, directory) -> dict:
 
 
 def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB") -> list[Path]:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than a shard."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than a shard.
 
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
-    for old in list(directory.glob("model*.safetensors")) + list(directory.glob(INDEX)):
-        old.unlink()  # a stale shard from an earlier save must not be read back
-    written = []
-    for filename, names in split.filename_to_tensors.items():
-        shard = {n: state[n].contiguous() for n in names}
-        tmp = directory / (filename + ".tmp")
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        tmp.replace(directory / filename)  # atomic: a crash never leaves a half-written shard
-        written.append(directory / filename)
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        (directory / INDEX).write_text(json.dumps(index, indent=2))
-    return written
+    ``huggingface_hub.save_torch_state_dict`` splits, writes and indexes exactly as transformers does
+    (and removes stale shards of an earlier save first, so none is read back).
+    """
+    from huggingface_hub import save_torch_state_dict
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, directory, max_shard_size=max_shard_size,
+                          metadata={"format": "pt"})
+    return weight_files(directory)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -56,7 +50,11 @@ def weight_files(directory: Path) -> list[Path]:
     directory = Path(directory)
     index = directory / INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); re-download or "
+                             "re-export the folder") from None
     else:
         names = sorted(p.name for p in directory.glob("*.safetensors"))
     if not names:
