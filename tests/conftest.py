@@ -18,8 +18,9 @@ def assert_close(actual, expected, atol: float = 1e-5, what: str = "values", rto
     e = torch.as_tensor(expected, dtype=torch.float64)
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     diff = (a - e).abs()
-    assert bool((diff <= atol + rtol * e.abs()).all()), (f"{what}: max abs diff {diff.max().item():.3e} (mean {diff.mean().item():.3e}) "
-                                       f"exceeds atol {atol:.1e} + rtol {rtol:.1e} x |expected|")
+    assert bool((diff <= atol + rtol * e.abs()).all()), (
+        f"{what}: max abs diff {diff.max().item():.3e} (mean {diff.mean().item():.3e}) "
+        f"exceeds atol {atol:.1e} + rtol {rtol:.1e} x |expected|")
 
 
 class ReferenceProposer:
@@ -76,7 +77,8 @@ def tiny_targets():
 
     def get(arch: str):
         if arch not in cache:
-            cache[arch] = TargetModel(tiny_target(arch, seed=0), tiny_tokenizer("llama3" if arch == "llama" else "chatml"))
+            tok = tiny_tokenizer("llama3" if arch == "llama" else "chatml")
+            cache[arch] = TargetModel(tiny_target(arch, seed=0), tok)
         return cache[arch]
 
     return get

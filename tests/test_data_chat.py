@@ -50,7 +50,8 @@ def test_masked_spans_decode_to_answer_plus_end_of_turn(template, thinking, conv
         if thinking is False and template == "chatml":
             # thinking off: the served prompt holds the empty think block right before the answer
             # (each turn is its own row: see test_row_splitting_only_where_history_is_re_rendered)
-            assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + answers[k]["content"] + "<|im_end|>\n")
+            assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + answers[k]["content"]
+                                 + "<|im_end|>\n")
 
 
 def test_row_splitting_only_where_history_is_re_rendered():
@@ -69,7 +70,8 @@ def test_truncation_never_leaves_a_row_without_loss_tokens():
     rows, dropped = tokenize_conversation(tok, SINGLE, None, max_length=prompt_len)  # cut right before the answer
     assert rows == [] and dropped == 1
     rows, dropped = tokenize_conversation(tok, SINGLE, None, max_length=prompt_len + 5)
-    assert dropped == 0 and rows[0].truncated and sum(rows[0].loss_mask) == 5 and len(rows[0].input_ids) == prompt_len + 5
+    assert dropped == 0 and rows[0].truncated
+    assert sum(rows[0].loss_mask) == 5 and len(rows[0].input_ids) == prompt_len + 5
 
 
 def test_packing_keeps_document_boundaries():
@@ -103,7 +105,8 @@ def test_prepare_cli_end_to_end(tmp_path, capsys):
         for a, b in document_bounds(row["doc_ids"]):
             assert row["position_ids"][a:b] == list(range(b - a))
             spans += [tok.decode(row["input_ids"][a:b][s:e]) for s, e in loss_spans(row["loss_mask"][a:b])]
-    assert spans == ["7<|im_end|>", "Hello!<|im_end|>", "1, 2, 3<|im_end|>", "<think>\nadd them\n</think>\n\n4<|im_end|>"]
+    assert spans == ["7<|im_end|>", "Hello!<|im_end|>", "1, 2, 3<|im_end|>",
+                     "<think>\nadd them\n</think>\n\n4<|im_end|>"]
     meta = json.loads((out / "draftsmith_data.json").read_text())
     assert meta["packed"] and meta["thinking"] is True and len(meta["tokenizer_hash"]) == 16
 

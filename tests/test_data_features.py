@@ -37,8 +37,8 @@ def setup(tmp_path_factory):
     for data in ("plain", "packed"):
         for dtype in ("bf16", "fp8"):
             stores[data, dtype] = root / f"store-{data}-{dtype}"
-            extract(target, root / data, stores[data, dtype], layer_ids=LAYERS, dtype=dtype, topk=4 if dtype == "bf16" else 0,
-                    batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
+            extract(target, root / data, stores[data, dtype], layer_ids=LAYERS, dtype=dtype,
+                    topk=4 if dtype == "bf16" else 0, batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
     return {"root": root, "target_dir": target_dir, "target": target, "stores": stores}
 
 
@@ -121,7 +121,8 @@ def test_truncated_or_tampered_shard_is_a_clear_error(setup, tmp_path):
     with open(shards[0], "r+b") as f:
         f.truncate(shards[0].stat().st_size - 100)
     store = FeatureStore(store_dir)
-    with pytest.raises(StoreCorrupt, match=r"shard-00000.safetensors: \d+ bytes, index says \d+: the shard is truncated"):
+    with pytest.raises(StoreCorrupt,
+                       match=r"shard-00000.safetensors: \d+ bytes, index says \d+: the shard is truncated"):
         store.row(0)
     second = store.index["plan"][1][0]
     with pytest.raises(StoreCorrupt, match="shard-00001.safetensors: sha256 .* does not match the index"):

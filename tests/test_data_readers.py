@@ -60,7 +60,8 @@ def test_bad_rows_are_skipped_and_counted():
 
 def test_no_usable_rows_is_an_error(tmp_path):
     src = tmp_path / "nothing.jsonl"
-    src.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n"
+                   + json.dumps({"text": "x"}) + "\n")
     with pytest.raises(NoUsableRows, match="no usable conversations.*1 no assistant turn.*Supported layouts"):
         load_conversations(src)
 
@@ -73,7 +74,7 @@ def test_limit_counts_usable_rows():
 def test_parquet_datasets_folder_and_load_dataset_paths(tmp_path):
     from datasets import Dataset, DatasetDict
 
-    rows = [json.loads(l) for l in (FIX / "sharegpt.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (FIX / "sharegpt.jsonl").read_text().splitlines()]
     ds = Dataset.from_list(rows)
     ds.to_parquet(str(tmp_path / "chats.parquet"))
     got, _ = load_conversations(tmp_path / "chats.parquet")

@@ -103,7 +103,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(server, tmp_path):
     with out.open("a") as f:
         f.write('{"id": "9", "messages": [{"role": "us')  # a line cut short by the kill
     main(args + ["--out", str(out)])
-    ids = [json.loads(l)["id"] for l in out.read_text().splitlines()]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 10  # no duplicate, no lost row
     assert read_rows(out) == read_rows(tmp_path / "whole.jsonl")
 

@@ -47,7 +47,8 @@ def test_perfect_stand_in_accepts_whole_blocks(runs, arch):
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW,
                           eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
-    assert res.acceptance_lengths == [B] * len(res.acceptance_lengths) == expected_acceptance(len(PROMPT), NEW, B, set())
+    assert res.acceptance_lengths == [B] * len(res.acceptance_lengths)
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, set())
     assert res.tau == B and res.position_accepts == [len(res.acceptance_lengths)] * (B - 1)
 
 

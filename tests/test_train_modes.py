@@ -86,7 +86,8 @@ def test_two_processes_take_the_same_step_as_one(tiny, tmp_path):
     run(tmp_path / "one", *common, "train.batch_size=2")
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(root / "train" / "distill.py"), "recipe=tiny", f"out_dir={tmp_path / 'two'}", *common, "train.batch_size=1"]
+           str(root / "train" / "distill.py"), "recipe=tiny", f"out_dir={tmp_path / 'two'}", *common,
+           "train.batch_size=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -98,9 +98,10 @@ def test_tiny_recipe_learns(tiny_inputs, tmp_path):
     from models.target import TargetModel
 
     result = run(tmp_path, *tiny_inputs, "logging.progress=false", "checkpoint.every=0")
-    before, after = result["first_eval"], [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-                                           if "eval_tau_sim" in line][-1]
-    print(f"tau before {before['eval_tau_sim']:.3f} after {after['eval_tau_sim']:.3f} true {after['eval_tau_true']:.3f}")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    before, after = result["first_eval"], [json.loads(line) for line in lines if "eval_tau_sim" in line][-1]
+    print(f"tau before {before['eval_tau_sim']:.3f} after {after['eval_tau_sim']:.3f} "
+          f"true {after['eval_tau_true']:.3f}")
     assert after["eval_tau_sim"] >= 1.5 * before["eval_tau_sim"]
     assert abs(after["eval_tau_true"] - after["eval_tau_sim"]) <= 0.15 * after["eval_tau_sim"]
     # The final folder is what the inference loop loads.
