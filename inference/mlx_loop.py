@@ -1,6 +1,6 @@
 """The DFlash decoding loop in MLX (Metal on a Mac, CPU on Linux); the twin of ``torch_loop.py``.
 
-Same cycle and semantics (DESIGN.md section 2): draft a block from the bonus token, verify the
+Same cycle and semantics (docs/design.md, the decoding cycle): draft a block from the bonus token, verify the
 whole block in one target pass, accept the longest prefix where draft == target token plus the
 target's own token at the first mismatch, roll the target cache back to the committed length
 (``rollback_mlx``), and carry the target's features at the committed positions into the next
@@ -19,13 +19,20 @@ The baseline (``target_generate``) is stock ``mlx_lm.generate.generate_step`` on
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
+from inference.checks import (
+    check_draft_context,
+    check_dtype,
+    check_generation_args,
+    check_proposer_binding,
+)
 from inference.rollback_mlx import CacheRollback
-from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
+from inference.stats import GenerationResult, commit_tokens, resolve_block_size
 from models.drafter_mlx import DFlashDraftModel, DraftCache
 from models.target_mlx import TargetModel
 
@@ -63,9 +70,7 @@ class DrafterProposer:
     """
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
-        drafter.config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                                    num_layers=target.num_layers)
-        warn_if_mask_is_emitted(drafter.config.mask_token_id, target.tokenizer)
+        check_proposer_binding(drafter.config, target)
         drafter.bind_target(target.embed_tokens, target.lm_head)
         drafter.to_dtype(target.dtype)
         self.drafter = drafter
@@ -131,10 +136,7 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
     ``on_cycle(cache, committed)`` is called after every cycle's rollback (tests use it to compare
     the rolled-back caches with a fresh prefill).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one token")
+    check_generation_args(prompt_ids, max_new_tokens, temperature)
     B = resolve_block_size(block_size, proposer.block_size)
     eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
     key = mx.random.key(seed) if temperature > 0 else None
@@ -165,8 +167,7 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
             target_tokens = sample(verify.logits[0], temperature, sub)
             mx.eval(drafts, target_tokens)  # the one sync of the cycle
             drafts_l, target_l = drafts.tolist(), target_tokens.tolist()
-            assert proposer.context_length() in (committed, -1), \
-                f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
+            check_draft_context(proposer.context_length(), committed)
             keep, stop = result.record_cycle(drafts_l, target_l, eos, max_new_tokens)
             rollback.commit(cache, keep=keep, block_len=B)
             committed += keep
@@ -190,8 +191,7 @@ def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: 
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
+    check_generation_args(prompt_ids, max_new_tokens, temperature)
     eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
     if temperature > 0:
         mx.random.seed(seed)
@@ -225,10 +225,7 @@ def load(target: str, drafter: str, revision: str | None = None, drafter_revisio
     (None: as stored); the drafter always runs in the target's compute dtype.
     """
     if isinstance(dtype, str):
-        names = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-        if dtype not in names:
-            raise ValueError(f"--dtype {dtype!r} is not an MLX compute dtype: use one of {sorted(names)}")
-        dtype = names[dtype]
+        dtype = getattr(mx, check_dtype(dtype))
     t = TargetModel.from_pretrained(target, revision=revision, dtype=dtype)
     d = DFlashDraftModel.from_pretrained(drafter, revision=drafter_revision)
     return t, DrafterProposer(d, t)

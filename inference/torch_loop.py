@@ -15,8 +15,9 @@ from typing import Callable, Protocol
 
 import torch
 
+from inference.checks import check_generation_args, check_proposer_binding
 from inference.rollback_torch import CacheRollback
-from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
+from inference.stats import GenerationResult, commit_tokens, resolve_block_size
 from models.drafter import DFlashDraftModel, DraftCache
 from models.target import TargetModel
 
@@ -51,9 +52,7 @@ class DrafterProposer:
     """The drafter with its committed-context cache, bound to the target's embedding and LM head."""
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
-        drafter.config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                                    num_layers=target.num_layers)
-        warn_if_mask_is_emitted(drafter.config.mask_token_id, target.tokenizer)
+        check_proposer_binding(drafter.config, target)
         drafter.bind_target(target.embed_tokens, target.lm_head)
         self.drafter = drafter
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -86,8 +85,7 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
 
     ``on_cycle(cache, committed)`` is called after every cycle's rollback (tests inspect the cache).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
+    check_generation_args(prompt_ids, max_new_tokens, temperature)
     B = resolve_block_size(block_size, proposer.block_size)
     eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
     device = target.device
@@ -136,6 +134,7 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
 def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                     eos_token_ids: list[int] | None = None, seed: int = 0) -> GenerationResult:
     """The baseline: target-only decoding, one token per forward, same stop rules and timers."""
+    check_generation_args(prompt_ids, max_new_tokens, temperature)
     eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
     device = target.device
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None

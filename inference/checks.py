@@ -1,0 +1,207 @@
+"""Checks shared by the torch and MLX loops and by the ``generate`` / ``validate`` commands.
+
+Framework-free on purpose: the loops call the same checks (prompt, token budget, temperature,
+proposer binding, draft-cache length) so they refuse the same things with the same words, and the
+commands run the pre-flight checks (``preflight``) on the two ``config.json`` files before any
+weights load, so a swapped ``--target``/``--draft``, a drafter for another target, a block size
+above the trained one or a prompt id outside the vocabulary end in one line, not a traceback
+minutes later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.config import ARCHITECTURE, DFlashConfig
+
+log = logging.getLogger("inference")
+
+# The one dtype map: the names both backends accept (torch: getattr(torch, name), MLX: getattr(mx, name)).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str | None) -> str | None:
+    """A ``--dtype`` name both backends understand (None: the backend's default)."""
+    if name is not None and name not in DTYPES:
+        raise ValueError(f"--dtype {name!r} is not a compute dtype draftsmith runs in: use one of {', '.join(DTYPES)}")
+    return name
+
+
+# ------------------------------------------------------------------ loop checks
+def check_generation_args(prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0) -> None:
+    """What both loops refuse before the first forward."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one token")
+    check_temperature(temperature)
+
+
+def check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature {temperature}: use 0 for greedy (lossless) decoding or a positive value "
+                         "to sample")
+
+
+def check_proposer_binding(config: DFlashConfig, target: Any) -> None:
+    """Before a drafter is bound to a loaded target (either backend's ``TargetModel``): same hidden size,
+    vocabulary and depth; warn when the mask id is a token the tokenizer emits."""
+    from inference.stats import warn_if_mask_is_emitted
+
+    config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=target.num_layers)
+    warn_if_mask_is_emitted(config.mask_token_id, target.tokenizer)
+
+
+def check_draft_context(held: int, committed: int) -> None:
+    """After a verify pass the drafter must have seen exactly the committed context (-1: not tracked)."""
+    if held not in (committed, -1):
+        raise RuntimeError(f"draft cache holds {held} positions but {committed} are committed: the drafter's "
+                           "context fell out of step with the target (a bug in the proposer, please report it)")
+
+
+# ------------------------------------------------------------------ pre-flight (commands)
+@dataclass
+class TargetFacts:
+    """What a target's ``config.json`` says, read without loading any weights."""
+
+    path: str
+    model_type: str
+    hidden_size: int | None
+    vocab_size: int | None
+    num_layers: int | None
+    quantization: dict | None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a {what} folder needs config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def is_drafter_config(d: dict) -> bool:
+    return ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d
+
+
+def read_target_facts(directory: str | Path, name: str = "") -> TargetFacts:
+    path = Path(directory) / "config.json"
+    d = _read_json(path, "target")
+    if is_drafter_config(d):
+        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {ARCHITECTURE}), not a target "
+                         "model: did you swap --target and --draft?")
+    text = d.get("text_config") or d  # multimodal checkpoints (Qwen3.5 / 3.6) keep the text tower's sizes here
+    q = d.get("quantization") or d.get("quantization_config")
+    return TargetFacts(path=str(path), model_type=str(d.get("model_type", text.get("model_type", ""))),
+                       hidden_size=text.get("hidden_size"), vocab_size=text.get("vocab_size", d.get("vocab_size")),
+                       num_layers=text.get("num_hidden_layers"), quantization=q or None)
+
+
+def read_drafter_config(directory: str | Path, name: str = "") -> tuple[DFlashConfig, dict]:
+    """The drafter's canonical config, or one line saying the folder is not a DFlash drafter at all."""
+    path = Path(directory) / "config.json"
+    d = _read_json(path, "drafter")
+    if not is_drafter_config(d):
+        kind = ", ".join(d.get("architectures") or []) or d.get("model_type", "unknown")
+        raise ValueError(f"--draft {name or directory} is not a DFlash drafter: {path} describes a {kind} model "
+                         f"(no {ARCHITECTURE} architecture, no dflash_config). Did you swap --target and --draft?")
+    return DFlashConfig.from_dict(d), d
+
+
+def recorded_target(directory: str | Path, raw: dict) -> str | None:
+    """The target a drafter says it was trained for: config.json keys, else the model card's ``base_model``."""
+    nested = raw.get("dflash_config") or {}
+    for value in (nested.get("target_model"), raw.get("target_model"), raw.get("base_model")):
+        if isinstance(value, str) and value:
+            return value
+    card = Path(directory) / "README.md"
+    if card.is_file():
+        text = card.read_text(errors="replace")
+        if text.startswith("---"):
+            for line in text.split("---", 2)[1].splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() == "base_model" and value.strip():
+                    return value.strip().strip("'\"")
+    return None
+
+
+def _same_model(a: str, b: str) -> bool:
+    norm = [str(x).rstrip("/").split("/")[-1].lower() for x in (a, b)]
+    return norm[0] == norm[1] or norm[0] in norm[1] or norm[1] in norm[0]
+
+
+def check_pair(cfg: DFlashConfig, facts: TargetFacts, draft_name: str) -> None:
+    """A drafter only works with the target it was trained for: compare the two configs."""
+    fix = "use a drafter trained for this target"
+    if facts.hidden_size is not None and cfg.hidden_size != facts.hidden_size:
+        raise ValueError(f"drafter {draft_name} has hidden_size {cfg.hidden_size} but the target's is "
+                         f"{facts.hidden_size} ({facts.path}): {fix}")
+    if facts.vocab_size is not None and cfg.vocab_size != facts.vocab_size:
+        raise ValueError(f"drafter {draft_name} has vocab_size {cfg.vocab_size} but the target's is "
+                         f"{facts.vocab_size} ({facts.path}): {fix}")
+    if facts.num_layers is not None:
+        bad = [i for i in cfg.target_layer_ids if not 0 <= i < facts.num_layers]
+        if bad:
+            raise ValueError(f"drafter {draft_name} taps target layers {bad} but the target has only "
+                             f"{facts.num_layers} decoder layers: {fix}")
+        if cfg.num_target_layers != facts.num_layers:
+            raise ValueError(f"drafter {draft_name} was trained on a {cfg.num_target_layers}-layer target; this "
+                             f"target has {facts.num_layers} layers: {fix}")
+    if facts.vocab_size is not None and not 0 <= cfg.mask_token_id < facts.vocab_size:
+        raise ValueError(f"drafter {draft_name} has mask_token_id {cfg.mask_token_id}, outside the target's "
+                         f"{facts.vocab_size}-row embedding: {fix}")
+
+
+def check_prompt_ids(ids: Iterable[int], vocab_size: int | None, flag: str = "--prompt-ids") -> list[int]:
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{flag} is empty: give at least one token id")
+    bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+    if bad:
+        limit = f"0..{vocab_size - 1}" if vocab_size is not None else "non-negative"
+        raise ValueError(f"{flag} has ids outside the target's vocabulary ({limit}): {bad[:5]}")
+    return ids
+
+
+@dataclass
+class Preflight:
+    target: TargetFacts
+    drafter: DFlashConfig
+    block_size: int
+    recorded_target: str | None
+
+
+def preflight(target: str, draft: str, block_size: int | None = None, temperature: float = 0.0) -> Preflight:
+    """Everything that can be checked from the two ``config.json`` files, before any weights load.
+
+    Hub ids fetch only the small files here (``*.json``, ``*.md``); the weights come with the load.
+    """
+    from inference.stats import resolve_block_size
+    from models.hub import resolve_model_dir
+
+    check_temperature(temperature)
+    small = ["*.json", "*.md"]
+    tdir = resolve_model_dir(target, what="target", allow_patterns=small)
+    ddir = resolve_model_dir(draft, what="drafter", allow_patterns=small)
+    tpath, dpath = tdir / "config.json", ddir / "config.json"
+    if tpath.is_file() and dpath.is_file():
+        t_raw, d_raw = json.loads(tpath.read_text()), json.loads(dpath.read_text())
+        if is_drafter_config(t_raw) and not is_drafter_config(d_raw):
+            raise ValueError(f"--target {target} is a DFlash drafter and --draft {draft} is not: swap them "
+                             f"(--target {draft} --draft {target})")
+    cfg, raw = read_drafter_config(ddir, draft)
+    facts = read_target_facts(tdir, target)
+    check_pair(cfg, facts, draft)
+    b = resolve_block_size(block_size, cfg.block_size)
+    rec = recorded_target(ddir, raw)
+    if rec is not None and not _same_model(rec, target):
+        log.warning("the drafter %s records its target as %s, but --target is %s: acceptance will suffer unless they "
+                    "are the same weights", draft, rec, target)
+    return Preflight(target=facts, drafter=cfg, block_size=b, recorded_target=rec)
