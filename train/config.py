@@ -23,7 +23,6 @@ import yaml
 
 from models.cli import UserError
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # DESIGN.md section 2 (paper values)
 
 
@@ -315,16 +314,28 @@ def _check_key(key: str) -> None:
         raise _unknown(key)
 
 
+def recipes_dir() -> Path:
+    """The shipped recipes: the ``recipes`` package's folder (a checkout, an editable or a plain install)."""
+    from importlib.resources import files
+
+    return Path(str(files("recipes")))
+
+
+def recipe_names() -> list[str]:
+    """Names ``recipe=NAME`` accepts, sorted."""
+    return sorted(x.stem for x in recipes_dir().glob("*.yaml"))
+
+
 def recipe_path(recipe: str) -> Path:
-    """``tiny`` -> ``recipes/tiny.yaml``; a path to a YAML file is used as is."""
+    """``tiny`` -> the shipped ``recipes/tiny.yaml``; a path to a YAML file is used as is."""
     p = Path(recipe)
     if p.suffix in (".yaml", ".yml") or p.is_file():
         if not p.is_file():
             raise FileNotFoundError(f"recipe file {p} not found")
         return p
-    candidate = RECIPES_DIR / f"{recipe}.yaml"
+    candidate = recipes_dir() / f"{recipe}.yaml"
     if not candidate.is_file():
-        names = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+        names = recipe_names()
         close = difflib.get_close_matches(recipe, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise FileNotFoundError(f"unknown recipe {recipe!r} (recipes: {names}){hint}")
