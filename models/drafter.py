@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from models.config import MODELING_FILE, DFlashConfig
 from models.hub import resolve_model_dir
@@ -187,6 +188,15 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._target: dict[str, nn.Module] = {}  # borrowed, so not a submodule: never trained or saved
+        # Training only: recompute each layer's activations in the backward pass (train.grad_checkpointing).
+        self.gradient_checkpointing = False
+
+    def init_weights(self, std: float = 0.02) -> "DFlashDraftModel":
+        """Qwen3 initialisation for training from scratch: linears ~ N(0, std), norms stay at 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+        return self
 
     # ----------------------------------------------------------- target parts
     def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "DFlashDraftModel":
@@ -232,7 +242,11 @@ class DFlashDraftModel(nn.Module):
         masks = self._masks(attention_mask, position_ids, c, cache)
         hidden = noise_embedding
         for layer in self.layers:
-            hidden = layer(hidden, context, rope_ctx, rope_blk, masks[layer.attention_type], cache)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                hidden = checkpoint(layer, hidden, context, rope_ctx, rope_blk, masks[layer.attention_type], cache,
+                                    use_reentrant=False)
+            else:
+                hidden = layer(hidden, context, rope_ctx, rope_blk, masks[layer.attention_type], cache)
         return self.norm(hidden)
 
     def _masks(self, attention_mask, position_ids, c, cache):
