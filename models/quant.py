@@ -153,7 +153,8 @@ def layer_params(quantization: dict, path: str, packed_cols: int, scale_cols: in
     """
     entry = quantization.get(path)
     if isinstance(entry, dict):
-        bits, group = int(entry.get("bits", quantization["bits"])), int(entry.get("group_size", quantization["group_size"]))
+        bits = int(entry.get("bits", quantization["bits"]))
+        group = int(entry.get("group_size", quantization["group_size"]))
         mode = entry.get("mode", "affine")
     else:
         bits, group = int(quantization["bits"]), int(quantization["group_size"])
@@ -202,7 +203,7 @@ def dequantize_weights(weights: dict[str, torch.Tensor], config: dict, dtype: to
             raise QuantizationError(f"{key} is packed (uint32) but {prefix}.scales is missing from the checkpoint")
         else:
             out[key] = value.to(dtype) if value.is_floating_point() else value
-    orphans = sorted(k for k in weights if k.endswith(".scales") and k.removesuffix(".scales") + ".weight" not in weights)
+    orphans = sorted(k for k in weights if k.endswith(".scales") and k[:-len(".scales")] + ".weight" not in weights)
     if orphans:
         raise QuantizationError(f"{orphans[0]} has no matching .weight in the checkpoint")
     return out
@@ -227,7 +228,7 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], model_type: str) -> dict[
     family = check_supported(model_type)
     out: dict[str, torch.Tensor] = {}
     for key, value in weights.items():
-        if key.startswith(("vision_tower", "model.visual", "language_model.vision")) or ".mtp." in key or key.startswith("mtp."):
+        if key.startswith(("vision_tower", "model.visual", "mtp.")) or ".mtp." in key:
             continue
         if key.startswith("language_model."):
             key = key.removeprefix("language_model.")
@@ -365,7 +366,8 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
         raise QuantizationError(f"{hf_path} is already quantized ({describe_mlx(source_config)}): use "
                                 f"target.quantization=mlx:{hf_path} to train against it as it is")
     log(f"quantizing {hf_path} to MLX {bits}-bit, group size {group_size} (mlx_lm) -> {out}")
-    model, tokenizer, config = load(str(src), return_config=True, lazy=True, model_config=mlx_lm_overrides(source_config))
+    model, tokenizer, config = load(str(src), return_config=True, lazy=True,
+                                    model_config=mlx_lm_overrides(source_config))
     # mlx_lm.convert: cast floating weights to --dtype, else the config's torch_dtype.
     cast = dtype or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
     if cast in ("float16", "bfloat16", "float32"):
@@ -380,3 +382,53 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
     save(out, src, model, tokenizer, written)
     marker.write_text(json.dumps(stamp, indent=2))
     return out
+
+
+# ----------------------------------------------------------------------------- transformers quantizers
+def transformers_quantization_config(value: str | None):
+    """``bnb-4bit`` / ``fp8`` -> the transformers ``quantization_config`` to load with; None otherwise.
+
+    The backend must be installed: the error says what to install instead of failing mid-load.
+    """
+    spec = parse_quantization(value)
+    if spec.kind == "bnb":
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise QuantizationError("target.quantization=bnb-4bit needs bitsandbytes: pip install bitsandbytes "
+                                    "(CUDA), or use mlx-4bit, which runs anywhere")
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    if spec.kind == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        if not torch.cuda.is_available():
+            raise QuantizationError("target.quantization=fp8 needs a CUDA GPU (transformers' FP8 kernels); "
+                                    "on CPU use mlx-8bit")
+        return FineGrainedFP8Config()
+    if spec.kind == "mlx":
+        raise QuantizationError(f"target.quantization={value}: MLX quantization is resolved to a folder first "
+                                "(models.quant.resolve_target); load that folder")
+    return None
+
+
+def resolve_target(path: str, quantization: str | None, work_dir: str | Path, revision: str | None = None,
+                   log=print) -> tuple[str, str | None]:
+    """(folder or id to load, transformers quantization or None) for ``target.path`` + ``target.quantization``.
+
+    ``mlx:PATH_OR_ID`` loads that MLX folder (``path`` is then only the bf16 reference); ``mlx-Nbit``
+    quantizes ``path`` with mlx_lm into ``work_dir/target-mlx-Nbit-gG`` (cached); ``bnb-4bit`` / ``fp8``
+    are passed to transformers (checked here, before any weight loads).
+    """
+    spec = parse_quantization(quantization)
+    if spec.kind == "none":
+        return path, None
+    if spec.kind == "mlx" and spec.path:
+        return spec.path, None
+    if spec.kind == "mlx":
+        out = Path(work_dir) / f"target-mlx-{spec.bits}bit-g{spec.group_size}"
+        return str(quantize_to_mlx(path, out, bits=spec.bits, group_size=spec.group_size, revision=revision,
+                                   log=log)), None
+    transformers_quantization_config(quantization)
+    return path, quantization

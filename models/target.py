@@ -64,6 +64,8 @@ class TargetModel:
         self.embed_tokens = self.decoder.embed_tokens
         self.lm_head = model.get_output_embeddings()
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
+        # What the weights are ("none", "mlx-4bit-g64", "bnb-4bit", ...): recorded as "trained against".
+        self.quantization = "none"
 
     # ------------------------------------------------------------------ facts
     @property
@@ -158,9 +160,16 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, dtype: torch.dtype | str | None = None,
                         device: str | torch.device | None = None, revision: str | None = None,
-                        **kwargs) -> "TargetModel":
-        """Load a target from a local folder or a Hub id (config checked before any weights load)."""
+                        quantization: str | None = None, **kwargs) -> "TargetModel":
+        """Load a target from a local folder or a Hub id (config checked before any weights load).
+
+        An MLX affine-quantized folder (mlx-community layout) is dequantized bit-exactly
+        (``models.quant.load_mlx_target``), so every consumer runs the weights the Mac runs.
+        ``quantization`` = ``bnb-4bit`` / ``fp8`` loads through transformers' quantizers.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from models.quant import is_mlx_quantized, load_mlx_target, transformers_quantization_config
 
         directory = resolve_model_dir(path_or_id, revision=revision, what="target")
         config_path = directory / "config.json"
@@ -169,11 +178,22 @@ class TargetModel:
         model_type = json.loads(config_path.read_text()).get("model_type", "<missing model_type>")
         check_supported(model_type)
         if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+            dtype = None if dtype == "auto" else getattr(torch, dtype)
+        if is_mlx_quantized(directory):
+            return load_mlx_target(directory, dtype=dtype, device=device)
+        quant_config = transformers_quantization_config(quantization)
+        if quant_config is not None:  # quantized weights are placed by transformers, never moved afterwards
+            kwargs["quantization_config"] = quant_config
+            if device is not None:
+                kwargs.setdefault("device_map", {"": str(device)})
+                device = None
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or "auto", **kwargs)
         if device is not None:
             model = model.to(device)
         tokenizer = None
         if any(directory.glob("tokenizer*")):
             tokenizer = AutoTokenizer.from_pretrained(directory)
-        return cls(model, tokenizer=tokenizer, name=str(path_or_id))
+        target = cls(model, tokenizer=tokenizer, name=str(path_or_id))
+        if quant_config is not None:
+            target.quantization = quantization
+        return target
