@@ -17,6 +17,8 @@ import json
 import platform
 import sys
 
+from inference.checks import check_dtype, check_prompt_ids, preflight
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__,
@@ -45,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
+    if not (args.temperature >= 0 and args.temperature != float("inf")):
+        p.error(f"--temperature {args.temperature}: use 0 for greedy (lossless) decoding or a positive value to sample")
     if args.chat and args.prompt is None:
         p.error("--chat needs --prompt (text); --prompt-ids are used as given")
     return args
@@ -62,15 +66,18 @@ def pick_backend(requested: str) -> str:
     return "torch"
 
 
-def encode_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
+def parse_prompt_ids(text: str, vocab_size: int | None) -> list[int]:
+    """``--prompt-ids 1,2,3``, checked against the target's vocabulary before any model loads."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    return check_prompt_ids(ids, vocab_size)
+
+
+def encode_prompt(args: argparse.Namespace, tokenizer, vocab_size: int | None = None) -> list[int]:
     if args.prompt_ids is not None:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-        if not ids:
-            raise SystemExit("--prompt-ids is empty")
-        return ids
+        return parse_prompt_ids(args.prompt_ids, vocab_size)
     if tokenizer is None:
         raise SystemExit("the target folder has no tokenizer: pass --prompt-ids instead of --prompt")
     if args.chat:
@@ -86,6 +93,7 @@ class Session:
 
     def __init__(self, backend: str, target: str, draft: str, device: str | None = None, dtype: str | None = None):
         self.backend = backend
+        check_dtype(dtype)
         if backend == "mlx":
             try:
                 from inference import mlx_loop as loop
@@ -110,8 +118,56 @@ class Session:
 
     def run(self, prompt: list[int], baseline: bool = False, block_size: int | None = None, **kw):
         result = self.loop.dflash_generate(self.target, self.proposer, prompt, block_size=block_size, **kw)
-        base = self.loop.target_generate(self.target, prompt, **kw) if baseline else None
+        base = self.baseline(prompt, **kw) if baseline else None
         return result, base
+
+    def baseline(self, prompt: list[int], **kw):
+        """The target alone through the same backend's loop module: same dtype, stop rules and timers."""
+        return self.loop.target_generate(self.target, prompt, **kw)
+
+    def reset_peak_memory(self) -> None:
+        if self.backend == "mlx":
+            import mlx.core as mx
+
+            mx.reset_peak_memory()
+        elif self.target.device.type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.target.device)
+
+    def peak_memory_bytes(self) -> int | None:
+        """MLX ``mx.get_peak_memory``, CUDA ``torch.cuda.max_memory_allocated``; None on a torch CPU run."""
+        if self.backend == "mlx":
+            import mlx.core as mx
+
+            return int(mx.get_peak_memory())
+        if self.target.device.type == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.target.device))
+        return None
+
+    def describe(self) -> dict:
+        """Backend, device and dtypes, for reports."""
+        import platform as pf
+
+        if self.backend == "mlx":
+            import mlx.core as mx
+
+            device = str(mx.default_device())
+            if mx.metal.is_available():
+                device += f" ({mx.metal.device_info().get('device_name', 'Metal')})"
+            dtype = str(self.target.dtype).removeprefix("mlx.core.")
+            ddtype = str(self.proposer.drafter.dtype).removeprefix("mlx.core.")
+        else:
+            import torch
+
+            dev = self.target.device
+            device = str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
+            dtype = str(self.target.dtype).removeprefix("torch.")
+            ddtype = str(self.proposer.drafter.fc.weight.dtype).removeprefix("torch.")
+        return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
+                "platform": pf.platform(), "machine": pf.machine()}
 
 
 def report_of(backend: str, result, baseline) -> dict:
@@ -130,10 +186,14 @@ def report_of(backend: str, result, baseline) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_dtype(args.dtype)
+    pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
+    early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
     backend = pick_backend(args.backend)
     session = Session(backend, args.target, args.draft, args.device, args.dtype)
     tokenizer = session.tokenizer
-    result, baseline = session.run(encode_prompt(args, tokenizer), baseline=args.baseline, block_size=args.block_size,
+    prompt = early_ids if early_ids is not None else encode_prompt(args, tokenizer)
+    result, baseline = session.run(prompt, baseline=args.baseline, block_size=args.block_size,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     report = report_of(backend, result, baseline)
     if args.json:
