@@ -1,0 +1,68 @@
+"""Write into a temporary folder next to ``--out``, move it into place only after every check passed.
+
+A failed export leaves ``--out`` exactly as it was (absent, empty, or the user's files). An existing
+non-empty ``--out`` is replaced only with ``--overwrite`` and only when it is itself a draftsmith
+export (its config.json carries the ``draftsmith`` block or the DFlash architecture): we never
+delete a folder we did not write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from models.config import ARCHITECTURE
+
+
+def _is_export(folder: Path) -> bool:
+    try:
+        d = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(d, dict) and ("draftsmith" in d or ARCHITECTURE in (d.get("architectures") or []))
+
+
+def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
+    """Refuse an ``--out`` we must not replace, before any work is done."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: pass a folder path")
+    if source is not None and out.resolve() == source.resolve():
+        raise ValueError(f"--out {out} is the folder being exported: pass a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out {out} exists and is not empty: pass a new folder, or --overwrite to "
+                                  "replace an earlier export there")
+        if not _is_export(out):
+            raise FileExistsError(f"--out {out} holds files that are not a draftsmith export: --overwrite only "
+                                  "replaces an earlier export; pass a new folder")
+
+
+@contextmanager
+def staging(out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temp folder beside ``out``; on success it replaces ``out``, on any error it is removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp (and some writers) make files private; an export is meant to be shared
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                f.chmod(0o644)
+        if out.is_dir() and any(out.iterdir()):
+            check_out(out, overwrite)
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if out.is_dir():
+                out.rmdir()
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,151 @@
+"""Export a drafter as a Hugging Face folder that vLLM, SGLang, z-lab's code and transformers load.
+
+    python -m export.hf --checkpoint runs/qwen3-8b/final/drafter --out exports/qwen3-8b-dflash
+    python -m export.hf --checkpoint runs/qwen3-8b/checkpoints/step_4000 --out exports/step4000 --dtype fp32
+    python -m export.hf --checkpoint runs/tiny --out exports/tiny --target ./my-target   # record / check the target
+
+The folder is the z-lab flat layout: ``config.json`` with every resolved key (both ``block_size``
+places, both rope places, ``num_target_layers``, ``dflash_config``, ``layer_types``, ``auto_map``)
+plus a ``draftsmith`` block (target id / revision / quantization, recipe, steps, data);
+``model.safetensors`` (sharded with ``model.safetensors.index.json`` past ``--max-shard-size``);
+``modeling_dflash.py`` so ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` works with
+plain transformers.
+
+It is written to a temporary folder beside ``--out`` and moved into place only after the gate:
+the engine schema check, the reloaded config equal to the drafter's, the weights bit-equal, the
+drafter's logits on a random block equal after reloading with draftsmith and (unless
+``--no-remote-code-check``) with transformers' ``AutoModel`` and the shipped file, and, when the
+target folder is on this machine, the target's shape and tokenizer (the mask id must be a row the
+tokenizer never emits). Logits go through a seeded stand-in LM head (see ``export/check.py``).
+It ends by printing the vLLM and SGLang serve commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from export.check import (check_parity, config_differences, logit_stats, raise_if, random_block, schema_problems,
+                          stand_in_head, target_problems, weight_problems)
+from export.folder import check_out, staging
+from export.source import resolve_source, target_quantization
+from export.usage import serve_commands
+from models.drafter import DFlashDraftModel
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m export.hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint (runs/NAME/checkpoints/step_N), run folder (runs/NAME) or drafter folder")
+    p.add_argument("--out", required=True, help="folder to write (must be new or empty; see --overwrite)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weight dtype of the export (default bf16)")
+    p.add_argument("--target", default=None,
+                   help="target Hub id or local folder to record (default: the one training used); a local "
+                        "folder is also checked against the drafter")
+    p.add_argument("--target-revision", default=None, help="target revision to record")
+    p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier draftsmith export at --out")
+    p.add_argument("--no-remote-code-check", action="store_true",
+                   help="skip reloading through transformers AutoModel(trust_remote_code=True) in the gate")
+    return p.parse_args(argv)
+
+
+def provenance(src_prov: dict[str, Any], target: str | None, revision: str | None) -> dict[str, Any]:
+    """The source's provenance with command-line values on top."""
+    prov = dict(src_prov)
+    if target:
+        prov["target"] = target
+        prov["target_quantization"] = target_quantization(target) or prov.get("target_quantization")
+    if revision:
+        prov["target_revision"] = revision
+    return {k: v for k, v in prov.items() if v is not None}
+
+
+def block_outputs(model: torch.nn.Module, inputs: dict, dtype: torch.dtype, head: torch.Tensor) -> torch.Tensor:
+    """Logits (through ``head``, in float32) of a drafter forward on the gate's random block."""
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(inputs["noise"]).to(dtype), torch.from_numpy(inputs["features"]).to(dtype),
+                       torch.from_numpy(inputs["positions"]))
+    return hidden.float() @ head.T
+
+
+def gate(folder: Path, model: DFlashDraftModel, dtype: torch.dtype, remote_code: bool,
+         log: Callable[[str], None]) -> dict[str, Any]:
+    """Every check on the written folder; raises ``ExportCheckError`` (nothing moved) on the first failure."""
+    from models.config import DFlashConfig
+
+    d = json.loads((folder / "config.json").read_text())
+    raise_if(schema_problems(d, folder, hf=True), f"{folder.name}/config.json fails the engine schema")
+    again_cfg = DFlashConfig.from_dict(d)
+    raise_if(config_differences(model.config, again_cfg), "config.json does not read back as the drafter's config")
+    raise_if(weight_problems(folder, again_cfg), "the written weights do not match config.json")
+    log("check: engine schema, config round trip and weight names ok")
+
+    again = DFlashDraftModel.from_pretrained(folder, dtype=dtype)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, again.state_dict()[k])]
+    raise_if([f"{k} changed on the way to disk" for k in changed], "the reloaded weights differ")
+    inputs = random_block(model.config)
+    head = torch.from_numpy(stand_in_head(model.config))
+    ref = block_outputs(model, inputs, dtype, head)
+    name = str(dtype).removeprefix("torch.")
+    stats = {"draftsmith": logit_stats(ref.numpy(), block_outputs(again, inputs, dtype, head).numpy())}
+    check_parity(stats["draftsmith"], name, "reloaded with draftsmith")
+    log(f"check: reloaded with draftsmith, logits max |diff| {stats['draftsmith']['max_abs']:.2e}")
+    if remote_code:
+        from transformers import AutoModel
+
+        hf = AutoModel.from_pretrained(str(folder), trust_remote_code=True, dtype=dtype).eval()
+        stats["transformers"] = logit_stats(ref.numpy(), block_outputs(hf, inputs, dtype, head).numpy())
+        check_parity(stats["transformers"], name, "reloaded with AutoModel(trust_remote_code=True)")
+        log(f"check: reloaded with transformers AutoModel, logits max |diff| {stats['transformers']['max_abs']:.2e}")
+    return stats
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", target: str | None = None,
+              target_revision: str | None = None, max_shard_size: int | str = "5GB", overwrite: bool = False,
+              remote_code_check: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Write, check and place the HF folder; returns a summary (paths, checks, serve commands)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    out = Path(out)
+    src = resolve_source(checkpoint)
+    check_out(out, overwrite, src.drafter_dir)
+    torch_dtype = DTYPES[dtype]
+    log(f"source: {src.drafter_dir} ({src.kind})")
+    model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=torch_dtype)
+    prov = provenance(src.provenance, target, target_revision)
+    model.config = model.config.replace(torch_dtype=str(torch_dtype).removeprefix("torch."), draftsmith=prov or None)
+    problems, checked = target_problems(model.config, prov.get("target"))
+    raise_if(problems, "the drafter does not fit its target")
+    log(f"check: {checked}")
+    with staging(out, overwrite) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, dtype=torch_dtype)
+        stats = gate(tmp, model, torch_dtype, remote_code_check, log)
+    cfg = model.config
+    commands = serve_commands(str(out.resolve()), prov.get("target"), cfg.block_size)
+    log(f"exported {out} ({dtype}, {sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB): block_size "
+        f"{cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}")
+    log("serve with vLLM:\n  " + commands["vllm"])
+    log("serve with SGLang:\n  " + commands["sglang"])
+    return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "provenance": prov, "parity": stats,
+            "commands": commands}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    return export_hf(args.checkpoint, args.out, dtype=args.dtype, target=args.target,
+                     target_revision=args.target_revision, max_shard_size=args.max_shard_size,
+                     overwrite=args.overwrite, remote_code_check=not args.no_remote_code_check)
+
+
+if __name__ == "__main__":
+    from models.cli import run_cli
+
+    run_cli(main)

@@ -1,0 +1,186 @@
+"""Export a drafter as an MLX folder (optionally 4/8-bit) for draftsmith's MLX loop on a Mac.
+
+    python -m export.mlx --checkpoint runs/qwen3-8b/final/drafter --out exports/qwen3-8b-dflash-mlx
+    python -m export.mlx --checkpoint runs/qwen3-8b --out exports/qwen3-8b-dflash-mlx-4bit --quantize 4 --group-size 64
+
+MLX-native safetensors under the same tensor names as the HF folder; ``config.json`` keeps every
+flat DFlash key plus ``quantization`` and ``quantization_config`` (``{bits, group_size, mode}``,
+the same value in both, as mlx-lm writes them) when quantized. Quantization is MLX affine
+(``nn.quantize``) of every linear whose input width the group size divides. An unquantized folder
+also ships ``modeling_dflash.py`` (its safetensors load in transformers too); a quantized one drops
+``auto_map``, since only MLX reads packed weights.
+
+Gate before the folder is moved into place: the schema (``export/check.py``), the config round
+trip, the reloaded weights bit-equal to the ones written, and the MLX drafter's logits on a random
+block against the float32 torch drafter's: within a tolerance for the dtype when not quantized; for
+a quantized draft the logit error and the top-1 agreement are reported, with a warning below 90%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, raise_if,
+                          random_block, schema_problems, stand_in_head, target_problems, weight_problems)
+from export.folder import check_out, staging
+from export.hf import provenance
+from export.source import resolve_source
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m export.mlx", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint (runs/NAME/checkpoints/step_N), run folder (runs/NAME) or HF drafter folder")
+    p.add_argument("--out", required=True, help="folder to write (must be new or empty; see --overwrite)")
+    p.add_argument("--quantize", type=int, choices=[4, 8], default=None, help="affine-quantize the linears (bits)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="quantization group (default 64)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of the norms and unquantized weights (default bf16)")
+    p.add_argument("--target", default=None, help="target Hub id or local folder to record (default: training's)")
+    p.add_argument("--target-revision", default=None, help="target revision to record")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier draftsmith export at --out")
+    return p.parse_args(argv)
+
+
+def torch_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(inputs["noise"]), torch.from_numpy(inputs["features"]),
+                       torch.from_numpy(inputs["positions"]))
+    return hidden.double().numpy() @ head.T.astype(np.float64)
+
+
+def mlx_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
+    import mlx.core as mx
+
+    dtype = model.dtype
+    hidden = model(mx.array(inputs["noise"]).astype(dtype), mx.array(inputs["features"]).astype(dtype),
+                   mx.array(inputs["positions"]))
+    return np.array(hidden.astype(mx.float32)).astype(np.float64) @ head.T.astype(np.float64)
+
+
+def gate(folder: Path, model, reference, dtype: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """Checks on the written MLX folder; raises ``ExportCheckError`` (nothing moved) on failure."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from models.config import DFlashConfig
+    from models.drafter_mlx import DFlashDraftModel
+
+    d = json.loads((folder / "config.json").read_text())
+    raise_if(schema_problems(d, folder, hf=False), f"{folder.name}/config.json fails the engine schema")
+    written = model.config.replace(torch_dtype=dtype, quantization=model.quantization)
+    raise_if(config_differences(written, DFlashConfig.from_dict(d)), "config.json does not read back as written")
+    raise_if(weight_problems(folder, written), "the written weights do not match config.json")
+    again = DFlashDraftModel.from_pretrained(folder)
+    mine, theirs = dict(tree_flatten(model.parameters())), dict(tree_flatten(again.parameters()))
+    changed = [k for k, v in mine.items() if k not in theirs or not mx.array_equal(v, theirs[k]).item()]
+    raise_if([f"{k} changed on the way to disk" for k in changed], "the reloaded MLX weights differ")
+    log("check: engine schema, config round trip, weights bit-equal after reload")
+    inputs = random_block(written)
+    head = stand_in_head(written)
+    stats = logit_stats(torch_logits(reference, inputs, head), mlx_logits(again, inputs, head))
+    what = f"MLX drafter ({dtype}{', %d-bit' % model.quantization['bits'] if model.quantization else ''}) vs torch fp32"
+    if model.quantization:
+        log(f"check: {what}: logits max |diff| {stats['max_abs']:.3e} (mean {stats['mean_abs']:.3e}), "
+            f"top-1 agreement {stats['top1']:.1%} on a random block")
+        if not np.isfinite(stats["max_abs"]):
+            raise ExportCheckError(f"{what}: logits are not finite; nothing was exported")
+        if stats["top1"] < LOW_TOP1:
+            msg = (f"the quantized draft agrees with the full-precision one on only {stats['top1']:.1%} of top-1 "
+                   "tokens (random block): expect lower acceptance; try "
+                   f"{'--quantize 8 or ' if model.quantization['bits'] < 8 else ''}a smaller --group-size")
+            log(f"warning: {msg}")
+    else:
+        check_parity(stats, dtype, what)
+        log(f"check: {what}: logits max |diff| {stats['max_abs']:.2e}")
+    return stats
+
+
+def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = None, group_size: int = 64,
+               dtype: str = "bf16", target: str | None = None, target_revision: str | None = None,
+               overwrite: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Write, check and place the MLX folder; returns a summary (paths, parity figures)."""
+    import torch
+
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel as TorchDrafter
+    from models.drafter_mlx import DFlashDraftModel, _dtype_from_name
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    if quantize not in (None, 4, 8):
+        raise ValueError(f"--quantize {quantize}: use 4 or 8 (bits)")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"--group-size {group_size}: use 32, 64 or 128")
+    out = Path(out)
+    src = resolve_source(checkpoint)
+    check_out(out, overwrite, src.drafter_dir)
+    if DFlashConfig.load(src.drafter_dir).quantization:
+        raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: export from the HF drafter or the "
+                         "training checkpoint instead")
+    log(f"source: {src.drafter_dir} ({src.kind})")
+    reference = TorchDrafter.from_pretrained(src.drafter_dir, dtype=torch.float32)
+    model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=_dtype_from_name(DTYPES[dtype]))
+    prov = provenance(src.provenance, target, target_revision)
+    model.config = model.config.replace(draftsmith=prov or None)
+    problems, checked = target_problems(model.config, prov.get("target"))
+    raise_if(problems, "the drafter does not fit its target")
+    log(f"check: {checked}")
+    if quantize:
+        model.quantize(bits=quantize, group_size=group_size)
+        if not any(k.endswith(".scales") for k, _ in _flat(model.parameters())):
+            raise ValueError(f"--group-size {group_size} divides no linear's input width (hidden "
+                             f"{model.config.hidden_size}, intermediate {model.config.intermediate_size}): "
+                             "use 32 or 64")
+    with staging(out, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        _finish_folder(tmp, quantized=bool(quantize))
+        stats = gate(tmp, model, reference, DTYPES[dtype], log)
+    size = sum(p.stat().st_size for p in out.iterdir()) / 1e6
+    log(f"exported {out} (MLX, {dtype}{f', {quantize}-bit g{group_size}' if quantize else ''}, {size:.1f} MB)")
+    log("run it with draftsmith's MLX loop:\n  python -m inference.generate --backend mlx --target "
+        f"{prov.get('target', 'TARGET')} --draft {out} --prompt \"Explain KV caching.\" --chat --baseline")
+    return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "quantization": model.quantization,
+            "provenance": prov, "parity": stats}
+
+
+def _flat(params):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+def _finish_folder(folder: Path, quantized: bool) -> None:
+    """A quantized folder is MLX-only (no ``auto_map``); an unquantized one ships the modeling file."""
+    from export.check import modeling_file_name
+
+    if quantized:
+        path = folder / "config.json"
+        d = json.loads(path.read_text())
+        d.pop("auto_map", None)
+        path.write_text(json.dumps(d, indent=2) + "\n")
+    else:
+        shipped = Path(__file__).resolve().parent.parent / "models" / "hf_dflash.py"
+        (folder / modeling_file_name()).write_text(shipped.read_text())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    return export_mlx(args.checkpoint, args.out, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype,
+                      target=args.target, target_revision=args.target_revision, overwrite=args.overwrite)
+
+
+if __name__ == "__main__":
+    from models.cli import run_cli
+
+    run_cli(main)

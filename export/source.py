@@ -1,0 +1,155 @@
+"""What an export reads: a drafter folder and where it came from (target, recipe, steps, data).
+
+``--checkpoint`` accepts, in this order of precedence:
+
+    runs/NAME/checkpoints/step_N/   a training checkpoint (drafter/ + config.yaml + trainer_state.json)
+    runs/NAME/final/drafter/        the final drafter (its run config is ../config.yaml)
+    runs/NAME/                      a run folder (its final/drafter/)
+    any drafter folder              config.json + safetensors (e.g. an earlier export)
+
+The provenance block (``draftsmith`` in config.json) is built from the run config saved next to the
+drafter, read as plain YAML: export never imports ``train/``. A folder that already carries one
+(an earlier export) keeps it; command-line values (``--target``) win over both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.config import ARCHITECTURE
+
+# Keys of the run config worth recording: enough to say how the drafter was trained, no paths to caches.
+DATA_KEYS = ("source", "split", "subset", "limit", "regenerate", "thinking", "max_length", "pack")
+TRAIN_KEYS = ("epochs", "max_steps", "batch_size", "grad_accum", "lr", "schedule", "anchors", "loss", "seed")
+
+
+class NotADrafterError(ValueError):
+    """The folder given is not a drafter, a checkpoint or a run folder."""
+
+
+@dataclass
+class Source:
+    drafter_dir: Path
+    kind: str  # checkpoint | final | run | drafter
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def is_drafter_dir(path: Path) -> bool:
+    """A folder whose config.json names the DFlash architecture."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        d = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NotADrafterError(f"{cfg} is not valid JSON: re-export the drafter") from None
+    return isinstance(d, dict) and (ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d)
+
+
+def resolve_source(path: str | Path) -> Source:
+    """The drafter folder inside ``path`` and its provenance (see the module docstring for layouts)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint {p} does not exist: pass a checkpoint (runs/NAME/checkpoints/step_N), "
+                                "a run folder (runs/NAME) or a drafter folder")
+    if not p.is_dir():
+        raise NotADirectoryError(f"--checkpoint {p} is a file: pass the folder that holds config.json "
+                                 "(or a checkpoint / run folder)")
+    if (p / "drafter").is_dir() and (p / "trainer_state.json").is_file():
+        prov = _from_run(p / "config.yaml", p / "trainer_state.json", p / "drafter")
+        return Source(p / "drafter", "checkpoint", prov)
+    if is_drafter_dir(p):
+        run_cfg = p.parent / "config.yaml"
+        kind = "final" if run_cfg.is_file() and p.parent.name == "final" else "drafter"
+        return Source(p, kind, _from_run(run_cfg if kind == "final" else None, None, p))
+    if is_drafter_dir(p / "final" / "drafter"):
+        d = p / "final" / "drafter"
+        return Source(d, "run", _from_run(p / "final" / "config.yaml", None, d))
+    if (p / "checkpoints").is_dir():
+        raise NotADrafterError(f"{p} is a run folder without final/drafter (training did not finish): pass one of "
+                               f"its checkpoints, e.g. {p}/checkpoints/step_N")
+    what = "config.json is not a DFlash drafter's" if (p / "config.json").is_file() else "no config.json"
+    raise NotADrafterError(f"{p} is not a drafter folder ({what}), a checkpoint or a run folder: pass "
+                           "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME")
+
+
+def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: Path) -> dict[str, Any]:
+    existing = json.loads((drafter_dir / "config.json").read_text()).get("draftsmith") or {}
+    prov: dict[str, Any] = dict(existing)
+    if run_config is not None and run_config.is_file():
+        try:
+            run = yaml.safe_load(run_config.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{run_config} is not valid YAML ({e}); it is the run config saved by training") from None
+        prov.update(provenance_from_run(run))
+    steps = _steps(trainer_state, run_config)
+    if steps is not None:
+        prov["steps"] = steps
+    return prov
+
+
+def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
+    """The ``draftsmith`` block from a resolved run config (as training saves it in config.yaml)."""
+    target = run.get("target") or {}
+    data = run.get("data") or {}
+    train = run.get("train") or {}
+    prov: dict[str, Any] = {
+        "target": target.get("path") or None,
+        "target_revision": target.get("revision"),
+        # train's target.quantization (none | mlx-4bit-g64 | mlx:PATH | bnb-4bit | fp8), else what the folder says
+        "target_quantization": (target.get("quantization") if target.get("quantization") not in (None, "", "none")
+                                else target_quantization(target.get("path")) or target.get("quantization")),
+        "recipe": run.get("recipe") or None,
+        "data": {k: data[k] for k in DATA_KEYS if k in data},
+        "features": (run.get("features") or {}).get("mode"),
+        "train": {k: train[k] for k in TRAIN_KEYS if k in train},
+    }
+    return {k: v for k, v in prov.items() if v not in (None, {}, "")}
+
+
+def target_quantization(target: str | None) -> str | None:
+    """How the target the drafter was trained against is quantized, when its folder is here to read.
+
+    ``mlx-affine-4bit-g64`` for an MLX quantized checkpoint, the ``quant_method`` of a transformers
+    ``quantization_config``, ``none`` for plain weights; None when the target is not a local folder.
+    """
+    if not target or not (Path(target) / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((Path(target) / "config.json").read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    q = cfg.get("quantization") or (cfg.get("text_config") or {}).get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        return f"mlx-{q.get('mode', 'affine')}-{q['bits']}bit-g{q.get('group_size', 64)}"
+    qc = cfg.get("quantization_config") or {}
+    if isinstance(qc, dict) and qc.get("quant_method"):
+        return str(qc["quant_method"])
+    return "none"
+
+
+def _steps(trainer_state: Path | None, run_config: Path | None) -> int | None:
+    """Optimizer steps: the checkpoint's own count, else the last step logged in the run's metrics."""
+    if trainer_state is not None and trainer_state.is_file():
+        try:
+            return int(json.loads(trainer_state.read_text())["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{trainer_state} is not a valid trainer state (no integer 'step'); the checkpoint is "
+                             "damaged: pass another step_N or the final drafter") from None
+    if run_config is None:
+        return None
+    metrics = run_config.parent.parent / "metrics.jsonl"  # final/config.yaml -> runs/NAME/metrics.jsonl
+    if not metrics.is_file():
+        return None
+    last = None
+    for line in metrics.read_text().splitlines():
+        try:
+            last = max(last or 0, int(json.loads(line)["step"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return last
