@@ -26,14 +26,23 @@ def load_target(cfg, out_dir: Path, accelerator, log):
         if accelerator.is_main_process:
             build_tiny_target(path, arch=arch, log=log)
         accelerator.wait_for_everyone()
+    # target.quantization: the quantized target replaces the bf16 one for everything downstream
+    # (regeneration, features, KL, true tau), because that is what the drafter will run against.
+    from models.quant import resolve_target
+
+    if accelerator.is_main_process:  # mlx-Nbit quantizes once, into out_dir (cached)
+        resolve_target(path, cfg.target.quantization, out_dir, revision=cfg.target.revision, log=log)
+    accelerator.wait_for_everyone()
+    path, tq = resolve_target(path, cfg.target.quantization, out_dir, revision=cfg.target.revision, log=log)
     dtype = cfg.target.dtype
     if dtype == "auto":
         dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
-    target = TargetModel.from_pretrained(path, dtype=dtype, device=accelerator.device, revision=cfg.target.revision)
+    target = TargetModel.from_pretrained(path, dtype=dtype, device=accelerator.device, revision=cfg.target.revision,
+                                         quantization=tq)
     if target.tokenizer is None:
         raise ValueError(f"target {path} has no tokenizer files: training needs its tokenizer and chat template")
     log(f"target: {path} ({target.model_type}, {target.num_layers} layers, hidden {target.hidden_size}, "
-        f"vocab {target.vocab_size}, {target.dtype})")
+        f"vocab {target.vocab_size}, {target.dtype}, quantization {target.quantization})")
     return target, path
 
 
@@ -59,7 +68,7 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
                     subset=cfg.data.subset, progress=cfg.logging.progress,
                     gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens, "batch_size": 64})
         accelerator.wait_for_everyone()
-    ds, meta = load_prepared(prepared, tokenizer=target.tokenizer)
+    ds, meta = load_prepared(prepared, tokenizer=target.tokenizer, target=target, force=cfg.data.force_target)
     if cfg.data.thinking is not None and meta.get("thinking") not in (None, cfg.data.thinking):
         raise ValueError(f"{prepared} was prepared with thinking={meta.get('thinking')}, the recipe says "
                          f"data.thinking={cfg.data.thinking}: re-prepare, or point data.prepared elsewhere")

@@ -1,0 +1,212 @@
+"""Quantized targets: torch dequantization equals ``mx.dequantize`` bitwise; the dequantized torch target
+runs like the MLX quantized one; target.quantization reaches the loaded target; provenance of data.
+
+Measured tolerance (fp32, CPU, tiny 4-layer targets quantized 4-bit g32 by mlx_lm): the torch forward of the
+dequantized weights vs mlx_lm's quantized forward (quantized matmul kernels, a different summation order)
+differs by at most 1.7e-5 in logits (|logits| ~3) and 9e-6 in tapped features over the six architectures;
+the tests allow 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from models.quant import (  # noqa: E402
+    QuantizationError,
+    dequantize,
+    dequantize_weights,
+    load_mlx_target,
+    parse_quantization,
+    quantize_to_mlx,
+    read_safetensors,
+    resolve_target,
+)
+from models.tiny import save_tiny_target  # noqa: E402
+
+TOL = 1e-4  # see the module docstring for the measured differences
+
+
+def to_torch(a) -> torch.Tensor:
+    """An mx.array as a torch tensor with the same bits (bf16 through a uint16 view)."""
+    if a.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(a.view(mx.uint16))).view(torch.bfloat16)
+    if a.dtype == mx.uint32:
+        return torch.from_numpy(np.array(a.view(mx.int32))).view(torch.uint32)
+    return torch.from_numpy(np.array(a))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Tiny HF targets (4 layers) by architecture, written once per module."""
+    root = tmp_path_factory.mktemp("quant_src")
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = save_tiny_target(root / arch, arch=arch, num_layers=4)
+            if arch == "qwen3_5_moe":  # published Qwen3.5 MoE checkpoints store fused experts (mlx_lm reads those)
+                from tests.test_mlx_loop import fuse_experts
+
+                fuse_experts(made[arch])
+        return made[arch]
+
+    return get
+
+
+# ---------------------------------------------------------------------------- dequantization, bitwise
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_dequantize_equals_mx_dequantize_bitwise_on_random_weights(bits, group, dtype):
+    w = (mx.random.normal((48, 384), key=mx.random.key(bits * 1000 + group)) * 0.05).astype(getattr(mx, dtype))
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    ref = to_torch(mx.dequantize(packed, scales, biases, group_size=group, bits=bits))
+    ours = dequantize(to_torch(packed), to_torch(scales), to_torch(biases), group, bits)
+    assert same_bits(ours, ref), f"max diff {(ours.float() - ref.float()).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_tiny_model_quantized_by_mlx_lm_dequantizes_bitwise(sources, tmp_path, bits, group):
+    """Every layer mlx_lm quantized (and with what it chose per layer) equals mx.dequantize of that layer;
+    at group 128 most layers of the 64-wide tiny target stay unquantized (mlx_lm skips them) and load as they are."""
+    from mlx.utils import tree_flatten
+
+    from models.target_mlx import TargetModel as MlxTarget
+
+    if group == 128:  # quantize_to_mlx refuses a group that does not divide hidden; mlx_lm itself skips layers
+        from mlx_lm.utils import load, quantize_model, save
+
+        src = sources("qwen3")
+        model, tok, config = load(str(src), return_config=True, lazy=True)
+        model, qconfig = quantize_model(model, config, group, bits)
+        out = tmp_path / "q"
+        save(out, src, model, tok, qconfig)
+    else:
+        out = quantize_to_mlx(sources("qwen3_moe"), tmp_path / "q", bits=bits, group_size=group, log=lambda *_: None)
+    mlx_model = MlxTarget.from_pretrained(out).model
+    config = json.loads((out / "config.json").read_text())
+    ours = dequantize_weights(read_safetensors(out), config, torch.float32)
+    quantized = [(name, m) for name, m in mlx_model.named_modules() if hasattr(m, "scales")]
+    assert len(quantized) >= (3 if group == 128 else 20)
+    for name, m in quantized:
+        ref = to_torch(mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits))
+        assert same_bits(ours[f"{name}.weight"], ref), name
+    plain = {k: v for k, v in tree_flatten(mlx_model.parameters()) if not k.endswith((".scales", ".biases"))
+             and k.removesuffix(".weight") not in dict(quantized)}
+    for k, v in plain.items():
+        assert torch.equal(ours[k], to_torch(v)), k
+    if group != 128:
+        moe_gates = [n for n, m in quantized if n.endswith("mlp.gate")]
+        assert moe_gates and all(dict(quantized)[n].bits == 8 for n in moe_gates)  # mlx_lm's per-layer rule
+
+
+# ---------------------------------------------------------------------------- torch vs MLX forward
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_vl", "qwen3_moe", "qwen3_5_moe"])
+def test_dequantized_torch_target_matches_the_mlx_quantized_target(sources, tmp_path, arch):
+    from models.target_mlx import TargetModel as MlxTarget
+
+    out = quantize_to_mlx(sources(arch), tmp_path / "q4", bits=4, group_size=32, log=lambda *_: None)
+    torch_target = load_mlx_target(out, dtype=torch.float32)
+    mlx_target = MlxTarget.from_pretrained(out, dtype=mx.float32)
+    assert torch_target.quantization == "mlx-4bit-g32" and torch_target.num_layers == 4
+    ids = [[256, 257, 40, 100, 101, 32, 115, 10, 99, 200, 45, 61]]
+    a = torch_target.forward(torch.tensor(ids), [0, 2])
+    b = mlx_target.forward(mx.array(ids), [0, 2])
+    feat_diff = np.abs(a.features.numpy() - np.array(b.features)).max()
+    logit_diff = np.abs(a.logits.numpy() - np.array(b.logits)).max()
+    assert feat_diff < TOL and logit_diff < TOL, (feat_diff, logit_diff)
+
+
+def _torch_greedy(target, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    cache = target.new_cache()
+    out = []
+    logits = target.forward(ids, cache=cache).logits[:, -1]
+    for _ in range(n):
+        tok = int(logits.argmax(-1))
+        out.append(tok)
+        logits = target.forward(torch.tensor([[tok]]), cache=cache).logits[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_greedy_tokens_identical_for_64_tokens(sources, tmp_path, arch):
+    from mlx_lm.generate import generate_step
+
+    from models.target_mlx import TargetModel as MlxTarget
+
+    out = quantize_to_mlx(sources(arch), tmp_path / "q4", bits=4, group_size=32, log=lambda *_: None)
+    prompt = [256, 257, 117, 115, 101, 114, 10, 104, 105]
+    ours = _torch_greedy(load_mlx_target(out, dtype=torch.float32), prompt, 64)
+    mlx_target = MlxTarget.from_pretrained(out, dtype=mx.float32)
+    ref = [int(t) for t, _logprobs in generate_step(mx.array(prompt), mlx_target.model, max_tokens=64)]
+    assert ours == ref
+
+
+# ---------------------------------------------------------------------------- target.quantization
+def test_quantization_values_parse():
+    assert parse_quantization("none").describe() == "none"
+    assert parse_quantization("mlx-4bit").describe() == "mlx-4bit-g64"
+    assert parse_quantization("mlx-3bit-g32").describe() == "mlx-3bit-g32"
+    assert parse_quantization("mlx:mlx-community/Qwen3-4B-4bit").path == "mlx-community/Qwen3-4B-4bit"
+    assert parse_quantization("bnb-4bit").kind == "bnb" and parse_quantization("fp8").kind == "fp8"
+
+
+def test_resolve_target_quantizes_once_and_loads_dequantized(sources, tmp_path):
+    from models.target import TargetModel
+
+    src = str(sources("qwen3"))
+    logs = []
+    path, tq = resolve_target(src, "mlx-8bit", tmp_path, log=logs.append)
+    assert tq is None and path.endswith("target-mlx-8bit-g64") and len(logs) == 1
+    assert resolve_target(src, "mlx-8bit", tmp_path, log=logs.append)[0] == path and len(logs) == 1  # cached
+    assert resolve_target(src, f"mlx:{path}", tmp_path) == (path, None)
+    target = TargetModel.from_pretrained(path, dtype="float32")  # the one loader everything goes through
+    bf16 = TargetModel.from_pretrained(src, dtype="float32")
+    assert target.quantization == "mlx-8bit-g64" and bf16.quantization == "none"
+    w, w0 = target.layers[0].mlp.up_proj.weight, bf16.layers[0].mlp.up_proj.weight
+    assert 0 < (w - w0).abs().max() < 0.02 * w0.abs().max()  # 8-bit: close, not equal
+
+
+def test_train_config_key_and_data_provenance(sources, tmp_path, capsys):
+    """target.quantization is a config key (recorded in config.yaml); data regenerated by the bf16 target is
+    refused for the quantized one unless data.force_target=true."""
+    from data.prepare import DataMismatch, load_prepared, prepare
+    from data.tiny_chat import write
+    from models.target import TargetModel
+    from train.config import load_config
+
+    cfg = load_config(["recipe=tiny", "target.quantization=mlx-3bit"])
+    assert cfg.target.quantization == "mlx-3bit" and "quantization: mlx-3bit" in cfg.to_yaml()
+    src = str(sources("qwen3"))
+    chats = write(tmp_path / "chats.jsonl", n=3, seed=0)
+    prepare(src, str(chats), tmp_path / "data", regenerate="local", progress=False,
+            gen_kwargs={"max_tokens": 8, "batch_size": 4})
+    bf16 = TargetModel.from_pretrained(src, dtype="float32")
+    _, meta = load_prepared(tmp_path / "data", tokenizer=bf16.tokenizer, target=bf16)
+    assert meta["regenerated_by_quantization"] == "none"
+    q_path, _ = resolve_target(src, "mlx-4bit-g32", tmp_path, log=lambda *_: None)
+    quantized = TargetModel.from_pretrained(q_path, dtype="float32")
+    with pytest.raises(DataMismatch, match="regenerated by .*quantization none.*data.force_target=true"):
+        load_prepared(tmp_path / "data", tokenizer=quantized.tokenizer, target=quantized)
+    load_prepared(tmp_path / "data", tokenizer=quantized.tokenizer, target=quantized, force=True)
+    assert "warning:" in capsys.readouterr().err
+
+
+def test_quantizing_an_already_quantized_folder_is_refused(sources, tmp_path):
+    out = quantize_to_mlx(sources("qwen3"), tmp_path / "q", bits=4, group_size=32, log=lambda *_: None)
+    with pytest.raises(QuantizationError, match="already quantized.*target.quantization=mlx:"):
+        quantize_to_mlx(out, tmp_path / "again", bits=4, group_size=32)
