@@ -158,14 +158,15 @@ class Session:
             if mx.metal.is_available():
                 device += f" ({mx.metal.device_info().get('device_name', 'Metal')})"
             dtype = str(self.target.dtype).removeprefix("mlx.core.")
-            ddtype = str(self.proposer.drafter.dtype).removeprefix("mlx.core.")
+            ddtype = str(getattr(getattr(self.proposer, "drafter", None), "dtype", None)).removeprefix("mlx.core.")
         else:
             import torch
 
             dev = self.target.device
             device = str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
             dtype = str(self.target.dtype).removeprefix("torch.")
-            ddtype = str(self.proposer.drafter.fc.weight.dtype).removeprefix("torch.")
+            drafter = getattr(self.proposer, "drafter", None)  # test stand-ins have none
+            ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
         return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
                 "platform": pf.platform(), "machine": pf.machine()}
 

@@ -1,0 +1,107 @@
+"""Prompt sets for ``python -m inference.validate``: the shipped ones, a JSONL file, or a data set.
+
+``--prompts`` takes
+
+- ``code`` / ``math`` / ``chat`` / ``long`` / ``all``: the sets shipped in ``inference/prompts/``
+  (original prompts written for draftsmith; ``all`` = the four categories);
+- a ``.jsonl`` / ``.json`` / ``.parquet`` file or a folder (a ``datasets.save_to_disk`` folder too);
+- a Hub data set id (``openai/gsm8k`` with ``--subset main --split test``, an mt-bench-like set...).
+
+Rows are read by ``data.readers`` (openai ``messages``, ShareGPT ``conversations``, Alpaca,
+``prompt``), plus ``question`` (gsm8k-like) and ``turns`` (mt-bench-like: the first turn). A row's
+prompt is its conversation up to the first assistant turn; its category is the row's own
+``category`` column, else the source's name. ``--n`` keeps the first N prompts of each category.
+The prompts are rendered with the target's own chat template and an explicit thinking switch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+BUILTIN = ("code", "math", "chat", "long")
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    messages: list[dict]
+
+
+def builtin_path(name: str) -> Path:
+    return Path(str(resources.files("inference.prompts") / f"{name}.jsonl"))
+
+
+def _row_messages(row: dict) -> list[dict] | None:
+    """The prompt turns of one raw row (None: no usable user turn)."""
+    from data.readers import BadRow, detect_layout, to_messages
+
+    if isinstance(row.get("question"), str):
+        return [{"role": "user", "content": row["question"]}]
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return [{"role": "user", "content": turns[0]}]
+    try:
+        msgs = to_messages(row, detect_layout(row), need_answers=False)
+    except (BadRow, KeyError, TypeError, AttributeError):
+        return None
+    head: list[dict] = []
+    for m in msgs:
+        if m["role"] == "assistant":
+            break
+        head.append({"role": m["role"], "content": m["content"]})
+    return head if head and head[-1]["role"] == "user" and head[-1]["content"].strip() else None
+
+
+def _source_name(source: str) -> str:
+    path = Path(source)
+    return path.stem if path.suffix else source.rstrip("/").split("/")[-1]
+
+
+def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: str | None = None) -> list[Prompt]:
+    """The prompts ``--prompts spec`` names, the first ``n`` per category; empty is an error."""
+    from data.readers import iter_source_rows
+
+    if n is not None and n < 1:
+        raise ValueError(f"--n {n}: give at least 1 prompt per category (or leave --n out for all of them)")
+    names = BUILTIN if spec == "all" else (spec,) if spec in BUILTIN else ()
+    sources = [(str(builtin_path(name)), name) for name in names] or [(spec, _source_name(spec))]
+    prompts: list[Prompt] = []
+    per_category: Counter = Counter()
+    for source, default_category in sources:
+        for index, row in enumerate(iter_source_rows(source, split=split, subset=subset)):
+            if not isinstance(row, dict):
+                continue
+            msgs = _row_messages(row)
+            if msgs is None:
+                continue
+            category = str(row.get("category") or default_category)
+            if n is not None and per_category[category] >= n:
+                continue
+            per_category[category] += 1
+            prompts.append(Prompt(str(row.get("id", f"{default_category}-{index}")), category, msgs))
+    if not prompts:
+        raise ValueError(f"--prompts {spec}: no usable prompts (rows need messages/conversations with a user turn, "
+                         "or a prompt, question or turns column)")
+    return prompts
+
+
+def prompt_set_hash(prompts: list[Prompt], thinking: str) -> str:
+    """Identifies the prompt set (texts, order, thinking switch), whatever the tokenizer."""
+    blob = json.dumps([[p.id, p.category, p.messages] for p in prompts] + [thinking], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def render_prompts(tokenizer, prompts: list[Prompt], thinking: str) -> list[list[int]]:
+    """Token ids of each prompt through the target's chat template, generation prompt added."""
+    from data.chat import encode, render
+
+    if tokenizer is None:
+        raise ValueError("the target folder has no tokenizer: validate renders prompts with the target's chat template")
+    return [encode(tokenizer, render(tokenizer, p.messages, add_generation_prompt=True, thinking=thinking == "on"))
+            for p in prompts]

@@ -1,0 +1,238 @@
+"""How good is a drafter on the target you run, and how much faster is it? Acceptance, speed, losslessness.
+
+    python -m inference.validate --backend mlx --target Qwen/Qwen3.5-9B --draft ./my-drafter --out runs/val-bf16
+    python -m inference.validate --backend mlx --target mlx-community/Qwen3.5-9B-4bit --draft ./my-drafter \\
+        --prompts all --n 10 --repeats 3 --out runs/val-4bit
+    python -m inference.validate --compare runs/val-bf16/report.json runs/val-4bit/report.json --out runs/cmp
+    python -m inference.validate --backend torch --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 \\
+        --prompts openai/gsm8k --subset main --split test --n 50
+
+Method (the same for every backend, so numbers compare):
+
+1. Pre-flight on the two ``config.json`` files before any weights load: a swapped ``--target`` /
+   ``--draft``, a drafter for another target (hidden size, vocabulary, layer ids vs the target's
+   depth, mask id outside the embedding), a block size above the trained one, an empty prompt set,
+   ``--n 0`` and a negative temperature each end in one ``error:`` line; a drafter that records a
+   different target than ``--target`` gets a warning.
+2. Prompts (``inference.prompt_sets``) are rendered once with the target's chat template and an
+   explicit ``--thinking`` switch; DFlash and the baseline get the identical prompt token ids.
+3. A warm-up generation of both (not recorded), then for every prompt and every repeat the
+   baseline (the target alone through the same backend's loop module, same dtype, stop rules and
+   timers: ``inference.generate.Session.baseline``) and DFlash (``Session.run``), alternating.
+   Timings are the median over ``--repeats``; acceptance comes from the loop's own
+   ``GenerationResult`` (``inference.stats``). Peak memory: ``mx.get_peak_memory`` (MLX),
+   ``torch.cuda.max_memory_allocated`` (CUDA); null on a torch CPU run.
+
+Outputs in ``--out``: ``report.json``, ``report.md``, ``acceptance.png`` (needs the ``plot`` extra,
+matplotlib; skipped with one warning without it), and a table on stdout.
+
+report.json (schema ``draftsmith.validate/1``), flat at the top level; every group key is defined
+in ``inference.report``:
+
+- what ran: ``backend``, ``device`` (with the GPU / Apple chip name), ``platform``, ``machine``,
+  ``dtype`` (target compute dtype), ``draft_dtype``, ``target``, ``draft`` (as given),
+  ``target_model_type``, ``target_quantization`` (e.g. ``"4-bit affine, group 64"``, from the target
+  folder's config; null = not quantized), ``recorded_target``, ``block_size``,
+  ``trained_block_size``, ``mask_token_id``, ``temperature``, ``thinking``, ``max_new_tokens``,
+  ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``, ``created``,
+  ``python_version``, ``torch_version``, ``transformers_version``, ``mlx_version``,
+  ``mlx_lm_version``, ``draftsmith_version``;
+- overall numbers: ``tau`` (pooled over all cycles: the headline), ``tau_per_prompt_mean``,
+  ``speedup``, ``dflash_tok_s``, ``baseline_tok_s``, ``cycle_s``, ``baseline_token_s``,
+  ``cycle_cost``, ``ttft_s``, ``baseline_ttft_s``, ``acceptance_histogram`` ({length: cycles}),
+  ``position_acceptance`` (list, slot 1..B-1), ``tau_first_quarter``, ``tau_last_quarter``,
+  ``identical_share``, ``first_divergence_min``, ``truncated``, ``baseline_truncated``,
+  ``num_prompts``, ``num_cycles``, ``num_tokens``, ``peak_memory_bytes``,
+  ``baseline_peak_memory_bytes``;
+- ``per_category``: {category: the same group numbers}; ``per_prompt``: a list with each prompt's
+  numbers (id, category, tau, timings, first divergence, acceptance lengths...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from inference.checks import check_dtype, check_temperature, preflight
+from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
+from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
+                              write_plot)
+
+WARMUP_TOKENS = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target model: local folder or Hugging Face Hub id (bf16 or MLX-quantized)")
+    p.add_argument("--draft", help="DFlash drafter: local folder or Hub id")
+    p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto",
+                   help="torch (CUDA or CPU), mlx (Metal, or CPU on Linux), auto: mlx on Apple Silicon")
+    p.add_argument("--prompts", default="all",
+                   help=f"{'|'.join(BUILTIN)}|all (shipped sets), a .jsonl of chat messages, a folder, or a Hub data "
+                        "set id (default: all)")
+    p.add_argument("--split", default="test", help="data set split for a Hub id or save_to_disk folder (default: test)")
+    p.add_argument("--subset", default=None, help="data set config name for a Hub id (e.g. main for openai/gsm8k)")
+    p.add_argument("--n", type=int, default=None, help="first N prompts of each category (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per prompt; outputs that hit it are flagged")
+    p.add_argument("--block-size", type=int, default=None, help="at most the drafter's trained block size")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared token by token)")
+    p.add_argument("--thinking", choices=["on", "off"], default="off", help="the chat template's thinking switch")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode; timings are the median")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, help="compute dtype: float32, bfloat16 or float16 (default: the "
+                                                  "backend's: torch bf16 on cuda / fp32 on cpu, mlx the checkpoint's)")
+    p.add_argument("--out", default="validate-report", help="folder for report.json, report.md, acceptance.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--compare", nargs="+", metavar="REPORT_JSON",
+                   help="compare reports side by side (ratios to the first) and write compare.png to --out")
+    args = p.parse_args(argv)
+    if args.compare:
+        if len(args.compare) < 2:
+            p.error("--compare needs at least two report.json files")
+        return args
+    if not (args.target and args.draft):
+        p.error("give --target and --draft (or --compare A.json B.json ...)")
+    if args.n is not None and args.n < 1:
+        p.error(f"--n {args.n}: give at least 1 prompt per category (or leave --n out for all of them)")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python_version": platform.python_version()}
+    for dist, key in (("torch", "torch"), ("transformers", "transformers"), ("mlx", "mlx"), ("mlx-lm", "mlx_lm"),
+                      ("draftsmith", "draftsmith")):
+        try:
+            out[f"{key}_version"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[f"{key}_version"] = None
+    return out
+
+
+def describe_quantization(q: dict | None) -> str | None:
+    if not q:
+        return None
+    if "bits" in q:
+        return f"{q['bits']}-bit {q.get('mode', 'affine')}, group {q.get('group_size', '?')}"
+    return str(q.get("quant_method") or json.dumps(q, sort_keys=True))
+
+
+def measure(session, ids: list[list[int]], prompts: list, *, repeats: int = 1, block_size: int | None = None,
+            max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
+            progress: bool = True) -> tuple[list[PromptRun], dict]:
+    """Baseline and DFlash on every prompt (alternating, ``repeats`` times each) after a warm-up."""
+    from tqdm import tqdm
+
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    if warmup:  # one-time costs (kernel selection, allocation, graph capture) are not timed
+        session.run(ids[0], baseline=True, block_size=block_size, **{**kw, "max_new_tokens": min(WARMUP_TOKENS,
+                                                                                                   max_new_tokens)})
+    peaks = {"peak_memory_bytes": None, "baseline_peak_memory_bytes": None}
+
+    def peak(key: str, value: int | None) -> None:
+        if value is not None:
+            peaks[key] = max(peaks[key] or 0, value)
+
+    runs = []
+    bar = tqdm(total=len(ids) * repeats, desc="validate", unit="run", file=sys.stderr, disable=not progress)
+    for prompt, p_ids in zip(prompts, ids):
+        run = PromptRun(prompt.id, prompt.category, len(p_ids))
+        for _ in range(repeats):
+            session.reset_peak_memory()
+            run.baseline.append(session.baseline(p_ids, **kw))
+            peak("baseline_peak_memory_bytes", session.peak_memory_bytes())
+            session.reset_peak_memory()
+            run.dflash.append(session.run(p_ids, block_size=block_size, **kw)[0])
+            peak("peak_memory_bytes", session.peak_memory_bytes())
+            bar.update(1)
+        bar.set_postfix(tau=f"{run.dflash[0].tau:.2f}")
+        runs.append(run)
+    bar.close()
+    return runs, peaks
+
+
+def write_outputs(report: dict, out: str | Path) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "md": out / "report.md"}
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["md"].write_text(markdown(report))
+    paths["png"] = write_plot([report], [Path(str(report.get("draft"))).name or "drafter"], str(out / "acceptance.png"))
+    return paths
+
+
+def run_compare(files: list[str], out: str | Path) -> dict:
+    reports, labels = [], []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"--compare {f}: no such file (give report.json files written by validate)")
+        try:
+            r = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--compare {f} is not valid JSON ({e})") from None
+        if not str(r.get("schema", "")).startswith("draftsmith.validate/"):
+            raise ValueError(f"--compare {f} is not a report.json written by python -m inference.validate")
+        reports.append(r)
+        labels.append(path.parent.name or path.stem)
+    if len(set(labels)) < len(labels):
+        labels = [f"{lb}#{i + 1}" for i, lb in enumerate(labels)]
+    if len({r.get("prompt_set_hash") for r in reports}) > 1:
+        print("note: the reports used different prompt sets (prompt_set_hash differs): compare with care",
+              file=sys.stderr)
+    rows = compare_rows(reports, labels)
+    print(text_table(rows))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    png = write_plot(reports, labels, str(Path(out) / "compare.png"))
+    return {"rows": rows, "png": png}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from inference.generate import Session, pick_backend
+
+    args = parse_args(argv)
+    if args.compare:
+        return run_compare(args.compare, args.out)
+    check_dtype(args.dtype)
+    check_temperature(args.temperature)
+    pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
+    prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)
+    session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype)
+    ids = render_prompts(session.tokenizer, prompts, args.thinking)
+    print(f"validate: {len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), block size "
+          f"{pre.block_size}, {args.repeats} repeat(s), {session.backend} on {session.describe()['device']}",
+          file=sys.stderr)
+    runs, peaks = measure(session, ids, prompts, repeats=args.repeats, block_size=pre.block_size,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          progress=not args.no_progress)
+    environment = {
+        **session.describe(), "target": args.target, "draft": args.draft, "target_model_type": pre.target.model_type,
+        "target_quantization": describe_quantization(pre.target.quantization), "recorded_target": pre.recorded_target,
+        "block_size": pre.block_size, "trained_block_size": pre.drafter.block_size,
+        "mask_token_id": pre.drafter.mask_token_id, "temperature": args.temperature, "thinking": args.thinking,
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed, "prompts": args.prompts,
+        "prompt_set_hash": prompt_set_hash(prompts, args.thinking), "prompt_tokens_total": sum(map(len, ids)),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions(), **peaks,
+    }
+    report = build_report(runs, pre.block_size, args.temperature == 0, environment)
+    paths = write_outputs(report, args.out)
+    print(text_table(table_rows(report)))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values() if p)}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    from models.cli import run_cli
+
+    run_cli(main)
