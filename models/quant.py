@@ -33,13 +33,15 @@ from pathlib import Path
 
 import torch
 
+from models.cli import UserError
+
 BITS = (2, 3, 4, 5, 6, 8)  # affine widths MLX packs
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # mlx_lm.convert's default for affine
 QUANT_MARKER = "draftsmith_quant.json"  # written next to a folder quantize_to_mlx made (the cache key)
 
 
-class QuantizationError(ValueError):
+class QuantizationError(UserError, ValueError):
     """A quantization value, checkpoint or layer that cannot be used as asked."""
 
 
@@ -365,6 +367,11 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
     if source_config.get("quantization"):
         raise QuantizationError(f"{hf_path} is already quantized ({describe_mlx(source_config)}): use "
                                 f"target.quantization=mlx:{hf_path} to train against it as it is")
+    hidden = (source_config.get("text_config") or source_config).get("hidden_size")
+    if hidden and hidden % group_size:
+        fits = [g for g in GROUP_SIZES if hidden % g == 0]
+        raise QuantizationError(f"group size {group_size} does not divide the target's hidden size {hidden}: mlx_lm "
+                                f"would leave every such layer unquantized; use group size {fits or 'none fits'}")
     log(f"quantizing {hf_path} to MLX {bits}-bit, group size {group_size} (mlx_lm) -> {out}")
     model, tokenizer, config = load(str(src), return_config=True, lazy=True,
                                     model_config=mlx_lm_overrides(source_config))
@@ -425,7 +432,13 @@ def resolve_target(path: str, quantization: str | None, work_dir: str | Path, re
     if spec.kind == "none":
         return path, None
     if spec.kind == "mlx" and spec.path:
-        return spec.path, None
+        from models.hub import resolve_model_dir
+
+        folder = resolve_model_dir(spec.path, revision=revision, what="quantized target")
+        if not is_mlx_quantized(folder):
+            raise QuantizationError(f"target.quantization=mlx:{spec.path}: {folder} has no MLX 'quantization' in its "
+                                    "config.json; give an MLX-quantized folder, or mlx-4bit to quantize target.path")
+        return str(folder), None
     if spec.kind == "mlx":
         out = Path(work_dir) / f"target-mlx-{spec.bits}bit-g{spec.group_size}"
         return str(quantize_to_mlx(path, out, bits=spec.bits, group_size=spec.group_size, revision=revision,
