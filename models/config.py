@@ -10,8 +10,10 @@ The file is written as JSON from this dataclass, never through a transformers co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -61,7 +63,8 @@ def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:
         "mask_token_id", None,
         f"every one of the target's {embedding_rows} embedding rows is a token the tokenizer emits, "
         "so there is no spare row to use as the mask token",
-        "pass mask_token_id explicitly (a rarely used token), or resize the target embedding by one row",
+        "pass mask_token_id explicitly (a reserved special token the chat template never produces), "
+        "or resize the target embedding by one row",
     )
 
 
@@ -70,6 +73,151 @@ def tokenizer_emitted_ids(tokenizer) -> set[int]:
     ids = set(tokenizer.get_vocab().values())
     ids.update(getattr(tokenizer, "all_special_ids", []) or [])
     return ids
+
+
+# ----------------------------------------------------------------------------- mask token
+MASK_NAMES = ("<|mask|>", "<mask>", "[mask]", "<|mask_token|>", "<|fim_mask|>")
+RESERVED_NAME = re.compile(r"reserved|unused", re.IGNORECASE)
+
+
+@dataclass
+class MaskChoice:
+    """The resolved mask token and why it was chosen (printed at the start of training)."""
+
+    id: int
+    token: str | None  # the tokenizer's name for the id; None for a spare embedding row
+    reason: str
+
+
+def _special_tokens(tokenizer) -> dict[int, str]:
+    """Added tokens marked special (id -> content), plus the named special tokens."""
+    out = {int(i): t.content for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+           if getattr(t, "special", True)}
+    for i in getattr(tokenizer, "all_special_ids", None) or []:
+        out.setdefault(int(i), tokenizer.convert_ids_to_tokens(int(i)))
+    return out
+
+
+def forbidden_mask_ids(tokenizer, produced_ids: Iterable[int] = ()) -> dict[int, str]:
+    """Ids a mask token must never be, with the reason: EOS/pad/BOS/UNK, chat-control tokens (named in
+    the chat template), tokens a rendered chat produces, and ``produced_ids`` (what the data holds)."""
+    bad: dict[int, str] = {}
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id"):
+        i = getattr(tokenizer, name, None)
+        for j in (i if isinstance(i, list) else [i]):
+            if j is not None:
+                bad.setdefault(int(j), name.removesuffix("_id").replace("_", " "))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    for i, content in _special_tokens(tokenizer).items():
+        if content and content in template:
+            bad.setdefault(i, "a chat-control token (the chat template writes it)")
+    with contextlib.suppress(Exception):  # a tokenizer without a usable template produces nothing here
+        convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"}]
+        for ids in (tokenizer.apply_chat_template(convo, tokenize=True, add_generation_prompt=False),
+                    tokenizer.apply_chat_template(convo[:2], tokenize=True, add_generation_prompt=True)):
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            for j in ids:
+                bad.setdefault(int(j), "produced by the chat template")
+    for j in produced_ids:
+        bad.setdefault(int(j), "present in the training data")
+    return bad
+
+
+def resolve_mask_token(embedding_rows: int, tokenizer, explicit: int | None = None,
+                       produced_ids: Iterable[int] = ()) -> MaskChoice:
+    """The mask token, as the engines resolve it (docs/design.md, "Block").
+
+    Order: an explicit id; the tokenizer's own mask token; the first embedding row the tokenizer
+    never emits (Qwen3: 151669); a reserved/unused special token (Llama 3.x: 128256 rows = 128000
+    BPE + 256 reserved specials, no spare row); else a ``ConfigError``. A token the tokenizer knows
+    is accepted only if it is special and never EOS/pad/BOS, a chat-control token, or produced by the
+    chat template or the data (``produced_ids``): an ordinary text token is always refused.
+    """
+    emitted = tokenizer_emitted_ids(tokenizer)
+    special = _special_tokens(tokenizer)
+    bad = forbidden_mask_ids(tokenizer, produced_ids)
+
+    def usable(i: int) -> str | None:
+        """None if ``i`` may be the mask token, else why not."""
+        if not 0 <= i < embedding_rows:
+            return f"outside the target embedding ({embedding_rows} rows)"
+        if i not in emitted:
+            return None
+        if i in bad:
+            return f"is {tokenizer.convert_ids_to_tokens(i)!r}, {bad[i]}"
+        if i not in special:
+            return f"is the ordinary text token {tokenizer.convert_ids_to_tokens(i)!r}"
+        return None
+
+    def name(i: int) -> str | None:
+        return tokenizer.convert_ids_to_tokens(i) if i in emitted else None
+
+    if explicit is not None:
+        why = usable(int(explicit))
+        if why:
+            raise ConfigError("mask_token_id", explicit, why,
+                              "leave drafter.mask_token_id unset to choose automatically, or give a spare embedding "
+                              "row or a reserved special token the chat template and the data never produce")
+        kind = "a spare embedding row" if explicit not in emitted else f"the special token {name(explicit)!r}"
+        return MaskChoice(int(explicit), name(int(explicit)), f"given explicitly ({kind})")
+    own = getattr(tokenizer, "mask_token_id", None)
+    candidates = ([own] if own is not None else []) + [i for i, t in sorted(special.items())
+                                                       if t.lower() in MASK_NAMES]
+    for i in candidates:
+        if usable(int(i)) is None:
+            return MaskChoice(int(i), name(int(i)), "the tokenizer's own mask token")
+    for row in range(embedding_rows):
+        if row not in emitted:
+            return MaskChoice(row, None, "the first embedding row the tokenizer never emits")
+    for i, t in sorted(special.items()):
+        if RESERVED_NAME.search(t or "") and usable(i) is None:
+            return MaskChoice(i, t, "a reserved special token (no spare embedding row; the chat template and "
+                                    "the data never produce it)")
+    raise ConfigError(
+        "mask_token_id", None,
+        f"the target's {embedding_rows} embedding rows are all tokens the tokenizer emits, and it has no mask token "
+        "and no reserved special token that the chat template and the data never produce",
+        "set drafter.mask_token_id to a special token your chat template never writes, or resize the target "
+        "embedding by one row",
+    )
+
+
+# ----------------------------------------------------------------------------- target shape
+@dataclass
+class TargetShape:
+    """The facts about a target that shape its drafter (from its ``config.json``, or a recipe's facts)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_position_embeddings: int = 40960
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float | None = None  # the target's own base frequency (the drafter's default)
+    model_type: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> "TargetShape":
+        """From an HF config (object or ``config.json`` dict); multimodal checkpoints: their text tower."""
+        d = config if isinstance(config, dict) else config.to_dict()
+        model_type = d.get("model_type")
+        text = d.get("text_config") or d
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values()):
+            rope = rope.get("full_attention") or next(iter(rope.values()))  # per-layer-type rope blocks
+        theta = text.get("rope_theta") or rope.get("rope_theta")
+        heads = text.get("num_attention_heads")
+        return cls(hidden_size=text["hidden_size"], vocab_size=text["vocab_size"], num_layers=text["num_hidden_layers"],
+                   max_position_embeddings=text.get("max_position_embeddings") or 40960,
+                   num_attention_heads=heads, num_key_value_heads=text.get("num_key_value_heads"),
+                   head_dim=text.get("head_dim") or (text["hidden_size"] // heads if heads else None),
+                   intermediate_size=text.get("intermediate_size"), rms_norm_eps=text.get("rms_norm_eps") or 1e-6,
+                   rope_theta=float(theta) if theta else None, model_type=model_type)
 
 
 def _sliding_block_mode(d: dict[str, Any], nested: dict[str, Any], layer_types: list[str]) -> str:
@@ -356,19 +504,58 @@ class DFlashConfig:
         return DFlashConfig(**d)
 
     @classmethod
-    def for_target(cls, *, hidden_size: int, vocab_size: int, num_target_layers: int,
-                   max_position_embeddings: int, mask_token_id: int, num_hidden_layers: int = 5,
+    def for_target(cls, target: TargetShape | None = None, /, *, mask_token_id: int, num_hidden_layers: int = 5,
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                    head_dim: int | None = None, intermediate_size: int | None = None,
-                   target_layer_ids: list[int] | None = None, num_taps: int = 5, **kw: Any) -> "DFlashConfig":
-        """A drafter shaped for a target: hidden size/vocab/positions from the target, the rest defaulted."""
-        head_dim = head_dim or 128
-        heads = num_attention_heads or max(hidden_size // head_dim, 1)
+                   target_layer_ids: list[int] | None = None, num_taps: int = 5, rope_theta: float | None = None,
+                   rms_norm_eps: float | None = None, hidden_size: int | None = None, vocab_size: int | None = None,
+                   num_target_layers: int | None = None, max_position_embeddings: int | None = None,
+                   **kw: Any) -> "DFlashConfig":
+        """The one resolver of a drafter's shape: training, the dry-run plan and the benches call it.
+
+        Hidden size, vocabulary, layer count and positions come from the target; heads, KV heads,
+        head dim, MLP width, norm eps and the RoPE base default to the target's own (``target``), and
+        any keyword overrides them. Without a ``target`` the target facts must be given as keywords
+        and the attention shape defaults to 128-wide heads.
+        """
+        t = target
+
+        def fact(name: str, given: Any, attr: str) -> Any:
+            value = given if given is not None else (getattr(t, attr) if t is not None else None)
+            if value is None:
+                raise ConfigError(name, None, "unknown: neither the target shape nor an override gives it",
+                                  f"pass {name} or a TargetShape")
+            return value
+
+        hidden = fact("hidden_size", hidden_size, "hidden_size")
+        heads = num_attention_heads or (t.num_attention_heads if t else None)
+        head_dim = head_dim or (t.head_dim if t else None) or (hidden // heads if heads else 128)
+        heads = heads or max(hidden // head_dim, 1)
+        layers = fact("num_target_layers", num_target_layers, "num_layers")
         return cls(
-            hidden_size=hidden_size, vocab_size=vocab_size, num_target_layers=num_target_layers,
-            max_position_embeddings=max_position_embeddings, mask_token_id=mask_token_id,
-            num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
-            num_key_value_heads=num_key_value_heads or heads, head_dim=head_dim,
-            intermediate_size=intermediate_size or 3 * hidden_size,
-            target_layer_ids=target_layer_ids or default_layer_ids(num_target_layers, num_taps), **kw,
+            hidden_size=hidden, vocab_size=fact("vocab_size", vocab_size, "vocab_size"), num_target_layers=layers,
+            max_position_embeddings=max_position_embeddings or (t.max_position_embeddings if t else 40960),
+            mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=num_key_value_heads or (t.num_key_value_heads if t else None) or heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size or (t.intermediate_size if t else None) or 3 * hidden,
+            rms_norm_eps=rms_norm_eps or (t.rms_norm_eps if t else 1e-6),
+            # The target's own base frequency, as SpecForge and z-lab's published drafters do.
+            rope_theta=float(rope_theta or (t.rope_theta if t else None) or 1_000_000.0),
+            target_layer_ids=target_layer_ids or default_layer_ids(layers, num_taps), **kw,
         )
+
+    # ------------------------------------------------------------------ size
+    def num_parameters(self) -> int:
+        """Trained parameters (fc, hidden_norm, layers, norm; the target's embedding and head are borrowed)."""
+        H, hd = self.hidden_size, self.head_dim
+        attn = H * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * H
+        per_layer = attn + 3 * H * self.intermediate_size + 2 * H + 2 * hd
+        return self.num_hidden_layers * per_layer + self.fc_in_features * H + 2 * H
+
+    def flops_per_token(self, context: float, lm_head: bool = True) -> float:
+        """Forward FLOPs (2 x MACs) per block token, attending to ``context`` keys; LM head included by default."""
+        H, hd = self.hidden_size, self.head_dim
+        proj = H * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        per_layer = 2 * (proj + 3 * H * self.intermediate_size) + 2 * 2 * self.num_attention_heads * hd * context
+        return self.num_hidden_layers * per_layer + (2 * H * self.vocab_size if lm_head else 0)

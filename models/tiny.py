@@ -46,8 +46,13 @@ LLAMA3_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(template: str = "chatml"):
-    """A byte-level tokenizer (one token per byte) with ChatML (default) or Llama 3 chat template."""
+def tiny_tokenizer(template: str = "chatml", reserved: int = 0, mask_token: str | None = None):
+    """A byte-level tokenizer (one token per byte) with ChatML (default) or Llama 3 chat template.
+
+    ``reserved``: that many ``<|reserved_special_token_i|>`` specials after the fixed ones (Llama 3
+    style; ``reserved=TINY_VOCAB - 265`` leaves no spare embedding row). ``mask_token``: an extra
+    special token set as the tokenizer's mask token (e.g. ``"<|mask|>"``).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,13 +62,17 @@ def tiny_tokenizer(template: str = "chatml"):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256.. in list order
+    extra = [f"<|reserved_special_token_{i}|>" for i in range(reserved)] + ([mask_token] if mask_token else [])
+    if extra:
+        tok.add_special_tokens(extra)  # ids 265.. after the fixed specials
     if template == "chatml":
         eos, chat_template = "<|im_end|>", CHATML_TEMPLATE
     elif template == "llama3":
         eos, chat_template = "<|eot_id|>", LLAMA3_TEMPLATE
     else:
         raise ValueError(f"unknown tiny template {template!r}: use 'chatml' or 'llama3'")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
+                                   **({"mask_token": mask_token} if mask_token else {}))
     assert [fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(256, 256 + len(SPECIAL_TOKENS))), \
         "tiny tokenizer special ids moved"
     fast.chat_template = chat_template
