@@ -26,6 +26,12 @@ The target is never trained on a context it would not see at serving time.
 Segments are tokenized one by one (``add_special_tokens=False``: the template renders BOS
 itself), so mask boundaries are exact by construction and the answer's tokens are tokenized
 alone, as the server's generated tokens would be.
+
+Regenerated answers carry the ids the target generated (``token_ids`` on the message); those are
+used for the answer instead of re-tokenizing its text (decode then encode is not the identity:
+BPE merges, invalid UTF-8), when the decoded ids are the answer text the template rendered (or
+its end: a template may render an empty think block before the generated text). Otherwise the
+text is re-tokenized and the row counts it in ``TokenizedRow.retokenized``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class TemplateError(ValueError):
 class Segment:
     text: str
     kind: str  # "context" | "answer" (all loss) | "trailer" (first token loss: end-of-turn)
+    token_ids: list[int] | None = None  # answer only: the ids the target generated, when known
 
 
 def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
@@ -100,7 +107,7 @@ def conversation_segments(tokenizer, messages: list[dict], thinking: bool | None
             rows.append(segs)
             segs, text = [], ""
         segs.append(Segment(prompt[len(text):], "context"))
-        segs.append(Segment(answer, "answer"))
+        segs.append(Segment(answer, "answer", messages[i].get("token_ids")))
         segs.append(Segment(trailer, "trailer"))
         text = prompt + answer + trailer
     rows.append(segs)
@@ -111,12 +118,36 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def tokenize_segments(tokenizer, segments: list[Segment]) -> tuple[list[int], list[int]]:
-    """Token ids and the 0/1 loss mask of one row."""
+def answer_ids(tokenizer, seg: Segment, end_of_turn: int | None) -> list[int] | None:
+    """The generated ids of an answer segment, or None when they do not spell its text."""
+    ids = list(seg.token_ids or [])
+    if ids and ids[-1] == end_of_turn:  # vLLM includes the stop token; the trailer holds it already
+        ids.pop()
+    if not ids:
+        return None
+    decoded = tokenizer.decode(ids, skip_special_tokens=False)
+    if tokenizer.pad_token:
+        decoded = decoded.replace(tokenizer.pad_token, "")
+    if decoded == seg.text:
+        return ids
+    if decoded and seg.text.endswith(decoded):
+        return encode(tokenizer, seg.text[:-len(decoded)]) + ids
+    return None
+
+
+def tokenize_segments(tokenizer, segments: list[Segment]) -> tuple[list[int], list[int], int]:
+    """Token ids and the 0/1 loss mask of one row, and how many answers were re-tokenized from text."""
     ids: list[int] = []
     mask: list[int] = []
-    for seg in segments:
-        tok = encode(tokenizer, seg.text)
+    retokenized = 0
+    for k, seg in enumerate(segments):
+        tok = None
+        if seg.kind == "answer" and seg.token_ids is not None:
+            trailer = encode(tokenizer, segments[k + 1].text) if k + 1 < len(segments) else []
+            tok = answer_ids(tokenizer, seg, trailer[0] if trailer else None)
+            retokenized += tok is None
+        if tok is None:
+            tok = encode(tokenizer, seg.text)
         ids += tok
         if seg.kind == "answer":
             mask += [1] * len(tok)
@@ -124,7 +155,7 @@ def tokenize_segments(tokenizer, segments: list[Segment]) -> tuple[list[int], li
             mask += [1] * min(1, len(tok)) + [0] * max(0, len(tok) - 1)
         else:
             mask += [0] * len(tok)
-    return ids, mask
+    return ids, mask, retokenized
 
 
 @dataclass
@@ -132,6 +163,7 @@ class TokenizedRow:
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False
+    retokenized: int = 0  # regenerated answers whose ids did not spell the rendered text
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None = None,
@@ -143,14 +175,14 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
     """
     rows, dropped = [], 0
     for segs in conversation_segments(tokenizer, messages, thinking):
-        ids, mask = tokenize_segments(tokenizer, segs)
+        ids, mask, retokenized = tokenize_segments(tokenizer, segs)
         truncated = max_length is not None and len(ids) > max_length
         if truncated:
             ids, mask = ids[:max_length], mask[:max_length]
         if sum(mask) == 0:
             dropped += 1
             continue
-        rows.append(TokenizedRow(ids, mask, truncated))
+        rows.append(TokenizedRow(ids, mask, truncated, retokenized))
     return rows, dropped
 
 

@@ -3,12 +3,26 @@
     python -m data.prepare --target Qwen/Qwen3-8B --source chats.jsonl --out data/qwen3-8b \\
         --regenerate http://127.0.0.1:8000/v1 --thinking off --max-length 3072 --pack
     python -m data.prepare --target ./tiny-target --source alpaca.jsonl --out /tmp/tiny-data --regenerate local
+    python -m data.prepare --target Qwen/Qwen3-8B --source prompts.jsonl --out data/q --regenerate vllm
 
 Reads the source (any layout of :mod:`data.readers`), regenerates every assistant turn with the
 target if ``--regenerate`` is given (resumable: ``DIR/regenerated.jsonl``), renders each
 conversation with the target's chat template and derives the loss mask from it
 (:mod:`data.chat`), truncates to ``--max-length`` (rows left without loss tokens are dropped and
-counted) and optionally packs rows (:mod:`data.packing`).
+counted) and optionally packs rows (:mod:`data.packing`). The source is read row by row (a Hub
+data set with ``--streaming`` is never downloaded whole) and tokenized on disk with
+``datasets.map(num_proc=...)`` (:mod:`data.rows`).
+
+``--regenerate`` is ``local`` (the target in this process, ``--batch-size`` conversations at a
+time), ``vllm`` or ``sglang`` (draftsmith starts the engine on a free local port, regenerates and
+stops it: :mod:`data.engine`), or the base URL of a running OpenAI-compatible server (checked
+with one ``/v1/models`` request first). Prompts-only data (no assistant turns) is accepted when
+answers are regenerated. Regenerated answers are trained on the token ids the target generated.
+
+Re-running on an existing ``--out`` (:mod:`data.reuse`): the same settings rebuild it (re-using
+the regenerated answers); other settings are refused with the differences named unless
+``--rebuild``; a non-empty folder that is not a prepared-data folder is never written into. A
+failed run leaves no empty ``--out`` behind.
 
 Output ``DIR`` is a ``datasets`` folder (``datasets.load_from_disk(DIR)``, or
 :func:`load_prepared`) with one row per training sequence and columns:
@@ -27,17 +41,15 @@ max length, packed), which the trainer and :mod:`data.extract` check against the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections import Counter
 from pathlib import Path
+from typing import Iterator
 
-META_FILE = "draftsmith_data.json"
-STATS_FILE = "stats.json"
+from data.reuse import META_FILE, PARTIAL_FILE, REGEN_FILE, STATS_FILE, DataMismatch  # noqa: F401 (re-exported)
 
-
-class DataMismatch(ValueError):
-    pass
+SERVER_LOG = "regenerate-server.log"
 
 
 def load_tokenizer(target: str):
@@ -46,39 +58,6 @@ def load_tokenizer(target: str):
     from models.hub import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(target, what="target"))
-
-
-def tokenize_all(tokenizer, convs: list[dict], thinking: bool | None, max_length: int | None,
-                 progress: bool = True) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """Tokenize conversations in order; returns rows and counters."""
-    from tqdm import tqdm
-
-    from data.chat import TemplateError, tokenize_conversation
-
-    rows, counts = [], Counter()
-    for conv in tqdm(convs, desc="tokenize", unit="conv", disable=not progress):
-        try:
-            conv_rows, dropped = tokenize_conversation(tokenizer, conv["messages"], thinking, max_length)
-        except TemplateError:
-            counts["template_errors"] += 1
-            continue
-        counts["dropped_no_loss"] += dropped
-        counts["truncated"] += sum(r.truncated for r in conv_rows)
-        rows += [(r.input_ids, r.loss_mask) for r in conv_rows]
-    return rows, dict(counts)
-
-
-def save_prepared(records: list[dict], out: Path, meta: dict, stats: dict) -> None:
-    from datasets import Dataset, Features, Sequence, Value
-
-    features = Features({"input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
-                         "doc_ids": Sequence(Value("int32")), "position_ids": Sequence(Value("int32")),
-                         "num_tokens": Value("int32"), "num_loss_tokens": Value("int32")})
-    for r in records:
-        r["num_tokens"], r["num_loss_tokens"] = len(r["input_ids"]), sum(r["loss_mask"])
-    Dataset.from_list(records, features=features).save_to_disk(str(out))
-    (out / META_FILE).write_text(json.dumps(meta, indent=2))
-    (out / STATS_FILE).write_text(json.dumps(stats, indent=2))
 
 
 def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = False):
@@ -135,66 +114,162 @@ def check_regenerated_by(meta: dict, target, path: Path, force: bool = False) ->
 def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None = None,
             thinking: bool | None = None, max_length: int | None = None, pack: bool = False,
             limit: int | None = None, split: str = "train", subset: str | None = None, streaming: bool = False,
-            gen_kwargs: dict | None = None, progress: bool = True) -> dict:
-    """The whole pipeline; returns the stats dict (also written to ``out/stats.json``)."""
+            gen_kwargs: dict | None = None, progress: bool = True, rebuild: bool = False, reuse: bool = False,
+            num_proc: int | None = None, server_log: str | Path | None = None, engine_timeout: float = 1800.0,
+            log=None) -> dict:
+    """The whole pipeline; returns the stats dict (also written to ``out/stats.json``).
+
+    ``reuse``: a finished folder with the same settings is returned as it is (what training does).
+    ``rebuild``: a folder prepared with other settings is rebuilt instead of refused.
+    ``server_log``: where a started vLLM / SGLang engine logs (default ``out/regenerate-server.log``).
+    """
     from data.chat import tokenizer_fingerprint
-    from data.packing import pack_rows, unpacked_rows
-    from data.readers import BadRow, ReadStats, load_conversations, to_messages
+    from data.reuse import claim_folder, clean_failed, read_json, reusable, row_settings
 
     if pack and not max_length:
         raise ValueError("--pack needs --max-length (the packed row budget)")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    convs, read_stats = load_conversations(source, split=split, subset=subset, streaming=streaming, limit=limit)
-    print(read_stats.summary(), file=sys.stderr)
-    stats: dict = {"read": read_stats.as_dict()}
-
-    if regenerate:
-        from data.regenerate import make_generator, read_rows
-        from data.regenerate import regenerate as run_regeneration
-
-        model = None
-        if regenerate == "local":
-            from models.target import TargetModel
-            model = TargetModel.from_pretrained(target)
-        gen_kwargs = dict(gen_kwargs or {})
-        server_model = gen_kwargs.pop("model", None) or str(target)
-        gen = make_generator(regenerate, model=server_model, target=model, thinking=thinking, **gen_kwargs)
-        report = run_regeneration(convs, out / "regenerated.jsonl", gen, progress=progress)
-        print(report.line(), file=sys.stderr)
-        stats["regenerate"] = json.loads(report.line())["regenerate"]
-        if report.failed:
-            raise RuntimeError(f"{report.failed} conversations failed to regenerate; rerun the same command to retry")
-        wanted = {c["id"] for c in convs}
-        regen_stats = ReadStats()
-        convs = []
-        for row in read_rows(out / "regenerated.jsonl"):
-            if row["id"] not in wanted:
-                continue
-            regen_stats.seen += 1
-            try:  # a target answer can be empty (EOS first): same rules as any source row
-                convs.append({"id": row["id"], "messages": to_messages(row, "openai")})
-                regen_stats.kept += 1
-            except BadRow as why:
-                regen_stats.skipped[str(why)] += 1
-        stats["regenerated_rows"] = regen_stats.as_dict()
-
+    log = log or (lambda message: print(message, file=sys.stderr))
+    gen_kwargs = dict(gen_kwargs or {})
+    regenerate = None if regenerate in (None, "", "none") else regenerate
     tokenizer = load_tokenizer(target)
-    rows, counts = tokenize_all(tokenizer, convs, thinking, max_length, progress)
-    if not rows:
-        raise ValueError(f"no row has loss tokens after tokenization ({counts}); check --max-length and the data")
-    records = pack_rows(rows, max_length) if pack else unpacked_rows(rows)
-    stats.update({"conversations": len(convs), "documents": len(rows), "rows": len(records),
-                  "tokens": sum(len(r[0]) for r in rows), "loss_tokens": sum(sum(r[1]) for r in rows),
-                  "truncated": counts.get("truncated", 0), "dropped_no_loss": counts.get("dropped_no_loss", 0),
-                  "template_errors": counts.get("template_errors", 0)})
-    meta = {"target": str(target), "tokenizer_hash": tokenizer_fingerprint(tokenizer), "source": str(source),
-            "thinking": thinking, "max_length": max_length, "packed": pack, "regenerated": bool(regenerate),
-            "columns": ["input_ids", "loss_mask", "doc_ids", "position_ids", "num_tokens", "num_loss_tokens"]}
+    wanted = row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
+                          thinking=thinking, max_length=max_length, pack=pack,
+                          tokenizer_hash=tokenizer_fingerprint(tokenizer), gen_kwargs=gen_kwargs)
+    if reuse and reusable(out, wanted):
+        return read_json(out / STATS_FILE) or {}
+    created = not out.exists()
+    claim_folder(out, wanted, rebuild)
+    try:
+        return _build(target, source, out, tokenizer, wanted, regenerate=regenerate, thinking=thinking,
+                      max_length=max_length, pack=pack, limit=limit, split=split, subset=subset, streaming=streaming,
+                      gen_kwargs=gen_kwargs, progress=progress, num_proc=num_proc,
+                      server_log=Path(server_log) if server_log else out / SERVER_LOG,
+                      engine_timeout=engine_timeout, log=log)
+    except BaseException:
+        clean_failed(out, created)
+        raise
+
+
+def _checked(convs: Iterator[dict], read_stats, source: str) -> Iterator[dict]:
+    """Pass conversations through; at the end, a source with no usable row is an error (as before streaming)."""
+    from data.readers import no_usable_rows
+
+    yield from convs
+    if read_stats.kept == 0:
+        raise no_usable_rows(source, read_stats)
+
+
+def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, thinking, max_length, pack, limit,
+           split, subset, streaming, gen_kwargs, progress, num_proc, server_log: Path, engine_timeout, log) -> dict:
+    from data.reuse import CACHE_DIR
+    from data.rows import COLUMNS, tokenize_to_disk
+    from data.readers import ReadStats, iter_conversations
+
+    read_stats = ReadStats()
+    convs = _checked(iter_conversations(source, split=split, subset=subset, streaming=streaming, limit=limit,
+                                        stats=read_stats, need_answers=not regenerate), read_stats, str(source))
+    stats: dict = {}
+    model = None
+    if regenerate:
+        model, keys, report = _regenerate(target, convs, out, regenerate, thinking, gen_kwargs, progress,
+                                          server_log, engine_timeout, log)
+        stats["regenerate"] = json.loads(report.line())["regenerate"]
+        regen_stats = ReadStats()
+        convs = regenerated_conversations(out / REGEN_FILE, keys, regen_stats)
+    counts = tokenize_to_disk(tokenizer, convs, out, out / CACHE_DIR, thinking=thinking, max_length=max_length,
+                              pack=pack, num_proc=num_proc, progress=progress)
+    if regenerate:
+        stats["regenerated_rows"] = regen_stats.as_dict()
+        if counts["retokenized"]:
+            log(f"warning: {counts['retokenized']} regenerated answers had no token ids that spell their text; "
+                "they were re-tokenized from the text")
+    log(read_stats.summary())
+    stats = {"read": read_stats.as_dict(), **stats, **counts}
+    meta = {"target": str(target), **wanted, "regenerated": bool(regenerate), "columns": COLUMNS}
     if regenerate == "local":  # answers are this target's own: later runs check they train against it
         meta.update(regeneration_provenance(model))
-    save_prepared(records, out, meta, stats)
+    _finish(out, meta, stats)
     return stats
+
+
+def _finish(out: Path, meta: dict, stats: dict) -> None:
+    """Stats, then the metadata last and atomically: its presence means the folder is complete."""
+    import shutil
+
+    from data.reuse import CACHE_DIR
+
+    shutil.rmtree(out / CACHE_DIR, ignore_errors=True)
+    (out / STATS_FILE).write_text(json.dumps(stats, indent=2))
+    tmp = out / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(out / META_FILE)
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
+
+
+def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, thinking, gen_kwargs: dict,
+                progress: bool, server_log: Path, engine_timeout: float, log):
+    """Regenerate every conversation (resumable); returns (in-process target or None, keys in source order,
+    report). Starts and stops a vLLM / SGLang engine when asked to."""
+    from data.regenerate import RegenerationError, make_generator
+    from data.regenerate import regenerate as run_regeneration
+
+    keys: list[str] = []
+
+    def tee() -> Iterator[dict]:  # the source is read once: remember its order for tokenizing
+        for conv in convs:
+            keys.append(conv["key"])
+            yield conv
+
+    model = None
+    server_model = gen_kwargs.pop("model", None) or str(target)
+    with contextlib.ExitStack() as stack:
+        spec = regenerate
+        if regenerate in ("vllm", "sglang"):
+            from data.engine import running_engine
+
+            spec = stack.enter_context(running_engine(regenerate, str(target), server_log, timeout=engine_timeout,
+                                                      log=log))
+            server_model = str(target)
+        elif regenerate == "local":
+            from models.target import TargetModel
+
+            model = TargetModel.from_pretrained(target)
+        gen = make_generator(spec, model=server_model, target=model, thinking=thinking, **gen_kwargs)
+        report = run_regeneration(tee(), out / REGEN_FILE, gen, progress=progress)
+    log(report.line())
+    if report.failed:
+        raise RegenerationError(f"{report.failed} of {report.rows_total} conversations failed to regenerate "
+                                f"({report.error_summary()}); rerun the same command to retry them (the answers "
+                                f"already generated are kept in {out / REGEN_FILE})")
+    return model, keys, report
+
+
+def regenerated_conversations(path: Path, keys: list[str], stats) -> Iterator[dict]:
+    """The regenerated conversations in source order, looked up by key; assistant turns keep their token ids."""
+    from data.readers import BadRow, to_messages
+    from data.regenerate import index_rows
+
+    index = index_rows(path)
+    with path.open() as f:
+        for pos, key in enumerate(keys):
+            stats.seen += 1
+            if key not in index:
+                stats.skipped["not regenerated"] += 1
+                continue
+            f.seek(index[key])
+            row = json.loads(f.readline())
+            try:  # a target answer can be empty (EOS first): same rules as any source row
+                messages = to_messages(row, "openai")
+            except BadRow as why:
+                stats.skipped[str(why)] += 1
+                continue
+            generated = [m for m in row["messages"] if m.get("role") == "assistant"]
+            for new, raw in zip((m for m in messages if m["role"] == "assistant"), generated):
+                if raw.get("token_ids") is not None:
+                    new["token_ids"] = raw["token_ids"]
+            stats.kept += 1
+            yield {"id": str(pos), "messages": messages}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,9 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--source", required=True,
                    help=".jsonl/.json/.parquet file, a datasets folder, or a Hub data set id")
     p.add_argument("--out", required=True, help="output folder (a datasets save_to_disk folder + stats.json)")
-    p.add_argument("--regenerate", metavar="local|URL",
-                   help="regenerate assistant turns with the target: 'local' (in-process) "
-                        "or an OpenAI-compatible base URL")
+    p.add_argument("--regenerate", metavar="local|vllm|sglang|URL",
+                   help="regenerate assistant turns with the target: 'local' (in-process), 'vllm' / 'sglang' "
+                        "(started here on a free port, stopped after), or a running server's base URL")
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default",
                    help="chat template thinking switch, as the target will be served (default: template default)")
     p.add_argument("--max-length", type=int, default=None, help="truncate rows to N tokens (and the packing budget)")
@@ -217,6 +292,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", default="train", help="data set split (Hub or datasets folder; default train)")
     p.add_argument("--subset", default=None, help="Hub data set subset / config name")
     p.add_argument("--streaming", action="store_true", help="stream a Hub data set instead of downloading it whole")
+    p.add_argument("--rebuild", action="store_true",
+                   help="--out was prepared with other settings: rebuild it (default: refuse, naming the difference)")
+    p.add_argument("--num-proc", type=int, default=None,
+                   help="tokenizer processes (default: 1 below 20k conversations, else up to 8)")
+    p.add_argument("--server-log", default=None,
+                   help="log of a started vLLM/SGLang (default OUT/regenerate-server.log)")
+    p.add_argument("--engine-timeout", type=float, default=1800.0,
+                   help="seconds a started vLLM/SGLang may take to come up (default 1800)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_generation_args(p)
     a = p.parse_args(argv)
@@ -224,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
     stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
                     max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,
-                    streaming=a.streaming, gen_kwargs=gen_kwargs, progress=not a.no_progress)
+                    streaming=a.streaming, gen_kwargs=gen_kwargs, progress=not a.no_progress, rebuild=a.rebuild,
+                    num_proc=a.num_proc, server_log=a.server_log, engine_timeout=a.engine_timeout)
     print(json.dumps({"prepare": {k: stats[k] for k in ("rows", "documents", "tokens", "loss_tokens", "truncated",
                                                         "dropped_no_loss", "template_errors")}, "out": str(a.out)}))
 

@@ -1,9 +1,10 @@
 """Chat data set readers: every supported layout becomes one conversation form.
 
-A conversation is ``{"id": str, "messages": [{"role", "content"[, "reasoning_content"]}, ...]}``
+A conversation is ``{"id": str, "key": str, "messages": [{"role", "content"[, "reasoning_content"]}, ...]}``
 with roles ``system`` / ``user`` / ``assistant``. ``id`` is the row's position in the source
-(``"17"``): stable across runs of the same source, which is what resumable regeneration keys on.
-The source's own id, if it has one, is kept as ``source_id``.
+(``"17"``); ``key`` is a hash of the conversation's prompts (:func:`conversation_key`), what
+resumable regeneration keys on, so an edited or re-ordered source never re-uses another row's
+answers. The source's own id, if it has one, is kept as ``source_id``.
 
 Layouts (detected per row, or forced with ``layout=``):
 
@@ -12,6 +13,11 @@ Layouts (detected per row, or forced with ``layout=``):
 - ``alpaca``:    ``instruction``, optional ``input``, ``output`` (Alpaca, CodeAlpaca); optional ``system``
 - ``nemotron``:  NVIDIA post-training layout: ``input`` (a list of role/content messages, or a
   string), ``output`` (string, may hold ``<think>...</think>``), optional ``system_prompt``
+- ``prompt``:    ``prompt`` (a string): prompts only, read when answers are regenerated
+
+Prompts-only data (no assistant turn: ``prompt`` rows, Alpaca without ``output``, messages that
+end with the user) is usable when the answers are regenerated anyway (``need_answers=False``):
+the conversation gets one empty assistant turn at the end, which regeneration fills in.
 
 Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder written by
 ``datasets.save_to_disk``, a folder of such files, or a Hub data set id (``org/name``, read with
@@ -24,13 +30,16 @@ row raises :class:`NoUsableRows`, so a wrong column layout cannot silently train
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-LAYOUTS = ("openai", "sharegpt", "alpaca", "nemotron")
+from models.cli import UserError
+
+LAYOUTS = ("openai", "sharegpt", "alpaca", "nemotron", "prompt")
 ROLE_ALIASES = {
     "system": "system", "user": "user", "assistant": "assistant",
     "human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant",
@@ -42,8 +51,13 @@ class BadRow(ValueError):
     """A row that cannot become a conversation; the message is the reason counted in the summary."""
 
 
-class NoUsableRows(ValueError):
+class NoUsableRows(UserError, ValueError):
     pass
+
+
+class SplitNotFound(UserError, KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; we want it readable
+        return self.args[0]
 
 
 @dataclass
@@ -74,6 +88,13 @@ def detect_layout(row: dict) -> str:
         return "alpaca"
     if "input" in row and "output" in row:
         return "nemotron"
+    # prompts only: usable when answers are regenerated (to_messages refuses them otherwise)
+    if "instruction" in row:
+        return "alpaca"
+    if "input" in row:
+        return "nemotron"
+    if isinstance(row.get("prompt"), str):
+        return "prompt"
     raise BadRow("unknown layout")
 
 
@@ -114,8 +135,20 @@ def _from_list(turns: Any, role_key: str, content_key: str) -> list[dict]:
     return out
 
 
-def to_messages(row: dict, layout: str) -> list[dict]:
-    """One raw row -> validated messages. Raises :class:`BadRow` with the reason."""
+def _with_answer(row: dict, prompt: list[dict]) -> list[dict]:
+    """Prompt turns plus the row's ``output`` answer; prompts only when the row has none."""
+    output = row.get("output")
+    if output is None or (isinstance(output, str) and not output.strip()):
+        return prompt
+    return prompt + [_message("assistant", output)]
+
+
+def to_messages(row: dict, layout: str, need_answers: bool = True) -> list[dict]:
+    """One raw row -> validated messages. Raises :class:`BadRow` with the reason.
+
+    ``need_answers=False`` (answers will be regenerated) keeps prompts-only rows: they end with
+    one empty assistant turn for the generator to fill in.
+    """
     if layout == "openai":
         msgs = _from_list(row["messages"], "role", "content")
     elif layout == "sharegpt":
@@ -125,17 +158,23 @@ def to_messages(row: dict, layout: str) -> list[dict]:
         if not isinstance(instruction, str) or not isinstance(extra, str):
             raise BadRow("malformed turns")
         prompt = instruction + ("\n\n" + extra if extra.strip() else "")
-        msgs = ([_message("system", row["system"])] if row.get("system") else []) + \
-            [_message("user", prompt), _message("assistant", row.get("output"))]
+        msgs = _with_answer(row, ([_message("system", row["system"])] if row.get("system") else []) +
+                            [_message("user", prompt)])
     elif layout == "nemotron":
         given = row["input"]
         prompt = _from_list(given, "role", "content") if isinstance(given, list) else [_message("user", given)]
         system = row.get("system_prompt")
         if system and not any(m["role"] == "system" for m in prompt):
             prompt = [_message("system", system)] + prompt
-        msgs = prompt + [_message("assistant", row.get("output"))]
+        msgs = _with_answer(row, prompt)
+    elif layout == "prompt":
+        msgs = ([_message("system", row["system"])] if row.get("system") else []) + [_message("user", row["prompt"])]
     else:
         raise ValueError(f"unknown layout {layout!r}: use one of {LAYOUTS}")
+    if not need_answers and msgs and not any(m["role"] == "assistant" for m in msgs):
+        if msgs[-1]["role"] != "user":
+            raise BadRow("no user turn")
+        msgs.append({"role": "assistant", "content": ""})  # filled in by regeneration
     while msgs and msgs[-1]["role"] != "assistant":  # a trailing question has no answer to learn
         msgs.pop()
     if not any(m["role"] == "assistant" for m in msgs):
@@ -192,7 +231,7 @@ def _disk_rows(path: Path, split: str) -> Iterator[dict]:
     # "chat+code" concatenates splits, as datasets.load_dataset does for Hub ids.
     for one in split.split("+"):
         if one not in ds:
-            raise KeyError(f"split {one!r} not in {path} (splits: {list(ds)}; join several with '+')")
+            raise SplitNotFound(f"split {one!r} not in {path} (splits: {list(ds)}; join several with '+')")
         yield from ds[one]
 
 
@@ -224,7 +263,8 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
 
 def iter_conversations(source: str | Path, *, split: str = "train", subset: str | None = None,
                        streaming: bool = False, layout: str = "auto", limit: int | None = None,
-                       stats: ReadStats | None = None, revision: str | None = None) -> Iterator[dict]:
+                       stats: ReadStats | None = None, revision: str | None = None,
+                       need_answers: bool = True) -> Iterator[dict]:
     """Yield conversations from ``source``, skipping and counting bad rows in ``stats``."""
     stats = stats if stats is not None else ReadStats()
     for index, row in enumerate(iter_source_rows(source, split, subset, streaming, revision)):
@@ -235,7 +275,7 @@ def iter_conversations(source: str | Path, *, split: str = "train", subset: str 
             if isinstance(row, BadRow):
                 raise row
             kind = detect_layout(row) if layout == "auto" else layout
-            messages = to_messages(row, kind)
+            messages = to_messages(row, kind, need_answers)
         except BadRow as why:
             stats.skipped[str(why)] += 1
             continue
@@ -244,11 +284,21 @@ def iter_conversations(source: str | Path, *, split: str = "train", subset: str 
             continue
         stats.kept += 1
         stats.layouts[kind] += 1
-        conv = {"id": str(index), "messages": messages}
+        conv = {"id": str(index), "key": conversation_key(messages), "messages": messages}
         source_id = next((row[k] for k in ID_COLUMNS if row.get(k) is not None), None)
         if source_id is not None:
             conv["source_id"] = str(source_id)
         yield conv
+
+
+def conversation_key(messages: list[dict]) -> str:
+    """Hash of what regeneration answers: roles and prompt turns, not the data set's own answers.
+
+    The same prompts give the same key whatever the row number or the old answers, so a resumed
+    regeneration re-uses an answer only for exactly the conversation it was generated for.
+    """
+    shape = [[m["role"], "" if m["role"] == "assistant" else m["content"]] for m in messages]
+    return hashlib.sha256(json.dumps(shape, ensure_ascii=False).encode()).hexdigest()[:32]
 
 
 def load_conversations(source: str | Path, **kwargs) -> tuple[list[dict], ReadStats]:
@@ -256,7 +306,14 @@ def load_conversations(source: str | Path, **kwargs) -> tuple[list[dict], ReadSt
     stats = ReadStats()
     convs = list(iter_conversations(source, stats=stats, **kwargs))
     if not convs:
-        raise NoUsableRows(f"{source}: no usable conversations. {stats.summary()}. Supported layouts: "
-                           "openai (messages), sharegpt (conversations), alpaca (instruction/input/output), "
-                           "nemotron (input/output)")
+        raise no_usable_rows(source, stats)
     return convs, stats
+
+
+def no_usable_rows(source: str | Path, stats: ReadStats) -> NoUsableRows:
+    """The error for a source without one usable conversation, with the hint that fits its rows."""
+    hint = (" Prompts-only data (no assistant turns) is usable when the answers are regenerated "
+            "(--regenerate / data.regenerate)." if stats.skipped.get("no assistant turn") else "")
+    return NoUsableRows(f"{source}: no usable conversations. {stats.summary()}. Supported layouts: openai "
+                        "(messages), sharegpt (conversations), alpaca (instruction/input/output), nemotron "
+                        f"(input/output), prompt (prompts only, with regeneration).{hint}")

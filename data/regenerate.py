@@ -12,11 +12,22 @@ Two generators:
   ``chat_template_kwargs.enable_thinking`` (what vLLM and SGLang read).
 - :class:`LocalGenerator`: the target in this process, batched ``generate`` (small jobs, tests).
 
-Output is an append-only JSONL file, one line per finished conversation, keyed by ``id``.
-Restarting with the same ``--out`` skips ids already in the file; a line cut short by a kill is
-removed first. So an interrupted run continues where it stopped, with no duplicate and no lost
-row. Conversations that fail after all retries are not written (a rerun tries them again) and
-are listed in ``<out>.failed.jsonl``.
+Output is an append-only JSONL file, one line per finished conversation, keyed by ``key``: a
+hash of the conversation's prompts (:func:`data.readers.conversation_key`), not its row number,
+so an edited or re-ordered source never picks up another conversation's answers. Restarting
+with the same ``--out`` skips keys already in the file; a line cut short by a kill is removed
+first. So an interrupted run continues where it stopped, with no duplicate and no lost row.
+Conversations that fail after all retries are not written (a rerun tries them again) and are
+listed in ``<out>.failed.jsonl``; the report keeps the count and the first message of each
+kind of error.
+
+Every regenerated assistant message keeps the generated ``token_ids`` (without the end-of-turn
+token) next to its text: training uses the target's own ids, the text is for humans (decoding
+and re-tokenizing is not the identity: byte-level BPE merges, invalid UTF-8). Servers are asked
+for them with vLLM's ``return_token_ids``; a server that does not return them falls back to the
+text, with one warning. Before the first HTTP request, :meth:`HTTPGenerator.preflight` asks
+``/v1/models`` once whether the server answers and serves the target, and fails in one line
+with the command that starts one otherwise.
 
     python -m data.regenerate --source chats.jsonl --out regen.jsonl --server http://127.0.0.1:8000/v1 \\
         --model Qwen/Qwen3-8B --concurrency 64 --thinking off --max-tokens 4096
@@ -33,12 +44,22 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from data.readers import split_think
+from models.cli import UserError
+
+
+class RegenerationError(UserError, RuntimeError):
+    """Regeneration could not run or rows failed after all retries; the message says why and what to do."""
+
+
+class ServerUnavailable(RegenerationError):
+    """The regeneration server does not answer, or serves another model."""
 
 
 @dataclass
@@ -47,6 +68,7 @@ class Completion:
     reasoning: str | None
     finish_reason: str  # "stop" | "length"
     tokens: int
+    token_ids: list[int] | None = None  # generated ids (an end-of-turn id at the end is dropped later)
 
 
 @dataclass
@@ -60,21 +82,35 @@ class RegenReport:
     tokens_generated: int = 0
     seconds: float = 0.0
     out: str = ""
-    errors: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)  # kind -> {"count": n, "first": first message}
 
     def line(self) -> str:
         return json.dumps({"regenerate": asdict(self)})
+
+    def add_error(self, e: Exception) -> None:
+        entry = self.errors.setdefault(type(e).__name__, {"count": 0, "first": str(e)[:500]})
+        entry["count"] += 1
+
+    def error_summary(self) -> str:
+        return "; ".join(f"{v['count']} x {k} (first: {v['first']})" for k, v in self.errors.items())
 
 
 def _assistant_message(c: Completion, thinking: bool | None) -> dict:
     msg = {"role": "assistant", "content": c.content}
     if c.reasoning and thinking is not False:
         msg["reasoning_content"] = c.reasoning
+    if c.token_ids is not None:
+        msg["token_ids"] = c.token_ids
     return msg
 
 
+def _for_template(messages: list[dict]) -> list[dict]:
+    """Messages without draftsmith's own fields (token ids): what a chat template sees."""
+    return [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
+
+
 def _result_row(conv: dict, messages: list[dict], completions: list[Completion]) -> dict:
-    row = {"id": conv["id"], "messages": messages}
+    row = {"id": conv["id"], "key": conv.get("key", conv["id"]), "messages": messages}
     if "source_id" in conv:
         row["source_id"] = conv["source_id"]
     row["regen"] = {"turns": len(completions), "tokens": sum(c.tokens for c in completions),
@@ -83,6 +119,18 @@ def _result_row(conv: dict, messages: list[dict], completions: list[Completion])
 
 
 # ----------------------------------------------------------------------------- HTTP
+def start_command(model: str, port: int = 8000) -> str:
+    """The commands that serve ``model`` the way regeneration expects (for error messages)."""
+    return (f"`vllm serve {model} --port {port}` or `python -m sglang.launch_server --model-path {model} "
+            f"--port {port}`")
+
+
+def _same_name_but_path(a: str, b: str) -> bool:
+    """``./models/Qwen3-8B`` vs ``Qwen/Qwen3-8B``: the same last path component."""
+    last = lambda x: x.rstrip("/").rsplit("/", 1)[-1]
+    return bool(last(a)) and last(a) == last(b)
+
+
 class HTTPGenerator:
     """Client for an OpenAI-compatible ``/chat/completions`` endpoint."""
 
@@ -90,18 +138,75 @@ class HTTPGenerator:
                  thinking: bool | None = None, concurrency: int = 8, retries: int = 5, backoff: float = 1.0,
                  timeout: float = 600.0, api_key: str | None = None):
         base = base_url.rstrip("/")
-        self.url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        self.url = self.base + "/chat/completions"
         self.model, self.temperature, self.max_tokens, self.thinking = model, temperature, max_tokens, thinking
         self.concurrency, self.retries, self.backoff, self.timeout = concurrency, retries, backoff, timeout
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        self.ask_token_ids = True  # vLLM's return_token_ids; dropped if the server refuses the field
+        self._warned_no_ids = False
 
-    def _post(self, payload: dict) -> dict:
+    def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), headers=headers, method="POST")
+        return headers
+
+    def _post(self, payload: dict) -> dict:
+        req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), headers=self._headers(),
+                                     method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return json.loads(resp.read())
+
+    def served_models(self, timeout: float = 10.0) -> list[str]:
+        """Model ids from ``GET /v1/models`` (one request, no retry)."""
+        req = urllib.request.Request(self.base + "/models", headers=self._headers(), method="GET")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = json.loads(resp.read())
+        return [str(m.get("id")) for m in body.get("data") or [] if isinstance(m, dict)]
+
+    def preflight(self, timeout: float = 10.0) -> None:
+        """One ``/v1/models`` request: the server answers and serves the target, else one clear error.
+
+        Costs one request instead of retrying every row against a server that is not there. A name
+        that differs only by its path (``./Qwen3-8B`` vs ``Qwen/Qwen3-8B``) is accepted with a
+        warning, and the server's name is used from then on.
+        """
+        try:
+            served = self.served_models(timeout)
+        except urllib.error.HTTPError as e:
+            raise ServerUnavailable(f"the regeneration server at {self.base} answers /models with HTTP {e.code}: "
+                                    "is it an OpenAI-compatible server (vLLM, SGLang)?") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerUnavailable(
+                f"no regeneration server answers at {self.base} ({reason}). Start one with the target: "
+                f"{start_command(self.model)}; or let draftsmith start it (data.regenerate=vllm|sglang, "
+                "--regenerate vllm|sglang), or regenerate in-process (local) or not at all (none)") from None
+        if self.model in served:
+            return
+        close = [m for m in served if _same_name_but_path(m, self.model)]
+        if len(close) == 1:
+            warnings.warn(f"the server at {self.base} serves {close[0]!r}, taken to be the target {self.model!r} "
+                          "(same name, other path)", stacklevel=2)
+            self.model = close[0]
+            return
+        raise ServerUnavailable(f"the server at {self.base} serves {served}, not the target {self.model!r}: serve "
+                                f"the target ({start_command(self.model)}), or pass --model NAME if it is the same "
+                                "model under another name")
+
+    def _token_ids(self, choice: dict) -> list[int] | None:
+        ids = choice.get("token_ids")  # vLLM (return_token_ids)
+        if ids is None:
+            ids = choice.get("output_ids")  # SGLang's name
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            return ids
+        if not self._warned_no_ids:
+            self._warned_no_ids = True
+            warnings.warn(f"the server at {self.base} does not return generated token ids (vLLM's "
+                          "return_token_ids): answers will be re-tokenized from their text, which may not give "
+                          "the target's own ids", stacklevel=2)
+        return None
 
     def complete(self, messages: list[dict]) -> Completion:
         """One answer, retried on connection errors, timeouts, 429 and 5xx with exponential backoff."""
@@ -110,6 +215,10 @@ class HTTPGenerator:
         if self.thinking is not None:
             payload["chat_template_kwargs"] = {"enable_thinking": self.thinking}
         for attempt in range(self.retries + 1):
+            if self.ask_token_ids:
+                payload["return_token_ids"] = True
+            else:
+                payload.pop("return_token_ids", None)
             try:
                 body = self._post(payload)
                 choice = body["choices"][0]
@@ -119,13 +228,18 @@ class HTTPGenerator:
                 if reasoning is None:
                     reasoning, content = split_think(content)
                 tokens = (body.get("usage") or {}).get("completion_tokens", 0)
-                return Completion(content, reasoning, choice.get("finish_reason") or "stop", tokens)
+                return Completion(content, reasoning, choice.get("finish_reason") or "stop", tokens,
+                                  self._token_ids(choice))
             except urllib.error.HTTPError as e:
+                detail = e.read()[:300]
+                if e.code == 400 and self.ask_token_ids and b"return_token_ids" in detail:
+                    self.ask_token_ids = False  # a strict server: ask again without the field
+                    continue
                 if e.code != 429 and e.code < 500 or attempt == self.retries:
-                    raise RuntimeError(f"HTTP {e.code} from {self.url}: {e.read()[:300]!r}") from e
+                    raise RegenerationError(f"HTTP {e.code} from {self.url}: {detail!r}") from e
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 if attempt == self.retries:
-                    raise RuntimeError(f"{self.url} unreachable after {self.retries + 1} tries: {e}") from e
+                    raise RegenerationError(f"{self.url} unreachable after {self.retries + 1} tries: {e}") from e
             time.sleep(self.backoff * 2 ** attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
@@ -136,19 +250,33 @@ class HTTPGenerator:
             if m["role"] != "assistant":
                 messages.append(m)
                 continue
-            c = self.complete(messages)
+            c = self.complete(_for_template(messages))
             completions.append(c)
             messages.append(_assistant_message(c, self.thinking))
         return _result_row(conv, messages, completions)
 
-    def run(self, convs: list[dict]) -> Iterator[tuple[dict, dict | Exception]]:
+    def run(self, convs: Iterable[dict]) -> Iterator[tuple[dict, dict | Exception]]:
+        """Results as they finish; at most ``2 x concurrency`` conversations read ahead (streamed sources)."""
+        convs = iter(convs)
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = {pool.submit(self.regenerate_one, c): c for c in convs}
-            for fut in as_completed(futures):
-                try:
-                    yield futures[fut], fut.result()
-                except Exception as e:  # one bad conversation must not stop the run
-                    yield futures[fut], e
+            futures: dict = {}
+            exhausted = False
+            while True:
+                while not exhausted and len(futures) < 2 * self.concurrency:
+                    conv = next(convs, None)
+                    if conv is None:
+                        exhausted = True
+                    else:
+                        futures[pool.submit(self.regenerate_one, conv)] = conv
+                if not futures:
+                    return
+                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    conv = futures.pop(fut)
+                    try:
+                        yield conv, fut.result()
+                    except Exception as e:  # one bad conversation must not stop the run
+                        yield conv, e
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -213,20 +341,21 @@ class LocalGenerator:
                     waiting.append(k)
             if not waiting:
                 break
-            prompts = [encode(tok, render(tok, msgs[k], add_generation_prompt=True, thinking=self.thinking))
-                       for k in waiting]
+            prompts = [encode(tok, render(tok, _for_template(msgs[k]), add_generation_prompt=True,
+                                          thinking=self.thinking)) for k in waiting]
             outs = generate_batch(self.target, prompts, self.max_tokens, self.temperature)
             for k, (tokens, stopped) in zip(waiting, outs):
                 reasoning, content = decode_answer(tok, tokens)
-                c = Completion(content, reasoning, "stop" if stopped else "length", len(tokens) + int(stopped))
+                c = Completion(content, reasoning, "stop" if stopped else "length", len(tokens) + int(stopped),
+                               list(tokens))
                 comps[k].append(c)
                 msgs[k].append(_assistant_message(c, self.thinking))
                 pos[k] += 1
         return [_result_row(c, m, cs) for c, m, cs in zip(convs, msgs, comps)]
 
-    def run(self, convs: list[dict]) -> Iterator[tuple[dict, dict | Exception]]:
-        for i in range(0, len(convs), self.batch_size):
-            batch = convs[i:i + self.batch_size]
+    def run(self, convs: Iterable[dict]) -> Iterator[tuple[dict, dict | Exception]]:
+        convs = iter(convs)
+        while batch := [c for _, c in zip(range(self.batch_size), convs)]:
             try:
                 rows = self.regenerate_batch(batch)
             except Exception as e:  # report and continue with the next batch
@@ -237,49 +366,91 @@ class LocalGenerator:
 
 
 # ----------------------------------------------------------------------------- resumable driver
-def done_ids(path: Path) -> set[str]:
-    """Ids already in ``path``; a trailing partial line (killed mid-write) is cut off first."""
-    if not path.exists():
-        return set()
+def _complete_lines(path: Path) -> bytes:
+    """The file's bytes up to its last newline; a trailing partial line (killed mid-write) is cut off."""
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
     if keep != len(data):
         with path.open("r+b") as f:
             f.truncate(keep)
-    ids = set()
-    for line in data[:keep].splitlines():
+    return data[:keep]
+
+
+def row_key(row: dict) -> str | None:
+    """A regenerated row's resume key; rows written before keys existed have none (regenerated again)."""
+    return row.get("key")
+
+
+def done_keys(path: Path) -> set[str]:
+    """Conversation keys already in ``path`` (see :func:`data.readers.conversation_key`)."""
+    return set(index_rows(path))
+
+
+def done_ids(path: Path) -> set[str]:
+    """Row ids already in ``path`` (for inspection; resume uses :func:`done_keys`)."""
+    if not path.exists():
+        return set()
+    return {json.loads(line)["id"] for line in _complete_lines(path).splitlines() if line.strip()}
+
+
+def index_rows(path: str | Path) -> dict[str, int]:
+    """key -> byte offset of its line in ``path`` (first occurrence): random access without loading rows."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    index: dict[str, int] = {}
+    offset = 0
+    for line in _complete_lines(path).splitlines(keepends=True):
         if line.strip():
-            ids.add(json.loads(line)["id"])
-    return ids
+            key = row_key(json.loads(line))
+            if key is not None:
+                index.setdefault(key, offset)
+        offset += len(line)
+    return index
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Regenerated rows sorted by id (numeric ids numerically): a deterministic order for tokenizing."""
+    """Regenerated rows sorted by id (numeric ids numerically): a deterministic order for inspection."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return sorted(rows, key=lambda r: (0, int(r["id"]), "") if str(r["id"]).isdigit() else (1, 0, str(r["id"])))
 
 
-def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: bool = True) -> RegenReport:
-    """Regenerate ``convs`` into the JSONL file ``out``, skipping ids it already holds."""
+def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: bool = True,
+               total: int | None = None) -> RegenReport:
+    """Regenerate ``convs`` into the JSONL file ``out``, skipping conversation keys it already holds.
+
+    ``convs`` is consumed lazily (a streamed source is never held in memory); ``total`` only sizes
+    the progress bar.
+    """
     from tqdm import tqdm
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    convs = list(convs)
-    have = done_ids(out)
-    todo = [c for c in convs if c["id"] not in have]
-    report = RegenReport(rows_total=len(convs), already_done=len(convs) - len(todo), out=str(out))
+    have = done_keys(out)
+    report = RegenReport(out=str(out))
     failed_path = out.with_name(out.name + ".failed.jsonl")
     start = time.time()
-    with out.open("a") as f, tqdm(total=len(convs), initial=report.already_done, desc="regenerate",
-                                  unit="row", disable=not progress) as bar:
-        failures = []
-        for conv, result in generator.run(todo):
+    bar = tqdm(total=total, desc="regenerate", unit="row", disable=not progress)
+
+    def todo() -> Iterator[dict]:
+        for conv in convs:
+            report.rows_total += 1
+            key = conv.get("key", conv["id"])
+            if key in have:  # done by an earlier run, or a duplicate of a conversation already queued
+                report.already_done += 1
+                bar.update(1)
+                continue
+            have.add(key)
+            yield conv
+
+    failures = []
+    with out.open("a") as f, bar:
+        for conv, result in generator.run(todo()):
             if isinstance(result, Exception):
                 report.failed += 1
-                key = type(result).__name__
-                report.errors[key] = report.errors.get(key, 0) + 1
-                failures.append({"id": conv["id"], "error": f"{type(result).__name__}: {result}"})
+                report.add_error(result)
+                failures.append({"id": conv["id"], "key": conv.get("key"),
+                                 "error": f"{type(result).__name__}: {result}"})
             else:
                 f.write(json.dumps(result, ensure_ascii=False) + "\n")
                 f.flush()  # one complete line per finished row: what resume relies on
@@ -298,17 +469,22 @@ def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: b
 
 def make_generator(spec: str, *, model: str | None = None, target=None, thinking: bool | None = None,
                    temperature: float = 0.0, max_tokens: int = 512, concurrency: int = 8, batch_size: int = 8,
-                   retries: int = 5, backoff: float = 1.0):
-    """``spec`` is ``local`` (uses ``target``) or a server base URL (uses ``model``)."""
+                   retries: int = 5, backoff: float = 1.0, preflight: bool = True):
+    """``spec`` is ``local`` (uses ``target``) or a server base URL (uses ``model``; checked first with
+    :meth:`HTTPGenerator.preflight` unless ``preflight=False``)."""
     if spec == "local":
         if target is None:
             raise ValueError("--regenerate local needs a loaded target")
         return LocalGenerator(target, temperature=temperature, max_tokens=max_tokens, thinking=thinking,
                               batch_size=batch_size)
     if not spec.startswith(("http://", "https://")):
-        raise ValueError(f"--regenerate {spec!r}: use 'local' or a server base URL like http://127.0.0.1:8000/v1")
-    return HTTPGenerator(spec, model or "default", temperature=temperature, max_tokens=max_tokens, thinking=thinking,
-                         concurrency=concurrency, retries=retries, backoff=backoff)
+        raise ValueError(f"--regenerate {spec!r}: use 'local', 'vllm', 'sglang' or a server base URL like "
+                         "http://127.0.0.1:8000/v1")
+    gen = HTTPGenerator(spec, model or "default", temperature=temperature, max_tokens=max_tokens, thinking=thinking,
+                        concurrency=concurrency, retries=retries, backoff=backoff)
+    if preflight:
+        gen.preflight()
+    return gen
 
 
 def parse_thinking(value: str | None) -> bool | None:
@@ -345,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not a.server and not a.target:
         p.error("give --server URL (OpenAI-compatible) or --target (in-process generation)")
-    convs, stats = load_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit)
+    convs, stats = load_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, need_answers=False)
     print(stats.summary(), file=sys.stderr)
     target = None
     if not a.server:
@@ -357,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     report = regenerate(convs, a.out, gen, progress=not a.no_progress)
     print(report.line())
     if report.failed:
-        sys.exit(f"{report.failed} conversations failed (see {a.out}.failed.jsonl); rerun to retry them")
+        raise RegenerationError(f"{report.failed} conversations failed ({report.error_summary()}); see "
+                                f"{a.out}.failed.jsonl, and rerun the same command to retry them")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 Not a production server: one request generates at a time (a lock), no streaming. It speaks
 enough of the API for :class:`data.regenerate.HTTPGenerator` and other clients: ``POST
 /v1/chat/completions`` (messages, max_tokens, temperature, ``chat_template_kwargs``) and
-``GET /v1/models``. Requests are bounded: body size, ``max_tokens`` capped, socket timeout.
-``fail_first=N`` answers the first N requests with 503 and ``delay`` sleeps before each answer,
-to exercise client retries and interruption.
+``GET /v1/models``; with ``return_token_ids`` (as vLLM) the choice carries the generated
+``token_ids``, end-of-turn token included when the answer stopped. Requests are bounded: body
+size, ``max_tokens`` capped, socket timeout. ``fail_first=N`` answers the first N requests with
+503 and ``delay`` sleeps before each answer, to exercise client retries and interruption.
+``--exit-after S`` stops the server after S seconds whatever happens (a stand-in engine in tests
+can never outlive them).
 
     python -m data.serve --target ./tiny-target --port 8000
 """
@@ -62,6 +65,7 @@ def make_handler(target, model_name: str, max_tokens_cap: int, state: dict, dela
                 max_new = min(int(req.get("max_tokens") or max_tokens_cap), max_tokens_cap)
                 temperature = float(req.get("temperature") or 0.0)
                 thinking = (req.get("chat_template_kwargs") or {}).get("enable_thinking")
+                want_ids = bool(req.get("return_token_ids"))
             except (ValueError, KeyError, TypeError) as e:
                 return self._send(400, {"error": {"message": f"bad request: {e}"}})
             tok = target.tokenizer
@@ -74,9 +78,11 @@ def make_handler(target, model_name: str, max_tokens_cap: int, state: dict, dela
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
             n = len(tokens) + int(stopped)
+            choice = {"index": 0, "message": message, "finish_reason": "stop" if stopped else "length"}
+            if want_ids:  # as vLLM: the stop token is part of the output ids
+                choice["token_ids"] = list(tokens) + ([target.eos_token_ids()[0]] if stopped else [])
             self._send(200, {"id": f"chatcmpl-{state['requests']}", "object": "chat.completion", "model": model_name,
-                             "choices": [{"index": 0, "message": message,
-                                          "finish_reason": "stop" if stopped else "length"}],
+                             "choices": [choice],
                              "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
                                        "total_tokens": len(prompt) + n}})
 
@@ -103,14 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="upper bound on max_tokens per request")
+    p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: --target)")
+    p.add_argument("--exit-after", type=float, default=None, metavar="S", help="stop after S seconds (tests)")
     a = p.parse_args(argv)
     target = TargetModel.from_pretrained(a.target)
-    server, url = start_server(target, a.host, a.port, model_name=a.target, max_tokens_cap=a.max_tokens_cap)
-    print(f"serving {a.target} at {url}", flush=True)
+    name = a.served_model_name or a.target
+    server, url = start_server(target, a.host, a.port, model_name=name, max_tokens_cap=a.max_tokens_cap)
+    print(f"serving {name} at {url}", flush=True)
     try:
-        threading.Event().wait()
+        threading.Event().wait(a.exit_after)
     except KeyboardInterrupt:
-        server.shutdown()
+        pass
+    server.shutdown()
 
 
 if __name__ == "__main__":

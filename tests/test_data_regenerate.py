@@ -36,7 +36,7 @@ def target(target_dir):
 
 @pytest.fixture(scope="module")
 def server(target):
-    srv, url = start_server(target, max_tokens_cap=64, delay=0.05)
+    srv, url = start_server(target, model_name="tiny", max_tokens_cap=64, delay=0.05)
     yield srv, url
     srv.shutdown()
 
@@ -114,7 +114,8 @@ def test_retries_with_backoff_and_failed_rows_are_retried_on_rerun(target, tmp_p
         convs = conversations(2)[1:]  # one single-turn conversation
         gen = HTTPGenerator(url, "tiny", max_tokens=MAX_TOKENS, retries=0, backoff=0.01)
         report = regenerate(convs, tmp_path / "out.jsonl", gen, progress=False)
-        assert report.failed == 1 and report.done == 0 and report.errors == {"RuntimeError": 1}
+        assert report.failed == 1 and report.done == 0 and report.errors["RegenerationError"]["count"] == 1
+        assert "HTTP 503" in report.errors["RegenerationError"]["first"]  # the reason, not only a count
         assert "HTTP 503" in (tmp_path / "out.jsonl.failed.jsonl").read_text()
         gen.retries = 3
         report = regenerate(convs, tmp_path / "out.jsonl", gen, progress=False)  # 2nd request fails, 3rd succeeds
@@ -163,7 +164,8 @@ def test_prepare_regenerates_through_the_server(server, target_dir, tmp_path):
     _, url = server
     out = tmp_path / "prepared"
     main(["--target", str(target_dir), "--source", str(FIX / "sharegpt.jsonl"), "--out", str(out),
-          "--regenerate", url, "--thinking", "off", "--max-tokens", str(MAX_TOKENS), "--no-progress"])
+          "--regenerate", url, "--model", "tiny", "--thinking", "off", "--max-tokens", str(MAX_TOKENS),
+          "--no-progress"])
     stats = json.loads((out / "stats.json").read_text())
     assert stats["regenerate"]["done"] == 2 and stats["regenerate"]["turns"] == 3
     regenerated = read_rows(out / "regenerated.jsonl")
