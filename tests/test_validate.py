@@ -1,0 +1,179 @@
+"""`python -m inference.validate`: report numbers checked against the loops' own stats, both backends, --compare.
+
+Tiny Qwen3 target (fp32, CPU) with a random drafter (tau ~ 1) and a perfect stand-in drafter that
+proposes the target's own continuation (tau = block size). Three short prompts, a few tokens each.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ReferenceProposer, tiny_drafter_config
+from inference.generate import Session
+from inference.prompt_sets import BUILTIN, load_prompts, render_prompts
+from inference.report import build_report
+from inference.validate import main, measure, run_compare
+from models.drafter import DFlashDraftModel
+from models.target import TargetModel
+from models.tiny import save_tiny_target
+
+NEW = 12
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PROMPTS = [
+    {"id": "a", "category": "code", "messages": [{"role": "user", "content": "def f(x):"}]},
+    {"id": "b", "category": "code", "messages": [{"role": "user", "content": "print(1)"}]},
+    {"id": "c", "category": "chat", "messages": [{"role": "user", "content": "hello there"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("validate")
+    target_dir = save_tiny_target(root / "target", "qwen3")
+    target = TargetModel.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    DFlashDraftModel(tiny_drafter_config(target)).save_pretrained(root / "draft")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return {"root": root, "target": str(target_dir), "draft": str(root / "draft"), "prompts": str(prompts)}
+
+
+def run_validate(setup, backend: str, out: str) -> dict:
+    return main(["--backend", backend, "--target", setup["target"], "--draft", setup["draft"], "--prompts",
+                 setup["prompts"], "--max-new-tokens", str(NEW), "--out", out, "--no-progress"])
+
+
+@pytest.fixture(scope="module")
+def torch_report(setup):
+    return run_validate(setup, "torch", str(setup["root"] / "torch"))
+
+
+def check_consistent(report: dict, block: int) -> None:
+    """What must hold in every report, whatever the drafter."""
+    groups = [report, *report["per_category"].values()]
+    for g in groups:
+        assert sum(g["acceptance_histogram"].values()) == g["num_cycles"]
+        rates = g["position_acceptance"]
+        assert len(rates) == block - 1 and all(0.0 <= x <= 1.0 for x in rates)
+        assert all(a >= b for a, b in zip(rates, rates[1:])), rates
+        assert 1.0 <= g["tau"] <= block
+    for p in report["per_prompt"]:
+        assert sum(p["acceptance_histogram"].values()) == p["num_cycles"] == len(p["acceptance_lengths"])
+    assert report["num_cycles"] == sum(p["num_cycles"] for p in report["per_prompt"])
+    pooled = sum(sum(p["acceptance_lengths"]) for p in report["per_prompt"]) / report["num_cycles"]
+    assert report["tau"] == pytest.approx(pooled)
+    mean = sum(p["tau"] for p in report["per_prompt"]) / len(report["per_prompt"])
+    assert report["tau_per_prompt_mean"] == pytest.approx(mean)
+
+
+def test_torch_report_matches_the_loop_and_is_lossless(setup, torch_report):
+    report = torch_report
+    check_consistent(report, block=8)
+    assert report["num_prompts"] == 3 and set(report["per_category"]) == {"code", "chat"}
+    assert report["identical_share"] == 1.0 and report["first_divergence_min"] is None  # fp32 greedy
+    assert report["tau"] < 1.5  # a random drafter almost never guesses the target's token
+    assert report["dflash_tok_s"] > 0 and report["baseline_tok_s"] > 0 and report["speedup"] > 0
+    assert report["truncated"] == sum(p["new_tokens"] == NEW for p in report["per_prompt"])
+    assert report["backend"] == "torch" and report["dtype"] == "float32" and report["block_size"] == 8
+    assert report["thinking"] == "off" and len(report["prompt_set_hash"]) == 16 and report["torch_version"]
+    # The report's per-prompt numbers are the loop's own: rerun the same prompt ids through the loop.
+    session = Session("torch", setup["target"], setup["draft"])
+    ids = render_prompts(session.tokenizer, load_prompts(setup["prompts"]), "off")
+    for p, p_ids in zip(report["per_prompt"], ids):
+        result, base = session.run(p_ids, baseline=True, max_new_tokens=NEW)
+        assert p["prompt_tokens"] == len(p_ids) and p["acceptance_lengths"] == result.acceptance_lengths
+        assert p["position_accepts"] == result.position_accepts and p["tau"] == pytest.approx(result.tau)
+        assert p["new_tokens"] == len(result.tokens) and p["baseline_new_tokens"] == len(base.tokens)
+    out = setup["root"] / "torch"
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+    md = (out / "report.md").read_text()
+    assert "tau pooled" in md and "tau per-prompt mean" in md and "Losslessness" in md
+    assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_perfect_drafter_tau_is_the_block_size(setup):
+    """A stand-in that proposes the target's own continuation: every cycle accepts the whole block."""
+    session = Session("torch", setup["target"], setup["draft"])
+    prompts = load_prompts(setup["prompts"])
+    ids = render_prompts(session.tokenizer, prompts, "off")
+    B = 8
+    sequences = {}
+    eos = session.target.eos_token_ids()
+    for p_ids in ids:
+        ref = session.baseline(p_ids, max_new_tokens=NEW + B)
+        tail = [eos[0]] if ref.stop_reason == "eos" else []
+        sequences[tuple(p_ids)] = p_ids + ref.tokens + tail + [0] * 2 * B
+    proposer = ReferenceProposer([], session.proposer.layer_ids, B, session.target.vocab_size)
+    run = session.run
+
+    def run_perfect(prompt, **kw):
+        proposer.sequence = sequences[tuple(prompt)]
+        return run(prompt, **kw)
+
+    session.proposer, session.run = proposer, run_perfect
+    runs, _ = measure(session, ids, prompts, max_new_tokens=NEW, warmup=False, progress=False)
+    report = build_report(runs, B, greedy=True, environment={"temperature": 0.0})
+    check_consistent(report, block=B)
+    assert report["tau"] == B and report["tau_per_prompt_mean"] == B
+    assert report["position_acceptance"] == [1.0] * (B - 1)
+    assert report["acceptance_histogram"] == {str(B): report["num_cycles"]}
+    assert report["identical_share"] == 1.0
+
+
+def test_mlx_backend_and_compare(setup, torch_report, capsys):
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    mlx_report = run_validate(setup, "mlx", str(setup["root"] / "mlx"))
+    check_consistent(mlx_report, block=8)
+    assert mlx_report["backend"] == "mlx" and mlx_report["identical_share"] == 1.0
+    assert mlx_report["peak_memory_bytes"] > 0 and mlx_report["baseline_peak_memory_bytes"] > 0
+    for a, b in zip(mlx_report["per_prompt"], torch_report["per_prompt"]):
+        assert a["acceptance_lengths"] == b["acceptance_lengths"]  # same target, same drafter, fp32
+    table = capsys.readouterr().out  # the table at the end of a run
+    assert "tau pooled" in table and "tau per-prompt mean" in table and table.splitlines()[-1].startswith("all")
+    out = run_compare([str(setup["root"] / "torch" / "report.json"), str(setup["root"] / "mlx" / "report.json")],
+                      str(setup["root"] / "cmp"))
+    printed = capsys.readouterr().out
+    header = printed.splitlines()[0].split()
+    assert header == ["metric", "torch", "mlx", "mlx/torch"]
+    tau_row = next(line.split() for line in printed.splitlines() if line.startswith("tau "))
+    assert float(tau_row[1]) == pytest.approx(torch_report["tau"], rel=1e-3)
+    assert float(tau_row[3]) == pytest.approx(mlx_report["tau"] / torch_report["tau"], rel=1e-3)
+    assert any(line.startswith("backend") and "torch" in line and "mlx" in line for line in printed.splitlines())
+    assert out["png"] and (setup["root"] / "cmp" / "compare.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_shipped_prompt_sets():
+    for name in BUILTIN:
+        prompts = load_prompts(name)
+        assert len(prompts) >= 24 and len({p.id for p in prompts}) == len(prompts)
+        assert all(p.category == name and p.messages[-1]["role"] == "user" for p in prompts)
+    two = load_prompts("all", n=2)
+    assert [p.category for p in two] == [c for c in BUILTIN for _ in range(2)]
+
+
+def test_prompts_from_a_saved_data_set(tmp_path):
+    """A Hub-shaped data set (``save_to_disk``): gsm8k-like ``question`` rows and mt-bench-like ``turns``."""
+    from datasets import Dataset, DatasetDict
+
+    rows = {"question": ["What is 2+3?", "Name a prime above 10."], "answer": ["5", "11"]}
+    DatasetDict({"test": Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "gsm"))
+    prompts = load_prompts(str(tmp_path / "gsm"), split="test")
+    assert [p.messages for p in prompts] == [[{"role": "user", "content": q}] for q in rows["question"]]
+    assert {p.category for p in prompts} == {"gsm"}
+    mt = {"turns": [["Write a haiku.", "Now another."], ["Explain tides.", "Shorter."]],
+          "category": ["writing", "stem"]}
+    Dataset.from_dict(mt).save_to_disk(str(tmp_path / "mt"))
+    prompts = load_prompts(str(tmp_path / "mt"), n=1)
+    assert [(p.category, p.messages[0]["content"]) for p in prompts] == [("writing", "Write a haiku."),
+                                                                        ("stem", "Explain tides.")]
+
+
+def test_help_explains_the_flags_and_the_schema():
+    out = subprocess.run([sys.executable, "-m", "inference.validate", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--prompts", "--repeats", "--thinking", "--compare", "tau_per_prompt_mean", "per_category"):
+        assert flag in out.stdout
