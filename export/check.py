@@ -18,6 +18,7 @@ message listing every problem, so nothing wrong is exported quietly.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +120,11 @@ def weight_problems(folder: Path, config: DFlashConfig) -> list[str]:
 
 
 def config_differences(expected: DFlashConfig, got: DFlashConfig) -> list[str]:
-    """Field-by-field differences between the in-memory drafter's config and the reloaded one."""
-    a, b = expected.to_dict(), got.to_dict()
+    """Field-by-field differences between the in-memory drafter's config and the reloaded one.
+
+    Compares the dataclass fields, not ``to_dict()``: a writer bug must not hide on both sides.
+    """
+    a, b = asdict(expected), asdict(got)
     return [f"{k}: wrote {a.get(k)!r}, read back {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

@@ -1,0 +1,147 @@
+"""Publish an exported drafter folder to the Hugging Face Hub, with a generated model card.
+
+    python -m export.push --folder exports/qwen3-8b-dflash --repo me/Qwen3-8B-DFlash-b16 --dry-run
+    python -m export.push --folder exports/qwen3-8b-dflash --repo me/Qwen3-8B-DFlash-b16 --report report.json
+    python -m export.push --folder exports/qwen3-8b-dflash-mlx-4bit --repo me/Qwen3-8B-DFlash-b16-mlx-4bit --private
+
+Checks the folder first (a DFlash drafter passing the engine schema, weights readable), writes
+``README.md`` (``export/card.py``: YAML metadata with ``base_model``, usage for vLLM / SGLang /
+transformers / MLX, the training recipe, and the ``inference.validate`` report's numbers with
+``--report``), then ``HfApi.create_repo`` (+ ``create_branch`` for a ``--revision`` other than
+main) and ``HfApi.upload_folder``. A README.md that draftsmith did not write is uploaded as it is.
+
+The token comes from the usual places (``HF_TOKEN``, ``hf auth login``); it is never printed or
+written into the folder. ``--dry-run`` prints the operations and the card and uploads nothing
+(no token needed). ``HF_ENDPOINT`` points the client at another Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from export.card import MARKER, is_hub_id, render_card
+from export.check import raise_if, schema_problems, weight_problems
+from export.source import NotADrafterError, is_drafter_dir
+from models.config import DFlashConfig
+
+IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m export.push", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--folder", required=True, help="an export folder (python -m export.hf / export.mlx)")
+    p.add_argument("--repo", required=True, help="Hub repo id, user/name or org/name")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", default="main", help="branch to upload to (created when missing; default main)")
+    p.add_argument("--report", default=None, help="report.json of `python -m inference.validate` to show on the card")
+    p.add_argument("--license", default=None, help="license id for the card metadata (e.g. apache-2.0)")
+    p.add_argument("--commit-message", default=None, help="default: 'Upload DFlash drafter (draftsmith)'")
+    p.add_argument("--dry-run", action="store_true", help="print the operations and the card; upload nothing")
+    return p.parse_args(argv)
+
+
+def check_repo_id(repo: str) -> str:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if repo.count("/") != 1:
+        raise ValueError(f"--repo {repo!r}: use user/name or org/name (one '/')")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise ValueError(f"--repo {repo!r} is not a valid Hub repo id: {str(e).splitlines()[0]}") from None
+    return repo
+
+
+def check_folder(folder: Path) -> DFlashConfig:
+    """The folder is a drafter export that passes the engine schema and whose weights are readable."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--folder {folder} is not a folder: pass the output of export.hf or export.mlx")
+    if not is_drafter_dir(folder):
+        raise NotADrafterError(f"--folder {folder} is not a DFlash drafter export (no config.json naming "
+                               "DFlashDraftModel): run python -m export.hf (or export.mlx) first")
+    d = json.loads((folder / "config.json").read_text())
+    hf = "quantization" not in d
+    raise_if(schema_problems(d, folder, hf=hf), f"{folder}/config.json fails the engine schema")
+    config = DFlashConfig.from_dict(d)
+    raise_if(weight_problems(folder, config), f"{folder} weights")
+    return config
+
+
+def plan(folder: Path, repo: str, private: bool, revision: str, message: str) -> list[dict[str, Any]]:
+    """The Hub operations, in order, as the keyword arguments HfApi receives."""
+    ops: list[dict[str, Any]] = [{"op": "create_repo", "repo_id": repo, "repo_type": "model", "private": private,
+                                  "exist_ok": True}]
+    if revision != "main":
+        ops.append({"op": "create_branch", "repo_id": repo, "branch": revision, "repo_type": "model",
+                    "exist_ok": True})
+    ops.append({"op": "upload_folder", "repo_id": repo, "folder_path": str(folder), "repo_type": "model",
+                "revision": revision, "commit_message": message, "ignore_patterns": IGNORE})
+    return ops
+
+
+def push(folder: str | Path, repo: str, private: bool = False, revision: str = "main", report: str | None = None,
+         license: str | None = None, commit_message: str | None = None, dry_run: bool = False,
+         log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Check, write the card, upload (or print what would be uploaded). Returns the plan and the card text."""
+    from export.report import load_report
+
+    folder = Path(folder)
+    check_repo_id(repo)
+    check_folder(folder)
+    loaded = load_report(report) if report else None
+    target = (json.loads((folder / "config.json").read_text()).get("draftsmith") or {}).get("target")
+    if not is_hub_id(target):
+        log(f"note: the recorded target is {target!r}, not a Hub id, so the card has no base_model; re-export with "
+            "--target ORG/NAME to name it")
+    card = str(render_card(folder, repo, report=loaded, license=license))
+    readme = folder / "README.md"
+    ours = not readme.is_file() or MARKER in readme.read_text(errors="replace")
+    ops = plan(folder, repo, private, revision, commit_message or "Upload DFlash drafter (draftsmith)")
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    if dry_run:
+        log("dry run: nothing is uploaded. Operations:")
+        for op in ops:
+            log("  " + json.dumps(op))
+        log(f"  files: {sorted(set(files) | {'README.md'})}")
+        log(("README.md (generated):" if ours else "README.md exists and was not written by draftsmith; it would be "
+             "uploaded as it is. The card draftsmith would write:") + "\n" + card)
+        return {"ops": ops, "card": card, "uploaded": False}
+    from huggingface_hub import HfApi, get_token
+
+    if get_token() is None:
+        raise PermissionError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (it is read, never printed "
+                              "or saved), or use --dry-run")
+    if ours:
+        readme.write_text(card)
+    else:
+        log(f"{readme} was not written by draftsmith: uploading it as it is (delete it to get the generated card)")
+    api = HfApi()
+    url = None
+    for op in ops:
+        kwargs = {k: v for k, v in op.items() if k != "op"}
+        log(f"{op['op']} {repo}" + (f" ({revision})" if op["op"] != "create_repo" else ""))
+        try:
+            result = getattr(api, op["op"])(**kwargs)
+        except Exception as e:  # the hub client raises HTTP, network and validation errors of many types
+            raise OSError(f"{op['op']} on {repo} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
+                          "). Check the repo id, your token's write access and HF_ENDPOINT") from None
+        if op["op"] == "upload_folder":
+            url = getattr(result, "commit_url", None) or str(result)
+    log(f"pushed {folder} to {repo}@{revision}" + (f": {url}" if url else ""))
+    return {"ops": ops, "card": card, "uploaded": True, "url": url}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    return push(args.folder, args.repo, private=args.private, revision=args.revision, report=args.report,
+                license=args.license, commit_message=args.commit_message, dry_run=args.dry_run)
+
+
+if __name__ == "__main__":
+    from models.cli import run_cli
+
+    run_cli(main)

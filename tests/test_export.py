@@ -1,0 +1,232 @@
+"""export.hf / export.mlx: what is written, what reloads, and what the gates refuse.
+
+A tiny Qwen3 target folder (seeded) and a seeded drafter laid out as a training checkpoint
+(``checkpoints/step_7/{drafter, config.yaml, trainer_state.json}``) are built once per module.
+Logits are the target's own LM head over the drafter's hidden states on a real block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from conftest import assert_close, tiny_drafter_config
+from export.check import ExportCheckError, schema_problems
+from export.hf import export_hf
+from models.drafter import DFlashDraftModel
+from models.target import TargetModel
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
+quiet = lambda *_: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(target folder, TargetModel, in-memory drafter, checkpoint folder)."""
+    from models.tiny import save_tiny_target
+
+    root = tmp_path_factory.mktemp("export")
+    target_dir = save_tiny_target(root / "target", "qwen3")
+    target = TargetModel.from_pretrained(target_dir)
+    torch.manual_seed(3)
+    drafter = DFlashDraftModel(tiny_drafter_config(target, rope_theta=10000.0)).eval()
+    ckpt = root / "run" / "checkpoints" / "step_7"
+    drafter.save_pretrained(ckpt / "drafter")
+    run = {"recipe": "tiny", "target": {"path": str(target_dir), "revision": None, "quantization": "none"},
+           "data": {"source": "tiny", "split": "train", "max_length": 256, "regenerate": "local", "thinking": False},
+           "features": {"mode": "online"}, "train": {"epochs": 2.5, "lr": 3e-3, "anchors": 48, "loss": "ce"}}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(run))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 7, "epoch": 0}))
+    return target_dir, target, drafter, ckpt
+
+
+def block_inputs(target: TargetModel, drafter: DFlashDraftModel):
+    """A real block: target features of the prompt, then [bonus, MASK x (B-1)]."""
+    ids = torch.tensor([PROMPT])
+    feats = target.forward(ids, drafter.config.target_layer_ids).features
+    B = drafter.config.block_size
+    block = torch.tensor([[PROMPT[-1]] + [drafter.config.mask_token_id] * (B - 1)])
+    emb = target.embed(block)
+    pos = torch.arange(len(PROMPT) + B)[None]
+    return emb, feats, pos
+
+
+def test_hf_export_reloads_with_identical_logits_in_torch_mlx_and_automodel(setup, tmp_path):
+    target_dir, target, drafter, ckpt = setup
+    out = tmp_path / "hf"
+    summary = export_hf(ckpt, out, dtype="fp32", log=quiet)
+    emb, feats, pos = block_inputs(target, drafter)
+    head = target.model.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        expected = drafter(emb, feats, pos) @ head.T
+        again = DFlashDraftModel.from_pretrained(out)
+        assert torch.equal(again(emb, feats, pos) @ head.T, expected), "draftsmith torch reload"
+
+    import mlx.core as mx
+
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    with mx.stream(mx.cpu):
+        hidden = MLXDrafter.from_pretrained(out, dtype=mx.float32)(mx.array(emb.numpy()), mx.array(feats.numpy()),
+                                                                   mx.array(pos.numpy()))
+        assert_close(np.array(hidden) @ head.numpy().T, expected, atol=1e-4, what="draftsmith MLX reload")
+
+    # transformers + the shipped modeling file, in a clean interpreter (no draftsmith import)
+    np.savez(tmp_path / "inputs.npz", emb=emb.numpy(), feats=feats.numpy(), pos=pos.numpy())
+    script = (
+        "import sys, numpy as np, torch\n"
+        "from transformers import AutoModel\n"
+        "m = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()\n"
+        "x = np.load(sys.argv[2])\n"
+        "with torch.no_grad():\n"
+        "    h = m(torch.from_numpy(x['emb']), torch.from_numpy(x['feats']), torch.from_numpy(x['pos']))\n"
+        "np.save(sys.argv[3], h.numpy())\n"
+        "assert 'models' not in sys.modules and 'export' not in sys.modules\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "inputs.npz"), str(tmp_path / "h.npy")],
+                   check=True, env=env, cwd=tmp_path, capture_output=True)
+    hf_logits = torch.from_numpy(np.load(tmp_path / "h.npy")) @ head.T
+    assert_close(hf_logits, expected, atol=1e-5, what="AutoModel(trust_remote_code=True) in a subprocess")
+    assert summary["parity"]["transformers"]["max_abs"] < 1e-5
+
+    prov = json.loads((out / "config.json").read_text())["draftsmith"]
+    assert prov["target"] == str(target_dir) and prov["steps"] == 7 and prov["recipe"] == "tiny"
+    assert prov["target_quantization"] == "none" and prov["data"]["source"] == "tiny" and prov["train"]["lr"] == 3e-3
+
+
+def test_schema_lists_every_key_engines_read(setup, tmp_path):
+    _, _, drafter, ckpt = setup
+    out = tmp_path / "hf"
+    summary = export_hf(ckpt, out, log=quiet)  # default bf16
+    d = json.loads((out / "config.json").read_text())
+    for key in ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+                "attention_bias", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "layer_types",
+                "sliding_window", "use_sliding_window", "torch_dtype", "num_target_layers", "block_size",
+                "rope_theta", "rope_parameters", "dflash_config", "auto_map"):
+        assert key in d, key
+    cfg = drafter.config
+    assert d["architectures"] == ["DFlashDraftModel"] and d["torch_dtype"] == "bfloat16"
+    assert d["block_size"] == d["dflash_config"]["block_size"] == cfg.block_size
+    assert d["rope_theta"] == d["rope_parameters"]["rope_theta"] == 10000.0
+    assert d["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}  # no partial rotary, no mrope
+    assert "rope_scaling" not in d and "partial_rotary_factor" not in d
+    assert d["num_target_layers"] == 8 and d["dflash_config"]["mask_token_id"] == cfg.mask_token_id
+    assert d["dflash_config"]["target_layer_ids"] == cfg.target_layer_ids and max(cfg.target_layer_ids) < 8 - 1
+    assert d["layer_types"] == ["full_attention"] * d["num_hidden_layers"]
+    assert "eagle_aux_hidden_state_layer_ids" not in d
+    assert (out / (d["auto_map"]["AutoModel"].split(".")[0] + ".py")).is_file()
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert keys == set(drafter.state_dict()) and not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    assert schema_problems(d, out) == []
+    assert "num_speculative_tokens\": 7" in summary["commands"]["vllm"]
+    assert "--speculative-num-draft-tokens 8" in summary["commands"]["sglang"]
+
+
+def test_sharded_export_writes_an_index_and_reloads(setup, tmp_path):
+    _, _, drafter, ckpt = setup
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, dtype="fp32", max_shard_size=60_000, remote_code_check=False, log=quiet)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(drafter.state_dict())
+    again = DFlashDraftModel.from_pretrained(out)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
+
+
+BAD_CONFIGS = {
+    "last-layer tap": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 7]), "never tapped"),
+    "layer id past the target": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 9]), "outside"),
+    "block sizes disagree": (lambda d: d["dflash_config"].update(block_size=16), "block_size=8 but"),
+    "block size 1": (lambda d: (d.update(block_size=1), d["dflash_config"].update(block_size=1)), "bonus token"),
+    "mask id outside the vocabulary": (lambda d: d["dflash_config"].update(mask_token_id=288), "not a row"),
+    "rope places disagree": (lambda d: d.update(rope_theta=1e6), "rope_theta=1000000.0 but"),
+    "partial rotary copied from a Qwen3.5 target": (
+        lambda d: d["rope_parameters"].update(partial_rotary_factor=0.25), "full-head"),
+    "mrope copied from a VL target": (lambda d: d["rope_parameters"].update(mrope_section=[1, 1]), "full-head"),
+    "eagle aux ids": (lambda d: d.update(eagle_aux_hidden_state_layer_ids=[1, 3, 5]), "must not be written"),
+    "num_target_layers missing": (lambda d: d.pop("num_target_layers"), "missing key 'num_target_layers'"),
+    "mask id missing": (lambda d: d["dflash_config"].pop("mask_token_id"), "dflash_config.mask_token_id"),
+    "layer_types short": (lambda d: d.update(layer_types=["full_attention"]), "layer_types has 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_schema_check_names_each_wrong_value(setup, name):
+    _, _, drafter, _ = setup
+    d = drafter.config.to_dict()
+    assert schema_problems(d, hf=True) == []
+    mutate, expected = BAD_CONFIGS[name]
+    mutate(d)
+    problems = schema_problems(d, hf=True)
+    assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize("corrupt", ["layer id", "mask id", "block size"])
+def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypatch, corrupt):
+    """A writer bug (the written config.json differs from the drafter) is refused and nothing is placed."""
+    from models.config import DFlashConfig
+
+    _, _, _, ckpt = setup
+    real = DFlashConfig.to_dict
+
+    def wrong(self):
+        d = real(self)
+        if corrupt == "layer id":
+            d["dflash_config"]["target_layer_ids"] = [i + 1 for i in d["dflash_config"]["target_layer_ids"]]
+        elif corrupt == "mask id":
+            d["dflash_config"]["mask_token_id"] += 1
+        else:
+            d["block_size"] = d["dflash_config"]["block_size"] = 16
+        return d
+
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, remote_code_check=False, log=quiet)  # an earlier, good export: must survive
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(DFlashConfig, "to_dict", wrong)
+    with pytest.raises(ExportCheckError, match="does not read back"):
+        export_hf(ckpt, out, overwrite=True, remote_code_check=False, log=quiet)
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"], "a temp folder was left behind"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_gate_refuses_a_drafter_that_does_not_fit_its_target(setup, tmp_path):
+    """Checked against the target folder: a mask id the tokenizer emits, a layer count that differs."""
+    from models.tiny import save_tiny_target
+
+    target_dir, _, drafter, _ = setup
+    bad = tmp_path / "bad_mask"
+    DFlashDraftModel(drafter.config.replace(mask_token_id=65)).save_pretrained(bad)  # 65 = the byte 'b'
+    with pytest.raises(ExportCheckError, match="mask_token_id=65 .* is a token the target's tokenizer emits"):
+        export_hf(bad, tmp_path / "out", target=str(target_dir), log=quiet)
+    short = save_tiny_target(tmp_path / "short_target", "qwen3", num_layers=6)
+    with pytest.raises(ExportCheckError, match="the target has 6 decoder layers"):
+        export_hf(setup[3], tmp_path / "out", target=str(short), log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
+    from export.hf import main
+    from models.cli import run_cli
+
+    _, _, _, ckpt = setup
+    with pytest.raises(SystemExit, match="^error: .* is a run folder without final/drafter"):
+        run_cli(lambda: main(["--checkpoint", str(ckpt.parent.parent), "--out", str(tmp_path / "x")]))
+    run_cli(lambda: main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "x"), "--no-remote-code-check"]))
+    out = capsys.readouterr().out
+    assert f'vllm serve {ckpt.parent.parent.parent / "target"} --speculative-config' in out
+    assert "--speculative-algorithm DFLASH" in out and "--speculative-num-draft-tokens 8" in out
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--checkpoint" in capsys.readouterr().out
