@@ -15,6 +15,217 @@ import pytest  # noqa: F401  (used by the sections below)
 
 
 # ---------------------------------------------------------------- generate / validate (inference/)
+# Every case here ends before any weights load: the target folders below hold config.json and the
+# tokenizer only, so a check that ran after loading would fail differently.
+
+
+@pytest.fixture(scope="module")
+def infer_dirs(tmp_path_factory):
+    """A config-only tiny target, a drafter config for it, and a full tiny target (for the loops)."""
+    import shutil
+
+    import torch
+
+    from conftest import tiny_drafter_config
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+
+    root = tmp_path_factory.mktemp("infer_bad")
+    full = save_tiny_target(root / "full", "qwen3")
+    target = TargetModel.from_pretrained(full)
+    torch.manual_seed(0)
+    DFlashDraftModel(tiny_drafter_config(target)).save_pretrained(root / "draft")
+    (root / "target").mkdir()
+    for f in full.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, root / "target" / f.name)
+    return {"root": root, "target": str(root / "target"), "draft": str(root / "draft"), "full": target,
+            "full_dir": str(full)}
+
+
+def _drafter_variant(infer_dirs, name: str, **changes) -> str:
+    """A copy of the drafter's config.json with some keys changed (no weights: pre-flight must stop first)."""
+    import json
+
+    d = json.loads((infer_dirs["root"] / "draft" / "config.json").read_text())
+    for key, value in changes.items():
+        if key in d.get("dflash_config", {}):
+            d["dflash_config"][key] = value
+        d[key] = value
+    out = infer_dirs["root"] / name
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(d))
+    return str(out)
+
+
+def _generate(infer_dirs, *extra, target=None, draft=None):
+    from inference.generate import main
+
+    return main(["--backend", "torch", "--target", target or infer_dirs["target"], "--draft",
+                 draft or infer_dirs["draft"], *extra])
+
+
+def _validate(infer_dirs, *extra, target=None, draft=None):
+    from inference.validate import main
+
+    return main(["--backend", "torch", "--target", target or infer_dirs["target"], "--draft",
+                 draft or infer_dirs["draft"], "--no-progress", "--out", str(infer_dirs["root"] / "out"), *extra])
+
+
+@pytest.mark.parametrize("ids, shown", [("5,288", "288"), ("5,-3", "-3"), ("1,999999", "999999")])
+def test_generate_prompt_ids_outside_the_vocabulary(infer_dirs, ids, shown):
+    with pytest.raises(ValueError, match=rf"outside the target's vocabulary \(0\.\.287\): \[{shown}\]"):
+        _generate(infer_dirs, f"--prompt-ids={ids}")
+
+
+def test_generate_negative_temperature(infer_dirs, capsys):
+    with pytest.raises(SystemExit):
+        _generate(infer_dirs, "--prompt-ids", "1", "--temperature", "-1")
+    assert "--temperature -1.0: use 0 for greedy" in capsys.readouterr().err
+
+
+def test_validate_negative_temperature(infer_dirs):
+    with pytest.raises(ValueError, match="--temperature -1.0: use 0 for greedy"):
+        _validate(infer_dirs, "--temperature", "-1")
+
+
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_swapped_target_and_draft(infer_dirs, run):
+    extra = ("--prompt-ids", "1") if run is _generate else ()
+    with pytest.raises(ValueError, match="is a DFlash drafter and --draft .* is not: swap them"):
+        run(infer_dirs, *extra, target=infer_dirs["draft"], draft=infer_dirs["target"])
+
+
+def test_draft_that_is_a_target_names_the_file(infer_dirs):
+    with pytest.raises(ValueError, match=r"is not a DFlash drafter: .*target/config.json describes a "
+                                         r"Qwen3ForCausalLM model .* Did you swap --target and --draft\?"):
+        _generate(infer_dirs, "--prompt-ids", "1", draft=infer_dirs["target"])
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_size": 96}, "has hidden_size 96 but the target's is 64"),
+    ({"vocab_size": 512, "mask_token_id": 300}, "has vocab_size 512 but the target's is 288"),
+    ({"num_target_layers": 60, "target_layer_ids": [1, 5, 50]}, r"taps target layers \[50\] but the target has only 8"),
+    ({"num_target_layers": 12, "target_layer_ids": [1, 3, 5]}, "trained on a 12-layer target; this target has 8"),
+])
+def test_drafter_for_another_target(infer_dirs, changes, message):
+    draft = _drafter_variant(infer_dirs, "variant-" + "-".join(changes), **changes)
+    for run in (_generate, _validate):
+        extra = ("--prompt-ids", "1") if run is _generate else ()
+        with pytest.raises(ValueError, match=message):
+            run(infer_dirs, *extra, draft=draft)
+
+
+def test_mask_id_outside_the_target_embedding(infer_dirs):
+    draft = _drafter_variant(infer_dirs, "mask-out-of-range", mask_token_id=999)
+    for run in (_generate, _validate):
+        extra = ("--prompt-ids", "1") if run is _generate else ()
+        with pytest.raises(ValueError, match="mask_token_id=999"):
+            run(infer_dirs, *extra, draft=draft)
+
+
+def test_block_size_above_trained(infer_dirs):
+    for run in (_generate, _validate):
+        extra = ("--prompt-ids", "1") if run is _generate else ()
+        with pytest.raises(ValueError, match="--block-size 32 must be between 2 and the drafter's trained block "):
+            run(infer_dirs, *extra, "--block-size", "32")
+
+
+def test_recorded_target_differs_warns(infer_dirs, caplog):
+    from inference.checks import preflight
+
+    draft = _drafter_variant(infer_dirs, "recorded")
+    (infer_dirs["root"] / "recorded" / "README.md").write_text("---\nbase_model: Qwen/Qwen3-8B\n---\n# card\n")
+    with caplog.at_level("WARNING", logger="inference"):
+        pre = preflight(infer_dirs["target"], draft)
+    assert pre.recorded_target == "Qwen/Qwen3-8B"
+    assert "records its target as Qwen/Qwen3-8B" in caplog.text
+
+
+def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
+    import json
+
+    empty = infer_dirs["root"] / "empty.jsonl"
+    empty.write_text(json.dumps({"messages": [{"role": "assistant", "content": "no user turn"}]}) + "\n")
+    with pytest.raises(ValueError, match="no usable prompts"):
+        _validate(infer_dirs, "--prompts", str(empty))
+    with pytest.raises(FileNotFoundError, match="neither a local file/folder nor a Hub id"):
+        _validate(infer_dirs, "--prompts", "nope.jsonl")
+    with pytest.raises(SystemExit):
+        _validate(infer_dirs, "--n", "0")
+    assert "--n 0: give at least 1 prompt" in capsys.readouterr().err
+
+
+def test_unknown_dtype(infer_dirs):
+    for run in (_generate, _validate):
+        extra = ("--prompt-ids", "1") if run is _generate else ()
+        with pytest.raises(ValueError, match="--dtype 'float64' .* use one of float32, bfloat16, float16"):
+            run(infer_dirs, *extra, "--dtype", "float64")
+
+
+def test_compare_needs_reports(infer_dirs, capsys):
+    from inference.validate import main
+
+    other = infer_dirs["root"] / "other.json"
+    other.write_text("{}")
+    with pytest.raises(ValueError, match="is not a report.json written by python -m inference.validate"):
+        main(["--compare", str(other), str(other)])
+    with pytest.raises(SystemExit):
+        main(["--compare", str(other)])
+    assert "at least two report.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_loops_refuse_the_same_things(infer_dirs, backend):
+    """Both loops share inference.checks: the same refusals, the same words."""
+    from conftest import ReferenceProposer
+
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+        from inference import mlx_loop as loop
+        from models.target_mlx import TargetModel
+
+        target = TargetModel.from_pretrained(infer_dirs["full_dir"])
+    else:
+        from inference import torch_loop as loop
+
+        target = infer_dirs["full"]
+    prop = ReferenceProposer(list(range(100)), [1, 3, 5], 4, 288)
+    for kw, message in [({"prompt_ids": []}, "the prompt is empty"),
+                        ({"max_new_tokens": 0}, "max_new_tokens=0: ask for at least one token"),
+                        ({"temperature": -1.0}, "--temperature -1.0: use 0 for greedy")]:
+        args = {"prompt_ids": [1, 2, 3], **kw}
+        with pytest.raises(ValueError, match=message):
+            loop.dflash_generate(target, prop, **args)
+        with pytest.raises(ValueError, match=message):
+            loop.target_generate(target, **args)
+
+
+def test_mlx_loop_draft_cache_out_of_step_is_an_error_not_an_assert(infer_dirs):
+    pytest.importorskip("mlx_lm")
+    from conftest import ReferenceProposer
+    from inference import mlx_loop
+    from models.target_mlx import TargetModel
+
+    class Lagging(ReferenceProposer):
+        def context_length(self) -> int:
+            return self.seen - 1  # a proposer that lost a position
+
+    target = TargetModel.from_pretrained(infer_dirs["full_dir"])
+    with pytest.raises(RuntimeError, match="draft cache holds .* positions but .* are committed"):
+        mlx_loop.dflash_generate(target, Lagging(list(range(200)), [1, 3, 5], 4, 288), [1, 2, 3], max_new_tokens=8)
+
+
+def test_validate_mistake_prints_one_line(infer_dirs):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "inference.validate", "--target", infer_dirs["draft"], "--draft",
+                          infer_dirs["target"]], capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "error: --target" in out.stderr and "swap them" in out.stderr
+
 
 
 # ---------------------------------------------------------------- export and push (export/)
