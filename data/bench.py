@@ -20,6 +20,7 @@ import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,8 +41,43 @@ def random_target(hidden: int, layers: int, vocab: int, device: str, dtype: torc
                       head_dim=128 if hidden >= 256 else hidden // heads,
                       max_position_embeddings=8192, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    with torch.device(device):  # initialised where it runs: an 8B-shaped init on the CPU takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return TargetModel(model, tokenizer=None, name=f"random-qwen3-h{hidden}-l{layers}")
+
+
+RECIPE_SHAPES = ("qwen3-8b", "qwen35-9b", "llama31-8b", "qwen35-4b")
+
+
+def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16, num_layers: int | None = None):
+    """A random-weight target with the exact shape of a shipped recipe's target (``recipes/NAME.yaml``).
+
+    Built directly on ``device``: initialising 8B parameters on the CPU takes minutes. Qwen3.5
+    recipes get the hybrid (GatedDeltaNet + attention) text model with transformers' default
+    layer pattern, which is the published 9B/4B one. Speed only: weights are random.
+    """
+    import yaml
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
+
+    from models.target import TargetModel
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no recipe {recipe!r}: use one of {RECIPE_SHAPES}")
+    t = yaml.safe_load(path.read_text())["target"]
+    shape = dict(vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+                 num_hidden_layers=num_layers or t["num_layers"], num_attention_heads=t["num_attention_heads"],
+                 num_key_value_heads=t["num_key_value_heads"], head_dim=t["head_dim"],
+                 max_position_embeddings=min(t["max_position_embeddings"], 32768), tie_word_embeddings=False)
+    kind = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_5": Qwen3_5TextConfig}.get(t["model_type"])
+    if kind is None:
+        raise ValueError(f"recipe {recipe!r}: no random-target shape for model_type {t['model_type']!r}")
+    if kind is Qwen3_5TextConfig and num_layers:
+        shape["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(kind(**shape), dtype=dtype)
+    return TargetModel(model.eval(), tokenizer=None, name=f"random-{recipe}")
 
 
 def random_data(rows: int, seq: int, vocab: int):

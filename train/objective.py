@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
@@ -207,6 +206,12 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = 
             blk = blk & (kb % B <= q % B)
         return ctx | blk
 
+    if window is None and not block_causal:  # tiles straight from the block tensors (train/block_mask.py)
+        from train.block_mask import direct_block_mask
+
+        direct = direct_block_mask(blocks.anchors, blocks.valid, doc_ids, B, mask_mod)
+        if direct is not None:
+            return direct
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=n * B, KV_LEN=s + n * B, device=doc_ids.device)
 
 
@@ -244,48 +249,49 @@ class LossOutput:
         return int(self.valid.sum())
 
 
-def _chunk_loss(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
-                t_logp: torch.Tensor | None, mode: str, kl_weight: float):
-    logits = (h @ head_w.t()).float()
-    logp = F.log_softmax(logits, dim=-1)
-    ce = -logp.gather(-1, labels[:, None])[:, 0]
-    per_slot = ce if mode in ("ce", "ce+kl") else torch.zeros_like(ce)
-    kl = torch.zeros_like(ce)
-    if mode in ("kl", "ce+kl"):
-        # KL(target || drafter) over the target's top-k tokens (the mass outside top-k is dropped).
-        p = t_logp.exp()
-        diff = torch.where(p > 0, t_logp - logp.gather(-1, t_ids.long()), torch.zeros_like(p))
-        kl = (p * diff).sum(-1)
-        per_slot = per_slot + kl_weight * kl
-    return per_slot, ce.detach(), kl.detach(), logits.argmax(-1)
+def _slot_losses(logits: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None, t_logp: torch.Tensor | None,
+                 mode: str, kl_weight: float):
+    """The loss math, once, in fp32: per-slot loss, CE, KL, argmax (and lse / teacher probs for the gradient).
 
-
-def _loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
-                      t_logp: torch.Tensor | None, mode: str, kl_weight: float):
-    """``_chunk_loss`` from given logits, plus ``d per_slot_r / d logits_r`` (row r only depends on row r).
-
-    The same fp32 math as ``_chunk_loss`` (log-softmax, gathers, top-k KL), written so that one
-    compiled kernel reads the logits a few times and writes the gradient once in their dtype.
+    CE is ``lse - logit[label]``. KL(target || drafter) runs over the target's top-k tokens (the mass
+    outside top-k is dropped). Differentiable by autograd; ``_loss_and_dlogits`` adds the closed-form
+    gradient for the frozen-head path.
     """
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     ce = (lse - x.gather(-1, labels[:, None]))[:, 0]
+    per_slot = ce * (1.0 if mode in ("ce", "ce+kl") else 0.0)
+    kl, p = torch.zeros_like(ce), None
+    if mode in ("kl", "ce+kl"):
+        p = t_logp.exp()
+        diff = torch.where(p > 0, t_logp - (x.gather(-1, t_ids.long()) - lse), torch.zeros_like(p))
+        kl = (p * diff).sum(-1)
+        per_slot = per_slot + kl_weight * kl
+    return per_slot, ce, kl, x.argmax(-1), x, lse, p
+
+
+def _chunk_loss(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
+                t_logp: torch.Tensor | None, mode: str, kl_weight: float):
+    """LM head + loss of one chunk through autograd (a trained head, or no gradient at all)."""
+    per_slot, ce, kl, pred, *_ = _slot_losses(h @ head_w.t(), labels, t_ids, t_logp, mode, kl_weight)
+    return per_slot, ce.detach(), kl.detach(), pred
+
+
+def _loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
+                      t_logp: torch.Tensor | None, mode: str, kl_weight: float):
+    """``_slot_losses`` plus ``d per_slot_r / d logits_r`` (row r only depends on row r), written so
+    that one compiled kernel reads the logits a few times and writes the gradient once in their dtype."""
+    per_slot, ce, kl, pred, x, lse, p = _slot_losses(logits, labels, t_ids, t_logp, mode, kl_weight)
     soft = torch.exp(x - lse)
     c_ce = 1.0 if mode in ("ce", "ce+kl") else 0.0
     vocab = torch.arange(x.shape[-1], device=x.device)
     dlogits = soft * c_ce - (vocab == labels[:, None]).to(x.dtype) * c_ce
-    per_slot = ce * c_ce
-    kl = torch.zeros_like(ce)
-    if mode in ("kl", "ce+kl"):
-        p = t_logp.exp()
+    if p is not None:
         pp = torch.where(p > 0, p, torch.zeros_like(p))
-        diff = torch.where(p > 0, t_logp - (x.gather(-1, t_ids.long()) - lse), torch.zeros_like(p))
-        kl = (p * diff).sum(-1)
-        per_slot = per_slot + kl_weight * kl
         # d/dx of -sum_i p_i logp[t_i] = softmax * sum_i p_i - scatter(p_i at t_i)
         dlogits = (dlogits + kl_weight * soft * pp.sum(-1, keepdim=True)).scatter_add(
             -1, t_ids.long(), -kl_weight * pp)
-    return per_slot, ce, kl, x.argmax(-1), dlogits.to(logits.dtype)
+    return per_slot, ce, kl, pred, dlogits.to(logits.dtype)
 
 
 _COMPILED_LOSS = None

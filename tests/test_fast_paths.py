@@ -1,0 +1,81 @@
+"""CPU checks of the speed paths: the direct BlockMask, the preallocated caches and the static loop.
+
+Each fast path is compared with the generic one it replaces (same tiles, same tokens, same
+acceptance lengths); the CUDA graph replay of the static loop is checked in ``test_cuda.py``.
+"""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from train.block_mask import direct_block_mask, documents_contiguous, tile_states
+from train.objective import draw_blocks, flex_block_mask
+
+
+def _tiles(bm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-level ``(partial, full)`` dense maps of a BlockMask."""
+    def dense(num, idx):
+        out = torch.zeros(*num.shape, bm.kv_indices.shape[-1], dtype=torch.bool)
+        for key in torch.cartesian_prod(*[torch.arange(d) for d in num.shape]):
+            k = tuple(key.tolist())
+            out[k][idx[k][: int(num[k])].long()] = True
+        return out
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+def _packed_rows(b: int, s: int, seed: int):
+    """Rows of 1-3 packed documents, a prompt then an answer each, and padding at the end."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 90, (b, s), generator=g)
+    lm = torch.zeros(b, s, dtype=torch.long)
+    doc = torch.full((b, s), -1, dtype=torch.long)
+    pos = torch.zeros(b, s, dtype=torch.long)
+    for r in range(b):
+        end = s - int(torch.randint(0, s // 5, (1,), generator=g))
+        n_cuts = int(torch.randint(0, 3, (1,), generator=g))
+        cuts = sorted(set(torch.randint(end // 4, end - end // 4, (n_cuts,), generator=g).tolist()))
+        bounds = [0, *cuts, end]
+        for d, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
+            doc[r, a:z], pos[r, a:z] = d, torch.arange(z - a)
+            lm[r, a + (z - a) // 3:z] = 1
+    return ids, lm, doc, pos
+
+
+@pytest.mark.parametrize("s,anchors,block", [(300, 40, 16), (256, 24, 8), (130, 100, 4), (40, 6, 4)])
+def test_direct_block_mask_equals_create_block_mask(s, anchors, block):
+    """Same partial and full tiles as the generic builder, at tile-aligned and ragged lengths, with
+    packed documents, padding and padding blocks (rows with fewer candidates than anchors)."""
+    ids, lm, doc, pos = _packed_rows(3, s, seed=s + anchors)
+    lm[0] = 0
+    lm[0, 2:6] = 1  # row 0 has 3 candidates: padding blocks
+    assert documents_contiguous(doc)
+    blocks = draw_blocks(ids, lm, doc, pos, anchors, block, 95, torch.Generator().manual_seed(0))
+    assert not bool(blocks.valid.all())
+    n = blocks.num_blocks
+    q_anchor = blocks.anchors.repeat_interleave(block, 1)
+    q_doc = blocks.doc.repeat_interleave(block, 1)
+
+    def mask_mod(bi, h, q, kv):
+        kc = torch.clamp(kv, max=s - 1)
+        ctx = (kv < s) & (kc < q_anchor[bi, q]) & (doc[bi, kc] == q_doc[bi, q])
+        return ctx | ((kv >= s) & (torch.clamp(kv - s, min=0) // block == q // block))
+
+    ref = create_block_mask(mask_mod, B=3, H=None, Q_LEN=n * block, KV_LEN=s + n * block, device="cpu")
+    fast = direct_block_mask(blocks.anchors, blocks.valid, doc, block, mask_mod)
+    for a, b, what in zip(_tiles(fast), _tiles(ref), ("partial", "full")):
+        assert torch.equal(a, b), f"{what} tiles differ at {(a != b).nonzero()[:5].tolist()}"
+    assert fast.seq_lengths == ref.seq_lengths
+    assert torch.equal(fast.to_dense(), ref.to_dense())
+
+
+def test_block_mask_falls_back_when_documents_repeat():
+    """A document id that comes back after another one is not an interval: the generic builder runs."""
+    ids, lm, doc, pos = _packed_rows(2, 200, seed=3)
+    doc[0, 150:] = 0
+    doc[0, 100:150] = 1
+    assert not documents_contiguous(doc)
+    blocks = draw_blocks(ids, lm, doc, pos, 16, 8, 95, torch.Generator().manual_seed(0))
+    assert direct_block_mask(blocks.anchors, blocks.valid, doc, 8, lambda *a: None) is None
+    bm = flex_block_mask(blocks, doc)  # still right: built the generic way
+    partial, full = tile_states(blocks.anchors, blocks.valid, torch.zeros_like(doc), 8)
+    assert bm.kv_num_blocks.shape == partial.sum(-1).shape
