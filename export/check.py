@@ -27,7 +27,7 @@ import numpy as np
 from models.config import ARCHITECTURE, MODELING_FILE, ConfigError, DFlashConfig, tokenizer_emitted_ids
 from models.weights import STRAY_KEY, weight_files
 
-# Top-level keys of the flat layout (DESIGN facts, written by models/config.py's DFlashConfig.to_dict).
+# Top-level keys of the flat layout (docs/design.md, "config.json"; written by DFlashConfig.to_dict).
 REQUIRED_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "attention_bias", "max_position_embeddings",

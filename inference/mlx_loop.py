@@ -1,6 +1,6 @@
 """The DFlash decoding loop in MLX (Metal on a Mac, CPU on Linux); the twin of ``torch_loop.py``.
 
-Same cycle and semantics (docs/design.md, the decoding cycle): draft a block from the bonus token, verify the
+Same cycle and semantics (docs/design.md, "Decoding cycle"): draft a block from the bonus token, verify the
 whole block in one target pass, accept the longest prefix where draft == target token plus the
 target's own token at the first mismatch, roll the target cache back to the committed length
 (``rollback_mlx``), and carry the target's features at the committed positions into the next

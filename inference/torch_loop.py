@@ -1,6 +1,6 @@
 """The DFlash decoding loop in PyTorch (CUDA, and CPU for tests); the MLX twin is ``mlx_loop.py``.
 
-One cycle (DESIGN.md section 2): draft a block from the bonus token, verify the whole block in one
+One cycle (docs/design.md, "Decoding cycle"): draft a block from the bonus token, verify the whole block in one
 target pass, accept the longest prefix where draft == target token plus the target's own token
 at the first mismatch, roll the target cache back to the committed length, and carry the target's
 features at the committed positions into the next draft. Drafts are greedy; the target's tokens

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion objective (DESIGN.md section 2), as tensor ops only.
+"""The DFlash block-diffusion objective (docs/design.md, "Training objective"), as tensor ops only.
 
 One training row is a clean prompt+response of length ``s`` with the target's features at every
 position. From it we draw up to ``N`` anchors (default 512, re-drawn every epoch) among the
