@@ -172,14 +172,14 @@ class Session:
 
 
 def report_of(backend: str, result, baseline) -> dict:
+    from inference.report import first_divergence
+
     report = {"backend": backend, **result.to_json()}
     if baseline is not None:
         report["baseline_decode_tokens_per_s"] = baseline.decode_tokens_per_s
         report["speedup"] = (result.decode_tokens_per_s / baseline.decode_tokens_per_s
                              if baseline.decode_tokens_per_s else None)
-        n = min(len(result.tokens), len(baseline.tokens))
-        first_diff = next((i for i in range(n) if result.tokens[i] != baseline.tokens[i]),
-                          None if len(result.tokens) == len(baseline.tokens) else n)
+        first_diff = first_divergence(result.tokens, baseline.tokens)
         report["matches_baseline"] = first_diff is None
         report["first_divergence"] = first_diff
     return report
