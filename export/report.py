@@ -1,9 +1,10 @@
 """Read an ``inference.validate`` report (report.json) and render its numbers for the model card.
 
 export never imports ``inference/``: the report is read as JSON and checked against the fields the
-card shows. Two means of tau are kept apart, as every draftsmith report names them: ``pooled``
-(committed tokens / verify cycles over all prompts, what throughput follows; the headline) and
-``per_prompt_mean`` (the mean of per-prompt taus).
+card shows, as ``inference/validate.py`` documents them (schema ``draftsmith.validate/1``, flat at
+the top level, ``per_category`` beside). Two means of tau are kept apart, as every draftsmith
+report names them: ``tau`` (pooled over all verify cycles: committed tokens / cycles, what
+throughput follows; the headline) and ``tau_per_prompt_mean`` (the mean of per-prompt taus).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-REQUIRED = ("tau", "backend", "device", "dtype", "target")
+SCHEMA = "draftsmith.validate/"
+REQUIRED = ("backend", "device", "dtype", "target", "num_prompts")
+NUMBERS = ("tau", "tau_per_prompt_mean")
 
 
 class ReportError(ValueError):
@@ -31,20 +34,20 @@ def load_report(path: str | Path) -> dict[str, Any]:
     problems = report_problems(report)
     if problems:
         raise ReportError(f"--report {p} is not an inference.validate report: " + "; ".join(problems) +
-                          ". Re-run `python -m inference.validate ... --report report.json`")
+                          ". Re-run `python -m inference.validate ... --out DIR`, which writes DIR/report.json")
     return report
 
 
 def report_problems(report: Any) -> list[str]:
     if not isinstance(report, dict):
         return ["the top level is not a JSON object"]
+    if not str(report.get("schema", "")).startswith(SCHEMA):
+        return [f"'schema' is {report.get('schema')!r}, expected {SCHEMA}1"]
     problems = [f"missing {k!r}" for k in REQUIRED if k not in report]
-    tau = report.get("tau")
-    if "tau" in report and not (isinstance(tau, dict) and _num(tau.get("pooled")) and _num(tau.get("per_prompt_mean"))):
-        problems.append("'tau' must hold numbers 'pooled' and 'per_prompt_mean'")
-    cats = report.get("categories", {})
-    if not isinstance(cats, dict):
-        problems.append("'categories' must map a category name to its figures")
+    problems += [f"{k!r} is not a number" for k in NUMBERS if not _num(report.get(k))]
+    cats = report.get("per_category", {})
+    if not isinstance(cats, dict) or not all(isinstance(c, dict) for c in cats.values()):
+        problems.append("'per_category' must map a category name to its numbers")
     return problems
 
 
@@ -57,22 +60,26 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 
 def render_report(report: dict[str, Any]) -> list[str]:
-    """Markdown lines: headline tau (both means), speedup, per-category table, hardware."""
-    tau = report["tau"]
+    """Markdown lines: headline tau (both means), speedup, losslessness, per-category table, hardware."""
+    quant = report.get("target_quantization") or "not quantized"
     out = ["## Validation (`python -m inference.validate`)", "",
-           f"- acceptance length tau, pooled over all verify cycles: **{_fmt(tau['pooled'])}** "
-           f"(mean of per-prompt taus: {_fmt(tau['per_prompt_mean'])})"]
+           f"- acceptance length tau, pooled over all {report.get('num_cycles', '')} verify cycles: "
+           f"**{_fmt(report['tau'])}** (mean of per-prompt taus: {_fmt(report['tau_per_prompt_mean'])}; "
+           f"{report['num_prompts']} prompts, block size {report.get('block_size', '-')})"]
     if _num(report.get("speedup")):
-        out.append(f"- speedup over the target alone: **{_fmt(report['speedup'])}x**")
-    if "lossless" in report:
-        out.append(f"- greedy output equals the target's: {report['lossless']}")
-    out.append(f"- backend `{report['backend']}`, device `{report['device']}`, dtype `{report['dtype']}`, "
-               f"target `{report['target']}`")
-    cats = report.get("categories") or {}
+        out.append(f"- decode speedup over the target alone: **{_fmt(report['speedup'])}x** "
+                   f"({_fmt(report.get('dflash_tok_s'), 1)} vs {_fmt(report.get('baseline_tok_s'), 1)} tokens/s)")
+    if _num(report.get("identical_share")):
+        out.append(f"- prompts whose output equals the target's own, token for token: "
+                   f"{report['identical_share']:.0%} (temperature {report.get('temperature', '-')})")
+    if isinstance(report.get("position_acceptance"), list) and report["position_acceptance"]:
+        out.append("- acceptance by draft position: " + ", ".join(_fmt(v) for v in report["position_acceptance"]))
+    out.append(f"- backend `{report['backend']}`, device `{report['device']}`, dtype `{report['dtype']}` "
+               f"(draft `{report.get('draft_dtype', '-')}`), target `{report['target']}` ({quant})")
+    cats = report.get("per_category") or {}
     if cats:
         out += ["", "| category | prompts | tau (pooled) | tau (per-prompt mean) | speedup |", "|---|---|---|---|---|"]
         for name, c in cats.items():
-            t = c.get("tau") or {}
-            out.append(f"| {name} | {_fmt(c.get('prompts'), 0)} | {_fmt(t.get('pooled'))} | "
-                       f"{_fmt(t.get('per_prompt_mean'))} | {_fmt(c.get('speedup'))} |")
+            out.append(f"| {name} | {_fmt(c.get('num_prompts'), 0)} | {_fmt(c.get('tau'))} | "
+                       f"{_fmt(c.get('tau_per_prompt_mean'))} | {_fmt(c.get('speedup'))} |")
     return out + [""]

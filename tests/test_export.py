@@ -230,3 +230,46 @@ def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------- MLX
+def test_mlx_export_bf16_and_4bit_run_lossless_in_the_mlx_loop(setup, tmp_path):
+    """Both folders load in draftsmith's MLX loop on the tiny target; greedy output is the target's own
+    (the target decides), and each run reports its acceptance."""
+    mx = pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+    from inference.mlx_loop import DrafterProposer, dflash_generate, target_generate
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+    from models.target_mlx import TargetModel as MLXTarget
+
+    target_dir, _, drafter, ckpt = setup
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        fp32 = export_mlx(ckpt, tmp_path / "fp32", dtype="fp32", log=quiet)
+        bf16 = export_mlx(ckpt, tmp_path / "bf16", log=quiet)
+        q4 = export_mlx(ckpt, tmp_path / "q4", quantize=4, group_size=32, log=quiet)
+        assert fp32["parity"]["rel"] < 1e-4 and bf16["parity"]["rel"] < 4e-2
+        assert np.isfinite(q4["parity"]["max_abs"]) and 0.0 <= q4["parity"]["top1"] <= 1.0
+
+        d = json.loads((tmp_path / "q4" / "config.json").read_text())
+        quant = {"bits": 4, "group_size": 32, "mode": "affine"}
+        assert d["quantization"] == d["quantization_config"] == quant and "auto_map" not in d
+        assert d["dflash_config"]["target_layer_ids"] == drafter.config.target_layer_ids
+        assert schema_problems(d, tmp_path / "q4", hf=False) == []
+        weights = mx.load(str(tmp_path / "q4" / "model.safetensors"))
+        assert weights["layers.0.mlp.up_proj.weight"].dtype == mx.uint32 and "layers.0.mlp.up_proj.scales" in weights
+        d16 = json.loads((tmp_path / "bf16" / "config.json").read_text())
+        assert d16["torch_dtype"] == "bfloat16" and "quantization" not in d16
+        assert (tmp_path / "bf16" / "modeling_dflash.py").is_file()
+
+        target = MLXTarget.from_pretrained(target_dir)
+        reference = target_generate(target, PROMPT, 40, eos_token_ids=[]).tokens
+        for name in ("bf16", "q4"):
+            res = dflash_generate(target, DrafterProposer(MLXDrafter.from_pretrained(tmp_path / name), target),
+                                  PROMPT, 40, eos_token_ids=[])
+            assert res.tokens == reference, f"{name} draft changed the greedy output"
+            assert 1.0 <= res.tau <= drafter.config.block_size and sum(res.acceptance_lengths) == 40 - 1
+            print(f"{name}: tau {res.tau:.2f} over {len(res.acceptance_lengths)} cycles")
+    finally:
+        mx.set_default_device(old)

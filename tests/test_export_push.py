@@ -1,0 +1,161 @@
+"""export.push and the model card: the exact Hub operations, the card's content, the token never leaked.
+
+The Hub client is patched at ``HfApi``'s methods, so the test asserts the calls (with their
+arguments) that would go out; nothing touches a network. The validate report is built by
+``inference.report.build_report`` itself from loop results, so the card is tested on the real schema.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from export.push import main, push
+from models.config import DFlashConfig
+from models.drafter import DFlashDraftModel
+
+TOKEN = "hf_fakeTokenThatMustNeverBeWritten123"
+quiet = lambda *_: None  # noqa: E731
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A drafter export with its provenance block, as export.hf writes it."""
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=36,
+                       target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=290, block_size=16,
+                       draftsmith={"target": "Qwen/Qwen3-8B", "target_revision": "abc123", "recipe": "qwen3-8b",
+                                   "steps": 1234, "target_quantization": "mlx-4bit-g64",
+                                   "data": {"source": "nvidia/Nemotron-Post-Training-Dataset-v2", "split": "chat"}})
+    torch.manual_seed(0)
+    out = tmp_path / "export"
+    DFlashDraftModel(cfg).save_pretrained(out, dtype=torch.bfloat16)
+    return out
+
+
+@pytest.fixture
+def report(tmp_path):
+    """A report.json exactly as ``python -m inference.validate`` writes it (two categories)."""
+    from inference.report import PromptRun, build_report
+    from inference.stats import GenerationResult
+
+    def result(lengths, decode_s):
+        tokens = list(range(1 + sum(lengths)))
+        pos = [sum(1 for a in lengths if a - 1 >= k) for k in range(1, 16)]
+        return GenerationResult(tokens=tokens, acceptance_lengths=lengths, position_accepts=pos, block_size=16,
+                                prefill_s=0.1, decode_s=decode_s)
+
+    runs = [PromptRun("c1", "code", 20, [result([5, 7, 3], 0.3)], [result([1] * 15, 0.9)]),
+            PromptRun("c2", "code", 30, [result([2, 2], 0.2)], [result([1] * 4, 0.3)]),
+            PromptRun("m1", "math", 25, [result([9, 1, 4, 2], 0.4)], [result([1] * 16, 1.2)])]
+    env = {"backend": "mlx", "device": "Apple M3 Max (Metal)", "dtype": "bfloat16", "draft_dtype": "bfloat16",
+           "target": "mlx-community/Qwen3-8B-4bit", "target_quantization": "4-bit affine, group 64",
+           "block_size": 16, "temperature": 0.0}
+    rep = build_report(runs, 16, True, env)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(rep))
+    return path, rep
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Record every HfApi call instead of sending it; a token in the environment."""
+    from huggingface_hub import HfApi
+
+    calls = []
+
+    def recorder(name):
+        def call(self, **kwargs):
+            calls.append((name, kwargs))
+            if name == "upload_folder":  # what would be uploaded, read at call time
+                from pathlib import Path
+
+                calls.append(("files", sorted(p.name for p in Path(kwargs["folder_path"]).iterdir())))
+                return type("CommitInfo", (), {"commit_url": "http://127.0.0.1/commit/1"})()
+            return None
+        return call
+
+    for name in ("create_repo", "create_branch", "upload_folder"):
+        monkeypatch.setattr(HfApi, name, recorder(name))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return calls
+
+
+def test_push_sends_the_exact_operations_and_never_writes_the_token(folder, report, hub, capsys):
+    result = main(["--folder", str(folder), "--repo", "me/Qwen3-8B-DFlash", "--private", "--revision", "dev",
+                   "--report", str(report[0])])
+    assert hub == [
+        ("create_repo", {"repo_id": "me/Qwen3-8B-DFlash", "repo_type": "model", "private": True, "exist_ok": True}),
+        ("create_branch", {"repo_id": "me/Qwen3-8B-DFlash", "branch": "dev", "repo_type": "model", "exist_ok": True}),
+        ("upload_folder", {"repo_id": "me/Qwen3-8B-DFlash", "folder_path": str(folder), "repo_type": "model",
+                           "revision": "dev", "commit_message": "Upload DFlash drafter (draftsmith)",
+                           "ignore_patterns": [".*", "**/.*", "__pycache__/*", "*.tmp"]}),
+        ("files", ["README.md", "config.json", "model.safetensors", "modeling_dflash.py"]),
+    ]
+    assert result["uploaded"] and result["url"] == "http://127.0.0.1/commit/1"
+    printed = capsys.readouterr()
+    assert TOKEN not in printed.out + printed.err
+    assert all(TOKEN.encode() not in p.read_bytes() for p in folder.iterdir())
+
+
+def test_card_renders_metadata_usage_recipe_and_the_reports_numbers(folder, report, hub):
+    from huggingface_hub import ModelCard
+
+    path, rep = report
+    push(folder, "me/Qwen3-8B-DFlash", report=str(path), license="apache-2.0", log=quiet)
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.base_model == "Qwen/Qwen3-8B" and card.data.library_name == "transformers"
+    assert card.data.tags == ["dflash", "speculative-decoding", "draftsmith"] and card.data.license == "apache-2.0"
+    text = card.text
+    spec = '{"method": "dflash", "model": "me/Qwen3-8B-DFlash", "num_speculative_tokens": 15}'
+    assert f"vllm serve Qwen/Qwen3-8B --speculative-config '{spec}'" in text
+    assert ("python -m sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm DFLASH "
+            "--speculative-draft-model-path me/Qwen3-8B-DFlash --speculative-num-draft-tokens 16") in text
+    assert "AutoModel.from_pretrained('me/Qwen3-8B-DFlash', trust_remote_code=True)" in text
+    assert "python -m inference.generate --backend mlx --target Qwen/Qwen3-8B --draft me/Qwen3-8B-DFlash" in text
+    for fact in ("`1234`", "`[1, 9, 17, 25, 33]`", "`mlx-4bit-g64`", "nvidia/Nemotron-Post-Training-Dataset-v2",
+                 "`abc123`", "`qwen3-8b`", "| block size | `16` |"):
+        assert fact in text, fact
+    # the report's own numbers: pooled tau (35 tokens / 9 cycles), per-prompt mean (5, 2, 4), category, speedup
+    assert "**3.89**" in text and "mean of per-prompt taus: 3.67" in text
+    assert f"**{rep['speedup']:.2f}x**" in text
+    for name, c in rep["per_category"].items():
+        assert (f"| {name} | {c['num_prompts']} | {c['tau']:.2f} | {c['tau_per_prompt_mean']:.2f} | "
+                f"{c['speedup']:.2f} |") in text
+    assert "device `Apple M3 Max (Metal)`" in text and "(4-bit affine, group 64)" in text
+
+
+def test_dry_run_needs_no_token_and_sends_nothing(folder, hub, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    result = push(folder, "me/x", dry_run=True)
+    out = capsys.readouterr().out
+    assert hub == [] and not result["uploaded"] and not (folder / "README.md").exists()
+    assert '"op": "create_repo"' in out and '"op": "upload_folder"' in out and "base_model: Qwen/Qwen3-8B" in out
+
+
+def test_no_token_is_refused_before_anything_is_sent(folder, hub, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(PermissionError, match="no Hugging Face token: run `hf auth login` or set HF_TOKEN"):
+        push(folder, "me/x", log=quiet)
+    assert hub == []
+
+
+def test_a_readme_the_user_wrote_is_uploaded_as_it_is(folder, hub):
+    (folder / "README.md").write_text("# my own card\n")
+    push(folder, "me/x", log=quiet)
+    assert (folder / "README.md").read_text() == "# my own card\n" and hub[-1][1][0] == "README.md"
+
+
+def test_mlx_card_is_mlx_only(folder, hub, tmp_path):
+    d = json.loads((folder / "config.json").read_text())
+    d["quantization"] = d["quantization_config"] = {"bits": 4, "group_size": 64, "mode": "affine"}
+    d.pop("auto_map")
+    (folder / "config.json").write_text(json.dumps(d))
+    (folder / "modeling_dflash.py").unlink()
+    res = push(folder, "me/x-mlx-4bit", dry_run=True, log=quiet)
+    assert "library_name: mlx" in res["card"] and "- mlx" in res["card"] and "vllm serve" not in res["card"]
+    assert "MLX 4-bit affine, group 64" in res["card"]
