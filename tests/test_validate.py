@@ -177,3 +177,40 @@ def test_help_explains_the_flags_and_the_schema():
     assert out.returncode == 0
     for flag in ("--prompts", "--repeats", "--thinking", "--compare", "tau_per_prompt_mean", "per_category"):
         assert flag in out.stdout
+
+
+def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
+    """Hand-made loop results: the numbers follow from the definitions alone."""
+    from inference.report import PromptRun, markdown
+    from inference.stats import GenerationResult
+
+    def result(lengths, n_tokens, decode_s, stop="max_new_tokens"):
+        pos = [sum(1 for a in lengths if a - 1 > k) for k in range(3)]
+        return GenerationResult(tokens=list(range(n_tokens)), acceptance_lengths=lengths, position_accepts=pos,
+                                block_size=4, prefill_s=0.1, decode_s=decode_s, stop_reason=stop)
+
+    long = PromptRun("long", "x", 10, [result([4, 4, 1, 1, 1, 1, 2, 2], 17, 1.6)],
+                     [result([1] * 16, 17, 3.2)])
+    short = PromptRun("short", "y", 10, [result([4, 4], 9, 0.4, "eos")], [result([1] * 8, 9, 1.6, "eos")])
+    report = build_report([long, short], 4, greedy=False, environment={"temperature": 0.7})
+    assert report["tau"] == pytest.approx(24 / 10)  # pooled: committed / cycles
+    assert report["tau_per_prompt_mean"] == pytest.approx((16 / 8 + 4) / 2)
+    x = report["per_category"]["x"]
+    assert x["tau_first_quarter"] == 4 and x["tau_last_quarter"] == 2
+    assert report["acceptance_histogram"] == {"1": 4, "2": 2, "4": 4}
+    assert report["position_acceptance"] == [pytest.approx(0.6), pytest.approx(0.4), pytest.approx(0.4)]
+    assert report["dflash_tok_s"] == pytest.approx(24 / 2.0) and report["baseline_tok_s"] == pytest.approx(24 / 4.8)
+    assert report["speedup"] == pytest.approx(2.4)
+    assert report["cycle_cost"] == pytest.approx((2.0 / 10) / (4.8 / 24))
+    assert report["truncated"] == 1 and report["identical_share"] is None  # sampling: not compared
+    assert "Sampling (temperature > 0)" in markdown(report)
+
+
+def test_thinking_switch_changes_the_rendered_prompt(setup):
+    from inference.prompt_sets import prompt_set_hash
+    from models.tiny import tiny_tokenizer
+
+    prompts = load_prompts(setup["prompts"])
+    tok = tiny_tokenizer("chatml")
+    on, off = render_prompts(tok, prompts, "on"), render_prompts(tok, prompts, "off")
+    assert on != off and prompt_set_hash(prompts, "on") != prompt_set_hash(prompts, "off")
