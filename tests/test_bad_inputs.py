@@ -229,6 +229,162 @@ def test_validate_mistake_prints_one_line(infer_dirs):
 
 
 # ---------------------------------------------------------------- export and push (export/)
+@pytest.fixture
+def export_drafter(tmp_path):
+    """A small drafter folder (HF layout, fp32) as training writes final/drafter."""
+    import torch
+
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=4, torch_dtype="float32")
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg).save_pretrained(tmp_path / "drafter")
+
+
+def _export_error(module: str, argv: list[str]) -> str:
+    """The one line an export command ends with on a user mistake."""
+    import importlib
+
+    from models.cli import run_cli
+
+    main = importlib.import_module(f"export.{module}").main
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: main(argv))
+    message = str(e.value.code)
+    assert message.startswith("error: ") and "Traceback" not in message
+    return message
+
+
+def _export_case(case: str, root, drafter) -> list[str]:
+    """Set up the mistake ``case`` under ``root``; returns the command's arguments."""
+    import json
+
+    out = str(root / "out")
+    if case == "missing folder":
+        return ["--checkpoint", str(root / "nope"), "--out", out]
+    if case == "a file":
+        (root / "f.json").write_text("{}")
+        return ["--checkpoint", str(root / "f.json"), "--out", out]
+    if case == "no config.json":
+        (root / "empty").mkdir()
+        return ["--checkpoint", str(root / "empty"), "--out", out]
+    if case == "a target, not a drafter":
+        (root / "llama").mkdir()
+        (root / "llama" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        return ["--checkpoint", str(root / "llama"), "--out", out]
+    if case == "config.json not JSON":
+        (drafter / "config.json").write_text("{not json")
+        return ["--checkpoint", str(drafter), "--out", out]
+    if case == "truncated safetensors":
+        w = drafter / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:-100])
+        return ["--checkpoint", str(drafter), "--out", out]
+    if case == "unfinished run":
+        (root / "run" / "checkpoints").mkdir(parents=True)
+        return ["--checkpoint", str(root / "run"), "--out", out]
+    if case == "damaged trainer state":
+        ckpt = root / "checkpoints" / "step_3"
+        ckpt.mkdir(parents=True)
+        drafter.rename(ckpt / "drafter")
+        (ckpt / "trainer_state.json").write_text("{}")
+        return ["--checkpoint", str(ckpt), "--out", out]
+    if case in ("--out holds the user's files", "--overwrite of the user's files"):
+        (root / "out").mkdir()
+        (root / "out" / "notes.txt").write_text("mine")
+        return ["--checkpoint", str(drafter), "--out", out] + (["--overwrite"] if "overwrite" in case else [])
+    if case == "--out is the source":
+        return ["--checkpoint", str(drafter), "--out", str(drafter), "--overwrite"]
+    raise AssertionError(case)
+
+
+EXPORT_CASES = {
+    "missing folder": "does not exist", "a file": "is a file", "no config.json": "(no config.json)",
+    "a target, not a drafter": "config.json is not a DFlash drafter's", "config.json not JSON": "not valid JSON",
+    "truncated safetensors": "corrupt or truncated", "unfinished run": "run folder without final/drafter",
+    "damaged trainer state": "not a valid trainer state", "--out holds the user's files": "exists and is not empty",
+    "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
+}
+
+
+@pytest.mark.parametrize("module", ["hf", "mlx"])
+@pytest.mark.parametrize("case", list(EXPORT_CASES))
+def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_drafter, module, case):
+    argv = _export_case(case, tmp_path, export_drafter)
+    assert EXPORT_CASES[case] in _export_error(module, argv + ["--no-remote-code-check"] * (module == "hf"))
+    if "user's files" in case:
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt"]
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
+
+
+def test_export_mlx_refuses_a_quantized_source_and_a_group_size_that_fits_nothing(tmp_path, export_drafter):
+    pytest.importorskip("mlx.core")
+    msg = _export_error("mlx", ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "q"), "--quantize", "4",
+                                "--group-size", "128"])
+    assert "--group-size 128 divides no linear's input width" in msg
+    from export.mlx import export_mlx
+
+    export_mlx(export_drafter, tmp_path / "q4", quantize=4, group_size=32, log=lambda *_: None)
+    msg = _export_error("mlx", ["--checkpoint", str(tmp_path / "q4"), "--out", str(tmp_path / "again")])
+    assert "already a quantized MLX export" in msg
+
+
+def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys):
+    from export.hf import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "o"), "--dtype", "int8"])
+    assert e.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("repo without a user", "use user/name or org/name"), ("repo with two slashes", "use user/name or org/name"),
+    ("repo with a space", "is not a valid Hub repo id"), ("folder missing", "is not a folder"),
+    ("folder is not a drafter", "is not a DFlash drafter export"),
+    ("folder fails the engine schema", "eagle_aux_hidden_state_layer_ids"),
+    ("truncated weights", "corrupt or truncated"), ("--report missing", "not found: pass the report.json"),
+    ("--report not JSON", "is not valid JSON"), ("--report of another tool", "not an inference.validate report"),
+])
+def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_drafter, monkeypatch, case,
+                                                                 expected):
+    import json
+
+    from huggingface_hub import HfApi
+
+    def never(*a, **k):
+        raise AssertionError("the Hub client was called")
+
+    for name in ("create_repo", "create_branch", "upload_folder"):
+        monkeypatch.setattr(HfApi, name, never)
+    repo, folder, extra = "me/drafter", export_drafter, []
+    if case.startswith("repo"):
+        repo = {"repo without a user": "drafter", "repo with two slashes": "me/a/b",
+                "repo with a space": "me/bad name"}[case]
+    elif case == "folder missing":
+        folder = tmp_path / "nope"
+    elif case == "folder is not a drafter":
+        folder = tmp_path / "other"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    elif case == "folder fails the engine schema":
+        d = json.loads((folder / "config.json").read_text())
+        d["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+        (folder / "config.json").write_text(json.dumps(d))
+    elif case == "truncated weights":
+        w = folder / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:-100])
+    elif case.startswith("--report"):
+        path = tmp_path / "report.json"
+        if case == "--report not JSON":
+            path.write_text("{")
+        elif case == "--report of another tool":
+            path.write_text(json.dumps({"tau": 2.5, "speedup": 2.0}))
+        extra = ["--report", str(path)]
+    msg = _export_error("push", ["--folder", str(folder), "--repo", repo] + extra)
+    assert expected in msg
+    assert not (export_drafter / "README.md").exists()
 
 
 # ---------------------------------------------------------------- quantized targets
