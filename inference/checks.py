@@ -95,8 +95,8 @@ def read_target_facts(directory: str | Path, name: str = "") -> TargetFacts:
     path = Path(directory) / "config.json"
     d = _read_json(path, "target")
     if is_drafter_config(d):
-        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {ARCHITECTURE}), not a target "
-                         "model: did you swap --target and --draft?")
+        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {ARCHITECTURE}), not a "
+                         "target model: did you swap --target and --draft?")
     text = d.get("text_config") or d  # multimodal checkpoints (Qwen3.5 / 3.6) keep the text tower's sizes here
     q = d.get("quantization") or d.get("quantization_config")
     return TargetFacts(path=str(path), model_type=str(d.get("model_type", text.get("model_type", ""))),
@@ -194,8 +194,8 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     if tpath.is_file() and dpath.is_file():
         t_raw, d_raw = json.loads(tpath.read_text()), json.loads(dpath.read_text())
         if is_drafter_config(t_raw) and not is_drafter_config(d_raw):
-            raise ValueError(f"--target {target} is a DFlash drafter and --draft {draft} is not: swap them "
-                             f"(--target {draft} --draft {target})")
+            raise ValueError(f"--target {target} is a DFlash drafter ({tpath} names {ARCHITECTURE}) and --draft "
+                             f"{draft} is not: swap them (--target {draft} --draft {target})")
     cfg, raw = read_drafter_config(ddir, draft)
     facts = read_target_facts(tdir, target)
     check_pair(cfg, facts, draft)

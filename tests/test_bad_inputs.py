@@ -9,9 +9,101 @@ from __future__ import annotations
 import pytest  # noqa: F401  (used by the sections below)
 
 # ---------------------------------------------------------------- config, resume, data re-use (train/, data/)
+@pytest.mark.parametrize("override, suggestion", [
+    ("train.learning_rate=1e-3", "train.lr"), ("lr=1e-3", "train.lr"), ("data.path=x.jsonl", "data.source"),
+    ("dataset=x.jsonl", "data.source"), ("model=Qwen/Qwen3-8B", "target.path"), ("path=./t", "target.path"),
+    ("train.gradient_accumulation_steps=4", "train.grad_accum"), ("drafter.layers=3", "drafter.num_hidden_layers"),
+])
+def test_other_trainers_key_names_suggest_ours_and_list_the_section(override, suggestion):
+    from train.config import ConfigKeyError, load_config
+
+    with pytest.raises(ConfigKeyError, match=f"did you mean '{suggestion}'") as e:
+        load_config(["recipe=tiny", override])
+    section = suggestion.split(".")[0]
+    assert f"({section}. keys: " in str(e.value)  # the valid names, not just one guess
+
+
+@pytest.mark.parametrize("changes, refused", [
+    (["drafter.block_size=16"], ["drafter.block_size: 8 -> 16"]),
+    (["drafter.target_layer_ids=[1,2,4]", "drafter.num_hidden_layers=3"],
+     ["drafter.num_hidden_layers: 2 -> 3", "drafter.target_layer_ids: None -> [1, 2, 4]"]),
+    (["train.seed=1"], ["train.seed: 0 -> 1"]),  # another data order and other anchors
+    (["train.loss=kl"], ["train.loss: 'ce' -> 'kl'"]),
+    (["data.max_length=512"], ["data.max_length: 256 -> 512"]),
+    (["target.path=./other"], ["target.path: 'tiny:qwen3' -> './other'"]),
+    (["train.batch_size=4"], ["train.batch_size: 8 -> 4"]),
+])
+def test_resume_with_changed_model_or_data_settings_is_refused_naming_each(tmp_path, changes, refused):
+    from train.checkpoint import ResumeConfigError, check_resume_config
+    from train.config import load_config
+
+    ckpt = tmp_path / "checkpoints" / "step_3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(load_config(["recipe=tiny"]).to_yaml())
+    logged: list[str] = []
+    with pytest.raises(ResumeConfigError) as e:
+        check_resume_config(ckpt, load_config(["recipe=tiny", "resume=true", "logging.every=1", *changes]),
+                            logged.append)
+    msg = str(e.value)
+    assert all(r in msg for r in refused) and "logging.every" not in msg and "another out_dir" in msg, msg
+
+
+def test_resume_with_only_harmless_changes_warns_and_continues(tmp_path):
+    from train.checkpoint import HARMLESS_KEYS, check_resume_config
+    from train.config import load_config
+
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text(load_config(["recipe=tiny"]).to_yaml())
+    logged: list[str] = []
+    check_resume_config(ckpt, load_config(["recipe=tiny", "resume=true", "logging.every=1", "eval.every=7",
+                                           "checkpoint.keep_last=5", "train.ce_chunk=64"]), logged.append)
+    assert logged == ["resume: settings changed since the checkpoint (harmless): checkpoint.keep_last: 2 -> 5; "
+                      "eval.every: 0 -> 7; logging.every: 10 -> 1; train.ce_chunk: 2048 -> 64"]
+    assert len(HARMLESS_KEYS) < 30  # an explicit, short list: everything else is refused
+
+
 
 
 # ---------------------------------------------------------------- mask token
+@pytest.mark.parametrize("mask_id, problem", [
+    (264, "'<|eot_id|>', eos token"),  # EOS
+    (256, "'<|endoftext|>', pad token"),  # pad
+    (261, "'<|begin_of_text|>', a chat-control token"),  # BOS, written by the chat template
+    (262, "'<|start_header_id|>', a chat-control token"),
+    (72, "the ordinary text token"),  # a byte of text
+    (288, "outside the target embedding (288 rows)"),
+    (-1, "outside the target embedding"),
+])
+def test_explicit_mask_token_that_the_target_produces_is_refused(mask_id, problem):
+    from models.config import ConfigError, resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    with pytest.raises(ConfigError, match="mask_token_id") as e:
+        resolve_mask_token(288, tiny_tokenizer("llama3", reserved=23), explicit=mask_id)
+    assert problem in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_mask_token_present_in_the_data_is_refused():
+    from models.config import ConfigError, resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3", reserved=23)
+    with pytest.raises(ConfigError, match="present in the training data"):
+        resolve_mask_token(288, tok, explicit=265, produced_ids={10, 265})
+    # The automatic choice skips it and takes the next reserved token.
+    assert resolve_mask_token(288, tok, produced_ids={265}).id == 266
+
+
+def test_no_spare_row_and_no_reserved_token_is_a_clear_error():
+    from models.config import ConfigError, resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3")  # 265 tokens, every one a byte, a template token or EOS/pad
+    with pytest.raises(ConfigError, match="set drafter.mask_token_id to a special token your chat template never"):
+        resolve_mask_token(len(tok), tok)
+
+
 
 
 # ---------------------------------------------------------------- generate / validate (inference/)
@@ -93,7 +185,8 @@ def test_validate_negative_temperature(infer_dirs):
 @pytest.mark.parametrize("run", [_generate, _validate])
 def test_swapped_target_and_draft(infer_dirs, run):
     extra = ("--prompt-ids", "1") if run is _generate else ()
-    with pytest.raises(ValueError, match="is a DFlash drafter and --draft .* is not: swap them"):
+    with pytest.raises(ValueError, match=r"is a DFlash drafter \(.*draft/config.json names DFlashDraftModel\) and "
+                                         "--draft .* is not: swap them"):
         run(infer_dirs, *extra, target=infer_dirs["draft"], draft=infer_dirs["target"])
 
 
