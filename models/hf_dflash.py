@@ -6,6 +6,9 @@ draftsmith's ``models/drafter.py`` computes (a parity test holds them together).
 
 forward(noise_embedding [b, q, H], target_hidden [b, c, taps*H], position_ids [b, c+q],
 attention_mask=None) -> hidden states at the block positions (apply the target's LM head).
+With ``attention_mask=None`` the block sees all its context and itself; sliding-window layers
+(``layer_types``) see context keys within ``sliding_window`` positions, and inside the block all
+of it (``dflash_config.sliding_block_attention: bidirectional``) or only earlier slots (``causal``).
 """
 
 import torch
@@ -51,9 +54,27 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
 
+def _sliding_mask(position_ids, c, window, block_mode):
+    """Boolean [b, 1, q, c+q]: context keys within the window; in the block, all or earlier slots."""
+    q_pos = position_ids[:, c:]
+    dist = q_pos[:, :, None] - position_ids[:, None, :]
+    visible = dist < window
+    visible[..., c:] = True if block_mode == "bidirectional" else dist[..., c:] >= 0
+    return visible[:, None]
+
+
+def _block_mode(config):
+    """Our explicit field, else z-lab's convention (sliding layers causal unless is_causal is false)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    if "sliding_block_attention" in nested:
+        return nested["sliding_block_attention"]
+    return "bidirectional" if getattr(config, "is_causal", None) is False else "causal"
+
+
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx=0):
         super().__init__()
+        self.attention_type = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_idx + 1))[layer_idx]
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -74,16 +95,17 @@ class DFlashDraftModel(PreTrainedModel):
         taps = len(config.dflash_config["target_layer_ids"])
         self.fc = nn.Linear(taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
     def forward(self, noise_embedding, target_hidden, position_ids, attention_mask=None):
-        if "sliding_attention" in (getattr(self.config, "layer_types", None) or []):
-            raise NotImplementedError("this standalone file covers full-attention drafters; use draftsmith for "
-                                      "sliding-window layers")
         ctx = self.hidden_norm(self.fc(target_hidden))
+        masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+        if attention_mask is None and any(layer.attention_type == "sliding_attention" for layer in self.layers):
+            masks["sliding_attention"] = _sliding_mask(position_ids, ctx.shape[1], self.config.sliding_window,
+                                                       _block_mode(self.config))
         x = noise_embedding
         for layer in self.layers:
-            x = layer(x, ctx, position_ids, attention_mask)
+            x = layer(x, ctx, position_ids, masks[layer.attention_type])
         return self.norm(x)

@@ -145,6 +145,28 @@ def test_sharded_export_writes_an_index_and_reloads(setup, tmp_path):
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
 
 
+@pytest.mark.parametrize("mode", ["bidirectional", "causal"])
+def test_sliding_window_drafter_exports_and_the_shipped_file_matches(tmp_path, mode):
+    """The shipped modeling file computes sliding layers (window on the context, in-block mode) as draftsmith."""
+    from models.config import DFlashConfig
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=8, sliding_window=3,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       sliding_block_attention=mode, torch_dtype="float32")
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(cfg)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.3)  # large enough that a wrong mask shows in the logits
+    drafter.save_pretrained(tmp_path / "src")
+    summary = export_hf(tmp_path / "src", tmp_path / "hf", dtype="fp32", log=quiet)
+    assert summary["parity"]["transformers"]["max_abs"] < 1e-4
+    d = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert d["use_sliding_window"] and d["sliding_window"] == 3
+    assert d["dflash_config"]["sliding_block_attention"] == mode
+
+
 BAD_CONFIGS = {
     "last-layer tap": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 7]), "never tapped"),
     "layer id past the target": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 9]), "outside"),
