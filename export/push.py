@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,7 +120,7 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
         readme.write_text(card)
     else:
         log(f"{readme} was not written by draftsmith: uploading it as it is (delete it to get the generated card)")
-    api = HfApi()
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now: the client's constant is set at import
     url = None
     for op in ops:
         kwargs = {k: v for k, v in op.items() if k != "op"}

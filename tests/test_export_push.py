@@ -159,3 +159,76 @@ def test_mlx_card_is_mlx_only(folder, hub, tmp_path):
     res = push(folder, "me/x-mlx-4bit", dry_run=True, log=quiet)
     assert "library_name: mlx" in res["card"] and "- mlx" in res["card"] and "vllm serve" not in res["card"]
     assert "MLX 4-bit affine, group 64" in res["card"]
+
+
+# ------------------------------------------------------------------ a local Hub over HTTP
+@pytest.fixture
+def local_hub(monkeypatch):
+    """A minimal Hub API on 127.0.0.1 (create repo, branch, preupload, commit) recording each request."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    requests = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, body: dict, code: int = 200):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            requests.append(("GET", self.path, self.headers.get("authorization"), b""))
+            self._reply({"error": "not found"}, 404)
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            requests.append(("POST", self.path, self.headers.get("authorization"), body))
+            base = f"http://127.0.0.1:{self.server.server_address[1]}"
+            if self.path == "/api/repos/create":
+                d = json.loads(body)
+                self._reply({"url": f"{base}/{d['organization']}/{d['name']}"})
+            elif "/branch/" in self.path or self.path == "/api/validate-yaml":  # the client checks a card's YAML
+                self._reply({})
+            elif "/preupload/" in self.path:  # "regular": contents travel inline in the commit
+                self._reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                       for f in json.loads(body)["files"]]})
+            elif "/commit/" in self.path:
+                self._reply({"commitUrl": f"{base}/me/drafter/commit/{'a' * 40}", "commitOid": "a" * 40})
+            else:
+                self._reply({"error": "unknown route"}, 404)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    yield requests
+    server.shutdown()
+
+
+def test_push_over_http_to_a_local_hub_uploads_the_folder_and_the_card(folder, report, local_hub):
+    import base64
+
+    result = push(folder, "me/drafter", private=True, revision="dev", report=str(report[0]), log=quiet)
+    routes = [(m, path) for m, path, _, _ in local_hub]
+    assert routes == [("POST", "/api/repos/create"), ("POST", "/api/models/me/drafter/branch/dev"),
+                      ("POST", "/api/validate-yaml"), ("POST", "/api/models/me/drafter/preupload/dev"),
+                      ("POST", "/api/models/me/drafter/commit/dev")]
+    assert json.loads(local_hub[0][3]) == {"name": "drafter", "organization": "me", "visibility": "private",
+                                           "type": "model"}
+    assert "base_model: Qwen/Qwen3-8B" in json.loads(local_hub[2][3])["content"]
+    assert all(auth == f"Bearer {TOKEN}" for _, _, auth, _ in local_hub)
+    assert all(TOKEN.encode() not in body for *_, body in local_hub)
+    lines = [json.loads(x) for x in local_hub[4][3].decode().splitlines()]
+    sent = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
+    assert sent == {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert b"base_model: Qwen/Qwen3-8B" in sent["README.md"] and b"**3.89**" in sent["README.md"]
+    assert lines[0]["value"]["summary"] == "Upload DFlash drafter (draftsmith)"
+    assert result["url"].endswith("/me/drafter/commit/" + "a" * 40)
