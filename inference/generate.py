@@ -8,6 +8,10 @@
 ``--backend auto`` (default) picks MLX on Apple Silicon and PyTorch elsewhere. ``--json`` prints one
 JSON object (tokens, acceptance_lengths, tau, decode_tokens_per_s, ...). ``--baseline`` also runs
 the target alone on the same prompt and reports the speedup and whether the outputs match.
+
+Before any weights load, the two ``config.json`` files are checked (``inference.checks.preflight``):
+a swapped ``--target``/``--draft``, a drafter for another target, ``--block-size`` above the trained
+one, ``--prompt-ids`` outside the target's vocabulary and a negative ``--temperature`` end in one line.
 """
 
 from __future__ import annotations

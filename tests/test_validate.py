@@ -206,6 +206,14 @@ def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
     assert "Sampling (temperature > 0)" in markdown(report)
 
 
+def test_target_quantization_is_described():
+    from inference.validate import describe_quantization
+
+    assert describe_quantization({"bits": 4, "group_size": 64}) == "4-bit affine, group 64"
+    assert describe_quantization({"quant_method": "fp8"}) == "fp8"
+    assert describe_quantization(None) is None
+
+
 def test_thinking_switch_changes_the_rendered_prompt(setup):
     from inference.prompt_sets import prompt_set_hash
     from models.tiny import tiny_tokenizer
