@@ -123,8 +123,7 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     ``rebuild``: a folder prepared with other settings is rebuilt instead of refused.
     ``server_log``: where a started vLLM / SGLang engine logs (default ``out/regenerate-server.log``).
     """
-    from data.chat import tokenizer_fingerprint
-    from data.reuse import claim_folder, clean_failed, read_json, reusable, row_settings
+    from data.reuse import claim_folder, clean_failed, read_json, reusable
 
     if pack and not max_length:
         raise ValueError("--pack needs --max-length (the packed row budget)")
@@ -132,10 +131,9 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     log = log or (lambda message: print(message, file=sys.stderr))
     gen_kwargs = dict(gen_kwargs or {})
     regenerate = None if regenerate in (None, "", "none") else regenerate
-    tokenizer = load_tokenizer(target)
-    wanted = row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
-                          thinking=thinking, max_length=max_length, pack=pack,
-                          tokenizer_hash=tokenizer_fingerprint(tokenizer), gen_kwargs=gen_kwargs)
+    tokenizer, wanted = wanted_settings(target, source, regenerate=regenerate, thinking=thinking,
+                                        max_length=max_length, pack=pack, limit=limit, split=split, subset=subset,
+                                        gen_kwargs=gen_kwargs)
     if reuse and reusable(out, wanted):
         return read_json(out / STATS_FILE) or {}
     created = not out.exists()
@@ -149,6 +147,56 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     except BaseException:
         clean_failed(out, created)
         raise
+
+
+def wanted_settings(target: str, source: str, *, regenerate, thinking, max_length, pack, limit, split, subset,
+                    gen_kwargs) -> tuple:
+    """(tokenizer, the settings a folder prepared with these arguments records)."""
+    from data.chat import tokenizer_fingerprint
+    from data.reuse import row_settings
+
+    tokenizer = load_tokenizer(target)
+    return tokenizer, row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
+                                   thinking=thinking, max_length=max_length, pack=pack,
+                                   tokenizer_hash=tokenizer_fingerprint(tokenizer), gen_kwargs=gen_kwargs)
+
+
+def ensure_prepared(target: str, source: str | None, out: str | Path, *, explicit: bool = False,
+                    rebuild: bool = False, log=None, **kwargs) -> None:
+    """Training's entry (main process): make ``out`` a prepared folder that matches the settings.
+
+    ``out_dir/data`` (``explicit=False``): a folder with the same settings is re-used, other
+    settings are refused naming the difference, or rebuilt with ``rebuild``. A finished folder the
+    user named (``data.prepared=DIR``, ``explicit=True``) is used as it is unless ``rebuild``: its own
+    ``draftsmith_data.json`` describes it, and a warning names the settings that differ from the
+    recipe's. ``kwargs`` are :func:`prepare`'s.
+    """
+    from data.reuse import read_json, settings_diff
+
+    out = Path(out)
+    log = log or (lambda message: print(message, file=sys.stderr))
+    meta = read_json(out / META_FILE)
+    if not source:
+        if meta is not None:
+            return
+        raise ValueError(f"data.source is empty and no prepared data set exists at {out}: set data.source "
+                         "(file, folder, Hub id or tiny)")
+    if meta is not None and explicit and not rebuild:
+        gen_kwargs = dict(kwargs.get("gen_kwargs") or {})
+        regenerate = kwargs.get("regenerate")
+        _, wanted = wanted_settings(target, source, regenerate=None if regenerate in (None, "", "none") else regenerate,
+                                    thinking=kwargs.get("thinking"), max_length=kwargs.get("max_length"),
+                                    pack=kwargs.get("pack", False), limit=kwargs.get("limit"),
+                                    split=kwargs.get("split", "train"), subset=kwargs.get("subset"),
+                                    gen_kwargs=gen_kwargs)
+        diff = settings_diff(meta, wanted)
+        if diff:
+            log(f"warning: data.prepared={out} was prepared with other settings than the recipe's "
+                f"({'; '.join(diff)}); using it as it is (data.rebuild=true rebuilds it from the recipe)")
+        return
+    log(f"preparing data: {source} -> {out} (regenerate={kwargs.get('regenerate')}, "
+        f"thinking={kwargs.get('thinking')})" if meta is None else f"checking prepared data {out} against the recipe")
+    prepare(target, source, out, reuse=True, rebuild=rebuild, log=log, **kwargs)
 
 
 def _checked(convs: Iterator[dict], read_stats, source: str) -> Iterator[dict]:

@@ -9,6 +9,187 @@ from __future__ import annotations
 import pytest  # noqa: F401  (used by the sections below)
 
 # ---------------------------------------------------------------- config, resume, data re-use (train/, data/)
+# data re-use and preparation (data/reuse.py, data/prepare.py, data/regenerate.py, models/cli.py)
+_DATA_FIX = __import__("pathlib").Path(__file__).parent / "fixtures" / "data"
+
+
+@pytest.fixture(scope="module")
+def data_target(tmp_path_factory):
+    from models.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("reuse") / "target", "qwen3", num_layers=2)
+
+
+def test_prepared_folder_that_is_not_prepared_data_is_never_written_into(data_target, tmp_path):
+    from data.prepare import prepare
+    from data.reuse import NotPreparedFolder
+
+    drafter = tmp_path / "my-drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    with pytest.raises(NotPreparedFolder, match="not empty and is not a prepared-data folder"):
+        prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), drafter, progress=False, reuse=True)
+    assert sorted(p.name for p in drafter.iterdir()) == ["config.json"]  # untouched
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"source": "sharegpt.jsonl"}, "source: "), ({"max_length": 64}, "max_length: None -> 64"),
+    ({"thinking": True}, "thinking: None -> True"), ({"limit": 1}, "limit: None -> 1"),
+])
+def test_changed_data_settings_against_a_prepared_folder_are_refused_or_rebuilt(data_target, tmp_path, change,
+                                                                                  named):
+    import json
+
+    from data.prepare import prepare
+    from data.reuse import DataMismatch
+
+    out = tmp_path / "data"
+    base = {"source": "openai.jsonl", "max_length": None, "thinking": None, "limit": None}
+    run = lambda s, **kw: prepare(str(data_target), str(_DATA_FIX / s["source"]), out, max_length=s["max_length"],
+                                  thinking=s["thinking"], limit=s["limit"], progress=False, reuse=True, **kw)
+    first = run(base)
+    assert run(base) == first  # same settings: re-used as it is
+    new = {**base, **change}
+    with pytest.raises(DataMismatch, match=f"other settings \\(.*{named}.*data.rebuild=true"):
+        run(new)
+    run(new, rebuild=True)
+    meta = json.loads((out / "draftsmith_data.json").read_text())
+    assert meta["source"].endswith(new["source"])
+    keys = ("max_length", "thinking", "limit")
+    assert [meta[k] for k in keys] == [new[k] for k in keys]
+    assert run(new) == json.loads((out / "stats.json").read_text())  # and re-used from then on
+
+
+def test_changed_settings_under_out_dir_data_are_refused_by_training(data_target, tmp_path):
+    from data.prepare import ensure_prepared
+    from data.reuse import DataMismatch
+
+    out = tmp_path / "run" / "data"
+    ensure_prepared(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, progress=False, log=lambda *_: None)
+    with pytest.raises(DataMismatch, match="source: .*openai.jsonl.* -> .*alpaca.jsonl"):
+        ensure_prepared(str(data_target), str(_DATA_FIX / "alpaca.jsonl"), out, progress=False, log=lambda *_: None)
+    warned = []  # a folder the user named is used as it is, with a warning naming the difference
+    ensure_prepared(str(data_target), str(_DATA_FIX / "alpaca.jsonl"), out, explicit=True, progress=False,
+                    log=warned.append)
+    assert "alpaca.jsonl" in warned[0] and "using it as it is" in warned[0]
+
+
+def test_prompts_only_data_is_refused_without_regeneration_and_used_with_it(data_target, tmp_path):
+    import json
+
+    from data.prepare import prepare
+    from data.readers import NoUsableRows
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "Name a colour."}, {"messages": [{"role": "user", "content": "Count to 3"}]},
+        {"instruction": "Spell cat."}]))
+    with pytest.raises(NoUsableRows, match="Prompts-only data .* usable when the answers are regenerated"):
+        prepare(str(data_target), str(src), tmp_path / "plain", progress=False)
+    stats = prepare(str(data_target), str(src), tmp_path / "regen", regenerate="local", progress=False,
+                    gen_kwargs={"max_tokens": 4, "batch_size": 3})
+    assert stats["regenerate"]["done"] == 3 and stats["conversations"] == 3 and stats["loss_tokens"] > 0
+
+
+def test_failed_prepare_leaves_no_empty_out_folder(data_target, tmp_path):
+    from data.prepare import prepare
+    from data.readers import NoUsableRows
+    from data.regenerate import ServerUnavailable
+
+    out = tmp_path / "new" / "data"
+    src = tmp_path / "no_answers.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(NoUsableRows):
+        prepare(str(data_target), str(src), out, progress=False)
+    assert not out.exists()
+    with pytest.raises(ServerUnavailable):  # nothing regenerated: nothing worth keeping
+        prepare(str(data_target), str(src), out, regenerate=f"http://127.0.0.1:{_closed_port()}/v1", progress=False)
+    assert not out.exists()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_regeneration_without_a_server_fails_at_once_with_the_command_to_start_one():
+    from data.regenerate import ServerUnavailable, make_generator
+
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    with pytest.raises(ServerUnavailable) as e:
+        make_generator(url, model="Qwen/Qwen3-8B", retries=5, backoff=30.0)  # no retry loop: one request
+    message = str(e.value)
+    assert "\n" not in message and "vllm serve Qwen/Qwen3-8B --port 8000" in message
+    assert "sglang.launch_server --model-path Qwen/Qwen3-8B" in message and "local" in message
+
+
+def test_regeneration_server_serving_another_model_is_refused(data_target):
+    from data.regenerate import HTTPGenerator, ServerUnavailable
+    from data.serve import start_server
+    from models.target import TargetModel
+
+    srv, url = start_server(TargetModel.from_pretrained(data_target), model_name="/models/Qwen3-8B")
+    try:
+        with pytest.raises(ServerUnavailable, match="serves \\['/models/Qwen3-8B'\\], not the target 'Llama-3-8B'"):
+            HTTPGenerator(url, "Llama-3-8B").preflight()
+        gen = HTTPGenerator(url, "Qwen/Qwen3-8B")
+        with pytest.warns(UserWarning, match="same name, other path"):
+            gen.preflight()
+        assert gen.model == "/models/Qwen3-8B"
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("error, one_line", [
+    (KeyError("input_ids"), False), (TypeError("forward() got an unexpected keyword"), False),
+    (IndexError("list index out of range"), False), (AttributeError("x"), False),
+    (ValueError("data.max_length=0: must be > 0"), True), (FileNotFoundError("no such file: x"), True),
+    (PermissionError("denied: /x"), True),
+])
+def test_cli_keeps_the_traceback_of_bugs_and_one_line_for_user_errors(error, one_line, monkeypatch):
+    from models.cli import run_cli
+
+    monkeypatch.delenv("DRAFTSMITH_TRACEBACK", raising=False)
+
+    def main():
+        raise error
+
+    if one_line:
+        with pytest.raises(SystemExit, match="^error: "):
+            run_cli(main)
+    else:
+        with pytest.raises(type(error)):
+            run_cli(main)
+
+
+def test_every_project_error_type_is_a_user_error():
+    import importlib
+    import inspect
+    import pkgutil
+
+    from models.cli import USER_ERRORS
+
+    found = []
+    for pkg in ("models", "data", "train", "inference", "export"):
+        for info in pkgutil.iter_modules(importlib.import_module(pkg).__path__):
+            if info.name in ("bench", "hf_dflash") or info.name.endswith("_mlx"):
+                continue
+            try:
+                module = importlib.import_module(f"{pkg}.{info.name}")
+            except ImportError:
+                continue
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                if (issubclass(cls, Exception) and cls.__module__ == module.__name__
+                        and not cls.__name__.startswith("_")):
+                    found.append(cls)
+    assert len(found) >= 10
+    not_user = [f"{cls.__module__}.{cls.__qualname__}" for cls in found if not issubclass(cls, USER_ERRORS)]
+    assert not not_user, f"project error types the CLI would show as bugs: {not_user}"
+
+
 @pytest.mark.parametrize("override, suggestion", [
     ("train.learning_rate=1e-3", "train.lr"), ("lr=1e-3", "train.lr"), ("data.path=x.jsonl", "data.source"),
     ("dataset=x.jsonl", "data.source"), ("model=Qwen/Qwen3-8B", "target.path"), ("path=./t", "target.path"),

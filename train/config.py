@@ -68,8 +68,12 @@ class DataConfig:
     limit: int | None = None  # conversations to read (None = all)
     # Where the prepared (tokenized, loss-masked) data set goes; default {out_dir}/data.
     prepared: str | None = None
-    regenerate: str = "none"  # none | local (in-process with the target) | http://host:port/v1 (OpenAI-compatible)
+    # none | local (in-process with the target) | vllm | sglang (started on a free port, stopped before training)
+    # | http://host:port/v1 (a running OpenAI-compatible server)
+    regenerate: str = "none"
     regenerate_max_tokens: int = 1024
+    regenerate_batch_size: int = 64  # conversations per batch when regenerate=local
+    rebuild: bool = False  # the prepared data was made with other settings: rebuild it (default: refuse)
     thinking: bool | None = None  # the chat template's thinking switch: set it to how the target is served
     max_length: int = 3072
     pack: bool = False

@@ -48,26 +48,26 @@ def load_target(cfg, out_dir: Path, accelerator, log):
 
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
-    from data.prepare import META_FILE, load_prepared, prepare
+    from data.prepare import ensure_prepared, load_prepared
+    from data.sync import run_on_main
 
     prepared = Path(cfg.data.prepared) if cfg.data.prepared else out_dir / "data"
-    if not (prepared / META_FILE).is_file():
-        if accelerator.is_main_process:
-            source = cfg.data.source
-            if not source:
-                raise ValueError("data.source is empty and no prepared data set exists at "
-                                 f"{prepared}: set data.source (file, folder, Hub id or tiny)")
-            if source == "tiny":
-                from data.tiny_chat import write
 
-                source = str(write(out_dir / "tiny_chat.jsonl", n=cfg.data.tiny_conversations, seed=cfg.train.seed))
-            regenerate = None if cfg.data.regenerate in ("none", "", None) else cfg.data.regenerate
-            log(f"preparing data: {source} -> {prepared} (regenerate={regenerate}, thinking={cfg.data.thinking})")
-            prepare(target_path, source, prepared, regenerate=regenerate, thinking=cfg.data.thinking,
-                    max_length=cfg.data.max_length, pack=cfg.data.pack, limit=cfg.data.limit, split=cfg.data.split,
-                    subset=cfg.data.subset, progress=cfg.logging.progress,
-                    gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens, "batch_size": 64})
-        accelerator.wait_for_everyone()
+    def prepare_data() -> None:  # main process; re-use / refuse / rebuild rules in data.reuse
+        source = cfg.data.source
+        if source == "tiny":
+            from data.tiny_chat import write
+
+            source = str(write(out_dir / "tiny_chat.jsonl", n=cfg.data.tiny_conversations, seed=cfg.train.seed))
+        ensure_prepared(target_path, source, prepared, explicit=bool(cfg.data.prepared), rebuild=cfg.data.rebuild,
+                        log=log, regenerate=cfg.data.regenerate, thinking=cfg.data.thinking,
+                        max_length=cfg.data.max_length, pack=cfg.data.pack, limit=cfg.data.limit,
+                        split=cfg.data.split, subset=cfg.data.subset, progress=cfg.logging.progress,
+                        gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens,
+                                    "batch_size": cfg.data.regenerate_batch_size},
+                        server_log=out_dir / "regenerate-server.log")
+
+    run_on_main(prepare_data, accelerator, what="data preparation")  # a failure there stops every process
     ds, meta = load_prepared(prepared, tokenizer=target.tokenizer, target=target, force=cfg.data.force_target)
     if cfg.data.thinking is not None and meta.get("thinking") not in (None, cfg.data.thinking):
         raise ValueError(f"{prepared} was prepared with thinking={meta.get('thinking')}, the recipe says "
