@@ -61,6 +61,9 @@ def resolve_source(path: str | Path) -> Source:
         raise NotADirectoryError(f"--checkpoint {p} is a file: pass the folder that holds config.json "
                                  "(or a checkpoint / run folder)")
     if (p / "drafter").is_dir() and (p / "trainer_state.json").is_file():
+        if not is_drafter_dir(p / "drafter"):
+            raise NotADrafterError(f"checkpoint {p}: drafter/ holds no DFlash config.json (the checkpoint is "
+                                   "incomplete): pass another step_N or the final drafter")
         prov = _from_run(p / "config.yaml", p / "trainer_state.json", p / "drafter")
         return Source(p / "drafter", "checkpoint", prov)
     if is_drafter_dir(p):
