@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from data.readers import conversation_key
 from data.regenerate import HTTPGenerator, LocalGenerator, done_ids, read_rows, regenerate
 from data.serve import start_server
 
@@ -47,7 +48,7 @@ def conversations(n):
         msgs = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"old answer {i}"}]
         if i % 3 == 0:
             msgs += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "old follow-up"}]
-        convs.append({"id": str(i), "messages": msgs})
+        convs.append({"id": str(i), "key": conversation_key(msgs), "messages": msgs})
     return convs
 
 
@@ -176,3 +177,115 @@ def test_prepare_regenerates_through_the_server(server, target_dir, tmp_path):
     ds = load_from_disk(str(out))
     spans = [tok.decode(row["input_ids"][a:b]) for row in ds for a, b in loss_spans(row["loss_mask"])]
     assert spans == answers  # the training rows hold the target's answers, not the data set's
+
+
+def test_resume_is_keyed_on_conversation_content_not_row_number(target, tmp_path):
+    make = lambda: LocalGenerator(target, max_tokens=MAX_TOKENS, thinking=False, batch_size=2)
+    convs = conversations(3)
+    regenerate(convs, tmp_path / "regen.jsonl", make(), progress=False)
+    before = {r["key"]: r for r in read_rows(tmp_path / "regen.jsonl")}
+    # the source is edited: a new conversation comes first, so every old one moves down a row
+    new = {"messages": [{"role": "user", "content": "a brand new question"}, {"role": "assistant", "content": "x"}]}
+    edited = [new] + [{"messages": c["messages"]} for c in convs]
+    edited = [{"id": str(i), "key": conversation_key(c["messages"]), **c} for i, c in enumerate(edited)]
+    report = regenerate(edited, tmp_path / "regen.jsonl", make(), progress=False)
+    assert report.already_done == 3 and report.done == 1  # only the new conversation is generated
+    rows = {r["key"]: r for r in read_rows(tmp_path / "regen.jsonl")}
+    fresh = rows[edited[0]["key"]]
+    assert fresh["messages"][0]["content"] == "a brand new question"  # not row 0's old answer
+    for conv in edited[1:]:
+        assert rows[conv["key"]] == before[conv["key"]]
+
+
+class Budget:
+    """A source that fails if more than ``n`` conversations are read before the first result comes back."""
+
+    def __init__(self, convs, n):
+        self.convs, self.n, self.results = convs, n, 0
+
+    def __iter__(self):
+        for k, conv in enumerate(self.convs):
+            assert self.results or k < self.n, "the whole source was read before regenerating (no streaming)"
+            yield conv
+
+
+def test_regeneration_streams_its_source(server, target, tmp_path):
+    _, url = server
+    convs = conversations(12)
+    for gen in (HTTPGenerator(url, "tiny", max_tokens=2, concurrency=2),
+                LocalGenerator(target, max_tokens=2, batch_size=2)):
+        source = Budget(convs, 5)
+        for _ in gen.run(iter(source)):
+            source.results += 1
+        assert source.results == 12
+
+
+def _generated_ids(path):
+    return [m["token_ids"] for r in read_rows(path) for m in r["messages"] if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("via", ["local", "http"])
+def test_training_rows_hold_the_generated_token_ids(via, server, target_dir, tmp_path):
+    from datasets import load_from_disk
+
+    from data.chat import loss_spans
+    from data.prepare import prepare
+    from models.tiny import tiny_tokenizer
+
+    _, url = server
+    out = tmp_path / "prepared"
+    prepare(str(target_dir), str(FIX / "sharegpt.jsonl"), out, regenerate="local" if via == "local" else url,
+            thinking=False, progress=False, gen_kwargs={"max_tokens": 12, "model": "tiny"})
+    generated = _generated_ids(out / "regenerated.jsonl")
+    tok = tiny_tokenizer("chatml")
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    generated = [ids[:-1] if ids and ids[-1] == end_of_turn else ids for ids in generated]
+    # the point: decoding then re-tokenizing is not the identity on the target's random output
+    assert any(tok(tok.decode(ids), add_special_tokens=False)["input_ids"] != ids for ids in generated)
+    trained = [row["input_ids"][a:b] for row in load_from_disk(str(out)) for a, b in loss_spans(row["loss_mask"])]
+    assert trained == [ids + [end_of_turn] for ids in generated]
+
+
+def test_vllm_engine_is_started_used_and_stopped(target_dir, tmp_path, monkeypatch):
+    """data.regenerate=vllm with a stand-in engine: the same HTTP API, on CPU, bound to 127.0.0.1."""
+    import re
+    import urllib.request
+
+    from data.prepare import prepare
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_COMMAND", "{python} -m data.serve --target {target} --host {host} "
+                       "--port {port} --max-tokens-cap 8 --exit-after 300")
+    log = tmp_path / "regenerate-server.log"
+    stats = prepare(str(target_dir), str(FIX / "sharegpt.jsonl"), tmp_path / "prepared", regenerate="vllm",
+                    thinking=False, progress=False, server_log=log, gen_kwargs={"max_tokens": MAX_TOKENS},
+                    log=lambda *_: None)
+    assert stats["regenerate"]["done"] == 2 and stats["regenerate"]["turns"] == 3
+    url = re.search(r"serving .* at (http://127\.0\.0\.1:\d+/v1)", log.read_text()).group(1)
+    with pytest.raises(OSError):  # stopped before prepare returned
+        urllib.request.urlopen(url + "/models", timeout=5)
+
+
+def test_engine_that_dies_or_serves_another_model_is_stopped_with_a_clear_error(target_dir, tmp_path, monkeypatch):
+    import json
+
+    from data.engine import EngineError, running_engine
+    from data.prepare import prepare
+    from data.regenerate import ServerUnavailable
+
+    log = tmp_path / "engine.log"
+    died = "{python} -c \"import sys; print('CUDA out of memory'); sys.exit(3)\""
+    with pytest.raises(EngineError, match="(?s)exited with code 3 .*CUDA out of memory"):
+        with running_engine("vllm", "t", log, command=died, timeout=60, log=lambda *_: None):
+            pass
+    # an engine that answers but serves another model: refused by the pre-flight, and stopped
+    (tmp_path / "www" / "v1").mkdir(parents=True)
+    (tmp_path / "www" / "v1" / "models").write_text(json.dumps({"data": [{"id": "another-model"}]}))
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_COMMAND", f"{{python}} -m http.server --bind {{host}} --directory "
+                       f"{tmp_path / 'www'} {{port}}")
+    lines = []
+    with pytest.raises(ServerUnavailable, match="serves \\['another-model'\\], not the target"):
+        prepare(str(target_dir), str(FIX / "sharegpt.jsonl"), tmp_path / "prepared", regenerate="sglang",
+                progress=False, server_log=log, log=lines.append)
+    assert any(line == "sglang stopped" for line in lines)
+    assert not (tmp_path / "prepared").exists()  # nothing regenerated: no folder left behind
