@@ -127,7 +127,7 @@ def forbidden_mask_ids(tokenizer, produced_ids: Iterable[int] = ()) -> dict[int,
 
 def resolve_mask_token(embedding_rows: int, tokenizer, explicit: int | None = None,
                        produced_ids: Iterable[int] = ()) -> MaskChoice:
-    """The mask token, as the engines resolve it (docs/design.md, "Block").
+    """The mask token, as the engines resolve it (docs/design.md, "Block and mask token").
 
     Order: an explicit id; the tokenizer's own mask token; the first embedding row the tokenizer
     never emits (Qwen3: 151669); a reserved/unused special token (Llama 3.x: 128256 rows = 128000

@@ -141,3 +141,48 @@ def test_quantization_is_part_of_the_config():
     assert "quantization" not in DFlashConfig.from_dict(d).to_dict()
     with pytest.raises(ConfigError, match="MLX affine quantization"):
         DFlashConfig.from_dict({**d, "quantization": {"bits": 4, "group_size": 48}})
+
+
+@pytest.mark.parametrize("arch, theta", [("qwen3", 10000.0), ("llama", 500000.0), ("qwen3_5_vl", 10000.0)])
+def test_one_resolver_takes_the_targets_shape_and_rope_base(arch, theta):
+    """Heads / KV heads / head dim / MLP / eps / RoPE base from the target's config (Qwen3.5: its nested text
+    tower, whose partial rotary is not copied); a keyword overrides; param count and FLOPs match the model."""
+    from models.config import TargetShape
+    from models.drafter import DFlashDraftModel
+    from models.tiny import tiny_target
+    from train.objective import model_flops_per_token
+
+    shape = TargetShape.from_config(tiny_target(arch).config.to_dict())
+    assert (shape.hidden_size, shape.num_layers, shape.num_attention_heads, shape.head_dim, shape.rope_theta) == \
+        (64, 8, 4, 16, theta)
+    cfg = DFlashConfig.for_target(shape, mask_token_id=280, num_hidden_layers=2, num_taps=3)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (4, 2, 16, 128)
+    assert cfg.rope_theta == theta and cfg.to_dict()["rope_parameters"] == {"rope_type": "default", "rope_theta": theta}
+    assert cfg.target_layer_ids == default_layer_ids(8, 3) and cfg.max_position_embeddings == 4096
+    assert DFlashConfig.for_target(shape, mask_token_id=280, rope_theta=1e6).rope_theta == 1e6
+    assert cfg.num_parameters() == DFlashDraftModel(cfg).num_parameters
+    assert cfg.flops_per_token(100) == model_flops_per_token(2, 64, 128, 4, 2, 16, 100, 288)
+
+
+def test_resolver_without_a_target_needs_the_target_facts():
+    with pytest.raises(ConfigError, match="hidden_size"):
+        DFlashConfig.for_target(mask_token_id=0)
+    cfg = DFlashConfig.for_target(hidden_size=4096, vocab_size=151936, num_target_layers=36,
+                                  max_position_embeddings=40960, mask_token_id=151669)
+    assert (cfg.num_attention_heads, cfg.head_dim, cfg.rope_theta, cfg.target_layer_ids) == \
+        (32, 128, 1e6, [1, 9, 17, 25, 33])
+
+
+def test_mask_token_resolution_order():
+    """Tokenizer's own mask token > first spare row > reserved special (no spare row) > error."""
+    from models.config import resolve_mask_token
+    from models.tiny import TINY_VOCAB, tiny_tokenizer
+
+    assert resolve_mask_token(TINY_VOCAB, tiny_tokenizer()).id == 265  # spare row (Qwen3-like)
+    own = resolve_mask_token(TINY_VOCAB, tiny_tokenizer(mask_token="<|mask|>"))
+    assert (own.id, own.token) == (265, "<|mask|>") and "own mask token" in own.reason
+    llama = resolve_mask_token(TINY_VOCAB, tiny_tokenizer("llama3", reserved=TINY_VOCAB - 265))
+    assert (llama.id, llama.token) == (265, "<|reserved_special_token_0|>") and "reserved" in llama.reason
+    explicit = resolve_mask_token(TINY_VOCAB, tiny_tokenizer("llama3", reserved=TINY_VOCAB - 265), explicit=287)
+    assert explicit.id == 287 and "explicitly" in explicit.reason
+    assert resolve_mask_token(TINY_VOCAB, tiny_tokenizer(), explicit=280).id == 280  # a spare row

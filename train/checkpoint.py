@@ -3,11 +3,17 @@
     step_<N>/drafter/        HF drafter folder (config.json, safetensors, modeling file): loads directly
     step_<N>/state/          accelerate state: model, optimizer, scheduler, RNG of every process
     step_<N>/config.yaml     the resolved run config
-    step_<N>/trainer_state.json  step, epoch, step in epoch (the data order is a pure function of
-                             seed and epoch, so this is the whole data-order state), metrics so far
+    step_<N>/trainer_state.json  the loop state (``train.loop.LoopState``): step, epoch, step in
+                             epoch (the data order is a pure function of seed and epoch, so this
+                             is the whole data-order state), tokens seen, the wandb run id
 
 A checkpoint is written to ``step_<N>.tmp`` and renamed when complete, so a kill mid-save never
 leaves a half checkpoint that ``resume=true`` would pick. Only the newest ``keep_last`` are kept.
+
+``resume=true`` first compares the run's config with the checkpoint's ``config.yaml``
+(:func:`check_resume_config`): a changed key that alters the model, the objective or the data
+order is refused, naming each one; a change to one of the short list of :data:`HARMLESS_KEYS`
+(logging, eval and checkpoint cadence, settings the loop never reads) is only reported.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
+
+from models.cli import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -74,3 +83,74 @@ def load_checkpoint(accelerator, directory: Path) -> dict:
     """Restore model / optimizer / scheduler / RNG state; returns the trainer state."""
     accelerator.load_state(str(Path(directory) / "state"))
     return json.loads((Path(directory) / "trainer_state.json").read_text())
+
+
+# ----------------------------------------------------------------------------- resume: changed settings
+# Keys a resumed run may change: they steer logging, evaluation, checkpointing or the plan, never the
+# model, the objective or the data order. A prefix ending in "." covers a whole section. Everything
+# else is refused on resume, so a key added later is safe by default.
+HARMLESS_KEYS = (
+    "recipe", "out_dir", "resume", "dry_run", "logging.", "eval.", "checkpoint.", "export.",
+    "train.attention", "train.ce_chunk", "train.grad_checkpointing",  # same math, other kernels / memory
+    "target.model_type", "target.num_layers", "target.hidden_size", "target.intermediate_size",  # dry-run facts
+    "target.num_attention_heads", "target.num_key_value_heads", "target.head_dim", "target.vocab_size",
+    "target.max_position_embeddings", "target.rope_theta", "target.params_b", "target.active_params_b",
+    "target.device_map",  # where the target's layers live, not what it computes
+)
+
+
+class ResumeConfigError(UserError, ValueError):
+    """``resume=true`` with settings that would mix two different runs in one checkpoint."""
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and not prefix:  # sections are one level deep; values may be dicts
+            out.update(_flat(v, f"{k}."))
+        else:
+            out[prefix + str(k)] = v
+    return out
+
+
+def is_harmless(key: str) -> bool:
+    return any(key == h or (h.endswith(".") and key.startswith(h)) for h in HARMLESS_KEYS)
+
+
+def config_changes(saved: dict, now: dict, defaults: dict) -> tuple[list[str], list[str]]:
+    """(refused, harmless) changes between a checkpoint's config and this run's, as ``key: old -> new``.
+    A key the checkpoint predates counts as its default there."""
+    old, new, dflt = _flat(saved), _flat(now), _flat(defaults)
+    refused, harmless = [], []
+    for key in sorted((set(old) | set(new)) - {"resume", "dry_run"}):  # the flags of this very command
+        a, b = old.get(key, dflt.get(key)), new.get(key, dflt.get(key))
+        if a != b:
+            (harmless if is_harmless(key) else refused).append(f"{key}: {a!r} -> {b!r}")
+    return refused, harmless
+
+
+def check_resume_config(ckpt: Path, cfg, log) -> None:
+    """Refuse a resume whose settings change the model, the objective or the data order (see module doc)."""
+    saved_file = Path(ckpt) / "config.yaml"
+    if not saved_file.is_file():
+        log(f"warning: {saved_file} is missing: cannot check that the settings match the checkpoint")
+        return
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    refused, harmless = config_changes(saved, cfg.to_dict(), type(cfg)().to_dict())
+    if refused:
+        raise ResumeConfigError(
+            f"resume=true, but {len(refused)} setting(s) differ from the checkpoint {ckpt} and would change the "
+            f"model, the objective or the data order: {'; '.join(refused)}. Set them back (the checkpoint's "
+            f"settings are in {saved_file}), or start a new run with another out_dir")
+    if harmless:
+        log(f"resume: settings changed since the checkpoint (harmless): {'; '.join(harmless)}")
+
+
+def resume_checkpoint(cfg, out_dir: Path, log) -> Path | None:
+    """The newest checkpoint under ``out_dir`` (None: start from scratch), its settings checked against ``cfg``."""
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None:
+        log(f"resume=true but no checkpoint under {Path(out_dir) / 'checkpoints'}: starting from scratch")
+        return None
+    check_resume_config(ckpt, cfg, log)
+    return ckpt

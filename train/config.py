@@ -23,7 +23,7 @@ import yaml
 
 from models.cli import UserError
 
-GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # DESIGN.md section 2 (paper values)
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # paper values (docs/design.md, "Training objective")
 
 
 class ConfigKeyError(UserError, KeyError):
@@ -55,6 +55,7 @@ class TargetConfig:
     head_dim: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
+    rope_theta: float | None = None  # the target's RoPE base (the drafter's default base)
     params_b: float | None = None  # total parameters, billions
     active_params_b: float | None = None  # per-token parameters for MoE targets (FLOPs), billions
 
@@ -100,7 +101,9 @@ class DrafterConfig:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    mask_token_id: int | None = None  # None = first embedding row the tokenizer never emits
+    # None = the tokenizer's mask token, else the first spare embedding row, else a reserved special token.
+    mask_token_id: int | None = None
+    rope_theta: float | None = None  # None = the target's own RoPE base frequency
     init_from: str | None = None  # start from an existing drafter folder
 
 
@@ -228,11 +231,42 @@ def valid_keys(cls=RunConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+# What people type from other trainers' configs (HF TrainingArguments, torchtune, axolotl...) -> our key.
+# Spelling distance alone gets these wrong: `learning_rate` is closest to `warmup_ratio`. A tuple
+# lists the key in each section where the word means something (`data.path` -> `data.source`).
+ALIASES: dict[str, str | tuple[str, ...]] = {
+    "learning_rate": "train.lr", "lr": "train.lr", "max_lr": "train.lr",
+    "path": ("target.path", "data.source", "features.store"), "model": "target.path", "model_path": "target.path",
+    "model_name_or_path": "target.path",
+    "target": "target.path", "target_model": "target.path",
+    "dataset": "data.source", "data": "data.source", "dataset_path": "data.source", "data_path": "data.source",
+    "train_file": "data.source", "source": "data.source",
+    "num_epochs": "train.epochs", "num_train_epochs": "train.epochs", "epoch": "train.epochs",
+    "steps": "train.max_steps", "num_steps": "train.max_steps", "total_steps": "train.max_steps",
+    "batch": "train.batch_size", "bs": "train.batch_size", "micro_batch_size": "train.batch_size",
+    "per_device_train_batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum", "grad_accumulation": "train.grad_accum",
+    "warmup": "train.warmup_ratio", "warmup_steps": "train.warmup_ratio",
+    "max_grad_norm": "train.clip", "grad_clip": "train.clip", "clip_grad_norm": "train.clip",
+    "gradient_checkpointing": "train.grad_checkpointing", "lr_scheduler_type": "train.schedule",
+    "block": "drafter.block_size", "block_len": "drafter.block_size", "num_layers": "drafter.num_hidden_layers",
+    "layers": "drafter.num_hidden_layers", "layer_ids": "drafter.target_layer_ids", "mask_id": "drafter.mask_token_id",
+    "mask_token": "drafter.mask_token_id", "max_seq_length": "data.max_length", "max_seq_len": "data.max_length",
+    "seq_len": "data.max_length", "sequence_len": "data.max_length", "output_dir": "out_dir", "output": "out_dir",
+    "wandb_project": "logging.wandb_project", "project": "logging.wandb_project", "logging_steps": "logging.every",
+    "save_steps": "checkpoint.every", "eval_steps": "eval.every", "resume_from_checkpoint": "resume",
+}
+
+
 def _unknown(key: str) -> ConfigKeyError:
     keys = valid_keys()
     sections = {f.name for f in fields(RunConfig) if dataclasses.is_dataclass(_hints(RunConfig)[f.name])}
     section, _, tail = key.rpartition(".")
-    if section in sections:  # right section, wrong name: compare names inside the section
+    alias = ALIASES.get(tail.lower().replace("-", "_"), ())
+    alias = (alias,) if isinstance(alias, str) else alias
+    if alias:  # the alias in the section the user named, else its usual home
+        close = [next((a for a in alias if a.startswith(section + ".")), alias[0])] if section else [alias[0]]
+    elif section in sections:  # right section, wrong name: compare names inside the section
         names = [k.split(".", 1)[1] for k in keys if k.startswith(section + ".")]
         close = [f"{section}.{n}" for n in difflib.get_close_matches(tail, names, n=1, cutoff=0.0)]
     else:  # wrong or missing section: a leaf with a close name, else the closest full key
@@ -241,7 +275,12 @@ def _unknown(key: str) -> ConfigKeyError:
         close = [k for k in leaves if k.rsplit(".", 1)[-1] == by_name[0]][:1] if by_name else \
             difflib.get_close_matches(key, leaves, n=1, cutoff=0.0)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigKeyError(f"unknown config key {key!r}{hint}")
+    home = section if section in sections else (close[0].split(".")[0] if close and "." in close[0] else "")
+    if home:
+        listed = f"{home}. keys: " + ", ".join(k.split(".", 1)[1] for k in keys if k.startswith(home + "."))
+    else:
+        listed = "top-level keys: " + ", ".join(k for k in keys if "." not in k)
+    return ConfigKeyError(f"unknown config key {key!r}{hint} ({listed}; `--help` lists every key)")
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

@@ -6,23 +6,17 @@ greedy tokens (regenerated data) this is exactly the acceptance length the block
 real loop at that position. Reported as the mean, per-slot accuracy, and per-slot acceptance.
 
 *True tau*: a real DFlash generation with the torch loop (``inference.torch_loop.dflash_generate``)
-on a few held-out prompts. Layering note: DESIGN.md lets ``train/`` import only ``models/`` and
+on a few held-out prompts. Layering note: docs/design.md lets ``train/`` import only ``models/`` and
 ``data/``; this is the one deliberate exception, isolated in :func:`true_tau` and imported
 lazily there, because the point of the measurement is to run *the* inference loop, not a copy of it.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
-
-
-def stream_seed(*parts) -> int:
-    """A 63-bit seed from any parts (seed, epoch, step, rank...): independent streams, no shared state."""
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+from train.rng import row_generators
 
 
 @torch.no_grad()
@@ -44,7 +38,7 @@ def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: i
         ids, lm, doc, pos = (batch.input_ids.to(dev), batch.loss_mask.to(dev), batch.doc_ids.to(dev).long(),
                              batch.position_ids.to(dev))
         rows = indices[start:start + batch_size]  # one stream per held-out row: same blocks at any batch size
-        gens = [torch.Generator().manual_seed(stream_seed(seed, "eval", int(r))) for r in rows]
+        gens = row_generators(seed, "eval", rows)
         blocks = draw_blocks(ids, lm, doc, pos, num_anchors, cfg.block_size, cfg.mask_token_id, gens)
         mask = attention_masks(cfg, blocks, doc, pos, use_flex)
         with (autocast() if autocast else contextlib.nullcontext()):

@@ -12,8 +12,6 @@ import json
 import math
 from pathlib import Path
 
-from train.objective import model_flops_per_token
-
 TEXT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
              "head_dim", "vocab_size", "max_position_embeddings", "model_type")
 
@@ -44,9 +42,12 @@ def target_shape(cfg) -> tuple[dict, str]:
     shape = {"num_hidden_layers": t.num_layers, "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
              "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
              "head_dim": t.head_dim, "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings,
-             "model_type": t.model_type}
+             "model_type": t.model_type, "rope_theta": t.rope_theta}
     fetched, source = _fetch_config(cfg)
     if fetched:
+        from models.config import TargetShape
+
+        shape["rope_theta"] = TargetShape.from_config(fetched).rope_theta or shape["rope_theta"]
         text = fetched.get("text_config") or fetched  # Qwen3.5 multimodal checkpoints nest the text tower
         for k in TEXT_KEYS:
             if text.get(k) is not None:
@@ -57,11 +58,6 @@ def target_shape(cfg) -> tuple[dict, str]:
     return shape, source
 
 
-def drafter_params(H: int, layers: int, heads: int, kv: int, hd: int, inter: int, taps: int) -> int:
-    per_layer = H * hd * (heads + 2 * kv) + heads * hd * H + 3 * H * inter + 2 * H + 2 * hd
-    return layers * per_layer + taps * H * H + 2 * H
-
-
 def plan(cfg) -> dict:
     shape, source = target_shape(cfg)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not shape.get(k)]
@@ -70,17 +66,23 @@ def plan(cfg) -> dict:
         key = missing[0].replace("num_hidden_layers", "num_layers")
         out["error"] = f"cannot plan: target {missing} unknown (set target.{key})"
         return out
-    from models.config import default_layer_ids
+    from models.config import DFlashConfig, TargetShape
 
     d, tr = cfg.drafter, cfg.train
     L, H, V = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
-    heads = d.num_attention_heads or shape.get("num_attention_heads") or max(H // 128, 1)
-    kv = d.num_key_value_heads or shape.get("num_key_value_heads") or heads
-    hd = d.head_dim or shape.get("head_dim") or H // heads
-    inter = d.intermediate_size or shape.get("intermediate_size") or 3 * H
-    taps = d.target_layer_ids or default_layer_ids(L, d.num_taps)
+    facts = {k: v for k, v in shape.items() if k not in ("num_hidden_layers", "model_type")}
+    target = TargetShape(num_layers=L, **{k: v for k, v in facts.items() if v is not None})
+    # The same resolver as training; the mask token does not change the plan, so any valid row stands in.
+    draft = DFlashConfig.for_target(
+        target, mask_token_id=d.mask_token_id or 0, num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
+        target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
+        block_size=d.block_size, rope_theta=d.rope_theta)
+    heads, kv, hd, inter = (draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim,
+                            draft.intermediate_size)
+    taps = draft.target_layer_ids
     B, N, S = d.block_size, tr.anchors, cfg.data.max_length
-    n_draft = drafter_params(H, d.num_hidden_layers, heads, kv, hd, inter, len(taps))
+    n_draft = draft.num_parameters()
     params_b = cfg.target.params_b or (12 * L * H * H + 2 * V * H) / 1e9
     active_b = cfg.target.active_params_b or params_b
 
@@ -109,13 +111,14 @@ def plan(cfg) -> dict:
         "lm_head_chunk_gib": round(min(tr.ce_chunk, q) * V * 4 * 3 / gib, 2),
     }
     mem["total_gib"] = round(sum(mem.values()) * 1.15, 1)  # + allocator slack
-    draft_fwd = model_flops_per_token(d.num_hidden_layers, H, inter, heads, kv, hd, S / 2 + B, V)
+    draft_fwd = draft.flops_per_token(S / 2 + B)
     flops_row = 3 * draft_fwd * q + 2 * active_b * 1e9 * S  # drafter fwd+bwd + target fwd
     out.update({
         "target_shape": {k: shape.get(k) for k in TEXT_KEYS}, "target_params_b": params_b,
         "target_layer_ids": taps,
         "drafter": {"layers": d.num_hidden_layers, "hidden": H, "heads": heads, "kv_heads": kv, "head_dim": hd,
-                    "intermediate": inter, "block_size": B, "params_m": round(n_draft / 1e6, 1)},
+                    "intermediate": inter, "block_size": B, "params_m": round(n_draft / 1e6, 1),
+                    "rope_theta": draft.rope_theta},
         "objective": {"anchors_per_row": N, "gamma": cfg.gamma, "loss": tr.loss, "query_tokens_per_row": q,
                       "max_length": S},
         "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
@@ -143,7 +146,8 @@ def print_plan(cfg) -> dict:
               f"vocab {s['vocab_size']}, ~{p['target_params_b']:.1f}B params; taps {p['target_layer_ids']}")
         dr = p["drafter"]
         print(f"  drafter: {dr['layers']} layers x hidden {dr['hidden']} ({dr['heads']} heads / {dr['kv_heads']} kv "
-              f"x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, {dr['params_m']}M params")
+              f"x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, "
+              f"RoPE base {dr['rope_theta']:g}, {dr['params_m']}M params")
         o = p["objective"]
         print(f"  objective: {o['anchors_per_row']} anchors/row, gamma {o['gamma']}, loss {o['loss']}, "
               f"{o['query_tokens_per_row']} query tokens/row, max length {o['max_length']}")

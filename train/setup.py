@@ -134,3 +134,40 @@ def check_same_rows(tokens, batch, store: str | None) -> None:
     if not same:
         raise ValueError(f"feature store {store} holds other tokens than the prepared data (data.prepared) for the "
                          "same rows: extract features from the same prepared data set")
+
+
+def data_token_ids(ds, max_rows: int = 2000) -> set[int]:
+    """Token ids that occur in (the first ``max_rows`` rows of) a prepared data set."""
+    ids: set[int] = set()
+    for row in ds.select(range(min(len(ds), max_rows)))["input_ids"]:
+        ids.update(int(i) for i in row)
+    return ids
+
+
+def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision: str, log):
+    """The drafter's canonical config from the target's shape and the ``drafter.*`` keys, and its mask token.
+
+    One resolver (``DFlashConfig.for_target``) for training, the dry-run plan and the benches; the
+    mask token follows ``models.config.resolve_mask_token`` and the choice is printed with its reason.
+    """
+    from models.config import DFlashConfig, TargetShape, resolve_mask_token
+
+    d = cfg.drafter
+    mask = resolve_mask_token(target.vocab_size, target.tokenizer, explicit=d.mask_token_id, produced_ids=produced_ids)
+    shape = TargetShape.from_config(target.config)
+    drafter_cfg = DFlashConfig.for_target(
+        shape, hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+        max_position_embeddings=target.max_position_embeddings, mask_token_id=mask.id,
+        num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
+        target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
+        block_size=d.block_size, rope_theta=d.rope_theta,
+        torch_dtype="bfloat16" if mixed_precision == "bf16" else "float32")
+    drafter_cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                             num_layers=target.num_layers)
+    named = f" {mask.token!r}" if mask.token else ""
+    log(f"mask token: {mask.id}{named}: {mask.reason}")
+    log(f"drafter: {drafter_cfg.num_hidden_layers} layers, taps {drafter_cfg.target_layer_ids}, block "
+        f"{drafter_cfg.block_size}, RoPE base {drafter_cfg.rope_theta:g}, "
+        f"{drafter_cfg.num_parameters() / 1e6:.2f}M parameters")
+    return drafter_cfg

@@ -1,0 +1,141 @@
+"""train/distill.py against what users do: targets without a spare embedding row, Ctrl-C, resume with
+changed settings, wandb across a resume. The loop's state is what the checkpoint saves."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from test_train_run import FAST, losses, run, tiny_input_dirs
+
+STEPS = ["logging.every=1", "eval.batches=2"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tiny_input_dirs(tmp_path_factory)
+    return [f"target.path={d['target']}", f"data.prepared={d['data']}"]
+
+
+def small_target(directory: Path, **tokenizer_kw) -> Path:
+    """A random Llama-shaped tiny target whose tokenizer is replaced (vocab rows unchanged: 288)."""
+    from models.tiny import save_tiny_target, tiny_tokenizer
+
+    save_tiny_target(directory, arch="llama")
+    tiny_tokenizer("llama3", **tokenizer_kw).save_pretrained(directory)
+    return directory
+
+
+QUICK = [*FAST, "data.source=tiny", "data.tiny_conversations=24", "data.regenerate=none", "data.max_length=128",
+         "data.eval_rows=4", "train.max_steps=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1",
+         "logging.every=1"]
+
+
+def test_llama3_style_target_without_spare_row_trains_on_a_reserved_token(tmp_path, capsys):
+    """128000 BPE + 256 reserved specials = every row a token (Llama 3.x): the mask is the first reserved
+    special the chat template and the data never produce; before, no row could be found and training
+    could not start."""
+    target = small_target(tmp_path / "target", reserved=23)  # 256 bytes + 9 specials + 23 reserved = 288 rows
+    result = run(tmp_path / "run", f"target.path={target}", *QUICK)
+    out = capsys.readouterr().out
+    assert "mask token: 265 '<|reserved_special_token_0|>': a reserved special token" in out
+    cfg = json.loads((tmp_path / "run" / "final" / "drafter" / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token_id"] == 265 and cfg["rope_theta"] == 500000.0  # Llama's base
+    assert result["steps"] == 2 and sorted(losses(tmp_path / "run")) == [1, 2]
+
+
+def test_tokenizer_mask_token_is_preferred_and_explicit_special_accepted(tmp_path, capsys):
+    target = small_target(tmp_path / "target", mask_token="<|mask|>")
+    run(tmp_path / "a", f"target.path={target}", *QUICK, "train.max_steps=1")
+    assert "mask token: 265 '<|mask|>': the tokenizer's own mask token" in capsys.readouterr().out
+    # <|im_start|> is a special token the Llama template never writes: accepted when given explicitly.
+    run(tmp_path / "b", f"target.path={target}", f"data.prepared={tmp_path / 'a' / 'data'}", *QUICK,
+        "train.max_steps=1", "drafter.mask_token_id=257")
+    assert "mask token: 257 '<|im_start|>': given explicitly" in capsys.readouterr().out
+
+
+def test_ctrl_c_prints_the_newest_checkpoint_and_the_resume_command(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during step 3 of a run checkpointing every 2 steps: exit 130, name step_2 and the exact
+    command; that command then finishes the run with the uninterrupted run's losses."""
+    import train.loop
+    from models.cli import run_cli
+    from train.distill import main
+
+    args = ["recipe=tiny", f"out_dir={tmp_path / 'run'}", *tiny, *FAST, *STEPS, "train.max_steps=4",
+            "checkpoint.every=2"]
+    real, calls = train.loop.train_step, []
+
+    def interrupt_at_step_3(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train.loop, "train_step", interrupt_at_step_3)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: main(args))
+    assert exit_info.value.code == 130
+    out = capsys.readouterr().out
+    assert f"interrupted at step 2: newest checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step_2'}" in out
+    command = out.split("resume from it with:\n  ", 1)[1].splitlines()[0]
+    assert command.startswith("python train/distill.py recipe=tiny") and command.endswith(" resume=true")
+    monkeypatch.setattr(train.loop, "train_step", real)
+    main(command.split()[2:])
+    full = tmp_path / "full"
+    run(full, *tiny, *FAST, *STEPS, "train.max_steps=4", "checkpoint.every=2")
+    got, ref = losses(tmp_path / "run"), losses(full)
+    assert [got[k] for k in (3, 4)] == pytest.approx([ref[k] for k in (3, 4)], abs=1e-6)
+
+
+def test_resume_refuses_changed_model_settings_and_allows_harmless_ones(tiny, tmp_path, capsys):
+    import shutil
+
+    from train.checkpoint import ResumeConfigError
+
+    base = [*tiny, *FAST, *STEPS, "train.max_steps=2", "checkpoint.every=1"]
+    run(tmp_path, *base)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_2")  # as if stopped after step 1
+    config_before = (tmp_path / "config.yaml").read_text()
+    with pytest.raises(ResumeConfigError, match=r"drafter\.block_size: 8 -> 16.*drafter\.target_layer_ids"):
+        run(tmp_path, *base, "resume=true", "drafter.block_size=16", "drafter.target_layer_ids=[1,2,4]")
+    with pytest.raises(ResumeConfigError, match=r"train\.seed: 0 -> 1"):
+        run(tmp_path, *base, "resume=true", "train.seed=1")
+    assert (tmp_path / "config.yaml").read_text() == config_before  # a refused resume leaves the run as it was
+    # Logging and eval cadence may change: reported, then the run continues from step 1 to step 2.
+    result = run(tmp_path, *base, "resume=true", "logging.every=2", "eval.batches=1")
+    out = capsys.readouterr().out
+    assert "settings changed since the checkpoint (harmless): eval.batches: 2 -> 1; logging.every: 1 -> 2" in out
+    assert "resumed from" in out and result["steps"] == 2
+
+
+def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tmp_path, monkeypatch):
+    calls: dict[str, list] = {"init": []}
+
+    class Run:
+        id = "run-abc123"
+
+        def log(self, *a, **kw):
+            pass
+
+        def finish(self):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: (calls["init"].append(kw), Run())[1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    import shutil
+
+    base = [*tiny, *FAST, *STEPS, "checkpoint.every=1", "logging.wandb=true", "logging.wandb_mode=offline",
+            "train.max_steps=2"]
+    run(tmp_path, *base)
+    state = json.loads((tmp_path / "checkpoints" / "step_1" / "trainer_state.json").read_text())
+    assert set(state) == {"step", "epoch", "step_in_epoch", "tokens_seen", "wandb_run_id", "world_size"}
+    assert state["step"] == 1 and state["wandb_run_id"] == "run-abc123" and state["tokens_seen"] > 0
+    shutil.rmtree(tmp_path / "checkpoints" / "step_2")  # as if stopped after step 1
+    run(tmp_path, *base, "resume=true")
+    assert calls["init"][0]["id"] is None and calls["init"][1]["id"] == "run-abc123"
+    assert calls["init"][1]["resume"] == "allow"

@@ -1,0 +1,301 @@
+"""The training loop's parts: its state, its schedule, one optimizer step, eval, checkpoint, stop.
+
+``train/distill.py`` reads as the sequence of stages; the stages that make up the loop live here
+as small functions with plain inputs and outputs. The whole mutable state of the loop is one
+dataclass, :class:`LoopState`, and it is exactly what a checkpoint's ``trainer_state.json`` holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shlex
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
+from train.rng import epoch_order, row_generators
+
+
+@dataclass
+class Run:
+    """What every stage needs to know about the run (fixed after setup)."""
+
+    cfg: object  # train.config.RunConfig
+    accelerator: object
+    out_dir: Path
+    config_yaml: str
+    mixed_precision: str
+    log: object  # callable(str): console lines, main process only
+    resume_from: Path | None = None  # the checkpoint to resume (resume=true and one exists)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def use_flex(self) -> bool:
+        a = self.cfg.train.attention
+        return a == "flex" or (a == "auto" and self.device.type == "cuda")
+
+
+@dataclass
+class LoopState:
+    """Where the loop is. The data order is a pure function of (seed, epoch), so (epoch,
+    step_in_epoch) is the whole data-order state; a checkpoint saves exactly this."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps taken in `epoch` (the next step's data starts there)
+    tokens_seen: int = 0  # context tokens of the rows trained on, all processes
+    wandb_run_id: str | None = None
+    world_size: int = 1  # processes that produced this state (the data shards depend on it)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoopState:
+        """Older checkpoints carry extra keys (total_steps, seed...) and lack newer ones: both are fine."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class Schedule:
+    micro_per_epoch: int  # micro-batches per process per epoch
+    steps_per_epoch: int
+    total_steps: int
+
+
+def make_schedule(cfg, n_rows: int, world: int, rank: int) -> Schedule:
+    micro = len(epoch_order(n_rows, 0, 0, rank, world)) // cfg.train.batch_size
+    if micro == 0:
+        raise ValueError(f"{n_rows} training rows is less than one micro-batch per process "
+                         f"({cfg.train.batch_size} x {world}): lower train.batch_size or add data")
+    steps_per_epoch = math.ceil(micro / cfg.train.grad_accum)
+    total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    return Schedule(micro, steps_per_epoch, total)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float):
+    """Linear warmup from lr/warmup at step 0, then cosine to ``min_ratio`` x lr (or constant).
+
+    Why not transformers' ``get_cosine_with_min_lr_schedule_with_warmup``: its warmup starts at
+    lr 0 (``step / warmup``), so the first optimizer step would not move the weights, and our
+    golden losses and every recipe's first step assume ``(step + 1) / warmup``. After warmup the two
+    agree (same cosine, same floor).
+    """
+    warmup = int(round(warmup_ratio * total_steps))
+
+    def f(step: int) -> float:  # step = optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min((step - warmup) / max(total_steps - warmup, 1), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+@dataclass
+class MicroBatch:
+    rows: list[int]
+    tokens: object  # data.features.FeatureBatch of the token columns (no features yet)
+    blocks: object  # train.objective.Blocks
+    doc: torch.Tensor
+    pos: torch.Tensor
+
+
+@dataclass
+class StepStats:
+    """Per-process sums of one optimizer step (reduced over processes only when logged)."""
+
+    loss: torch.Tensor
+    ce_sum: torch.Tensor
+    kl_sum: torch.Tensor
+    scored: int = 0
+    tokens: int = 0  # this process's context tokens
+    anchors: int = 0
+    tokens_all: int = 0  # every process's context tokens
+    acceptance: dict = field(default_factory=dict)
+    grad_norm: float | None = None
+
+
+def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Schedule, drafter_cfg) -> list[MicroBatch]:
+    """The blocks of every micro-batch of the next optimizer step, from the token columns alone.
+
+    The step's loss is sum(w_k * loss_k) / sum(w_k) over every scored slot of the whole optimizer
+    step (all micro-batches, all processes), as if it were one big batch: a mean of per-micro-batch
+    means would weigh a slot of a row with few anchors more than one of a row with many, so
+    batch_size=2 x grad_accum=1 and 1 x 2 would train differently. The denominator must be known
+    before the first backward, so every micro-batch's blocks are drawn first (cheap; no features).
+    """
+    from train.setup import token_batch
+
+    tr, dev = run.cfg.train, run.device
+    first = state.step_in_epoch * tr.grad_accum
+    out = []
+    for micro in range(first, min(first + tr.grad_accum, sched.micro_per_epoch)):
+        rows = order[micro * tr.batch_size:(micro + 1) * tr.batch_size]
+        tok = token_batch(train_ds, rows)
+        ids, lm = tok.input_ids.to(dev), tok.loss_mask.to(dev)
+        doc, pos = tok.doc_ids.to(dev).long(), tok.position_ids.to(dev)
+        blocks = draw_blocks(ids, lm, doc, pos, tr.anchors, drafter_cfg.block_size, drafter_cfg.mask_token_id,
+                             row_generators(tr.seed, state.epoch, rows))
+        out.append(MicroBatch(rows, tok, blocks, doc, pos))
+    return out
+
+
+def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batches: list[MicroBatch],
+               drafter_cfg) -> StepStats:
+    """Forward + backward of every micro-batch (gradient sync on the last only), clip, optimizer step."""
+    from train.setup import check_same_rows
+
+    cfg, acc, dev = run.cfg, run.accelerator, run.device
+    weight = sum(loss_weight(m.blocks, cfg.gamma) for m in micro_batches).float()
+    tokens = float(sum(int(m.tokens.lengths.sum()) for m in micro_batches))
+    # One collective for both: the step's weight sum (the loss denominator) and its tokens.
+    step_weight, tokens_all = acc.reduce(torch.stack([weight, weight.new_tensor(tokens)]), "sum")
+    denom = step_weight.clamp_min(1e-12)
+    scale = run.world / denom  # DDP / FSDP average gradients over processes: scale so they sum instead
+    zero = torch.zeros((), device=dev)
+    stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all))
+    for i, m in enumerate(micro_batches):
+        batch = feats.get_batch(m.rows)
+        check_same_rows(m.tokens, batch, cfg.features.store)
+        mask = attention_masks(drafter_cfg, m.blocks, m.doc, m.pos, run.use_flex)
+        sync = i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
+            hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)
+            out = block_loss(hidden, m.blocks, target.lm_head.weight, cfg.gamma, chunk=cfg.train.ce_chunk,
+                             mode=cfg.train.loss, kl_weight=cfg.train.kl_weight,
+                             topk_ids=None if batch.topk_ids is None else batch.topk_ids.to(dev),
+                             topk_logprobs=None if batch.topk_logprobs is None else batch.topk_logprobs.to(dev))
+            acc.backward(out.weighted_sum * scale)
+        stats.loss += out.weighted_sum.detach() / denom
+        stats.ce_sum, stats.kl_sum = stats.ce_sum + out.ce_sum, stats.kl_sum + out.kl_sum
+        stats.scored += out.scored
+        for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
+            stats.acceptance[k] = stats.acceptance[k] + v if k in stats.acceptance else v
+        stats.tokens += int(batch.lengths.sum())
+        stats.anchors += out.num_blocks
+    if cfg.train.clip > 0:
+        stats.grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.train.clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stats
+
+
+def advance(state: LoopState, sched: Schedule, stats: StepStats) -> None:
+    """One optimizer step taken; an epoch's end moves to the next epoch's first step."""
+    state.step += 1
+    state.step_in_epoch += 1
+    state.tokens_seen += stats.tokens_all
+    if state.step_in_epoch >= sched.steps_per_epoch:
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+
+
+# ----------------------------------------------------------------------------- logging
+class Throughput:
+    """Tokens and anchors per second since the last logged step."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.t, self.tokens, self.anchors = time.perf_counter(), 0, 0
+
+    def add(self, stats: StepStats) -> None:
+        self.tokens += stats.tokens
+        self.anchors += stats.anchors
+
+
+def step_row(run: Run, state: LoopState, sched: Schedule, stats: StepStats, scheduler, speed: Throughput,
+             epoch_progress: float) -> dict:
+    """The logged row of a step: loss / CE / KL / tau reduced over processes, lr, grad norm, speed."""
+    acc, dev = run.accelerator, run.device
+    loss = acc.reduce(stats.loss.float(), "sum")  # each process holds its share
+    scored = acc.reduce(torch.tensor(float(stats.scored), device=dev), "sum").clamp_min(1)
+    ce = acc.reduce(stats.ce_sum.float(), "sum") / scored
+    kl = acc.reduce(stats.kl_sum.float(), "sum") / scored
+    tau_sum = acc.reduce(stats.acceptance["tau_sum"], "sum")
+    blocks = acc.reduce(stats.acceptance["blocks"], "sum")
+    dt = time.perf_counter() - speed.t
+    return {"step": state.step, "epoch": round(epoch_progress, 4), "loss": float(loss), "ce": float(ce),
+            "tau": float(tau_sum / blocks.clamp_min(1)),
+            **({"kl": float(kl)} if run.cfg.train.loss != "ce" else {}),
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": None if stats.grad_norm is None else float(stats.grad_norm),
+            "tokens_per_s": round(speed.tokens * run.world / dt, 1),
+            "anchors_per_s": round(speed.anchors * run.world / dt, 1)}
+
+
+def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], step: int, with_true: bool,
+             logger) -> dict:
+    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged."""
+    from train.eval import evaluate_sim, true_tau
+
+    cfg = run.cfg
+    row: dict = {"step": step}
+    if run.is_main and len(eval_feats):
+        row.update(evaluate_sim(drafter, target, eval_feats, list(range(len(eval_feats))),
+                                batch_size=cfg.train.batch_size, num_anchors=cfg.train.anchors, gamma=cfg.gamma,
+                                seed=cfg.train.seed, max_batches=cfg.eval.batches, use_flex=run.use_flex,
+                                ce_chunk=cfg.train.ce_chunk, autocast=run.accelerator.autocast))
+        if with_true and prompts:
+            with run.accelerator.autocast():
+                row.update(true_tau(drafter, target, prompts, cfg.eval.true_tau_max_new_tokens))
+        logger.log(row, echo="eval")
+    run.accelerator.wait_for_everyone()
+    return row
+
+
+def eval_due(cfg, step: int, final: bool) -> tuple[bool, bool]:
+    """(evaluate now, with a true-tau generation)."""
+    now = final or bool(cfg.eval.every and step % cfg.eval.every == 0)
+    with_true = final or bool(cfg.eval.true_tau_every and step % cfg.eval.true_tau_every == 0)
+    return now, now and with_true
+
+
+def checkpoint_due(cfg, step: int, final: bool) -> bool:
+    return final or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+
+
+# ----------------------------------------------------------------------------- interruption
+def resume_command(args: list[str], world: int) -> str:
+    """The command that continues this run: the same arguments plus ``resume=true``."""
+    kept = [a for a in args if a != "--resume" and not a.startswith(("resume=", "--resume="))]
+    launcher = f"accelerate launch --num_processes {world} train/distill.py" if world > 1 else "python train/distill.py"
+    return " ".join([launcher, *map(shlex.quote, kept), "resume=true"])
+
+
+def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world: int) -> str:
+    """What Ctrl-C prints: the newest checkpoint and the exact resume command."""
+    from train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None:
+        where = ("no checkpoint was written yet (checkpoint.every sets how often), so resuming starts from "
+                 "scratch; run again with")
+    else:
+        where = f"newest checkpoint: {ckpt}; resume from it with"
+    return f"interrupted at step {state.step}: {where}:\n  {resume_command(args, world)}"

@@ -1,0 +1,90 @@
+"""Where training metrics go: the console, ``metrics.jsonl`` and (optionally) Weights & Biases.
+
+One object, :class:`MetricsLogger`, behind ``log(row)`` and ``close()``. Only the main process
+writes; the others hold a logger that drops everything. wandb is optional: when
+``logging.wandb=true`` and it is not installed, a no-op run stands in and one warning says so.
+The wandb run id is kept in the loop state (saved in every checkpoint), so ``resume=true``
+continues the same wandb run instead of starting a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def rounded(row: dict) -> dict:
+    """A row for the console: floats to 4 decimals, lists and dicts (histograms, per-slot) left out."""
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if not isinstance(v, (list, dict))}
+
+
+class _NoWandb:
+    """Stands in for a wandb run when wandb is not installed (one warning at start)."""
+
+    id = None
+
+    def log(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def start_wandb(project: str, config: dict, out_dir: Path, mode: str | None, run_id: str | None,
+                log: Callable[[str], None]):
+    """A wandb run (the same run again when ``run_id`` is given), or a no-op one if wandb is missing."""
+    try:
+        import wandb
+    except ImportError:
+        msg = (f"logging.wandb=true but wandb is not importable (pip install wandb): logging to the console and "
+               f"{out_dir / 'metrics.jsonl'} only")
+        warnings.warn(msg, stacklevel=2)
+        log(f"warning: {msg}")
+        return _NoWandb()
+    return wandb.init(project=project, config=config, dir=str(out_dir), mode=mode, id=run_id,
+                      resume="allow" if run_id else None)
+
+
+class MetricsLogger:
+    """``log(row)`` appends the row to ``metrics.jsonl``, sends its numbers to wandb and, when asked,
+    prints it on the console (``echo``: a prefix such as ``"eval"``). ``close()`` ends the wandb run."""
+
+    def __init__(self, path: Path | None, console: Callable[[str], None] | None = None, wandb_run=None):
+        self.path, self.console, self.wandb_run = path, console, wandb_run
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return getattr(self.wandb_run, "id", None)
+
+    def log(self, row: dict, echo: str | None = None) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.wandb_run.log(numbers, step=row["step"])
+        if echo and self.console is not None:
+            self.console(f"{echo} " + json.dumps(rounded(row)))
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def open_metrics(cfg, out_dir: Path, is_main: bool, resuming: bool, wandb_run_id: str | None,
+                 log: Callable[[str], None]) -> MetricsLogger:
+    """The run's logger: a fresh ``metrics.jsonl`` for a new run, appended to on resume."""
+    if not is_main:
+        return MetricsLogger(None)
+    path = out_dir / "metrics.jsonl"
+    if not resuming:
+        path.write_text("")
+    run = None
+    if cfg.logging.wandb:
+        run = start_wandb(cfg.logging.wandb_project, cfg.to_dict(), out_dir, cfg.logging.wandb_mode,
+                          wandb_run_id if resuming else None, log)
+    return MetricsLogger(path, log, run)
