@@ -120,3 +120,20 @@ def test_every_cli_has_help(module, capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "usage: python -m " + module in text and len(text) > 400
+
+
+def test_parallel_tokenization_gives_the_same_rows_and_scale_keys_exist(tmp_path):
+    from datasets import load_from_disk
+
+    from data.prepare import prepare
+    from models.tiny import save_tiny_target
+    from train.config import load_config
+
+    target = save_tiny_target(tmp_path / "target", "qwen3", num_layers=2)
+    for n in (None, 2):
+        prepare(str(target), str(FIX / "openai.jsonl"), tmp_path / f"p{n}", max_length=160, pack=True,
+                num_proc=n, progress=False, log=lambda *_: None)
+    one, two = load_from_disk(str(tmp_path / "pNone")), load_from_disk(str(tmp_path / "p2"))
+    assert one.to_list() == two.to_list() and len(one) == 2
+    cfg = load_config(["recipe=tiny", "data.regenerate_batch_size=3", "data.rebuild=true"])
+    assert cfg.data.regenerate_batch_size == 3 and cfg.data.rebuild
