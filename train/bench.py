@@ -4,11 +4,20 @@
     python -m train.bench --hidden 4096 --layers 5 --heads 32 --kv-heads 8 --head-dim 128 \\
         --intermediate 12288 --vocab 151936 --seq 3072 --anchors 512 --block 16   # Qwen3-8B drafter on CUDA
 
+    python -m train.bench --e2e qwen3-8b        # whole online step: random Qwen3-8B target + recipe drafter
+    python -m train.bench --e2e qwen35-9b --batch 2
+
 Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward,
 AdamW step) on random context features, as in ``train/distill.py`` (flex attention on CUDA, dense
-on CPU; bf16 autocast on CUDA). The target forward is excluded: it is measured by ``data.bench``
-(online features) and absent with offline features. Reports tokens/s (context tokens of the rows),
-anchors/s, peak memory and, on CUDA, model FLOPs utilisation against the device's bf16 peak.
+on CPU; bf16 autocast on CUDA). ``--e2e RECIPE`` times the whole online step instead: a
+random-weight target of the recipe's exact shape (bf16, built on the device) runs the tapped
+forward (``TargetModel.forward``: stops after the deepest tap, no logits) on random rows, and its
+features feed the recipe's drafter (5 layers, 5 taps, block 16; seq 3072 and 512 anchors unless
+given). Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
+Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA model FLOPs
+utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
+timed alone with device syncs (mask build, the generic ``create_block_mask`` for comparison,
+target forward, drafter forward + loss, backward, optimizer step).
 """
 
 from __future__ import annotations
@@ -44,7 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
+    p.add_argument("--e2e", metavar="RECIPE", default=None,
+                   help="time the whole online step with a random target of this recipe's shape (qwen3-8b, qwen35-9b)")
+    p.add_argument("--target-layers", type=int, default=None, help="--e2e: fewer target layers (smoke tests)")
     a = p.parse_args(argv)
+    target = _e2e_setup(a, argv) if a.e2e else None
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -57,8 +70,12 @@ def main(argv: list[str] | None = None) -> None:
                        target_layer_ids=list(range(1, a.taps + 1)), mask_token_id=a.vocab - 1, block_size=a.block)
     dtype = torch.bfloat16 if cuda else torch.float32
     drafter = DFlashDraftModel(cfg).to(device)
-    embed = torch.nn.Embedding(a.vocab, H).to(device, dtype).requires_grad_(False)
-    head = torch.nn.Linear(H, a.vocab, bias=False).to(device, dtype).requires_grad_(False)
+    if target is not None:
+        cfg.target_layer_ids = a.layer_ids
+        embed, head = target.embed_tokens, target.lm_head
+    else:
+        embed = torch.nn.Embedding(a.vocab, H).to(device, dtype).requires_grad_(False)
+        head = torch.nn.Linear(H, a.vocab, bias=False).to(device, dtype).requires_grad_(False)
     drafter.bind_target(embed, head)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=cuda)  # as train/distill.py
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
@@ -70,6 +87,14 @@ def main(argv: list[str] | None = None) -> None:
         doc = torch.zeros_like(ids)
         pos = torch.arange(a.seq, device=device).expand(a.batch, -1)
         feats = torch.randn(a.batch, a.seq, a.taps * H, device=device, dtype=dtype)
+        target_flops = 2 * a.target_params * a.seq * a.batch if target is not None else 0
+
+        def features(i: int) -> torch.Tensor:
+            if target is None:
+                return feats
+            rows = torch.randint(0, a.vocab - 1, (a.batch, a.seq), device=device,
+                                 generator=torch.Generator(device).manual_seed(i))
+            return target.forward(rows, a.layer_ids, with_logits=False).features
 
         def step_flops(blocks, scored: int) -> float:
             """Model FLOPs of one step (forward + backward, no recompute), from the blocks actually drawn.
@@ -90,14 +115,15 @@ def main(argv: list[str] | None = None) -> None:
         def step(i: int) -> tuple[int, float]:
             blocks = draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
                                  torch.Generator().manual_seed(i))
+            f = features(i)
             mask = attention_masks(cfg, blocks, doc, pos, use_flex)
             with autocast:
-                hidden = drafter_forward(drafter, embed, blocks, feats, pos, mask)
+                hidden = drafter_forward(drafter, embed, blocks, f, pos, mask)
                 out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return out.num_blocks, step_flops(blocks, out.scored)
+            return out.num_blocks, step_flops(blocks, out.scored) + target_flops
 
         for i in range(a.warmup):
             step(i)
@@ -110,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        row = {"bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
+               "device": torch.cuda.get_device_name() if cuda else "cpu",
                "attention": "flex" if use_flex else "dense", "hidden": H, "layers": a.layers, "seq": a.seq,
                "batch": a.batch, "anchors": n_anchors, "block": a.block, "steps": a.steps,
                "step_s": round(dt / a.steps, 4), "tokens_per_s": round(a.seq * a.batch * a.steps / dt, 1),
@@ -125,6 +152,80 @@ def main(argv: list[str] | None = None) -> None:
 
             row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)
         print(json.dumps(row), flush=True)
+        print(json.dumps({"bench": "train_parts", "recipe": a.e2e, "anchors": n_anchors, "batch": a.batch,
+                          **_parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, pos,
+                                   n_anchors, use_flex, device)}), flush=True)
+
+
+def _e2e_setup(a, argv):
+    """Recipe shapes for ``--e2e``: the drafter's from the target's, defaults of the paper recipe."""
+    from data.bench import recipe_target
+    from models.config import default_layer_ids
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = recipe_target(a.e2e, device, torch.bfloat16 if device == "cuda" else torch.float32,
+                           num_layers=a.target_layers)
+    c = target.config
+    import sys
+
+    given = set(x.split("=")[0] for x in (sys.argv[1:] if argv is None else argv) if x.startswith("--"))
+    a.hidden, a.heads, a.kv_heads = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+    a.head_dim, a.intermediate, a.vocab = c.head_dim, c.intermediate_size, target.vocab_size
+    if "--layers" not in given:
+        a.layers = 5
+    if "--taps" not in given:
+        a.taps = 5
+    a.layer_ids = default_layer_ids(target.num_layers, a.taps)
+    if "--seq" not in given:
+        a.seq = 3072
+    if "--anchors" not in given:
+        a.anchors = [512]
+    if "--block" not in given:
+        a.block = 16
+    ran = target.layers[: max(a.layer_ids) + 1]  # the tapped forward stops after the deepest tap
+    a.target_params = sum(p.numel() for p in ran.parameters())
+    return target
+
+
+def _parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, pos, n_anchors, use_flex,
+           device) -> dict:
+    """Each part of one step alone, with device syncs around it (seconds)."""
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, flex_block_mask
+
+    def timed(fn):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return r, round(time.perf_counter() - t0, 4)
+
+    out = {}
+    blocks, out["draw_blocks_s"] = timed(lambda: draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
+                                                             torch.Generator().manual_seed(7)))
+    f, out["target_forward_s"] = timed(lambda: features(7))
+    mask, out["mask_s"] = timed(lambda: attention_masks(cfg, blocks, doc, pos, use_flex))
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        import train.block_mask as bm
+        real, bm.direct_block_mask = bm.direct_block_mask, lambda *x: None  # the generic builder, for comparison
+        try:
+            _, out["mask_generic_s"] = timed(lambda: flex_block_mask(blocks, doc))
+        finally:
+            bm.direct_block_mask = real
+        del create_block_mask
+
+    def fwd():
+        with autocast:
+            return block_loss(drafter_forward(drafter, embed, blocks, f, pos, mask), blocks, head.weight, 4.0,
+                              chunk=a.ce_chunk)
+    loss, out["drafter_forward_loss_s"] = timed(fwd)
+    _, out["backward_s"] = timed(lambda: loss.loss.backward())
+    _, out["optimizer_s"] = timed(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
+    out["sum_s"] = round(sum(v for k, v in out.items() if k != "mask_generic_s"), 4)
+    return out
 
 
 if __name__ == "__main__":
