@@ -11,22 +11,58 @@ created); each shard is computed in batches of ``--batch-size`` rows with the sa
 online provider, written atomically and checksummed. Re-running the same command resumes: intact
 finished shards are kept, the rest are computed. A store made for another target, other layers,
 dtype or data refuses to be resumed into.
+
+Data-parallel, on every GPU of every node sharing a filesystem (one process per GPU):
+
+    accelerate launch --num_processes 8 -m data.extract --target Qwen/Qwen3-8B --data data/q --out feats/q
+    torchrun --nnodes 2 --node-rank $RANK --nproc-per-node 8 --rdzv-endpoint $HEAD:29500 -m data.extract ...
+
+The shard plan is fixed in the index, so process ``r`` of ``w`` computes every ``w``-th of the
+shards still missing (``todo[r::w]``), each on its own GPU. Process 0 creates or resumes the index
+before the others start and writes the finished index after they all stop; the others only write
+their shards (and a sidecar entry per shard, see :class:`data.store.StoreWriter`). The store is
+byte-identical to a one-process run; re-running the same command after a kill (of any rank, with
+any number of processes) computes only what is missing. A target too large for one GPU:
+``--device-map auto`` (one process per node) spreads its layers over the node's GPUs, within
+``--max-memory`` per device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 
 @dataclass
+class Ranks:
+    """This process's share of a data-parallel extraction (``rank`` of ``world``, and a barrier)."""
+
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, todo: list[int]) -> list[int]:
+        """Every ``world``-th missing shard: balanced, disjoint, and the same split on every rank."""
+        return todo[self.rank::self.world]
+
+
+@dataclass
 class ExtractReport:
+    rank: int = 0
+    world: int = 1
+    complete: bool | None = None  # every shard of the plan is in the index (rank 0 knows; None on the others)
     shards: int = 0
     shards_skipped: int = 0
     shards_written: int = 0
@@ -62,10 +98,11 @@ def shard_plan(lengths: list[int], tokens_per_shard: int) -> list[tuple[int, int
 
 def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None, dtype: str = "bf16",
             topk: int = 0, batch_size: int = 8, shard_mb: float = 2048, shard_tokens: int | None = None,
-            max_shards: int | None = None, progress: bool = True) -> ExtractReport:
+            max_shards: int | None = None, progress: bool = True, ranks: Ranks | None = None) -> ExtractReport:
     """Extract features of prepared ``data`` (folder or loaded dataset) with ``target`` into ``out``.
 
     ``max_shards`` stops after writing that many new shards (tests use it to interrupt a run).
+    ``ranks``: this process's share when several extract into one store (see the module docstring).
     """
     from tqdm import tqdm
 
@@ -97,15 +134,22 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
               "data": str(data) if isinstance(data, (str, Path)) else "<in-memory>",
               "data_fingerprint": getattr(dataset, "_fingerprint", None), "data_meta": meta,
               "rows": len(lengths), "tokens": sum(lengths)}
-    writer = StoreWriter(out, header, plan)
-    report = ExtractReport(shards=len(plan), rows=len(lengths), tokens=sum(lengths), out=str(out))
+    ranks = ranks or Ranks()
+    if ranks.is_main:  # creates or resumes the index (adopting shards a killed run finished) first
+        writer = StoreWriter(out, header, plan)
+    ranks.barrier()
+    if not ranks.is_main:
+        writer = StoreWriter(out, header, plan, main=False)
+    report = ExtractReport(rank=ranks.rank, world=ranks.world, shards=len(plan), rows=len(lengths),
+                           tokens=sum(lengths), out=str(out))
     start = time.time()
     todo = [k for k in range(len(plan)) if not writer.done(k)]
     report.shards_skipped = len(plan) - len(todo)
-    done_tokens = sum(sum(lengths[a:b]) for k, (a, b) in enumerate(plan) if writer.done(k))
-    with tqdm(total=sum(lengths), initial=done_tokens, desc="extract", unit="tok", unit_scale=True,
-              disable=not progress) as bar:
-        for k in todo:
+    mine = ranks.share(todo)
+    mine_tokens = sum(sum(lengths[slice(*plan[k])]) for k in mine)
+    with tqdm(total=mine_tokens, desc=f"extract (rank {ranks.rank}/{ranks.world})" if ranks.world > 1 else "extract",
+              unit="tok", unit_scale=True, disable=not progress) as bar:
+        for k in mine:
             if max_shards is not None and report.shards_written >= max_shards:
                 break
             a, b = plan[k]
@@ -120,7 +164,28 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
             report.tokens_extracted += info["tokens"]
             report.bytes_written += info["bytes"]
     report.seconds = round(time.time() - start, 3)
+    ranks.barrier()  # every process has stopped writing: rank 0 writes the finished index
+    if ranks.is_main:
+        report.complete = writer.finalise()
     return report
+
+
+def init_ranks() -> tuple[Ranks, torch.device | None]:
+    """Ranks from the launcher's environment (``accelerate launch`` / ``torchrun``), and this rank's device.
+
+    One process: ``Ranks()`` and no device preference. Several: accelerate's ``PartialState`` joins
+    the process group (NCCL on GPUs, gloo on CPUs), with a long timeout because ranks reach the
+    final barrier as far apart as one shard's extraction.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks(), None
+    from datetime import timedelta
+
+    from accelerate import PartialState
+
+    # cpu=True is what makes accelerate join a CPU process group (gloo) instead of staying single-process.
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=12))
+    return Ranks(state.process_index, state.num_processes, state.wait_for_everyone), state.device
 
 
 def _unpad(batch, j: int):
@@ -148,18 +213,31 @@ def main(argv: list[str] | None = None) -> None:
                    help="also store the target's top-k next-token log-probs (for KL); 0 = off")
     p.add_argument("--batch-size", type=int, default=8, help="rows per target forward (default 8)")
     p.add_argument("--shard-mb", type=float, default=2048, help="approximate shard size in MiB (default 2048)")
-    p.add_argument("--device", default=None, help="torch device for the target (default: cuda if available)")
+    p.add_argument("--device", default=None,
+                   help="torch device for the target (default: this process's GPU under a launcher, "
+                        "else cuda if available)")
+    p.add_argument("--device-map", default=None, metavar="auto|balanced|...",
+                   help="spread a target too large for one GPU over this node's GPUs (transformers device_map); "
+                        "run one process per node")
+    p.add_argument("--max-memory", default=None, metavar="0=70GiB,1=70GiB,cpu=200GiB",
+                   help="per-device budget for --device-map (default: what transformers finds free)")
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default bfloat16)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    from models.target import TargetModel
+    from models.target import TargetModel, parse_max_memory
 
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device=device)
+    max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
+    ranks, rank_device = init_ranks()
+    if a.device_map:
+        target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device_map=a.device_map,
+                                             max_memory=max_memory)
+    else:
+        device = a.device or rank_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device=device)
     report = extract(target, a.data, a.out, layer_ids=a.layers, dtype=a.dtype, topk=a.topk, batch_size=a.batch_size,
-                     shard_mb=a.shard_mb, progress=not a.no_progress)
+                     shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks)
     print(report.line())
-    if report.shards_written + report.shards_skipped < report.shards:
+    if ranks.is_main and not report.complete:
         sys.exit("extraction stopped early; re-run the same command to resume")
 
 

@@ -148,25 +148,39 @@ def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
 
 
+def sidecar_name(k: int) -> str:
+    """A finished shard's index entry, written next to it by whichever process computed it."""
+    return shard_name(k) + ".json"
+
+
 # ----------------------------------------------------------------------------- writer
 class StoreWriter:
-    """Creates or resumes a store; ``write_shard(k, rows)`` is atomic and recorded in the index."""
+    """Creates or resumes a store; ``write_shard(k, rows)`` is atomic and recorded in the index.
 
-    def __init__(self, path: str | Path, header: dict, plan: list[tuple[int, int]], verify_existing: bool = True):
+    Several processes may write one store (``python -m data.extract`` under ``accelerate launch`` or
+    ``torchrun``): the *main* writer creates or resumes the index (and drops leftovers of killed
+    writes) before the others open it with ``main=False``; every writer records each finished shard
+    in its own sidecar (``shard-NNNNN.safetensors.json``), and only the main writer writes
+    ``index.json``, adopting the sidecars in :meth:`finalise` (and, after a kill, when it reopens the
+    store). So no two processes ever write the same file, and the finished store is byte-identical
+    whatever the number of processes.
+    """
+
+    def __init__(self, path: str | Path, header: dict, plan: list[tuple[int, int]], verify_existing: bool = True,
+                 main: bool = True):
         self.path = Path(path)
+        self.main = main
+        if not main:  # the main writer has created or resumed the index already
+            self.index = read_index(self.path)
+            self._check_same_store(header, plan)
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         for tmp in self.path.glob("*.tmp"):  # leftovers of a killed write
             tmp.unlink()
         if (self.path / INDEX).is_file():
-            index = read_index(self.path)
-            for key, value in header.items():
-                if index.get(key) != value:
-                    raise StoreMismatch(f"{self.path} already holds a store with {key}={index.get(key)!r}, "
-                                        f"this run asks for {value!r}: use another --out, or delete it to start over")
-            if [tuple(p) for p in index["plan"]] != [tuple(p) for p in plan]:
-                raise StoreMismatch(f"{self.path}: shard plan differs from the existing store's (data or shard size "
-                                    "changed): use another --out, or delete it to start over")
-            self.index = index
+            self.index = read_index(self.path)
+            self._check_same_store(header, plan)
+            self._adopt_sidecars()  # shards finished by any process of a run that did not finalise
             for key, info in list(self.index["shards"].items()):  # keep only shards that are intact
                 f = self.path / info["file"]
                 ok = (f.is_file() and f.stat().st_size == info["bytes"]
@@ -178,10 +192,43 @@ class StoreWriter:
                           "shards": {}, "complete": False}
         self.flush_index()
 
+    def _check_same_store(self, header: dict, plan: list[tuple[int, int]]) -> None:
+        for key, value in header.items():
+            if self.index.get(key) != value:
+                raise StoreMismatch(f"{self.path} already holds a store with {key}={self.index.get(key)!r}, "
+                                    f"this run asks for {value!r}: use another --out, or delete it to start over")
+        if [tuple(p) for p in self.index["plan"]] != [tuple(p) for p in plan]:
+            raise StoreMismatch(f"{self.path}: shard plan differs from the existing store's (data or shard size "
+                                "changed): use another --out, or delete it to start over")
+
+    def _adopt_sidecars(self) -> None:
+        """Record every finished shard's sidecar in the index (a shard whose size disagrees is dropped)."""
+        for side in sorted(self.path.glob("shard-*.safetensors.json")):
+            info = json.loads(side.read_text())
+            f = self.path / info["file"]
+            if f.is_file() and f.stat().st_size == info["bytes"]:
+                self.index["shards"][info["file"]] = info
+
     def done(self, k: int) -> bool:
         return shard_name(k) in self.index["shards"]
 
+    def finalise(self) -> bool:
+        """Main writer, once every process has stopped writing: adopt all sidecars into ``index.json``.
+
+        Returns whether the store is complete. Sidecars of recorded shards are removed, so a finished
+        store holds only ``index.json`` and its shards.
+        """
+        if not self.main:
+            raise RuntimeError("only the main writer finalises a store")
+        self._adopt_sidecars()
+        self.flush_index()
+        for name in self.index["shards"]:
+            (self.path / (name + ".json")).unlink(missing_ok=True)
+        return bool(self.index["complete"])
+
     def flush_index(self) -> None:
+        # Sorted by shard: the index does not depend on which process finished which shard first.
+        self.index["shards"] = dict(sorted(self.index["shards"].items()))
         shards = self.index["shards"]
         self.index["rows_done"] = sum(s["rows"] for s in shards.values())
         self.index["tokens_done"] = sum(s["tokens"] for s in shards.values())
@@ -218,8 +265,10 @@ class StoreWriter:
                 "feature_bytes": sum(t.numel() * t.element_size() for key, t in tensors.items()
                                      if key in ("features", "feature_scales"))}
         os.replace(tmp, self.path / name)
+        _atomic_write_text(self.path / sidecar_name(k), json.dumps(info, indent=1))
         self.index["shards"][name] = info
-        self.flush_index()
+        if self.main:
+            self.flush_index()
         return info
 
 

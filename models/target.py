@@ -36,6 +36,26 @@ def check_supported(model_type: str) -> str:
     return SUPPORTED[model_type]
 
 
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def parse_max_memory(spec: str | dict | None) -> dict | None:
+    """``"0=70GiB,1=70GiB,cpu=200GiB"`` (or a dict) -> transformers' ``max_memory`` (GPU keys as ints)."""
+    if spec is None or spec == "" or spec == {}:
+        return None
+    items = spec.items() if isinstance(spec, dict) else (part.split("=", 1) for part in str(spec).split(",") if part)
+    out: dict = {}
+    for item in items:
+        if len(item) != 2 or not str(item[0]).strip() or not str(item[1]).strip():
+            raise ValueError(f"max_memory {spec!r}: write DEVICE=SIZE pairs separated by commas, "
+                             "e.g. 0=70GiB,1=70GiB,cpu=200GiB")
+        key, size = str(item[0]).strip(), str(item[1]).strip()
+        if not (key.isdigit() or key in ("cpu", "disk", "mps")):
+            raise ValueError(f"max_memory {spec!r}: device {key!r} is not a GPU index, 'cpu' or 'disk'")
+        out[int(key) if key.isdigit() else key] = int(size) if size.isdigit() else size
+    return out
+
+
 class _StopForward(Exception):
     """Raised by the deepest tap when nothing after it is needed."""
 
@@ -149,19 +169,27 @@ class TargetModel:
         finally:
             for h in handles:
                 h.remove()
-        features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        # A target dispatched over several devices (device_map) leaves each layer's output on its own
+        # device: features and logits are gathered on the first one, where the drafter lives.
+        device = self.device
+        features = torch.cat([captured[i].to(device) for i in layer_ids], dim=-1) if layer_ids else None
         logits = None
         if with_logits:
             hidden = out.last_hidden_state
-            logits = self.lm_head(hidden if logits_slice is None else hidden[:, logits_slice])
+            logits = self.lm_head(hidden if logits_slice is None else hidden[:, logits_slice]).to(device)
         return TargetOutput(features=features, logits=logits, cache=cache)
 
     # ------------------------------------------------------------------ load
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, dtype: torch.dtype | str | None = None,
                         device: str | torch.device | None = None, revision: str | None = None,
-                        quantization: str | None = None, **kwargs) -> "TargetModel":
+                        quantization: str | None = None, device_map: str | dict | None = None,
+                        max_memory: str | dict | None = None, **kwargs) -> "TargetModel":
         """Load a target from a local folder or a Hub id (config checked before any weights load).
+
+        ``device_map`` (``auto`` / ``balanced`` / ``sequential`` / an explicit map) spreads a target
+        too large for one GPU over the devices within ``max_memory`` (``"0=70GiB,1=70GiB"``): the
+        embedding sits on the first device, and features and logits come back there.
 
         An MLX affine-quantized folder (mlx-community layout) is dequantized bit-exactly
         (``models.quant.load_mlx_target``), so every consumer runs the weights the Mac runs.
@@ -179,7 +207,22 @@ class TargetModel:
         check_supported(model_type)
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
+        if device_map is not None:
+            if isinstance(device_map, str) and device_map not in DEVICE_MAPS:
+                raise ValueError(f"device_map {device_map!r}: use one of {', '.join(DEVICE_MAPS)}, "
+                                 "or an explicit {module: device} map")
+            if device is not None:
+                raise ValueError("give either device (the whole target on one device) or device_map (spread "
+                                 "over several), not both")
+            kwargs["device_map"] = device_map
+            kwargs["max_memory"] = parse_max_memory(max_memory)
+        elif max_memory:
+            raise ValueError("max_memory needs device_map (e.g. device_map=auto): it is a budget per device "
+                             "for spreading the target")
         if is_mlx_quantized(directory):
+            if device_map is not None:
+                raise ValueError(f"device_map is not supported for MLX-quantized targets ({directory}): load it "
+                                 "on one device (a 4-bit target is a quarter of the bf16 size)")
             return load_mlx_target(directory, dtype=dtype, device=device)
         quant_config = transformers_quantization_config(quantization)
         if quant_config is not None:  # quantized weights are placed by transformers, never moved afterwards
