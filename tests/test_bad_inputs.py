@@ -783,3 +783,22 @@ def test_fp8_without_cuda_says_so(monkeypatch):
 
 
 # ---------------------------------------------------------------- scale-out
+def test_max_memory_that_is_not_device_size_pairs():
+    from models.target import parse_max_memory
+
+    assert parse_max_memory("0=70GiB,1=70GiB,cpu=200GiB") == {0: "70GiB", 1: "70GiB", "cpu": "200GiB"}
+    with pytest.raises(ValueError, match="write DEVICE=SIZE pairs separated by commas"):
+        parse_max_memory("70GiB")
+    with pytest.raises(ValueError, match="device 'gpu0' is not a GPU index, 'cpu' or 'disk'"):
+        parse_max_memory("gpu0=70GiB")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(device_map="everywhere"), "device_map 'everywhere': use one of auto, balanced"),
+    (dict(device_map="auto", device="cpu"), "give either device .* or device_map"),
+    (dict(max_memory="0=70GiB"), "max_memory needs device_map"),
+])
+def test_device_map_mistakes_before_any_weights_load(tmp_path, kwargs, message):
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+
