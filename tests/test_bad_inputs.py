@@ -802,3 +802,7 @@ def test_device_map_mistakes_before_any_weights_load(tmp_path, kwargs, message):
     from models.target import TargetModel
     from models.tiny import save_tiny_target
 
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=4)
+    with pytest.raises(ValueError, match=message):
+        TargetModel.from_pretrained(folder, **kwargs)
+
