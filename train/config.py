@@ -45,6 +45,11 @@ class TargetConfig:
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     # none | mlx:PATH_OR_ID | mlx-3bit | mlx-4bit | mlx-8bit (-g32/-g64/-g128) | bnb-4bit | fp8 (models/quant.py)
     quantization: str = "none"
+    # A target too large for one GPU: spread it over this node's GPUs (auto | balanced | sequential; transformers'
+    # device_map), one training process per node, the drafter on the first GPU. max_memory: budget per device,
+    # "0=40GiB,1=75GiB,..." (leave room on GPU 0 for the drafter, its optimizer state and activations).
+    device_map: str | None = None
+    max_memory: str | None = None
     # Shape facts used by the dry-run plan when config.json cannot be fetched (refreshed from it when it can).
     model_type: str | None = None
     num_layers: int | None = None
@@ -163,6 +168,7 @@ class RunConfig:
     out_dir: str = "runs/{recipe}"
     resume: bool = False
     dry_run: bool = False
+    devices: str = ""  # dry run: the GPUs to plan memory for, COUNTxGiB (e.g. 8x80); default: this machine's
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
