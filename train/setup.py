@@ -7,6 +7,7 @@ tokenization, loss masks, regeneration and packing to ``data.prepare``, features
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -37,8 +38,15 @@ def load_target(cfg, out_dir: Path, accelerator, log):
     dtype = cfg.target.dtype
     if dtype == "auto":
         dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
-    target = TargetModel.from_pretrained(path, dtype=dtype, device=accelerator.device, revision=cfg.target.revision,
-                                         quantization=tq)
+    if cfg.target.device_map:  # spread over this node's GPUs; features and logits come back to the first one
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            raise ValueError("target.device_map spreads one target over all GPUs of a node: launch one process per "
+                             "node (accelerate launch --num_processes <nodes> ...), or drop target.device_map")
+        placement = dict(device_map=cfg.target.device_map, max_memory=cfg.target.max_memory)
+    else:
+        placement = dict(device=accelerator.device)
+    target = TargetModel.from_pretrained(path, dtype=dtype, revision=cfg.target.revision, quantization=tq,
+                                         **placement)
     if target.tokenizer is None:
         raise ValueError(f"target {path} has no tokenizer files: training needs its tokenizer and chat template")
     log(f"target: {path} ({target.model_type}, {target.num_layers} layers, hidden {target.hidden_size}, "
