@@ -257,7 +257,8 @@ def test_resume_with_only_harmless_changes_warns_and_continues(tmp_path):
     (-1, "outside the target embedding"),
 ])
 def test_explicit_mask_token_that_the_target_produces_is_refused(mask_id, problem):
-    from models.config import ConfigError, resolve_mask_token
+    from models.config import ConfigError
+    from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
     with pytest.raises(ConfigError, match="mask_token_id") as e:
@@ -266,7 +267,8 @@ def test_explicit_mask_token_that_the_target_produces_is_refused(mask_id, proble
 
 
 def test_mask_token_present_in_the_data_is_refused():
-    from models.config import ConfigError, resolve_mask_token
+    from models.config import ConfigError
+    from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer("llama3", reserved=23)
@@ -277,7 +279,8 @@ def test_mask_token_present_in_the_data_is_refused():
 
 
 def test_no_spare_row_and_no_reserved_token_is_a_clear_error():
-    from models.config import ConfigError, resolve_mask_token
+    from models.config import ConfigError
+    from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer("llama3")  # 265 tokens, every one a byte, a template token or EOS/pad

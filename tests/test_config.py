@@ -175,7 +175,7 @@ def test_resolver_without_a_target_needs_the_target_facts():
 
 def test_mask_token_resolution_order():
     """Tokenizer's own mask token > first spare row > reserved special (no spare row) > error."""
-    from models.config import resolve_mask_token
+    from models.mask_token import resolve_mask_token
     from models.tiny import TINY_VOCAB, tiny_tokenizer
 
     assert resolve_mask_token(TINY_VOCAB, tiny_tokenizer()).id == 265  # spare row (Qwen3-like)

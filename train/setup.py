@@ -158,7 +158,8 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
     One resolver (``DFlashConfig.for_target``) for training, the dry-run plan and the benches; the
     mask token follows ``models.config.resolve_mask_token`` and the choice is printed with its reason.
     """
-    from models.config import DFlashConfig, TargetShape, resolve_mask_token
+    from models.config import DFlashConfig, TargetShape
+    from models.mask_token import resolve_mask_token
 
     d = cfg.drafter
     mask = resolve_mask_token(target.vocab_size, target.tokenizer, explicit=d.mask_token_id, produced_ids=produced_ids)
