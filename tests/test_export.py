@@ -145,6 +145,29 @@ def test_sharded_export_writes_an_index_and_reloads(setup, tmp_path):
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
 
 
+def test_drafter_for_a_qwen35_target_keeps_plain_rope(tmp_path):
+    """The Qwen3.5 multimodal target has partial rotary in its nested text_config; the export never copies it,
+    and the target check reads the text tower's shape."""
+    from models.config import DFlashConfig
+    from models.tiny import _tiny_config, tiny_tokenizer
+
+    target_dir = tmp_path / "qwen35"  # what the check reads: config.json and the tokenizer (no weights needed)
+    _tiny_config("qwen3_5_vl", 288, 8).save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    text = json.loads((target_dir / "config.json").read_text())["text_config"]
+    assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=288, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=280, block_size=8, torch_dtype="float32",
+                       rope_theta=text["rope_parameters"]["rope_theta"])
+    DFlashDraftModel(cfg).save_pretrained(tmp_path / "src")
+    export_hf(tmp_path / "src", tmp_path / "hf", target=str(target_dir), remote_code_check=False, log=quiet)
+    raw = (tmp_path / "hf" / "config.json").read_text()
+    d = json.loads(raw)
+    assert d["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0} and d["rope_theta"] == 10000.0
+    assert "partial_rotary" not in raw and "mrope" not in raw and d["draftsmith"]["target"] == str(target_dir)
+
+
 @pytest.mark.parametrize("mode", ["bidirectional", "causal"])
 def test_sliding_window_drafter_exports_and_the_shipped_file_matches(tmp_path, mode):
     """The shipped modeling file computes sliding layers (window on the context, in-block mode) as draftsmith."""
