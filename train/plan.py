@@ -58,6 +58,61 @@ def target_shape(cfg) -> tuple[dict, str]:
     return shape, source
 
 
+def parse_devices(spec: str) -> tuple[int, float] | None:
+    """``devices=8x80`` -> (8, 80.0) GPUs x GiB; empty -> this machine's GPUs, or None without one."""
+    if spec:
+        count, _, gib = spec.lower().replace("gib", "").replace("gb", "").partition("x")
+        try:
+            n, cap = int(count), float(gib)
+        except ValueError:
+            n, cap = 0, 0.0
+        if n < 1 or cap <= 0:
+            raise ValueError(f"devices={spec!r}: write COUNTxGiB, e.g. devices=8x80 for 8 GPUs of 80 GB")
+        return n, cap
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.device_count(), round(torch.cuda.get_device_properties(0).total_memory / 1024 ** 3, 1)
+
+
+def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
+    """Memory per GPU for this layout, and what to change when it does not fit (before anything loads).
+
+    One process per GPU holds the whole target and a drafter replica with its AdamW state and
+    activations (offline features too: training still loads the target for its embedding, LM head
+    and true-tau eval); ``target.device_map`` instead spreads the target over the node's GPUs, with
+    the drafter on GPU 0.
+    """
+    devices = parse_devices(cfg.devices)
+    if devices is None:
+        return {"count": 0, "note": "no GPU here: pass devices=COUNTxGiB (e.g. devices=8x80) to plan for a node"}
+    n, cap = devices
+    target = mem["target_weights_gib"]
+    rest = sum(v for k, v in mem.items() if k not in ("target_weights_gib", "total_gib"))
+    spread = bool(cfg.target.device_map)
+    if spread:
+        per = [(target / n + rest) * slack] + [target / n * slack] * (n - 1)
+        layout = f"1 process per node, target spread over its {n} GPUs (target.device_map), drafter on GPU 0"
+    else:
+        per = [(target + rest) * slack] * n
+        layout = f"{n} processes (one per GPU), each with the whole target and a drafter replica"
+    out = {"count": n, "gib_each": cap, "from": f"devices={cfg.devices}" if cfg.devices else "this machine",
+           "layout": layout, "per_device_gib": [round(g, 1) for g in per], "fits": max(per) <= cap}
+    if not out["fits"]:
+        fixes = []
+        spread_gib = (target / n + rest) * slack
+        if not spread and spread_gib <= cap:
+            fixes.append(f"target.device_map=auto (one process per node spreads the target over its {n} GPUs: "
+                         f"~{spread_gib:.1f} GiB on GPU 0)")
+        fixes.append("more or larger GPUs, or less per GPU: train.batch_size, train.anchors, "
+                     "train.grad_checkpointing=true, drafter.num_hidden_layers")
+        worst = max(range(n), key=lambda i: per[i])
+        out["warning"] = (f"does not fit: ~{per[worst]:.1f} GiB needed on GPU {worst}, which has {cap:g} GiB. "
+                          "Use " + "; or ".join(fixes))
+    return out
+
+
 def plan(cfg) -> dict:
     shape, source = target_shape(cfg)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not shape.get(k)]
@@ -126,6 +181,7 @@ def plan(cfg) -> dict:
         "schedule": {"rows_per_step_per_process": rows_per_step, "epochs": tr.epochs, "steps": steps,
                      "lr": tr.lr, "warmup_ratio": tr.warmup_ratio},
         "memory_per_gpu": mem,
+        "devices": device_plan(cfg, mem),
         "tflops_per_row": round(flops_row / 1e12, 2),
     })
     if steps is None:
@@ -159,6 +215,17 @@ def print_plan(cfg) -> dict:
               f"{sc['warmup_ratio']:.0%}" + (f" ({sc['note']})" if "note" in sc else ""))
         m = p["memory_per_gpu"]
         print(f"  memory/GPU ~{m['total_gib']} GiB: " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "total_gib"))
+        dv = p["devices"]
+        if not dv["count"]:
+            print(f"  devices: {dv['note']}")
+        else:
+            per = dv["per_device_gib"]
+            load = f"~{per[0]} GiB each" if len(set(per)) == 1 else \
+                f"GPU 0 ~{per[0]} GiB, GPUs 1-{len(per) - 1} ~{per[1]} GiB each"
+            print(f"  devices: {dv['count']} x {dv['gib_each']:g} GiB ({dv['from']}): {dv['layout']}: {load}"
+                  + ("" if dv["fits"] else " (DOES NOT FIT)"))
+            if "warning" in dv:
+                print(f"  warning: {dv['warning']}")
         print(f"  compute: {p['tflops_per_row']} TFLOPs per row (drafter fwd+bwd + target fwd)")
     print(json.dumps({"plan": p}))
     return p
