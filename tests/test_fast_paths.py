@@ -79,3 +79,59 @@ def test_block_mask_falls_back_when_documents_repeat():
     bm = flex_block_mask(blocks, doc)  # still right: built the generic way
     partial, full = tile_states(blocks.anchors, blocks.valid, torch.zeros_like(doc), 8)
     assert bm.kv_num_blocks.shape == partial.sum(-1).shape
+
+
+# ----------------------------------------------------------------------------- static loop (graphs off on CPU)
+PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
+NEW, B = 24, 8
+MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 17, 19)}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_static_loop_equals_eager_loop(tiny_targets, arch):
+    """Same tokens and acceptance lengths as the eager loop: planted mistakes (exact acceptance known)
+    and a random drafter through the static drafter pass (same drafts as the eager drafter)."""
+    from conftest import ReferenceProposer, expected_acceptance, tiny_drafter_config
+    from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
+                                       static_target_generate)
+    from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
+    from models.drafter import DFlashDraftModel
+
+    target = tiny_targets(arch)
+    ref = target_generate(target, PROMPT, 28, eos_token_ids=[])
+    seq = PROMPT + ref.tokens
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(PROMPT) + NEW + 2 * B, block_size=B)
+    assert not st.graphs  # CPU: the same static buffers, run eagerly
+
+    base = static_target_generate(st, PROMPT, NEW, eos_token_ids=[])
+    assert base.tokens == ref.tokens[:NEW]
+    proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
+    res = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
+    assert res.tokens == ref.tokens[:NEW]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, MISTAKES)
+
+    eager = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
+    parts: dict[str, float] = {}
+    static = static_dflash_generate(st, StaticDrafterProposer(drafter, target, max_len=st.max_len), PROMPT, NEW,
+                                    eos_token_ids=[], parts=parts)
+    assert static.tokens == eager.tokens == ref.tokens[:NEW]
+    assert static.acceptance_lengths == eager.acceptance_lengths
+    assert set(parts) == {"draft", "verify", "accept", "host"}
+
+    # The drafts themselves, cycle by cycle with uneven commits: static pass == eager drafter.
+    p_e, p_s = DrafterProposer(drafter, target), StaticDrafterProposer(drafter, target, max_len=st.max_len)
+    feats = target.forward(torch.tensor([seq]), drafter.config.target_layer_ids, with_logits=False).features
+    start, new = len(PROMPT), feats[:, :len(PROMPT)]
+    for keep in (3, 1, 8, 2, 5):
+        a, b = p_e.propose(seq[start], new, start, B), p_s.propose(seq[start], new, start, B)
+        assert torch.equal(a, b) and p_s.context_length() == p_e.context_length() == start
+        new, start = feats[:, start:start + keep], start + keep
+
+
+def test_static_loop_refuses_hybrid_targets(tiny_targets):
+    from inference.static_loop import StaticLoopUnsupported, StaticTarget
+
+    with pytest.raises(StaticLoopUnsupported, match="full-attention targets.*eager loop"):
+        StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)

@@ -1,0 +1,331 @@
+"""The DFlash loop on static (preallocated) caches, with CUDA graphs for the fixed-shape passes.
+
+At batch 1 an eager HF forward is launch-bound on a GPU (an 8B decode step launches ~1,000 small
+kernels; the weights stream in ~6 ms but the step took 84 ms on an H100), so the speedup of the
+eager loop (``torch_loop.py``) measures the host. Here every per-token pass has a fixed shape:
+
+* target: K/V live in buffers of ``max_len`` positions per layer; a pass of ``T`` tokens writes its
+  K/V at ``start .. start+T-1`` and attends to key slots ``<= its position`` (stale slots past the
+  committed length are masked, then overwritten). **Rollback is a length reset**: nothing moves.
+  The HF decoder layers themselves run (same weights and math), handed a duck-typed cache.
+* drafter: committed-context K/V in buffers too; each block pass takes a fixed ``B`` new-context
+  slots (``c <= B`` real, the rest masked and overwritten by the next cycle).
+* on CUDA the three fixed shapes (target 1-token decode, B-token verify, drafter block pass) are
+  captured once as CUDA graphs and replayed; the prefill runs eagerly. Inputs (tokens, start
+  position, lengths) are copied into static device buffers before a replay.
+
+The eager loop stays the reference: CPU tests check that this loop (graphs off) gives the same
+tokens and acceptance lengths, and ``tests/test_cuda.py`` checks graph replay against eager.
+Supported targets: full-attention ones (Qwen3 dense/MoE, Llama 3.x). GatedDeltaNet (Qwen3.5 /
+3.6) state is not static here: those targets raise a clear error and run the eager loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
+from inference.torch_loop import sample
+from models.drafter import DFlashDraftModel, apply_rope, attend, rope_cos_sin
+from models.target import TargetModel
+
+
+class StaticLoopUnsupported(ValueError):
+    pass
+
+
+class _Graphed:
+    """One function of static buffers, captured as a CUDA graph on first use (eager elsewhere)."""
+
+    def __init__(self, fn: Callable[[], object], use_graph: bool, pool=None):
+        self.fn, self.use_graph, self.pool = fn, use_graph, pool
+        self.graph, self.out = None, None
+
+    def __call__(self):
+        if not self.use_graph:
+            return self.fn()
+        if self.graph is None:
+            # Warm-up on a side stream (cuBLAS handles, lazy inits), then capture. Both write the
+            # same K/V the replay will write (the inputs are already in place): harmless.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.out = self.fn()
+        self.graph.replay()
+        return self.out
+
+
+class _StaticKV:
+    """Duck-typed HF cache: ``update`` writes the new K/V at ``index`` and returns the whole buffers."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self.index: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.keys[layer_idx].index_copy_(2, self.index, key_states.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, self.index, value_states.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+def check_static_target(target: TargetModel) -> None:
+    if target.is_hybrid or any(t != "full_attention" for t in target.layer_types):
+        raise StaticLoopUnsupported(
+            f"the static-cache/CUDA-graph loop supports full-attention targets (Qwen3, Llama); {target.model_type} has "
+            f"layer types {sorted(set(target.layer_types))}: use the eager loop (inference.torch_loop.dflash_generate)")
+
+
+class StaticTarget:
+    """The target over preallocated K/V buffers; ``forward`` passes of 1 and ``block_size`` tokens are graphed."""
+
+    def __init__(self, target: TargetModel, layer_ids: list[int], max_len: int, block_size: int,
+                 graphs: bool | None = None):
+        check_static_target(target)
+        self.target, self.layer_ids, self.max_len = target, list(layer_ids), max_len
+        cfg, dev, dt = target.config, target.device, target.dtype
+        kv_heads = cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bufs = lambda: [torch.zeros(1, kv_heads, max_len, head_dim, device=dev, dtype=dt)  # noqa: E731
+                        for _ in range(target.num_layers)]
+        self.kv = _StaticKV(bufs(), bufs())
+        self.graphs = (dev.type == "cuda") if graphs is None else graphs
+        self._start = torch.zeros(1, dtype=torch.long, device=dev)
+        self._key_pos = torch.arange(max_len, device=dev)
+        pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._ids = {t: torch.zeros(1, t, dtype=torch.long, device=dev) for t in {1, block_size}}
+        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t]), self.graphs, pool) for t in self._ids}
+
+    def _pass(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dec, T = self.target.decoder, ids.shape[1]
+        pos = self._start + torch.arange(T, device=ids.device)  # [T]
+        self.kv.index = pos
+        mask = (self._key_pos[None, :] <= pos[:, None])[None, None]  # [1, 1, T, max_len]: causal over the slots
+        h = dec.embed_tokens(ids)
+        rope = dec.rotary_emb(h, pos[None])
+        taps, captured = set(self.layer_ids), {}
+        for i, layer in enumerate(self.target.layers):
+            h = layer(h, attention_mask=mask, position_ids=pos[None], past_key_values=self.kv, use_cache=True,
+                      cache_position=pos, position_embeddings=rope)
+            h = h[0] if isinstance(h, tuple) else h
+            if i in taps:
+                captured[i] = h
+        logits = self.target.lm_head(dec.norm(h))
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), logits
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features [1, T, taps*H], logits [1, T, V])`` of tokens at positions ``start .. start+T-1``.
+
+        Graphed outputs are static buffers: read them before the next pass of the same length.
+        """
+        T = ids.shape[1]
+        if start + T > self.max_len:
+            raise ValueError(f"static cache holds {self.max_len} positions; a pass to {start + T} does not fit: "
+                             "raise max_len (prompt + max_new_tokens + block size)")
+        self._start.fill_(start)
+        if T in self._passes:
+            self._ids[T].copy_(ids)
+            return self._passes[T]()
+        return self._pass(ids)  # the prefill: any length, eager
+
+
+class StaticDrafterProposer:
+    """The drafter over a preallocated committed-context cache; its block pass is graphed on CUDA."""
+
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, max_len: int, graphs: bool | None = None):
+        cfg = drafter.config
+        cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=target.num_layers)
+        if cfg.use_sliding_window:
+            raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
+                                        "sliding-window layers: use the eager loop")
+        warn_if_mask_is_emitted(cfg.mask_token_id, target.tokenizer)
+        drafter.bind_target(target.embed_tokens, target.lm_head)
+        self.drafter, self.layer_ids, self.block_size = drafter, list(cfg.target_layer_ids), cfg.block_size
+        B, dev, dt = cfg.block_size, drafter.fc.weight.device, drafter.fc.weight.dtype
+        self.max_len = max_len
+        shape = (1, cfg.num_key_value_heads, max_len + B, cfg.head_dim)
+        self.keys = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_hidden_layers)]
+        self.ctx_len = 0
+        self.graphs = (dev.type == "cuda") if graphs is None else graphs
+        self._feats = torch.zeros(1, B, cfg.fc_in_features, device=dev, dtype=dt)
+        self._block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        self._ctx_len = torch.zeros(1, dtype=torch.long, device=dev)
+        self._n_new = torch.zeros(1, dtype=torch.long, device=dev)
+        self._slot = torch.arange(max_len, device=dev)
+        self._pass = _Graphed(lambda: self._block_pass(self._feats), self.graphs,
+                              torch.cuda.graph_pool_handle() if self.graphs else None)
+
+    def reset(self) -> None:
+        self.ctx_len = 0  # stale slots are masked, then overwritten
+
+    def context_length(self) -> int:
+        return self.ctx_len
+
+    def _block_pass(self, feats: torch.Tensor) -> torch.Tensor:
+        """Draft tokens for slots 1..B-1 from ``feats`` (``C`` new-context slots, ``n_new`` real)."""
+        d, cfg = self.drafter, self.drafter.config
+        C, B, dev = feats.shape[1], self.block_size, feats.device
+        ctx_pos = self._ctx_len + torch.arange(C, device=dev)  # cache slot = position (context is contiguous)
+        blk_pos = self._ctx_len + self._n_new + torch.arange(B, device=dev)
+        dtype = d.fc.weight.dtype
+        rope_ctx = rope_cos_sin(ctx_pos[None], cfg.head_dim, cfg.rope_theta, dtype)
+        rope_blk = rope_cos_sin(blk_pos[None], cfg.head_dim, cfg.rope_theta, dtype)
+        context = d.hidden_norm(d.fc(feats))
+        visible = self._slot < self._ctx_len + self._n_new  # committed context slots
+        mask = torch.cat([visible, torch.ones(B, dtype=torch.bool, device=dev)])[None, None, None].expand(1, 1, B, -1)
+        h = d.embed(self._block)
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = apply_rope(a.q_norm(a._heads(a.q_proj(x), a.num_heads)), *rope_blk)
+            k_blk = apply_rope(a.k_norm(a._heads(a.k_proj(x), a.num_kv_heads)), *rope_blk)
+            v_blk = a._heads(a.v_proj(x), a.num_kv_heads)
+            self.keys[i].index_copy_(2, ctx_pos, apply_rope(a.k_norm(a._heads(a.k_proj(context), a.num_kv_heads)),
+                                                            *rope_ctx))
+            self.values[i].index_copy_(2, ctx_pos, a._heads(a.v_proj(context), a.num_kv_heads))
+            k = torch.cat([self.keys[i][:, :, :self.max_len], k_blk], dim=-2)
+            v = torch.cat([self.values[i][:, :, :self.max_len], v_blk], dim=-2)
+            h = h + a.o_proj(attend(q, k, v, mask).transpose(1, 2).reshape(1, B, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return d.logits(d.norm(h)[:, 1:])[0].argmax(-1)
+
+    @torch.no_grad()
+    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
+        c = new_features.shape[1]
+        if block_size != self.block_size:
+            raise StaticLoopUnsupported(f"the static drafter pass is built for blocks of {self.block_size}; "
+                                        f"got {block_size}")
+        if start - c != self.ctx_len:
+            raise RuntimeError(f"draft cache holds {self.ctx_len} positions but {c} new features end at {start}")
+        if self.ctx_len + max(c, self.block_size) > self.max_len:
+            raise ValueError(f"drafter cache holds {self.max_len} positions; raise max_len")
+        self._ctx_len.fill_(self.ctx_len)
+        self._n_new.fill_(c)
+        self._block[0, 0] = bonus
+        feats = new_features.to(self._feats.dtype)
+        if c <= self.block_size:
+            self._feats[:, :c].copy_(feats)
+            out = self._pass()
+        else:  # the prompt's features: one eager pass of its own width
+            out = self._block_pass(feats)
+        self.ctx_len += c
+        return out
+
+
+@torch.no_grad()
+def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+                           temperature: float = 0.0, block_size: int | None = None,
+                           eos_token_ids: list[int] | None = None, seed: int = 0,
+                           parts: dict[str, float] | None = None) -> GenerationResult:
+    """``torch_loop.dflash_generate`` on static caches: same cycle, same result, rollback = length reset.
+
+    ``parts`` (a dict): accumulate seconds per part (draft, verify, accept, host), with a device
+    sync around each, which slows the loop: a profiling run, not the timed one.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    B = resolve_block_size(block_size, proposer.block_size)
+    eos = set(target.target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    device = target.target.device
+    gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    proposer.reset()
+    result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
+    clock = _Clock(device, parts)
+    t0 = time.perf_counter()
+    feats, logits = target.forward(torch.tensor([prompt_ids], device=device), 0)
+    new_features = feats.clone()
+    first = int(sample(logits[0, -1], temperature, gen))
+    _sync(device)
+    result.prefill_s = time.perf_counter() - t0
+    committed = len(prompt_ids)
+    stop = commit_tokens([first], result.tokens, eos, max_new_tokens)
+    t1 = time.perf_counter()
+    while stop is None:
+        clock.start()
+        bonus = result.tokens[-1]
+        drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+        clock.lap("draft")
+        block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
+        feats, logits = target.forward(block, committed)
+        clock.lap("verify")
+        both = torch.cat([drafts, sample(logits[0], temperature, gen)]).tolist()  # the one sync per cycle
+        clock.lap("accept")
+        drafts, target_tokens = both[:B - 1], both[B - 1:]
+        if proposer.context_length() not in (committed, -1):
+            raise RuntimeError(f"draft cache holds {proposer.context_length()} positions, committed is {committed}")
+        keep, stop = result.record_cycle(drafts, target_tokens, eos, max_new_tokens)
+        committed += keep  # the rollback: later passes overwrite and mask the slots past `committed`
+        new_features = feats[:, :keep].clone()  # the graph's output buffer is reused by the next pass
+        clock.lap("host")
+    _sync(device)
+    result.decode_s = time.perf_counter() - t1
+    result.stop_reason = stop
+    return result
+
+
+@torch.no_grad()
+def static_target_generate(target: StaticTarget, prompt_ids: list[int], max_new_tokens: int = 256,
+                           temperature: float = 0.0, eos_token_ids: list[int] | None = None,
+                           seed: int = 0) -> GenerationResult:
+    """The baseline on the same static cache and graphed 1-token pass: one token per forward."""
+    eos = set(target.target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    device = target.target.device
+    gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    result = GenerationResult(tokens=[], block_size=1)
+    t0 = time.perf_counter()
+    _, logits = target.forward(torch.tensor([prompt_ids], device=device), 0)
+    tok = int(sample(logits[0, -1], temperature, gen))
+    _sync(device)
+    result.prefill_s = time.perf_counter() - t0
+    pos = len(prompt_ids)
+    stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    t1 = time.perf_counter()
+    while stop is None:
+        ids.fill_(tok)
+        _, logits = target.forward(ids, pos)
+        pos += 1
+        tok = int(sample(logits[0, -1], temperature, gen))
+        result.acceptance_lengths.append(1)
+        stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
+    _sync(device)
+    result.decode_s = time.perf_counter() - t1
+    result.stop_reason = stop
+    return result
+
+
+class _Clock:
+    """Per-part wall time with a device sync at each lap (only when a ``parts`` dict is given)."""
+
+    def __init__(self, device: torch.device, parts: dict[str, float] | None):
+        self.device, self.parts, self.t = device, parts, 0.0
+
+    def start(self) -> None:
+        if self.parts is not None:
+            _sync(self.device)
+            self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.parts is not None:
+            _sync(self.device)
+            now = time.perf_counter()
+            self.parts[name] = self.parts.get(name, 0.0) + now - self.t
+            self.t = now
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["StaticTarget", "StaticDrafterProposer", "StaticLoopUnsupported", "static_dflash_generate",
+           "static_target_generate"]
