@@ -22,9 +22,10 @@ saves/loads state; the loop is ours. Its whole state is ``train.loop.LoopState``
 what a checkpoint saves. Ctrl-C prints the newest checkpoint and the command that resumes from it.
 
 Determinism: the data order of epoch e is a permutation drawn from (seed, e), and the anchors of
-each row from (seed, epoch, row), both from their own generators (train/rng.py). So the data-order state is just
-(epoch, step in epoch), a resumed run draws exactly the same anchors as an uninterrupted one, and
-a row's blocks do not depend on the batch size, gradient accumulation or process count. The loss
+each row from (seed, epoch, row), both from their own generators (train/rng.py). So the data-order
+state is just (epoch, step in epoch), a resumed run draws exactly the same anchors as an
+uninterrupted one, and a row's blocks do not depend on the batch size, gradient accumulation or
+process count. The loss
 of an optimizer step is normalised by the slot-weight sum of the whole step (see the loop), so
 ``batch_size=2 grad_accum=1`` and ``batch_size=1 grad_accum=2`` take the same step.
 """
