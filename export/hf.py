@@ -34,6 +34,7 @@ from export.check import (check_parity, config_differences, logit_stats, raise_i
 from export.folder import check_out, staging
 from export.source import resolve_source, target_quantization
 from export.usage import serve_commands
+from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,8 +80,6 @@ def block_outputs(model: torch.nn.Module, inputs: dict, dtype: torch.dtype, head
 def gate(folder: Path, model: DFlashDraftModel, dtype: torch.dtype, remote_code: bool,
          log: Callable[[str], None]) -> dict[str, Any]:
     """Every check on the written folder; raises ``ExportCheckError`` (nothing moved) on the first failure."""
-    from models.config import DFlashConfig
-
     d = json.loads((folder / "config.json").read_text())
     raise_if(schema_problems(d, folder, hf=True), f"{folder.name}/config.json fails the engine schema")
     again_cfg = DFlashConfig.from_dict(d)
@@ -117,6 +116,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     out = Path(out)
     src = resolve_source(checkpoint)
     check_out(out, overwrite, src.drafter_dir)
+    if DFlashConfig.load(src.drafter_dir).quantization:
+        raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: export.hf needs the full-precision "
+                         "drafter (the training checkpoint or final/drafter)")
     torch_dtype = DTYPES[dtype]
     log(f"source: {src.drafter_dir} ({src.kind})")
     model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=torch_dtype)
