@@ -181,9 +181,12 @@ class HTTPGenerator:
             reason = getattr(e, "reason", e)
             raise ServerUnavailable(
                 f"no regeneration server answers at {self.base} ({reason}). Start one with the target: "
-                f"{start_command(self.model)}; or let draftsmith start it (data.regenerate=vllm|sglang, "
+                f"{start_command(self.model or 'TARGET')}; or let draftsmith start it (data.regenerate=vllm|sglang, "
                 "--regenerate vllm|sglang), or regenerate in-process (local) or not at all (none)") from None
         if self.model in served:
+            return
+        if not self.model and len(served) == 1:  # no name given: the server's only model
+            self.model = served[0]
             return
         close = [m for m in served if _same_name_but_path(m, self.model)]
         if len(close) == 1:
@@ -210,7 +213,8 @@ class HTTPGenerator:
 
     def complete(self, messages: list[dict]) -> Completion:
         """One answer, retried on connection errors, timeouts, 429 and 5xx with exponential backoff."""
-        payload = {"model": self.model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+        payload = {"model": self.model or "default",
+                   "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
                    "temperature": self.temperature, "max_tokens": self.max_tokens}
         if self.thinking is not None:
             payload["chat_template_kwargs"] = {"enable_thinking": self.thinking}
@@ -233,8 +237,8 @@ class HTTPGenerator:
             except urllib.error.HTTPError as e:
                 detail = e.read()[:300]
                 if e.code == 400 and self.ask_token_ids and b"return_token_ids" in detail:
-                    self.ask_token_ids = False  # a strict server: ask again without the field
-                    continue
+                    self.ask_token_ids = False  # a strict server: ask again without the field (not a retry)
+                    return self.complete(messages)
                 if e.code != 429 and e.code < 500 or attempt == self.retries:
                     raise RegenerationError(f"HTTP {e.code} from {self.url}: {detail!r}") from e
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
@@ -480,7 +484,7 @@ def make_generator(spec: str, *, model: str | None = None, target=None, thinking
     if not spec.startswith(("http://", "https://")):
         raise ValueError(f"--regenerate {spec!r}: use 'local', 'vllm', 'sglang' or a server base URL like "
                          "http://127.0.0.1:8000/v1")
-    gen = HTTPGenerator(spec, model or "default", temperature=temperature, max_tokens=max_tokens, thinking=thinking,
+    gen = HTTPGenerator(spec, model or "", temperature=temperature, max_tokens=max_tokens, thinking=thinking,
                         concurrency=concurrency, retries=retries, backoff=backoff)
     if preflight:
         gen.preflight()
@@ -503,7 +507,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.readers import load_conversations
+    from data.readers import ReadStats, iter_conversations, no_usable_rows
 
     p = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -521,8 +525,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not a.server and not a.target:
         p.error("give --server URL (OpenAI-compatible) or --target (in-process generation)")
-    convs, stats = load_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, need_answers=False)
-    print(stats.summary(), file=sys.stderr)
+    stats = ReadStats()  # the source is streamed: read as regeneration goes
+    convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
+                               need_answers=False)
     target = None
     if not a.server:
         from models.target import TargetModel
@@ -531,6 +536,9 @@ def main(argv: list[str] | None = None) -> None:
                          thinking=parse_thinking(a.thinking), temperature=a.temperature, max_tokens=a.max_tokens,
                          concurrency=a.concurrency, batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
     report = regenerate(convs, a.out, gen, progress=not a.no_progress)
+    print(stats.summary(), file=sys.stderr)
+    if stats.kept == 0:
+        raise no_usable_rows(a.source, stats)
     print(report.line())
     if report.failed:
         raise RegenerationError(f"{report.failed} conversations failed ({report.error_summary()}); see "

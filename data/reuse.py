@@ -122,7 +122,8 @@ def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
     if out.exists() and not out.is_dir():
         raise NotPreparedFolder(f"{out} is a file, not a folder: choose a new or empty folder for the prepared data")
     recorded = (read_json(out / META_FILE) or read_json(out / PARTIAL_FILE)) if out.is_dir() else None
-    if recorded is None and out.is_dir() and any(out.iterdir()):
+    ours = {REGEN_FILE, REGEN_FILE + ".failed.jsonl", "regenerate-server.log"}  # left by a failed regeneration
+    if recorded is None and out.is_dir() and any(p.name not in ours for p in out.iterdir()):
         raise NotPreparedFolder(
             f"{out} is not empty and is not a prepared-data folder (no {META_FILE}): draftsmith does not write "
             "into it. Choose a new or empty folder (data.prepared=DIR, or --out DIR)")
