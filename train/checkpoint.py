@@ -90,12 +90,12 @@ def load_checkpoint(accelerator, directory: Path) -> dict:
 # model, the objective or the data order. A prefix ending in "." covers a whole section. Everything
 # else is refused on resume, so a key added later is safe by default.
 HARMLESS_KEYS = (
-    "recipe", "out_dir", "resume", "dry_run", "devices", "target.device_map", "target.max_memory", "logging.", "eval.", "checkpoint.", "export.",
+    "recipe", "out_dir", "resume", "dry_run", "devices", "logging.", "eval.", "checkpoint.", "export.",
     "train.attention", "train.ce_chunk", "train.grad_checkpointing",  # same math, other kernels / memory
     "target.model_type", "target.num_layers", "target.hidden_size", "target.intermediate_size",  # dry-run facts
     "target.num_attention_heads", "target.num_key_value_heads", "target.head_dim", "target.vocab_size",
     "target.max_position_embeddings", "target.rope_theta", "target.params_b", "target.active_params_b",
-    "target.device_map",  # where the target's layers live, not what it computes
+    "target.device_map", "target.max_memory",  # where the target's layers live, not what it computes
 )
 
 
