@@ -417,14 +417,3 @@ def simulated_acceptance(correct: torch.Tensor, label_mask: torch.Tensor,
         "pos_count": label_mask.flatten(0, 1).sum(0).float(),
         "pos_accept": acc[v].sum(0).float(),
     }
-
-
-def model_flops_per_token(num_layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                          context: float, vocab: int, lm_head: bool = True) -> float:
-    """Forward FLOPs per query token of a Qwen3-style layer stack (2 x MACs), attention over ``context`` keys."""
-    attn_proj = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    mlp = 3 * hidden * intermediate
-    attn = 2 * heads * head_dim * context
-    per_layer = 2 * (attn_proj + mlp) + 2 * attn
-    return num_layers * per_layer + (2 * hidden * vocab if lm_head else 0)
-
