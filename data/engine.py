@@ -7,6 +7,12 @@ error or Ctrl-C) before training starts, so its GPU memory is free again. The en
 goes to a log file (``out_dir/regenerate-server.log``); when it dies or does not come up in time
 the error shows the log's last lines.
 
+A training run already holds the target on its GPU when it prepares data; ``make_room`` (see
+:func:`offloaded`) moves it to the CPU while the engine runs, so the engine finds the memory it
+asks for (vLLM takes 90% of a GPU by default). Engines spread over several GPUs
+(``--tensor-parallel-size``) need the other processes' GPUs too: prepare the data first with
+``python -m data.prepare ... --regenerate vllm``, then train on it.
+
 The command is a template with ``{target}``, ``{host}``, ``{port}`` and ``{python}`` fields.
 ``DRAFTSMITH_ENGINE_COMMAND`` replaces the built-in one (extra engine flags such as
 ``--tensor-parallel-size 8``, or a stand-in server in tests)::
@@ -105,12 +111,37 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
+def offloaded(module) -> Iterator[None]:
+    """``module`` on the CPU for the ``with`` block (GPU memory released), then back where it was."""
+    import torch
+
+    device = next(module.parameters()).device
+    if device.type != "cuda":
+        yield
+        return
+    module.to("cpu")
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        module.to(device)
+
+
+@contextlib.contextmanager
 def running_engine(engine: str, target: str, log_path: str | Path, *, timeout: float = 1800.0,
-                   command: str | None = None, host: str = "127.0.0.1", log=print) -> Iterator[str]:
+                   command: str | None = None, host: str = "127.0.0.1", log=print,
+                   make_room=None) -> Iterator[str]:
     """Run ``engine`` serving ``target`` for the ``with`` block; yields its base URL (``.../v1``).
 
     Bound to ``host`` (local only by default). Stopped on leaving the block, whatever the reason.
+    ``make_room``: a context manager factory entered while the engine runs (:func:`offloaded`).
     """
+    with make_room() if make_room is not None else contextlib.nullcontext():
+        yield from _run(engine, target, log_path, timeout=timeout, command=command, host=host, log=log)
+
+
+def _run(engine: str, target: str, log_path: str | Path, *, timeout: float, command: str | None, host: str,
+         log) -> Iterator[str]:
     port = free_port(host)
     argv = engine_command(engine, target, host, port, command)
     log_path = Path(log_path)

@@ -56,6 +56,7 @@ def load_target(cfg, out_dir: Path, accelerator, log):
 
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
+    from data.engine import offloaded
     from data.prepare import ensure_prepared, load_prepared
     from data.sync import run_on_main
 
@@ -73,7 +74,8 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
                         split=cfg.data.split, subset=cfg.data.subset, progress=cfg.logging.progress,
                         gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens,
                                     "batch_size": cfg.data.regenerate_batch_size},
-                        server_log=out_dir / "regenerate-server.log")
+                        server_log=out_dir / "regenerate-server.log",
+                        make_room=lambda: offloaded(target.model))  # a started vLLM/SGLang gets the GPU
 
     run_on_main(prepare_data, accelerator, what="data preparation")  # a failure there stops every process
     ds, meta = load_prepared(prepared, tokenizer=target.tokenizer, target=target, force=cfg.data.force_target)
