@@ -3,9 +3,21 @@
     python -m inference.bench --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --backend torch
     python -m inference.bench --tiny qwen3_5 --backend torch      # random tiny target + drafter, no download
 
+    python -m inference.bench --random-target qwen3-8b --loop static eager --repeat 2   # CUDA, no download
+
 Each line: backend, device, prompt index, tokens, tau, dflash and baseline decode tokens/s, speedup,
 and whether the greedy outputs match (first divergence index otherwise). A warm-up generation
-runs first so that one-time costs (kernel selection, allocation) are not timed.
+runs first so that one-time costs (kernel selection, allocation, graph capture) are not timed.
+
+``--loop`` (torch backend): ``eager`` is the reference loop (``inference.torch_loop``), ``static``
+the preallocated-cache loop with CUDA graphs (``inference.static_loop``; full-attention targets);
+the baseline runs through the same loop kind. Torch lines also give the **cycle cost** (decode
+seconds per DFlash cycle over baseline seconds per token: 1.0 means a draft+verify cycle costs one
+target decode step) and a ``decode_parts`` line per loop: per-cycle milliseconds of draft, verify,
+accept (the one host sync) and host bookkeeping (eager: rollback too), from one extra run with a
+device sync around each part. ``--random-target RECIPE`` builds a random-weight target of a
+recipe's shape on the device and a random recipe drafter (tau ~1: speed plumbing only); prompts
+are then random token ids.
 """
 
 from __future__ import annotations
@@ -42,6 +54,70 @@ def tiny_folders(arch: str, root: str) -> tuple[str, str]:
     return str(target_dir), f"{root}/draft"
 
 
+def random_models(recipe: str, device: str, seed: int = 0):
+    """A random target of ``recipe``'s shape (bf16 on CUDA) and a random 5-layer drafter for it."""
+    import torch
+
+    from data.bench import recipe_target
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    target = recipe_target(recipe, device, dtype)
+    c = target.config
+    cfg = DFlashConfig.for_target(hidden_size=c.hidden_size, vocab_size=target.vocab_size,
+                                  num_target_layers=target.num_layers, max_position_embeddings=32768,
+                                  num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                                  head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                                  mask_token_id=target.vocab_size - 1, block_size=16, torch_dtype="bfloat16")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        drafter = DFlashDraftModel(cfg).to(dtype).eval()
+    return target, drafter
+
+
+def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_new: int, block_size: int | None,
+               repeat: int) -> None:
+    """Both loops of the torch backend on loaded models: decode lines, cycle cost and per-part times."""
+    from inference import static_loop as sl
+    from inference import torch_loop as tl
+
+    B = block_size or drafter.config.block_size
+    max_len = max(len(p) for p in prompts) + max_new + 2 * B
+    for loop in loops:
+        if loop == "static":
+            st = sl.StaticTarget(target, drafter.config.target_layer_ids, max_len, B)
+            proposer = sl.StaticDrafterProposer(drafter, target, max_len)
+            gen = lambda ids, **kw: sl.static_dflash_generate(st, proposer, ids, **kw)  # noqa: E731
+            base = lambda ids, **kw: sl.static_target_generate(st, ids, **kw)  # noqa: E731
+        else:
+            proposer = tl.DrafterProposer(drafter, target)
+            gen = lambda ids, **kw: tl.dflash_generate(target, proposer, ids, **kw)  # noqa: E731
+            base = lambda ids, **kw: tl.target_generate(target, ids, **kw)  # noqa: E731
+        gen(prompts[0], max_new_tokens=2 * B, block_size=B, eos_token_ids=[])  # warm-up: graphs, kernels
+        base(prompts[0], max_new_tokens=4, eos_token_ids=[])
+        for rep in range(repeat):
+            for i, ids in enumerate(prompts):
+                r = gen(ids, max_new_tokens=max_new, block_size=B, eos_token_ids=[])
+                b = base(ids, max_new_tokens=max_new, eos_token_ids=[])
+                cycles, steps = len(r.acceptance_lengths), max(len(b.tokens) - 1, 1)
+                first = next((k for k, (x, y) in enumerate(zip(r.tokens, b.tokens)) if x != y), None)
+                print(json.dumps({"bench": "decode", "backend": "torch", "loop": loop, "device": str(target.device),
+                                  "repeat": rep, "prompt": i, "prompt_tokens": len(ids), "tokens": len(r.tokens),
+                                  "tau": round(r.tau, 3), "dflash_tok_s": round(r.decode_tokens_per_s, 2),
+                                  "baseline_tok_s": round(b.decode_tokens_per_s, 2),
+                                  "speedup": round(r.decode_tokens_per_s / max(b.decode_tokens_per_s, 1e-9), 3),
+                                  "baseline_ms_per_token": round(1e3 * b.decode_s / steps, 3),
+                                  "cycle_ms": round(1e3 * r.decode_s / max(cycles, 1), 3),
+                                  "cycle_cost": round((r.decode_s / max(cycles, 1)) / (b.decode_s / steps), 3),
+                                  "matches_baseline": first is None, "first_divergence": first}), flush=True)
+        parts: dict[str, float] = {}
+        r = gen(prompts[0], max_new_tokens=max_new, block_size=B, eos_token_ids=[], parts=parts)
+        n = max(len(r.acceptance_lengths), 1)
+        print(json.dumps({"bench": "decode_parts", "loop": loop, "cycles": n,
+                          **{f"{k}_ms_per_cycle": round(1e3 * v / n, 3) for k, v in parts.items()}}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     from inference.generate import Session, pick_backend, report_of
 
@@ -56,9 +132,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--random-target", metavar="RECIPE", default=None,
+                   help="random target of a recipe's shape (qwen3-8b, llama31-8b, ...) + random drafter, on the device")
+    p.add_argument("--loop", nargs="+", choices=["eager", "static"], default=None,
+                   help="torch loops to time (default: static eager)")
+    p.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts (default 1)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="--random-target: random prompt length (default 64)")
     args = p.parse_args(argv)
+    if args.random_target or (args.loop and args.backend != "mlx"):
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.random_target:
+            target, drafter = random_models(args.random_target, device)
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, target.vocab_size - 2, (args.prompt_tokens,), generator=g).tolist()
+                       for _ in args.prompts]
+        else:
+            with tempfile.TemporaryDirectory() as root:
+                target_dir, draft_dir = tiny_folders(args.tiny, root) if args.tiny else (args.target, args.draft)
+                session = Session("torch", target_dir, draft_dir, device, args.dtype)
+            target, drafter = session.target, session.proposer.drafter
+            prompts = [_chat_ids(target.tokenizer, x) for x in args.prompts]
+        torch_runs(target, drafter, prompts, args.loop or ["static", "eager"], args.max_new_tokens, args.block_size,
+                   args.repeat)
+        return
     if not args.tiny and not (args.target and args.draft):
-        p.error("give --target and --draft, or --tiny ARCH")
+        p.error("give --target and --draft, --tiny ARCH or --random-target RECIPE")
     with tempfile.TemporaryDirectory() as root:
         target, draft = tiny_folders(args.tiny, root) if args.tiny else (args.target, args.draft)
         session = Session(pick_backend(args.backend), target, draft, args.device, args.dtype)
@@ -76,6 +176,11 @@ def main(argv: list[str] | None = None) -> None:
                               "baseline_tok_s": round(r["baseline_decode_tokens_per_s"], 2),
                               "speedup": round(r["speedup"] or 0.0, 3), "matches_baseline": r["matches_baseline"],
                               "first_divergence": r["first_divergence"]}), flush=True)
+
+def _chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
 
 if __name__ == "__main__":
     from models.cli import run_cli

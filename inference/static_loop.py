@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
-from inference.torch_loop import sample
+from inference.torch_loop import Clock, check_draft_cache, sample
 from models.drafter import DFlashDraftModel, apply_rope, attend, rope_cos_sin
 from models.target import TargetModel
 
@@ -239,7 +239,7 @@ def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int]
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     proposer.reset()
     result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
-    clock = _Clock(device, parts)
+    clock = Clock(device, parts)
     t0 = time.perf_counter()
     feats, logits = target.forward(torch.tensor([prompt_ids], device=device), 0)
     new_features = feats.clone()
@@ -260,8 +260,7 @@ def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int]
         both = torch.cat([drafts, sample(logits[0], temperature, gen)]).tolist()  # the one sync per cycle
         clock.lap("accept")
         drafts, target_tokens = both[:B - 1], both[B - 1:]
-        if proposer.context_length() not in (committed, -1):
-            raise RuntimeError(f"draft cache holds {proposer.context_length()} positions, committed is {committed}")
+        check_draft_cache(proposer, committed)
         keep, stop = result.record_cycle(drafts, target_tokens, eos, max_new_tokens)
         committed += keep  # the rollback: later passes overwrite and mask the slots past `committed`
         new_features = feats[:, :keep].clone()  # the graph's output buffer is reused by the next pass
@@ -301,25 +300,6 @@ def static_target_generate(target: StaticTarget, prompt_ids: list[int], max_new_
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop
     return result
-
-
-class _Clock:
-    """Per-part wall time with a device sync at each lap (only when a ``parts`` dict is given)."""
-
-    def __init__(self, device: torch.device, parts: dict[str, float] | None):
-        self.device, self.parts, self.t = device, parts, 0.0
-
-    def start(self) -> None:
-        if self.parts is not None:
-            _sync(self.device)
-            self.t = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        if self.parts is not None:
-            _sync(self.device)
-            now = time.perf_counter()
-            self.parts[name] = self.parts.get(name, 0.0) + now - self.t
-            self.t = now
 
 
 def _sync(device: torch.device) -> None:

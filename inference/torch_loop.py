@@ -80,10 +80,13 @@ class DrafterProposer:
 @torch.no_grad()
 def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                     temperature: float = 0.0, block_size: int | None = None, eos_token_ids: list[int] | None = None,
-                    seed: int = 0, on_cycle: Callable[[object, int], None] | None = None) -> GenerationResult:
+                    seed: int = 0, on_cycle: Callable[[object, int], None] | None = None,
+                    parts: dict[str, float] | None = None) -> GenerationResult:
     """Speculative generation with a DFlash drafter; lossless with respect to the target.
 
     ``on_cycle(cache, committed)`` is called after every cycle's rollback (tests inspect the cache).
+    ``parts`` (a dict): accumulate seconds per part (draft, verify, accept, rollback, host) with a
+    device sync around each, which slows the loop: for a profiling run, not the timed one.
     """
     check_generation_args(prompt_ids, max_new_tokens, temperature)
     B = resolve_block_size(block_size, proposer.block_size)
@@ -105,22 +108,28 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
     new_features = out.features
     stop = commit_tokens([first], result.tokens, eos, max_new_tokens)
 
+    clock = Clock(device, parts)
     t1 = time.perf_counter()
     while stop is None:
+        clock.start()
         bonus = result.tokens[-1]
         drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+        clock.lap("draft")
         block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
         positions = torch.arange(committed, committed + B, device=device)[None]
         with rollback.recording(cache):
             verify = target.forward(block, proposer.layer_ids, cache=cache, position_ids=positions)
+        clock.lap("verify")
         both = torch.cat([drafts, sample(verify.logits[0], temperature, gen)]).tolist()  # the one sync per cycle
+        clock.lap("accept")
         drafts, target_tokens = both[:B - 1], both[B - 1:]
-        assert proposer.context_length() in (committed, -1), \
-            f"draft cache holds {proposer.context_length()} positions, committed is {committed}"
+        check_draft_cache(proposer, committed)
         keep, stop = result.record_cycle(drafts, target_tokens, eos, max_new_tokens)
+        clock.lap("host")
         rollback.commit(cache, keep=keep, block_len=B)
         committed += keep
         rollback.check(cache, committed)
+        clock.lap("rollback")
         if on_cycle is not None:
             on_cycle(cache, committed)
         new_features = verify.features[:, :keep]
@@ -156,6 +165,33 @@ def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: 
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop
     return result
+
+
+def check_draft_cache(proposer: Proposer, committed: int) -> None:
+    """The drafter's context cache must hold exactly the committed positions (-1: a proposer without one)."""
+    held = proposer.context_length()
+    if held not in (committed, -1):
+        raise RuntimeError(f"draft cache holds {held} positions but {committed} are committed: the proposer "
+                           "appended features the loop did not commit (a bug in the proposer)")
+
+
+class Clock:
+    """Per-part wall time with a device sync at each lap; does nothing without a ``parts`` dict."""
+
+    def __init__(self, device: torch.device, parts: dict[str, float] | None):
+        self.device, self.parts, self.t = device, parts, 0.0
+
+    def start(self) -> None:
+        if self.parts is not None:
+            _sync(self.device)
+            self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.parts is not None:
+            _sync(self.device)
+            now = time.perf_counter()
+            self.parts[name] = self.parts.get(name, 0.0) + now - self.t
+            self.t = now
 
 
 def _sync(device: torch.device) -> None:

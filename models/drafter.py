@@ -52,22 +52,36 @@ class DraftCache:
     """Keys/values of *committed* context only, per layer.
 
     Each draft call appends the new context positions and attends to them plus the block; the
-    block's own keys/values are never stored, so the cache needs no rollback.
+    block's own keys/values are never stored, so the cache needs no rollback. Storage grows in
+    steps of ``step`` positions (as mlx_lm's ``KVCache`` under the MLX twin), so an append costs
+    O(new positions), not a re-concatenation of the whole context every cycle.
     """
+
+    step = 256
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.offsets = [0] * num_layers
 
     def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer_idx] is not None:
-            k = torch.cat([self.keys[layer_idx], k], dim=-2)
-            v = torch.cat([self.values[layer_idx], v], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = k, v
-        return k, v
+        n, start = k.shape[-2], self.offsets[layer_idx]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or start + n > keys.shape[-2]:
+            size = -(-(start + n) // self.step) * self.step
+            grown_k = k.new_zeros(*k.shape[:-2], size, k.shape[-1])
+            grown_v = v.new_zeros(*v.shape[:-2], size, v.shape[-1])
+            if keys is not None:
+                grown_k[..., :start, :] = keys[..., :start, :]
+                grown_v[..., :start, :] = values[..., :start, :]
+            self.keys[layer_idx], self.values[layer_idx] = keys, values = grown_k, grown_v
+        keys[..., start:start + n, :] = k
+        values[..., start:start + n, :] = v
+        self.offsets[layer_idx] = start + n
+        return keys[..., :start + n, :], values[..., :start + n, :]
 
     def lengths(self) -> list[int]:
-        return [0 if k is None else k.shape[-2] for k in self.keys]
+        return list(self.offsets)
 
     def __len__(self) -> int:
         return self.lengths()[0]
