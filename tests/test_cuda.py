@@ -77,3 +77,36 @@ def test_torch_loop_on_cuda(tiny_targets, arch):
         print(f"{arch} {dtype}: first divergence from target-only decoding: {first}")
         if dtype == torch.float32:
             assert first is None and res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_graph_loop_equals_eager_loop_on_cuda(arch):
+    """CUDA graph replay of the static loop (decode, verify, drafter block pass) against the eager loop
+    in fp32: same tokens as target-only decoding, same acceptance lengths, same drafts."""
+    from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
+                                       static_target_generate)
+    from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
+    mistakes = {len(prompt) + k for k in (3, 4, 12, 30, 31, 33, 47, 50, 58)}
+    target = TargetModel(tiny_target(arch).cuda(), tiny_tokenizer())
+    ref = target_generate(target, prompt, 80, eos_token_ids=[])
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).cuda().eval()
+    st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(prompt) + 100, block_size=8)
+    assert st.graphs
+    assert static_target_generate(st, prompt, 64, eos_token_ids=[]).tokens == ref.tokens[:64]
+    res = static_dflash_generate(st, ReferenceProposer(prompt + ref.tokens, drafter.config.target_layer_ids, 8, 288,
+                                                       mistakes), prompt, 64, eos_token_ids=[])
+    assert res.tokens == ref.tokens[:64]
+    assert res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
+    eager = dflash_generate(target, DrafterProposer(drafter, target), prompt, 64, eos_token_ids=[])
+    proposer = StaticDrafterProposer(drafter, target, st.max_len)
+    static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[])
+    assert static.tokens == eager.tokens == ref.tokens[:64]
+    assert static.acceptance_lengths == eager.acceptance_lengths
+    assert st._passes[1].graph is not None and st._passes[8].graph is not None  # replayed, not eager
+    assert proposer._pass.graph is not None
