@@ -56,6 +56,19 @@ def parse_max_memory(spec: str | dict | None) -> dict | None:
     return out
 
 
+def warn_if_slow_linear_attention(family: str, device: torch.device) -> None:
+    """One line when a Qwen3.5 / 3.6 target runs on CUDA without the fast GatedDeltaNet kernels."""
+    import importlib.util
+    import logging
+
+    if family != "qwen3_5" or device.type != "cuda" or importlib.util.find_spec("fla") is not None:
+        return
+    logging.getLogger(__name__).warning(
+        "Qwen3.5 target on CUDA without flash-linear-attention: GatedDeltaNet runs transformers' torch reference "
+        "(2.7x slower forward); install the kernels: pip install 'draftsmith[cuda]' "
+        "(and causal-conv1d where it builds)")
+
+
 class _StopForward(Exception):
     """Raised by the deepest tap when nothing after it is needed."""
 
@@ -84,6 +97,7 @@ class TargetModel:
         self.embed_tokens = self.decoder.embed_tokens
         self.lm_head = model.get_output_embeddings()
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
+        warn_if_slow_linear_attention(self.family, self.device)
         # What the weights are ("none", "mlx-4bit-g64", "bnb-4bit", ...): recorded as "trained against".
         self.quantization = "none"
 

@@ -135,3 +135,17 @@ def test_static_loop_refuses_hybrid_targets(tiny_targets):
 
     with pytest.raises(StaticLoopUnsupported, match="full-attention targets.*eager loop"):
         StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
+
+
+def test_qwen35_on_cuda_without_fla_warns_once_with_the_install_command(monkeypatch, caplog):
+    import importlib.util
+
+    from models.target import warn_if_slow_linear_attention
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real(name, *a))
+    warn_if_slow_linear_attention("qwen3_5", torch.device("cuda"))
+    warn_if_slow_linear_attention("qwen3", torch.device("cuda"))  # no GatedDeltaNet: nothing to say
+    warn_if_slow_linear_attention("qwen3_5", torch.device("cpu"))  # the CPU has no such kernels anyway
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "pip install 'draftsmith[cuda]'" in lines[0] and "\n" not in lines[0]
