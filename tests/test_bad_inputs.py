@@ -812,3 +812,57 @@ def test_device_map_mistakes_before_any_weights_load(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         TargetModel.from_pretrained(folder, **kwargs)
 
+
+
+# ---------------------------------------------------------------- recipe (train/ablate.py, train/small_target.py)
+def test_ablation_cell_name_that_does_not_exist():
+    from train.ablate import main
+
+    with pytest.raises(ValueError, match="unknown cell 'loss=kll'; did you mean 'loss=kl'"):
+        main(["--grid", "paper,loss=kll"])
+
+
+def test_ablation_budget_larger_than_the_chats_of_the_target(tmp_path):
+    from train.ablate import main
+    from train.small_target import STAMP_FILE
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / STAMP_FILE).write_text("{}")
+    (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
+    with pytest.raises(ValueError, match="has 3 conversations, the budget needs 10: use fewer --steps"):
+        main(["--grid", "paper", "--steps", "10", "--target", str(target), "--out", str(tmp_path / "abl")])
+
+
+def test_ablation_target_folder_not_from_small_target(tmp_path):
+    from train.ablate import main
+    from train.small_target import STAMP_FILE
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / STAMP_FILE).write_text("{}")
+    with pytest.raises(FileNotFoundError, match="chats.jsonl not found: the target folder must come from"):
+        main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
+
+
+def test_ablation_on_cuda_without_a_gpu(monkeypatch):
+    import torch
+
+    from train.ablate import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda but torch sees no CUDA device"):
+        main(["--grid", "paper", "--device", "cuda"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--corpus", "/nonexistent/corpus"], "corpus folder /nonexistent/corpus not found"),
+    (["--hidden", "66"], "--hidden must be a multiple of 4"),
+    (["--vocab", "100"], "--vocab must be >= 300"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_small_target_bad_settings(tmp_path, argv, message):
+    from train.small_target import main
+
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        main(["--out", str(tmp_path / "t"), *argv])
