@@ -125,16 +125,23 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     as an MLX model loaded in that dtype holds them.
     """
     dtype = dtype or scales.dtype
-    q = unpack(packed, bits)
-    n = q.shape[-1]
-    if n != scales.shape[-1] * group_size or scales.shape != biases.shape or q.shape[:-1] != scales.shape[:-1]:
+    n = packed.shape[-1] * 32 // bits
+    if n != scales.shape[-1] * group_size or scales.shape != biases.shape or packed.shape[:-1] != scales.shape[:-1]:
         raise QuantizationError(f"packed weight {tuple(packed.shape)} holds {n} values per row, but scales "
                                 f"{tuple(scales.shape)} / biases {tuple(biases.shape)} at group size {group_size} "
                                 f"expect {scales.shape[-1] * group_size}: wrong bits ({bits}) or group size")
-    q = q.reshape(*scales.shape, group_size).to(dtype)
-    # Two rounded ops (not an FMA): how mx.dequantize evaluates it, hence bitwise equal.
-    w = torch.add(torch.mul(q, scales.to(dtype).unsqueeze(-1)), biases.to(dtype).unsqueeze(-1))
-    return w.reshape(*scales.shape[:-1], n)
+    lead = packed.shape[:-1]
+    packed, scales, biases = packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1]), \
+        biases.reshape(-1, biases.shape[-1])
+    out = torch.empty(packed.shape[0], n, dtype=dtype, device=packed.device)
+    rows = max(1, (1 << 24) // max(n, 1))  # unpacking holds 8 bytes per value: ~128 MiB of rows at a time
+    for r in range(0, packed.shape[0], rows):
+        q = unpack(packed[r:r + rows], bits).reshape(-1, scales.shape[-1], group_size).to(dtype)
+        # Two rounded ops (not an FMA): how mx.dequantize evaluates it, hence bitwise equal.
+        w = torch.add(torch.mul(q, scales[r:r + rows].to(dtype).unsqueeze(-1)),
+                      biases[r:r + rows].to(dtype).unsqueeze(-1))
+        out[r:r + rows] = w.reshape(-1, n)
+    return out.reshape(*lead, n)
 
 
 # ----------------------------------------------------------------------------- reading an MLX folder
