@@ -452,3 +452,15 @@ def resolve_target(path: str, quantization: str | None, work_dir: str | Path, re
                                    log=log)), None
     transformers_quantization_config(quantization)
     return path, quantization
+
+
+def trained_against(path: str, quantization: str | None) -> str:
+    """The "trained against" line of exports and model cards, from a run's ``target.path`` and
+    ``target.quantization`` (a ``target.path`` that is itself an MLX folder counts as ``mlx:PATH``)."""
+    spec = parse_quantization(quantization)
+    if spec.kind == "none":
+        folder = Path(str(path)).expanduser()
+        if folder.is_dir() and is_mlx_quantized(folder):
+            return f"mlx:{path} ({describe_mlx(json.loads((folder / 'config.json').read_text()))})"
+        return "none (unquantized weights)"
+    return spec.describe()

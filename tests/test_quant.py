@@ -165,6 +165,17 @@ def test_quantization_values_parse():
     assert parse_quantization("bnb-4bit").kind == "bnb" and parse_quantization("fp8").kind == "fp8"
 
 
+def test_trained_against_names_what_the_run_used(sources, tmp_path):
+    from models.quant import trained_against
+
+    src = sources("qwen3")
+    out = quantize_to_mlx(src, tmp_path / "q", bits=4, group_size=32, log=lambda *_: None)
+    assert trained_against(str(src), "none") == "none (unquantized weights)"
+    assert trained_against(str(out), "none") == f"mlx:{out} (mlx-4bit-g32)"
+    assert trained_against(str(src), "mlx-3bit") == "mlx-3bit-g64"
+    assert trained_against(str(src), "mlx:mlx-community/Qwen3-8B-4bit") == "mlx:mlx-community/Qwen3-8B-4bit"
+
+
 def test_resolve_target_quantizes_once_and_loads_dequantized(sources, tmp_path):
     from models.target import TargetModel
 
