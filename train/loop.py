@@ -11,25 +11,32 @@ import contextlib
 import math
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.rng import epoch_order, row_generators
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from train.config import RunConfig
+
 
 @dataclass
 class Run:
     """What every stage needs to know about the run (fixed after setup)."""
 
-    cfg: object  # train.config.RunConfig
-    accelerator: object
+    cfg: RunConfig
+    accelerator: Accelerator
     out_dir: Path
     config_yaml: str
     mixed_precision: str
-    log: object  # callable(str): console lines, main process only
+    log: Callable[[str], None]  # console lines, main process only
     resume_from: Path | None = None  # the checkpoint to resume (resume=true and one exists)
 
     @property
