@@ -98,11 +98,14 @@ def shard_plan(lengths: list[int], tokens_per_shard: int) -> list[tuple[int, int
 
 def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None, dtype: str = "bf16",
             topk: int = 0, batch_size: int = 8, shard_mb: float = 2048, shard_tokens: int | None = None,
-            max_shards: int | None = None, progress: bool = True, ranks: Ranks | None = None) -> ExtractReport:
+            max_shards: int | None = None, progress: bool = True, ranks: Ranks | None = None,
+            writers: int = 1) -> ExtractReport:
     """Extract features of prepared ``data`` (folder or loaded dataset) with ``target`` into ``out``.
 
     ``max_shards`` stops after writing that many new shards (tests use it to interrupt a run).
     ``ranks``: this process's share when several extract into one store (see the module docstring).
+    ``writers``: shards serialised, hashed and written at once by background threads while the
+    target computes the next ones (each holds one shard in host memory; the CLI uses 2).
     """
     from tqdm import tqdm
 
@@ -147,22 +150,27 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
     report.shards_skipped = len(plan) - len(todo)
     mine = ranks.share(todo)
     mine_tokens = sum(sum(lengths[slice(*plan[k])]) for k in mine)
+    def written(info: dict) -> None:
+        report.shards_written += 1
+        report.tokens_extracted += info["tokens"]
+        report.bytes_written += info["bytes"]
+
+    taps = len(layer_ids)
     with tqdm(total=mine_tokens, desc=f"extract (rank {ranks.rank}/{ranks.world})" if ranks.world > 1 else "extract",
-              unit="tok", unit_scale=True, disable=not progress) as bar:
-        for k in mine:
-            if max_shards is not None and report.shards_written >= max_shards:
+              unit="tok", unit_scale=True, disable=not progress) as bar, ShardWriters(writer, writers, written) as pool:
+        for n_submitted, k in enumerate(mine):
+            if max_shards is not None and n_submitted >= max_shards:
                 break
             a, b = plan[k]
-            rows = []
+            rows, quantized = [], []
             for i in range(a, b, batch_size):
                 batch = provider.get_batch(range(i, min(i + batch_size, b)))
                 for j in range(batch.input_ids.shape[0]):
-                    rows.append(_unpad(batch, j))
+                    row, q = _to_host(batch, j, dtype, taps)
+                    rows.append(row)
+                    quantized.append(q)
                 bar.update(int(batch.lengths.sum()))
-            info = writer.write_shard(k, rows)
-            report.shards_written += 1
-            report.tokens_extracted += info["tokens"]
-            report.bytes_written += info["bytes"]
+            pool.submit(k, rows, quantized if dtype == "fp8" else None)
     report.seconds = round(time.time() - start, 3)
     ranks.barrier()  # every process has stopped writing: rank 0 writes the finished index
     if ranks.is_main:
@@ -188,13 +196,83 @@ def init_ranks() -> tuple[Ranks, torch.device | None]:
     return Ranks(state.process_index, state.num_processes, state.wait_for_everyone), state.device
 
 
-def _unpad(batch, j: int):
+class ShardWriters:
+    """Shards written by background threads (serialise, hash, fsync) while the GPU computes the next.
+
+    At most ``threads`` shards are in flight: a full pool makes ``submit`` wait for the oldest (and
+    re-raises its error), so host memory stays bounded. Rows may still be arriving from the GPU
+    (pinned non-blocking copies): each shard waits for its copies' event before it is serialised.
+    """
+
+    def __init__(self, writer, threads: int, on_written):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.writer, self.threads, self.on_written = writer, max(int(threads), 1), on_written
+        self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shard-writer")
+        self.pending = deque()
+
+    def submit(self, k: int, rows: list, quantized: list | None) -> None:
+        event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # rows may be in-flight GPU copies
+            event = torch.cuda.Event()
+            event.record()
+        while len(self.pending) >= self.threads:
+            self.on_written(self.pending.popleft().result())
+        self.pending.append(self.pool.submit(self._write, k, rows, quantized, event))
+
+    def _write(self, k: int, rows: list, quantized: list | None, event):
+        if event is not None:
+            event.synchronize()
+        if quantized is not None:
+            quantized = (torch.cat([q for q, _ in quantized]), torch.cat([s for _, s in quantized]))
+        if quantized is None:
+            return self.writer.write_shard(k, rows)
+        return self.writer.write_shard(k, rows, quantized=quantized)
+
+    def __enter__(self) -> "ShardWriters":
+        return self
+
+    def __exit__(self, exc_type, *_):
+        try:
+            while self.pending:
+                info = self.pending.popleft().result()
+                if exc_type is None:
+                    self.on_written(info)
+        finally:
+            self.pool.shutdown(wait=True)
+
+
+def _to_host(batch, j: int, dtype: str, taps: int):
+    """Row ``j`` without padding on the host, and (fp8 stores) its features quantized on their device.
+
+    CUDA features go to pinned host memory with non-blocking copies (``ShardWriters`` waits for
+    them), so the next forward is queued without waiting for the copy; fp8 is quantized on the GPU
+    (same rounding as on the CPU: one IEEE division and one e4m3 cast per value) and copies half the
+    bytes.
+    """
+    from data.store import quantize_fp8
+
+    n = int(batch.lengths[j])
+    feats = batch.features[j, :n]
+    q = quantize_fp8(feats, taps) if dtype == "fp8" else None
+    row = _unpad(batch, j, features=False)
+    if feats.is_cuda:
+        host = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # noqa: E731
+        q = None if q is None else (host(q[0]), host(q[1]))
+        row.features = None if q is not None else host(feats)
+    else:
+        row.features = None if q is not None else feats
+    return row, q
+
+
+def _unpad(batch, j: int, features: bool = True):
     from data.features import FeatureRow
 
     n = int(batch.lengths[j])
     sl = lambda t: None if t is None else t[j, :n].cpu()
     return FeatureRow(sl(batch.input_ids), sl(batch.loss_mask), sl(batch.doc_ids), sl(batch.position_ids),
-                      sl(batch.features), sl(batch.topk_ids), sl(batch.topk_logprobs))
+                      sl(batch.features) if features else None, sl(batch.topk_ids), sl(batch.topk_logprobs))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topk", type=int, default=0,
                    help="also store the target's top-k next-token log-probs (for KL); 0 = off")
     p.add_argument("--batch-size", type=int, default=8, help="rows per target forward (default 8)")
+    p.add_argument("--writers", type=int, default=2,
+                   help="background threads that serialise, hash and write finished shards while the target "
+                        "computes the next (default 2; each holds one shard in host memory)")
     p.add_argument("--shard-mb", type=float, default=2048, help="approximate shard size in MiB (default 2048)")
     p.add_argument("--device", default=None,
                    help="torch device for the target (default: this process's GPU under a launcher, "
@@ -235,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         device = a.device or rank_device or ("cuda" if torch.cuda.is_available() else "cpu")
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device=device)
     report = extract(target, a.data, a.out, layer_ids=a.layers, dtype=a.dtype, topk=a.topk, batch_size=a.batch_size,
-                     shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks)
+                     shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks, writers=a.writers)
     print(report.line())
     if ranks.is_main and not report.complete:
         sys.exit("extraction stopped early; re-run the same command to resume")

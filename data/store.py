@@ -32,7 +32,9 @@ import bisect
 import hashlib
 import json
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -170,6 +172,7 @@ class StoreWriter:
                  main: bool = True):
         self.path = Path(path)
         self.main = main
+        self._lock = threading.Lock()
         if not main:  # the main writer has created or resumed the index already
             self.index = read_index(self.path)
             self._check_same_store(header, plan)
@@ -235,8 +238,15 @@ class StoreWriter:
         self.index["complete"] = len(shards) == len(self.index["plan"])
         _atomic_write_text(self.path / INDEX, json.dumps(self.index, indent=1))
 
-    def write_shard(self, k: int, rows: list[FeatureRow]) -> dict:
-        from safetensors.torch import save_file
+    def write_shard(self, k: int, rows: list[FeatureRow],
+                    quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+        """Write shard ``k`` atomically; safe to call from several threads for different shards.
+
+        ``quantized``: the rows' features already as fp8 ``(values, scales)`` concatenated in row
+        order (quantized on the GPU by the extractor); the rows' own ``features`` are then unused.
+        The shard is serialised in memory and hashed from those bytes: one pass, no re-read.
+        """
+        from safetensors.torch import save
 
         dtype = self.index["dtype"]
         taps = len(self.index["layer_ids"])
@@ -247,28 +257,35 @@ class StoreWriter:
         tensors = {"row_offsets": offsets, "input_ids": cat("input_ids", torch.int32),
                    "loss_mask": cat("loss_mask", torch.int8), "doc_ids": cat("doc_ids", torch.int32),
                    "position_ids": cat("position_ids", torch.int32)}
-        feats = torch.cat([r.features for r in rows])
-        if dtype == "bf16":
-            tensors["features"] = feats.to(torch.bfloat16).contiguous()
+        if quantized is not None:
+            if dtype != "fp8":
+                raise ValueError(f"pre-quantized features given to a {dtype} store")
+            tensors["features"], tensors["feature_scales"] = (t.contiguous() for t in quantized)
+        elif dtype == "bf16":
+            tensors["features"] = torch.cat([r.features for r in rows]).to(torch.bfloat16).contiguous()
         else:
-            tensors["features"], tensors["feature_scales"] = quantize_fp8(feats, taps)
+            tensors["features"], tensors["feature_scales"] = quantize_fp8(torch.cat([r.features for r in rows]), taps)
         if self.index.get("topk"):
             tensors["topk_ids"] = cat("topk_ids", torch.int32)
             tensors["topk_logprobs"] = cat("topk_logprobs", torch.float16)
         name = shard_name(k)
         tmp = self.path / (name + ".tmp")
-        save_file(tensors, str(tmp))  # no metadata: its key order is not stable, and equal shards should hash equal
-        with open(tmp, "rb+") as f:
+        blob = save(tensors)  # no metadata: its key order is not stable, and equal shards should hash equal
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
             os.fsync(f.fileno())
         info = {"file": name, "rows": len(rows), "row_start": self.index["plan"][k][0], "tokens": int(offsets[-1]),
-                "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp),
+                "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
                 "feature_bytes": sum(t.numel() * t.element_size() for key, t in tensors.items()
                                      if key in ("features", "feature_scales"))}
+        del blob
         os.replace(tmp, self.path / name)
         _atomic_write_text(self.path / sidecar_name(k), json.dumps(info, indent=1))
-        self.index["shards"][name] = info
-        if self.main:
-            self.flush_index()
+        with self._lock:  # writer threads finish shards in any order; the index is sorted when flushed
+            self.index["shards"][name] = info
+            if self.main:
+                self.flush_index()
         return info
 
 
@@ -295,6 +312,21 @@ class FeatureStore:
         self.starts = [p[0] for p in self.index["plan"]]
         self._open: OrderedDict[int, tuple] = OrderedDict()
         self._checked: set[int] = set()
+        self._hashes: dict[int, Future] = {}
+        if verify:
+            self._start_verification()
+
+    def _start_verification(self, threads: int = 4) -> None:
+        """Hash every shard in background threads (in plan order; hashlib releases the GIL), once.
+
+        ``_shard(k)`` waits only for shard ``k``'s own hash, so reading starts as soon as the first
+        shard is checked and the rest are verified while training consumes it.
+        """
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store-verify")
+        for k in range(len(self.index["plan"])):
+            f = self.path / shard_name(k)
+            self._hashes[k] = pool.submit(lambda f=f: sha256_file(f) if f.is_file() else None)
+        pool.shutdown(wait=False)  # threads exit once the queued hashes are done
 
     @property
     def layer_ids(self) -> list[int]:
@@ -340,7 +372,7 @@ class FeatureStore:
             raise StoreCorrupt(f"{f}: {size} bytes, index says {info['bytes']}: the shard is truncated or "
                                "was replaced; re-run data.extract on this store to rebuild it")
         if self.verify and k not in self._checked:
-            digest = sha256_file(f)
+            digest = self._hashes[k].result() if k in self._hashes else sha256_file(f)
             if digest != info["sha256"]:
                 raise StoreCorrupt(f"{f}: sha256 {digest[:16]}... does not match the index "
                                    f"({info['sha256'][:16]}...): the shard was modified or corrupted; "

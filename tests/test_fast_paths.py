@@ -149,3 +149,26 @@ def test_qwen35_on_cuda_without_fla_warns_once_with_the_install_command(monkeypa
     warn_if_slow_linear_attention("qwen3_5", torch.device("cpu"))  # the CPU has no such kernels anyway
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "pip install 'draftsmith[cuda]'" in lines[0] and "\n" not in lines[0]
+
+
+# ----------------------------------------------------------------------------- overlapped extraction
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_background_shard_writers_give_the_same_store(tiny_targets, tmp_path, dtype):
+    """1 or 3 writer threads (shards finishing in any order): byte-identical shards and index, and
+    each shard's recorded sha256 (hashed from the serialised bytes) is the file's."""
+    from data.bench import random_data
+    from data.extract import extract
+    from data.store import FeatureStore, sha256_file
+
+    target, data = tiny_targets("qwen3"), random_data(12, 40, 250)
+    stores = {}
+    for writers in (1, 3):
+        out = tmp_path / f"w{writers}"
+        report = extract(target, data, out, layer_ids=[1, 3], dtype=dtype, batch_size=2, shard_tokens=100,
+                         progress=False, writers=writers)
+        assert report.shards_written == report.shards >= 4 and report.complete
+        stores[writers] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+        for name, info in FeatureStore(out).index["shards"].items():
+            assert sha256_file(out / name) == info["sha256"]
+        FeatureStore(out).verify_all()
+    assert stores[1] == stores[3]
