@@ -163,6 +163,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    """After training, run ``python -m export.hf`` / ``export.mlx`` / ``export.push`` on the final drafter
+    (train/export_stage.py). Folders: ``{dir}/hf`` and ``{dir}/mlx``."""
+
+    hf: bool = False  # HF folder for vLLM / SGLang / transformers
+    hf_dtype: str = "bf16"  # bf16 | fp16 | fp32
+    mlx: bool = False  # MLX folder for a Mac
+    mlx_quantize: int | None = None  # 4 | 8 bits (None = bf16)
+    mlx_group_size: int = 64  # 32 | 64 | 128
+    push_repo: str | None = None  # push the HF export to this Hub repo (needs export.hf=true)
+    push_mlx_repo: str | None = None  # push the MLX export to this Hub repo (needs export.mlx=true)
+    push_private: bool = False
+    dir: str | None = None  # default {out_dir}/export
+
+    def __post_init__(self) -> None:
+        if self.hf_dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"export.hf_dtype={self.hf_dtype!r}: use bf16, fp16 or fp32")
+        if self.mlx_quantize not in (None, 4, 8):
+            raise ValueError(f"export.mlx_quantize={self.mlx_quantize!r}: use 4 or 8 (bits), or unset for bf16")
+        if self.mlx_group_size not in (32, 64, 128):
+            raise ValueError(f"export.mlx_group_size={self.mlx_group_size!r}: use 32, 64 or 128")
+        if self.push_repo and not self.hf:
+            raise ValueError(f"export.push_repo={self.push_repo!r} pushes the HF export: add export.hf=true")
+        if self.push_mlx_repo and not self.mlx:
+            raise ValueError(f"export.push_mlx_repo={self.push_mlx_repo!r} pushes the MLX export: add export.mlx=true")
+
+
+@dataclass
 class RunConfig:
     recipe: str = ""
     out_dir: str = "runs/{recipe}"
@@ -177,6 +205,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     @property
     def gamma(self) -> float:

@@ -236,9 +236,13 @@ def train(cfg, argv: list[str] | None = None) -> dict:
         run.log(interrupted_message(run.out_dir, state, args, run.world))
         logger.close()
         raise
-    save_final(run, model)
+    final_drafter = save_final(run, model)
     logger.close()
     run.accelerator.end_training()
+    if run.is_main:  # the drafter is on disk first: an export failure never costs the training
+        from train.export_stage import run_export_stage
+
+        run_export_stage(cfg.export, final_drafter, run.out_dir, run.log)
     return {"out_dir": str(run.out_dir), "steps": state.step, "last": last, "first_eval": first_eval}
 
 
