@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], help="store dtypes to measure")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats; the best is reported (default 2)")
+    p.add_argument("--writers", type=int, default=2, help="background shard writers of extraction (default 2)")
     a = p.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     wdtype = torch.bfloat16
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             _sync(device)
             t0 = time.perf_counter()
             extract(target, data, tmp, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
-                    shard_tokens=max(tokens // 4, 1), progress=False)
+                    shard_tokens=max(tokens // 4, 1), progress=False, writers=a.writers)
             _sync(device)
             best, store_dir = min(best, time.perf_counter() - t0), tmp
         tps = tokens / best

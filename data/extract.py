@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default bfloat16)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    if a.writers < 1:
+        p.error(f"--writers {a.writers}: use 1 or more background shard writers")
     from models.target import TargetModel, parse_max_memory
 
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights

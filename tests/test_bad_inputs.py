@@ -866,3 +866,40 @@ def test_small_target_bad_settings(tmp_path, argv, message):
 
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         main(["--out", str(tmp_path / "t"), *argv])
+
+
+# ---------------------------------------------------------------- speed paths (benches, static loop, writers)
+@pytest.mark.parametrize("module, argv", [
+    ("train.bench", ["--e2e", "qwen3-8bb"]),
+    ("inference.bench", ["--random-target", "qwen3-8bb"]),
+])
+def test_bench_with_an_unknown_recipe_shape(module, argv):
+    import importlib
+
+    with pytest.raises(ValueError, match="no recipe 'qwen3-8bb': use one of"):
+        importlib.import_module(module).main(argv)
+
+
+def test_static_loop_on_a_hybrid_target_says_to_use_the_eager_loop(tiny_targets):
+    from inference.static_loop import StaticTarget
+
+    with pytest.raises(ValueError, match="supports full-attention targets.*use the eager loop"):
+        StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
+
+
+def test_static_loop_past_its_preallocated_length(tiny_targets):
+    import torch
+
+    from inference.static_loop import StaticTarget
+
+    st = StaticTarget(tiny_targets("qwen3"), [1, 3], max_len=16, block_size=8)
+    with pytest.raises(ValueError, match="static cache holds 16 positions.*raise max_len"):
+        st.forward(torch.zeros(1, 8, dtype=torch.long), start=12)
+
+
+def test_extract_with_no_writer_threads(capsys):
+    from data.extract import main
+
+    with pytest.raises(SystemExit):
+        main(["--target", "t", "--data", "d", "--out", "o", "--writers", "0"])
+    assert "--writers 0: use 1 or more background shard writers" in capsys.readouterr().err

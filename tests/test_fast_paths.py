@@ -130,13 +130,6 @@ def test_static_loop_equals_eager_loop(tiny_targets, arch):
         new, start = feats[:, start:start + keep], start + keep
 
 
-def test_static_loop_refuses_hybrid_targets(tiny_targets):
-    from inference.static_loop import StaticLoopUnsupported, StaticTarget
-
-    with pytest.raises(StaticLoopUnsupported, match="full-attention targets.*eager loop"):
-        StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
-
-
 def test_qwen35_on_cuda_without_fla_warns_once_with_the_install_command(monkeypatch, caplog):
     import importlib.util
 
