@@ -40,8 +40,8 @@ class StaticLoopUnsupported(ValueError):
 class _Graphed:
     """One function of static buffers, captured as a CUDA graph on first use (eager elsewhere)."""
 
-    def __init__(self, fn: Callable[[], object], use_graph: bool, pool=None):
-        self.fn, self.use_graph, self.pool = fn, use_graph, pool
+    def __init__(self, fn: Callable[[], object], use_graph: bool):
+        self.fn, self.use_graph = fn, use_graph
         self.graph, self.out = None, None
 
     def __call__(self):
@@ -57,7 +57,7 @@ class _Graphed:
                     self.fn()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
+            with torch.cuda.graph(self.graph):
                 self.out = self.fn()
         self.graph.replay()
         return self.out
@@ -81,6 +81,10 @@ def check_static_target(target: TargetModel) -> None:
         raise StaticLoopUnsupported(
             f"the static-cache/CUDA-graph loop supports full-attention targets (Qwen3, Llama); {target.model_type} has "
             f"layer types {sorted(set(target.layer_types))}: use the eager loop (inference.torch_loop.dflash_generate)")
+    attn = getattr(target.model.config, "_attn_implementation", "sdpa")
+    if attn not in ("sdpa", "eager"):  # the static mask (stale slots past the committed length) must be applied
+        raise StaticLoopUnsupported(f"the static loop needs attn_implementation 'sdpa' or 'eager' (it masks the "
+                                    f"unused cache slots); this target was loaded with {attn!r}")
 
 
 class StaticTarget:
@@ -99,9 +103,10 @@ class StaticTarget:
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
         self._start = torch.zeros(1, dtype=torch.long, device=dev)
         self._key_pos = torch.arange(max_len, device=dev)
-        pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._ids = {t: torch.zeros(1, t, dtype=torch.long, device=dev) for t in {1, block_size}}
-        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t]), self.graphs, pool) for t in self._ids}
+        # One private memory pool per graph: a shared pool lets one graph's temporaries overlap the
+        # other's outputs, which is only safe when replays keep the capture order.
+        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t]), self.graphs) for t in self._ids}
 
     def _pass(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dec, T = self.target.decoder, ids.shape[1]
@@ -161,8 +166,7 @@ class StaticDrafterProposer:
         self._ctx_len = torch.zeros(1, dtype=torch.long, device=dev)
         self._n_new = torch.zeros(1, dtype=torch.long, device=dev)
         self._slot = torch.arange(max_len, device=dev)
-        self._pass = _Graphed(lambda: self._block_pass(self._feats), self.graphs,
-                              torch.cuda.graph_pool_handle() if self.graphs else None)
+        self._pass = _Graphed(lambda: self._block_pass(self._feats), self.graphs)
 
     def reset(self) -> None:
         self.ctx_len = 0  # stale slots are masked, then overwritten

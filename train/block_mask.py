@@ -81,8 +81,10 @@ def direct_block_mask(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch
     None when documents are not contiguous runs (the interval form would miss keys): the caller
     then builds the mask the generic way.
     """
-    from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
-
+    try:  # private helper of create_block_mask (torch >= 2.5); without it, the generic builder
+        from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
+    except ImportError:
+        return None
     if not documents_contiguous(doc_ids):
         return None
     n, s = anchors.shape[1], doc_ids.shape[1]
