@@ -74,3 +74,47 @@ def test_stage_runs_the_export_and_names_the_command_when_it_fails(tmp_path, mon
     monkeypatch.setattr("subprocess.run", lambda *a, **k: SimpleNamespace(returncode=1))
     with pytest.raises(ExportStageError, match=r"re-run: python -m export.hf --checkpoint .* --dtype fp32"):
         run_export_stage(settings(hf=True, hf_dtype="fp32"), final, tmp_path, log=lambda *_: None)
+
+
+def test_config_keys_and_their_mistakes():
+    from train.config import load_config
+
+    cfg = load_config(["recipe=tiny", "export.hf=true", "export.mlx=true", "export.mlx_quantize=4",
+                       "export.push_repo=me/d"])
+    assert [c[2] for c in export_commands(cfg.export, Path("f"), Path("o"))] == ["export.hf", "export.mlx",
+                                                                                 "export.push"]
+    for bad, message in ((["export.push_repo=me/d"], "add export.hf=true"),
+                         (["export.mlx=true", "export.mlx_quantize=3"], "use 4 or 8"),
+                         (["export.hf=true", "export.hf_dtype=int8"], "use bf16, fp16 or fp32")):
+        with pytest.raises(ValueError, match=message):
+            load_config(["recipe=tiny"] + bad)
+
+
+def test_a_training_run_exports_its_final_drafter(tmp_path_factory, tmp_path, monkeypatch):
+    """One optimizer step of the tiny recipe with export.hf + a 4-bit export.mlx: the folders carry the run's
+    provenance (recipe, steps, target, data)."""
+    pytest.importorskip("mlx.core")
+    import importlib
+
+    from test_train_run import FAST, tiny_input_dirs
+    from train.config import load_config
+    from train.distill import train
+
+    def in_process(cmd, env):
+        args = cmd[3:] + (["--no-remote-code-check"] if cmd[2] == "export.hf" else [])
+        importlib.import_module(cmd[2]).main(args)
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr("subprocess.run", in_process)
+    d = tiny_input_dirs(tmp_path_factory)
+    train(load_config(["recipe=tiny", f"out_dir={tmp_path}", f"target.path={d['target']}",
+                       f"data.prepared={d['data']}", *FAST, "train.max_steps=1", "export.hf=true", "export.mlx=true",
+                       "export.mlx_quantize=4", "export.mlx_group_size=32"]))
+    hf = json.loads((tmp_path / "export" / "hf" / "config.json").read_text())
+    mlx = json.loads((tmp_path / "export" / "mlx" / "config.json").read_text())
+    assert hf["draftsmith"] == mlx["draftsmith"]
+    prov = hf["draftsmith"]
+    assert prov["recipe"] == "tiny" and prov["steps"] == 1 and prov["target"] == str(d["target"])
+    assert prov["target_quantization"] == "none" and prov["data"]["source"] == "tiny"
+    assert mlx["quantization"] == {"bits": 4, "group_size": 32, "mode": "affine"}
+    assert hf["dflash_config"] == {k: v for k, v in mlx["dflash_config"].items()}
