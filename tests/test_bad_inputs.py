@@ -667,6 +667,22 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
     assert not (export_drafter / "README.md").exists()
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["export.push_repo=me/d"], "pushes the HF export: add export.hf=true"),
+    (["export.push_mlx_repo=me/d"], "pushes the MLX export: add export.mlx=true"),
+    (["export.mlx=true", "export.mlx_quantize=3"], "use 4 or 8 (bits)"),
+    (["export.mlx=true", "export.mlx_group_size=16"], "use 32, 64 or 128"),
+    (["export.hf=true", "export.hf_dtype=int8"], "use bf16, fp16 or fp32"),
+])
+def test_training_export_keys_are_checked_before_training(overrides, message):
+    import re
+
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(["recipe=tiny"] + overrides)
+
+
 # ---------------------------------------------------------------- quantized targets
 @pytest.fixture(scope="module")
 def mlx_q4_folder(tmp_path_factory):
