@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-SHAPES = {  # drafter = target hidden size, 5 layers, the target's attention shape (DESIGN defaults)
+SHAPES = {  # drafter = target hidden size, 5 layers, the target's attention shape (docs/design.md defaults)
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, vocab_size=151936, num_target_layers=36, mask_token_id=151669),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
