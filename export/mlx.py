@@ -114,10 +114,15 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
 
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel as TorchDrafter
-    from models.drafter_mlx import DFlashDraftModel, _dtype_from_name
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    try:
+        import mlx.core as mx
+    except ImportError:
+        raise OSError("export.mlx needs MLX: pip install 'draftsmith[mlx]' (mlx on macOS, mlx[cpu] on Linux)") from None
+    from models.drafter_mlx import DFlashDraftModel
+
     if quantize not in (None, 4, 8):
         raise ValueError(f"--quantize {quantize}: use 4 or 8 (bits)")
     if group_size not in (32, 64, 128):
@@ -130,7 +135,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
                          "training checkpoint instead")
     log(f"source: {src.drafter_dir} ({src.kind})")
     reference = TorchDrafter.from_pretrained(src.drafter_dir, dtype=torch.float32)
-    model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=_dtype_from_name(DTYPES[dtype]))
+    model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
     prov = provenance(src.provenance, target, target_revision)
     model.config = model.config.replace(draftsmith=prov or None)
     problems, checked = target_problems(model.config, prov.get("target"))
