@@ -101,6 +101,7 @@ class StaticTarget:
                         for _ in range(target.num_layers)]
         self.kv = _StaticKV(bufs(), bufs())
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
+        self._additive_mask = getattr(target.model.config, "_attn_implementation", "sdpa") == "eager"
         self._start = torch.zeros(1, dtype=torch.long, device=dev)
         self._key_pos = torch.arange(max_len, device=dev)
         self._ids = {t: torch.zeros(1, t, dtype=torch.long, device=dev) for t in {1, block_size}}
@@ -114,6 +115,8 @@ class StaticTarget:
         self.kv.index = pos
         mask = (self._key_pos[None, :] <= pos[:, None])[None, None]  # [1, 1, T, max_len]: causal over the slots
         h = dec.embed_tokens(ids)
+        if self._additive_mask:  # HF's eager attention adds its mask to the scores
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill(~mask, torch.finfo(h.dtype).min)
         rope = dec.rotary_emb(h, pos[None])
         taps, captured = set(self.layer_ids), {}
         for i, layer in enumerate(self.target.layers):
