@@ -258,12 +258,19 @@ def step_row(run: Run, state: LoopState, sched: Schedule, stats: StepStats, sche
 
 def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], step: int, with_true: bool,
              logger) -> dict:
-    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged."""
+    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged.
+
+    Under FSDP every process runs it too: the drafter's forward all-gathers its sharded weights, a
+    collective that would wait forever for processes that skipped it.
+    """
+    from accelerate.utils import DistributedType
+
     from train.eval import evaluate_sim, true_tau
 
     cfg = run.cfg
     row: dict = {"step": step}
-    if run.is_main and len(eval_feats):
+    sharded = run.accelerator.distributed_type == DistributedType.FSDP
+    if (run.is_main or sharded) and len(eval_feats):
         row.update(evaluate_sim(drafter, target, eval_feats, list(range(len(eval_feats))),
                                 batch_size=cfg.train.batch_size, num_anchors=cfg.train.anchors, gamma=cfg.gamma,
                                 seed=cfg.train.seed, max_batches=cfg.eval.batches, use_flex=run.use_flex,
@@ -271,7 +278,8 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
         if with_true and prompts:
             with run.accelerator.autocast():
                 row.update(true_tau(drafter, target, prompts, cfg.eval.true_tau_max_new_tokens))
-        logger.log(row, echo="eval")
+        if run.is_main:
+            logger.log(row, echo="eval")
     run.accelerator.wait_for_everyone()
     return row
 
