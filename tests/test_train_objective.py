@@ -229,3 +229,27 @@ def test_frozen_head_gradient_from_forward_equals_autograd(mode):
     assert_close(out.loss, ref.loss, atol=1e-6, what=f"{mode} loss")
     assert_close(g, g_ref, atol=1e-7, rtol=1e-5, what=f"{mode} grad")
     assert torch.equal(out.correct, ref.correct)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    """train.grad_checkpointing recomputes each drafter layer in the backward (a flag on the drafter,
+    no patched forward): same loss and gradients as keeping the activations."""
+    ids, lm, doc, pos = _rows()
+    feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2))
+    grads, calls = [], []
+    for flag in (False, True):
+        d, emb, head = _drafter()
+        d.gradient_checkpointing = flag
+        d.train()
+        n, mlp = [], d.layers[0].mlp.forward  # a spy: module hooks do not fire during checkpoint recompute
+        d.layers[0].mlp.forward = lambda x, mlp=mlp, n=n: (n.append(1), mlp(x))[1]
+        blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+        mask = attention_masks(d.config, blocks, doc, pos, use_flex=False)
+        out = block_loss(drafter_forward(d, emb, blocks, feats, pos, mask), blocks, head.weight, 4.0, chunk=7)
+        out.loss.backward()
+        grads.append((out.loss.detach(), {k: p.grad.clone() for k, p in d.named_parameters()}))
+        calls.append(len(n))
+    assert calls == [1, 2]  # with the flag, the layer runs again in the backward pass
+    assert_close(grads[1][0], grads[0][0], atol=0, what="loss with gradient checkpointing")
+    for k, g in grads[0][1].items():
+        assert_close(grads[1][1][k], g, atol=1e-6, what=f"gradient of {k} with checkpointing")
