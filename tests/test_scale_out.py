@@ -150,3 +150,98 @@ def test_target_dispatched_over_devices_gives_the_same_features_and_loss(prepare
     assert 0.5 < float(loss_a.detach()) < 20
     assert_close(loss_b, loss_a, atol=0, rtol=0, what="loss with the dispatched target")
 
+
+
+def test_dry_run_plans_memory_per_device(monkeypatch):
+    """qwen35-35b-a3b on 8 x 80 GB: a whole bf16 target per GPU does not fit; spread over the node it does."""
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's shape facts (test)"))
+    whole = plan_module.plan(load_config(["recipe=qwen35-35b-a3b", "devices=8x80"]))["devices"]
+    assert whole["count"] == 8 and not whole["fits"] and len(set(whole["per_device_gib"])) == 1
+    assert whole["per_device_gib"][0] > 80 and "target.device_map=auto" in whole["warning"]
+    spread = plan_module.plan(load_config(["recipe=qwen35-35b-a3b", "devices=8x80", "target.device_map=auto"]))
+    per = spread["devices"]["per_device_gib"]
+    assert spread["devices"]["fits"] and "warning" not in spread["devices"] and per[0] > per[1]
+    assert abs(sum(per) - whole["per_device_gib"][0]) < 0.5  # the target is counted once, spread
+
+
+# ----------------------------------------------------------------------------- FSDP and two "nodes"
+FSDP = ["accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"),
+        "--mixed_precision", "no"]
+SHIM = str(ROOT / "tests" / "helpers" / "fsdp_on_cpu.py")  # accelerate has no FSDP on CPU by itself
+
+
+def train_args(prepared, out: Path, *extra: str) -> list[str]:
+    return ["recipe=tiny", f"out_dir={out}", f"target.path={prepared['target']}", f"data.prepared={prepared['data']}",
+            "data.eval_rows=2", "train.max_steps=3", "train.anchors=8", "eval.at_start=false", "eval.batches=1",
+            "eval.true_tau_prompts=0", "logging.every=1", "logging.progress=false", "checkpoint.every=1", *extra]
+
+
+def accelerate(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", *FSDP, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final" / "drafter" / "model.safetensors"))
+
+
+def test_fsdp_two_processes_take_the_same_steps_and_resume(prepared, tmp_path):
+    """accelerate FSDP (recipes/accelerate/fsdp.yaml: FSDP2, sharded checkpoints), 2 CPU processes x 1 row
+    == 1 process x 2 rows; then the run resumes from its step-2 sharded checkpoint to the same step 3."""
+    from train.config import load_config
+    from train.distill import train
+
+    one = tmp_path / "one"
+    train(load_config(train_args(prepared, one, "train.batch_size=2")))
+    fsdp = tmp_path / "fsdp"
+    proc = accelerate("--num_processes", "2", SHIM, *train_args(prepared, fsdp, "train.batch_size=1"))
+    assert "fsdp on cpu: version 2" in proc.stdout and "2 process(es)" in proc.stdout
+    assert list((fsdp / "checkpoints" / "step_3" / "state").glob("pytorch_model_fsdp_0/*.distcp")), "sharded"
+    a, b = step_losses(one), step_losses(fsdp)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert_close([b[s] for s in (1, 2, 3)], [a[s] for s in (1, 2, 3)], atol=1e-5, what="losses, FSDP vs 1 process")
+    wa, wb = final_weights(one), final_weights(fsdp)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert_close(wb[k], wa[k], atol=2e-5, what=f"drafter weight {k}, FSDP vs 1 process")
+
+    # Resume: drop what step 3 wrote; resume=true continues from the sharded step-2 checkpoint.
+    shutil.rmtree(fsdp / "checkpoints" / "step_3")
+    shutil.rmtree(fsdp / "final")
+    accelerate("--num_processes", "2", SHIM, *train_args(prepared, fsdp, "train.batch_size=1", "resume=true"))
+    assert_close(step_losses(fsdp)[3], a[3], atol=1e-5, what="step 3 after resuming under FSDP")
+    for k, v in final_weights(fsdp).items():
+        assert_close(v, wa[k], atol=2e-5, what=f"drafter weight {k} after resuming under FSDP")
+
+
+def test_two_nodes_train_and_write_one_final_drafter(prepared, tmp_path):
+    """The README's multi-node command shape on one machine: two launches, --num_machines 2,
+    --machine_rank 0/1, --main_process_ip 127.0.0.1, one process each, a shared out_dir."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = tmp_path / "run"
+    node = [sys.executable, "-m", *FSDP, "--num_machines", "2", "--num_processes", "2", "--main_process_ip",
+            "127.0.0.1", "--main_process_port", port, "--machine_rank"]
+    args = [SHIM, *train_args(prepared, out, "train.batch_size=1", "train.max_steps=2", "checkpoint.every=0")]
+    nodes = [subprocess.Popen([*node, str(r), *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "2 process(es)" in logs[0] and "final drafter" in logs[0] and "final drafter" not in logs[1]
+    assert sorted(step_losses(out)) == [1, 2]
+    assert len(final_weights(out)) > 0 and not list(out.glob("final*/drafter*/*.tmp"))
