@@ -805,6 +805,31 @@ def test_fp8_without_cuda_says_so(monkeypatch):
 
 
 # ---------------------------------------------------------------- scale-out
+@pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x"])
+def test_dry_run_devices_that_are_not_count_x_gib(spec):
+    from train.plan import parse_devices
+
+    with pytest.raises(ValueError, match=r"devices=.*: write COUNTxGiB, e.g. devices=8x80"):
+        parse_devices(spec)
+
+
+def test_target_device_map_with_one_process_per_gpu(monkeypatch, tmp_path):
+    """target.device_map spreads one target over a node: 8 processes on that node would each load all of it."""
+    from train.config import load_config
+    from train.setup import load_target
+
+    class OneOfEight:
+        is_main_process, device = True, "cpu"
+
+        def wait_for_everyone(self):
+            pass
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = load_config(["recipe=tiny", f"target.path={tmp_path}", "target.device_map=auto"])
+    with pytest.raises(ValueError, match="launch one process per node"):
+        load_target(cfg, tmp_path, OneOfEight(), log=lambda *_: None)
+
+
 def test_max_memory_that_is_not_device_size_pairs():
     from models.target import parse_max_memory
 
