@@ -49,6 +49,25 @@ def test_package_data_ships_every_recipe():
     assert on_disk and shipped == on_disk, f"not shipped: {sorted(map(str, on_disk - shipped))}"
 
 
+def test_package_data_ships_every_data_file():
+    """Every non-Python file inside an installed package matches a package-data glob (prompt sets too)."""
+    from fnmatch import fnmatch
+
+    cfg = pyproject()["tool"]["setuptools"]
+    data = cfg["package-data"]
+    missing = []
+    for top in (p.rstrip("*") for p in cfg["packages"]["find"]["include"]):
+        for f in (ROOT / top).rglob("*"):
+            if not f.is_file() or f.suffix in (".py", ".pyc") or "__pycache__" in f.parts:
+                continue
+            package = f.parent.relative_to(ROOT).as_posix().replace("/", ".")
+            by_name = any(fnmatch(f.name, g) for g in data.get("*", []) + data.get(package, []))
+            by_path = any(fnmatch(f.relative_to(ROOT / top).as_posix(), g) for g in data.get(top, []))
+            if not (by_name or by_path):
+                missing.append(str(f.relative_to(ROOT)))
+    assert not missing, f"not shipped by a plain pip install: {missing}"
+
+
 def test_dependencies_and_extras():
     project = pyproject()["project"]
     names = {d.split(";")[0].split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip()

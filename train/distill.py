@@ -4,7 +4,7 @@
     python train/distill.py recipe=qwen35-9b --dry-run                   # the plan, no download
     accelerate launch train/distill.py recipe=qwen35-9b                  # one GPU node
     accelerate launch --num_processes 8 train/distill.py recipe=qwen3-8b train.lr=3e-4
-    accelerate launch --config_file fsdp.yaml --num_machines 4 --machine_rank $RANK \\
+    accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_machines 4 --machine_rank $RANK \\
         --main_process_ip $HEAD --main_process_port 29500 --num_processes 32 \\
         train/distill.py recipe=qwen35-27b features.mode=offline features.store=/data/feat-27b
     python train/distill.py recipe=tiny resume=true                      # continue from the newest checkpoint
