@@ -177,7 +177,7 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             advance(state, sched, stats)
             final = state.step == sched.total_steps
             if state.step % cfg.logging.every == 0 or final:
-                last = step_row(run, state, sched, stats, scheduler, speed, progress)
+                last = step_row(run, state, stats, scheduler, speed, progress)
                 # No bar (logs, CI): the console still gets every logged step.
                 logger.log(last, echo=None if cfg.logging.progress else "step")
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['tau']:.2f}",

@@ -236,7 +236,7 @@ class Throughput:
         self.anchors += stats.anchors
 
 
-def step_row(run: Run, state: LoopState, sched: Schedule, stats: StepStats, scheduler, speed: Throughput,
+def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Throughput,
              epoch_progress: float) -> dict:
     """The logged row of a step: loss / CE / KL / tau reduced over processes, lr, grad norm, speed."""
     acc, dev = run.accelerator, run.device
