@@ -197,17 +197,36 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final" / "drafter" / "model.safetensors"))
 
 
-def test_fsdp_two_processes_take_the_same_steps_and_resume(prepared, tmp_path):
-    """accelerate FSDP (recipes/accelerate/fsdp.yaml: FSDP2, sharded checkpoints), 2 CPU processes x 1 row
-    == 1 process x 2 rows; then the run resumes from its step-2 sharded checkpoint to the same step 3."""
+def two_nodes(out: Path, *args: str) -> list[str]:
+    """The README's multi-node command shape on one machine: two launches, --num_machines 2,
+    --machine_rank 0/1, --main_process_ip 127.0.0.1, one process each, a shared out_dir."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    node = [sys.executable, "-m", *FSDP, "--num_machines", "2", "--num_processes", "2", "--main_process_ip",
+            "127.0.0.1", "--main_process_port", port, "--machine_rank"]
+    nodes = [subprocess.Popen([*node, str(r), SHIM, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    return logs
+
+
+def test_fsdp_on_two_nodes_takes_the_same_steps_and_resumes(prepared, tmp_path):
+    """accelerate FSDP (recipes/accelerate/fsdp.yaml: FSDP2, sharded checkpoints) on two "nodes" of one
+    CPU process each x 1 row == 1 process x 2 rows, one final drafter; then a 2-process launch resumes
+    from the sharded step-2 checkpoint to the same step 3."""
     from train.config import load_config
     from train.distill import train
 
     one = tmp_path / "one"
     train(load_config(train_args(prepared, one, "train.batch_size=2")))
     fsdp = tmp_path / "fsdp"
-    proc = accelerate("--num_processes", "2", SHIM, *train_args(prepared, fsdp, "train.batch_size=1"))
-    assert "fsdp on cpu: version 2" in proc.stdout and "2 process(es)" in proc.stdout
+    logs = two_nodes(fsdp, *train_args(prepared, fsdp, "train.batch_size=1"))
+    assert "fsdp on cpu: version 2" in logs[0] and "2 process(es)" in logs[0]
+    assert "final drafter" in logs[0] and "final drafter" not in logs[1]  # one writer
     assert list((fsdp / "checkpoints" / "step_3" / "state").glob("pytorch_model_fsdp_0/*.distcp")), "sharded"
     a, b = step_losses(one), step_losses(fsdp)
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -224,24 +243,3 @@ def test_fsdp_two_processes_take_the_same_steps_and_resume(prepared, tmp_path):
     assert_close(step_losses(fsdp)[3], a[3], atol=1e-5, what="step 3 after resuming under FSDP")
     for k, v in final_weights(fsdp).items():
         assert_close(v, wa[k], atol=2e-5, what=f"drafter weight {k} after resuming under FSDP")
-
-
-def test_two_nodes_train_and_write_one_final_drafter(prepared, tmp_path):
-    """The README's multi-node command shape on one machine: two launches, --num_machines 2,
-    --machine_rank 0/1, --main_process_ip 127.0.0.1, one process each, a shared out_dir."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    out = tmp_path / "run"
-    node = [sys.executable, "-m", *FSDP, "--num_machines", "2", "--num_processes", "2", "--main_process_ip",
-            "127.0.0.1", "--main_process_port", port, "--machine_rank"]
-    args = [SHIM, *train_args(prepared, out, "train.batch_size=1", "train.max_steps=2", "checkpoint.every=0")]
-    nodes = [subprocess.Popen([*node, str(r), *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=300)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "2 process(es)" in logs[0] and "final drafter" in logs[0] and "final drafter" not in logs[1]
-    assert sorted(step_losses(out)) == [1, 2]
-    assert len(final_weights(out)) > 0 and not list(out.glob("final*/drafter*/*.tmp"))
