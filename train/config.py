@@ -324,14 +324,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _coerce(value, a, key)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
+            except (TypeError, ValueError):
+                pass  # try the union's next type; none fits -> one error naming the whole union
         raise ConfigValueError(f"{key}={value!r}: expected {tp}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -483,8 +482,3 @@ def _flatten(tree: dict, prefix: str = "") -> list[str]:
         else:
             out.append(key)
     return out
-
-
-def config_from_dict(d: dict[str, Any]) -> RunConfig:
-    """Rebuild a saved (resolved) config."""
-    return _build(RunConfig, d)
