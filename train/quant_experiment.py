@@ -39,7 +39,13 @@ BUDGETS = {
                          "seq_len": 128, "batch": 16},
               "train": {"data.limit": 160, "data.regenerate_max_tokens": 48, "train.epochs": 3, "train.batch_size": 8},
               "prompts": 6, "max_new_tokens": 48},
-    "full": {"target": {}, "train": {"data.limit": 320, "data.regenerate_max_tokens": 64, "train.epochs": 4,
+    # tests/test_quant_experiment.py: a small corpus (one stdlib package), short answers, few steps
+    "test": {"target": {"hidden": 64, "layers": 6, "intermediate": 192, "steps": 60, "chats": 80, "prompts": 4,
+                        "seq_len": 96, "batch": 8, "max_train_bytes": 300_000, "held_out_every": 4},
+             "train": {"data.limit": 80, "data.regenerate_max_tokens": 32, "train.epochs": 3,
+                       "train.batch_size": 8, "data.max_length": 192},
+             "prompts": 4, "max_new_tokens": 32},
+    "full": {"target": {}, "train": {"data.limit": 320, "data.regenerate_max_tokens": 64, "train.epochs": 1,
                                      "train.batch_size": 8},
              "prompts": 16, "max_new_tokens": 64},
 }
