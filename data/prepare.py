@@ -116,13 +116,15 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
             limit: int | None = None, split: str = "train", subset: str | None = None, streaming: bool = False,
             gen_kwargs: dict | None = None, progress: bool = True, rebuild: bool = False, reuse: bool = False,
             num_proc: int | None = None, server_log: str | Path | None = None, engine_timeout: float = 1800.0,
-            make_room=None, log=None) -> dict:
+            make_room=None, target_model=None, log=None) -> dict:
     """The whole pipeline; returns the stats dict (also written to ``out/stats.json``).
 
     ``reuse``: a finished folder with the same settings is returned as it is (what training does).
     ``rebuild``: a folder prepared with other settings is rebuilt instead of refused.
     ``server_log``: where a started vLLM / SGLang engine logs (default ``out/regenerate-server.log``).
     ``make_room``: entered while that engine runs (training moves its target off the GPU meanwhile).
+    ``target_model``: an already loaded ``TargetModel`` for ``regenerate='local'`` (training passes its
+    own, so answers come from the weights and device it trains against instead of a second CPU copy).
     """
     from data.reuse import claim_folder, clean_failed, read_json, reusable
 
@@ -144,7 +146,7 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
                       max_length=max_length, pack=pack, limit=limit, split=split, subset=subset, streaming=streaming,
                       gen_kwargs=gen_kwargs, progress=progress, num_proc=num_proc,
                       server_log=Path(server_log) if server_log else out / SERVER_LOG,
-                      engine_timeout=engine_timeout, make_room=make_room, log=log)
+                      engine_timeout=engine_timeout, make_room=make_room, target_model=target_model, log=log)
     except BaseException:
         clean_failed(out, created)
         raise
@@ -211,7 +213,7 @@ def _checked(convs: Iterator[dict], read_stats, source: str) -> Iterator[dict]:
 
 def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, thinking, max_length, pack, limit,
            split, subset, streaming, gen_kwargs, progress, num_proc, server_log: Path, engine_timeout, make_room,
-           log) -> dict:
+           log, target_model=None) -> dict:
     from data.reuse import CACHE_DIR
     from data.rows import COLUMNS, tokenize_to_disk
     from data.readers import ReadStats, iter_conversations
@@ -223,7 +225,7 @@ def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, th
     model = None
     if regenerate:
         model, keys, report = _regenerate(target, convs, out, regenerate, thinking, gen_kwargs, progress,
-                                          server_log, engine_timeout, make_room, log)
+                                          server_log, engine_timeout, make_room, log, target_model)
         stats["regenerate"] = json.loads(report.line())["regenerate"]
         regen_stats = ReadStats()
         convs = regenerated_conversations(out / REGEN_FILE, keys, regen_stats)
@@ -258,7 +260,7 @@ def _finish(out: Path, meta: dict, stats: dict) -> None:
 
 
 def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, thinking, gen_kwargs: dict,
-                progress: bool, server_log: Path, engine_timeout: float, make_room, log):
+                progress: bool, server_log: Path, engine_timeout: float, make_room, log, target_model=None):
     """Regenerate every conversation (resumable); returns (in-process target or None, keys in source order,
     report). Starts and stops a vLLM / SGLang engine when asked to."""
     from data.regenerate import RegenerationError, make_generator
@@ -284,7 +286,7 @@ def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, think
         elif regenerate == "local":
             from models.target import TargetModel
 
-            model = TargetModel.from_pretrained(target)
+            model = target_model if target_model is not None else TargetModel.from_pretrained(target)
         gen = make_generator(spec, model=server_model, target=model, thinking=thinking, **gen_kwargs)
         report = run_regeneration(tee(), out / REGEN_FILE, gen, progress=progress)
     log(report.line())

@@ -75,7 +75,8 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
                         gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens,
                                     "batch_size": cfg.data.regenerate_batch_size},
                         server_log=out_dir / "regenerate-server.log",
-                        make_room=lambda: offloaded(target.model))  # a started vLLM/SGLang gets the GPU
+                        make_room=lambda: offloaded(target.model),  # a started vLLM/SGLang gets the GPU
+                        target_model=target)  # local regeneration: the loaded (maybe quantized) target, its device
 
     run_on_main(prepare_data, accelerator, what="data preparation")  # a failure there stops every process
     ds, meta = load_prepared(prepared, tokenizer=target.tokenizer, target=target, force=cfg.data.force_target)
