@@ -64,15 +64,15 @@ def resolve_source(path: str | Path) -> Source:
         if not is_drafter_dir(p / "drafter"):
             raise NotADrafterError(f"checkpoint {p}: drafter/ holds no DFlash config.json (the checkpoint is "
                                    "incomplete): pass another step_N or the final drafter")
-        prov = _from_run(p / "config.yaml", p / "trainer_state.json", p / "drafter")
+        prov = _from_run(p / "config.yaml", p / "trainer_state.json", p / "drafter", run_root=p.parent.parent)
         return Source(p / "drafter", "checkpoint", prov)
     if is_drafter_dir(p):
         run_cfg = p.parent / "config.yaml"
         kind = "final" if run_cfg.is_file() and p.parent.name == "final" else "drafter"
-        return Source(p, kind, _from_run(run_cfg if kind == "final" else None, None, p))
+        return Source(p, kind, _from_run(run_cfg if kind == "final" else None, None, p, run_root=p.parent.parent))
     if is_drafter_dir(p / "final" / "drafter"):
         d = p / "final" / "drafter"
-        return Source(d, "run", _from_run(p / "final" / "config.yaml", None, d))
+        return Source(d, "run", _from_run(p / "final" / "config.yaml", None, d, run_root=p))
     if (p / "checkpoints").is_dir():
         raise NotADrafterError(f"{p} is a run folder without final/drafter (training did not finish): pass one of "
                                f"its checkpoints, e.g. {p}/checkpoints/step_N")
@@ -81,7 +81,8 @@ def resolve_source(path: str | Path) -> Source:
                            "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME")
 
 
-def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: Path) -> dict[str, Any]:
+def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: Path,
+              run_root: Path | None = None) -> dict[str, Any]:
     existing = json.loads((drafter_dir / "config.json").read_text()).get("draftsmith") or {}
     prov: dict[str, Any] = dict(existing)
     if run_config is not None and run_config.is_file():
@@ -90,6 +91,11 @@ def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: 
         except yaml.YAMLError as e:
             raise ValueError(f"{run_config} is not valid YAML ({e}); it is the run config saved by training") from None
         prov.update(provenance_from_run(run))
+        tiny = run_root / "tiny_target" if run_root is not None else None
+        if str(prov.get("target", "")).startswith("tiny:") and tiny is not None and (tiny / "config.json").is_file():
+            # training built the tiny target in the run folder: record the folder the loops can load
+            prov["target"] = str(tiny.resolve())
+            prov["target_quantization"] = target_quantization(prov["target"]) or prov.get("target_quantization")
     steps = _steps(trainer_state, run_config)
     if steps is not None:
         prov["steps"] = steps
@@ -108,9 +114,9 @@ def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
         "target_quantization": (target.get("quantization") if target.get("quantization") not in (None, "", "none")
                                 else target_quantization(target.get("path")) or target.get("quantization")),
         "recipe": run.get("recipe") or None,
-        "data": {k: data[k] for k in DATA_KEYS if k in data},
+        "data": {k: data[k] for k in DATA_KEYS if data.get(k) is not None},
         "features": (run.get("features") or {}).get("mode"),
-        "train": {k: train[k] for k in TRAIN_KEYS if k in train},
+        "train": {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
     }
     return {k: v for k, v in prov.items() if v not in (None, {}, "")}
 

@@ -145,6 +145,22 @@ def test_sharded_export_writes_an_index_and_reloads(setup, tmp_path):
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
 
 
+def test_a_tiny_run_records_the_target_folder_it_built(setup, tmp_path):
+    """``target.path=tiny:qwen3`` builds the target in the run folder: the export records (and checks) that folder."""
+    import shutil
+
+    target_dir, _, _, ckpt = setup
+    run = tmp_path / "run"
+    shutil.copytree(ckpt / "drafter", run / "final" / "drafter")
+    shutil.copytree(target_dir, run / "tiny_target")
+    (run / "final" / "config.yaml").write_text(yaml.safe_dump({"recipe": "tiny", "target": {"path": "tiny:qwen3"}}))
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 2.0}\n{"step": 20, "loss": 1.0}\n')
+    summary = export_hf(run, tmp_path / "hf", remote_code_check=False, log=quiet)
+    prov = summary["provenance"]
+    assert prov["target"] == str((run / "tiny_target").resolve()) and prov["steps"] == 20
+    assert prov["target_quantization"] == "none" and str(run / "tiny_target") in summary["commands"]["vllm"]
+
+
 def test_drafter_for_a_qwen35_target_keeps_plain_rope(tmp_path):
     """The Qwen3.5 multimodal target has partial rotary in its nested text_config; the export never copies it,
     and the target check reads the text tower's shape."""
