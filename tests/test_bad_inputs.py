@@ -74,6 +74,21 @@ def test_changed_settings_under_out_dir_data_are_refused_by_training(data_target
     assert "alpaca.jsonl" in warned[0] and "using it as it is" in warned[0]
 
 
+def test_no_held_out_rows_trains_without_eval(data_target, tmp_path):
+    """data.eval_rows=0 once raised IndexError (datasets refuses an empty range starting at len(ds))."""
+    from data.prepare import ensure_prepared
+    from models.target import TargetModel
+    from train.config import load_config
+    from train.setup import load_data
+
+    out = tmp_path / "data"
+    ensure_prepared(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, progress=False, log=lambda *_: None)
+    cfg = load_config(["recipe=tiny", f"data.prepared={out}", "data.eval_rows=0", "data.regenerate=none"])
+    target = TargetModel.from_pretrained(data_target)
+    train_ds, eval_ds, _ = load_data(cfg, str(data_target), target, tmp_path, None, lambda *_: None)
+    assert len(eval_ds) == 0 and len(train_ds) > 0
+
+
 def test_prompts_only_data_is_refused_without_regeneration_and_used_with_it(data_target, tmp_path):
     import json
 

@@ -89,7 +89,8 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
                          "data.prepared elsewhere")
     n_eval = min(cfg.data.eval_rows, len(ds) // 5) if cfg.data.eval_rows else 0
     train_ds = ds.select(range(len(ds) - n_eval))
-    eval_ds = ds.select(range(len(ds) - n_eval, len(ds)))
+    # datasets refuses an empty range that starts at len(ds); data.eval_rows=0 means "no held-out rows"
+    eval_ds = ds.select(range(len(ds) - n_eval, len(ds))) if n_eval else ds.select([])
     log(f"data: {prepared}: {len(train_ds)} training rows, {len(eval_ds)} held out")
     return train_ds, eval_ds, meta
 
