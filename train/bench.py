@@ -64,10 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     use_flex = a.attention == "flex" or (a.attention == "auto" and cuda)
     torch.manual_seed(0)
     H = a.hidden
-    cfg = DFlashConfig(hidden_size=H, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
-                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
-                       vocab_size=a.vocab, num_target_layers=max(a.taps + 4, 8),
-                       target_layer_ids=list(range(1, a.taps + 1)), mask_token_id=a.vocab - 1, block_size=a.block)
+    # The same resolver training and the dry-run plan use, with the bench's flags as overrides.
+    cfg = DFlashConfig.for_target(hidden_size=H, vocab_size=a.vocab, num_target_layers=max(a.taps + 4, 8),
+                                  mask_token_id=a.vocab - 1, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                                  num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.intermediate,
+                                  target_layer_ids=list(range(1, a.taps + 1)), block_size=a.block)
     dtype = torch.bfloat16 if cuda else torch.float32
     drafter = DFlashDraftModel(cfg).to(device)
     if target is not None:
