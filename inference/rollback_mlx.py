@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from models.target_mlx import TargetModel
+from models.target_mlx import TargetModel, UnsupportedTarget
 
 
 class CacheRollback:
@@ -55,8 +55,9 @@ class CacheRollback:
             elif c.is_trimmable():
                 c.trim(drop)
             else:
-                raise TypeError(f"cannot roll back a {type(c).__name__} cache: draftsmith's MLX loop supports "
-                                "KVCache, RotatingKVCache and GatedDeltaNet (ArraysCache) caches")
+                raise UnsupportedTarget(f"cannot roll back a {type(c).__name__} cache: draftsmith's MLX loop "
+                                        "supports KVCache, RotatingKVCache and GatedDeltaNet (ArraysCache) caches; "
+                                        "load the target without a quantized or custom KV cache")
         for i, layer in self.linear:
             state = cache[i]
             state.cache = list(self._snapshots[i])

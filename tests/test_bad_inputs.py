@@ -520,6 +520,26 @@ def test_validate_mistake_prints_one_line(infer_dirs):
 
 
 
+def test_mlx_rollback_of_an_unsupported_cache_is_a_user_error():
+    """Once a bare TypeError (a traceback, as for a bug); now one line naming the supported caches."""
+    pytest.importorskip("mlx.core")
+    from inference.rollback_mlx import CacheRollback
+    from models.cli import is_user_error
+    from models.target import UnsupportedTarget
+
+    class FixedCache:  # an mlx_lm cache kind that cannot be trimmed
+        def is_trimmable(self) -> bool:
+            return False
+
+    class NoLinear:
+        def linear_attention_layers(self):
+            return []
+
+    with pytest.raises(UnsupportedTarget, match="cannot roll back a FixedCache cache") as err:
+        CacheRollback(NoLinear()).commit([FixedCache()], keep=1, block_len=4)
+    assert is_user_error(err.value)
+
+
 # ---------------------------------------------------------------- export and push (export/)
 @pytest.fixture
 def export_drafter(tmp_path):
