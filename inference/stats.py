@@ -98,9 +98,12 @@ def resolve_block_size(requested: int | None, trained: int) -> int:
 
 
 def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
-    """A published drafter may use a reserved token as its mask; warn rather than refuse to run it."""
-    from models.config import tokenizer_emitted_ids
+    """A drafter whose mask is a token the target produces (EOS, pad, a chat-control or text token) still
+    runs losslessly, so warn rather than refuse. A reserved/unused special token (Llama 3.x's choice, as
+    training resolves it in ``models.mask_token``) is a proper mask and gets no warning."""
+    from models.mask_token import mask_problem
 
-    if tokenizer is not None and mask_id in tokenizer_emitted_ids(tokenizer):
-        log.warning("the drafter's mask_token_id %d is a token the target's tokenizer can emit (%r); drafts stay "
-                    "lossless but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id))
+    why = mask_problem(tokenizer, mask_id) if tokenizer is not None else None
+    if why:
+        log.warning("the drafter's mask_token_id %d (%r) is %s for the target's tokenizer; drafts stay lossless "
+                    "but acceptance may suffer", mask_id, tokenizer.convert_ids_to_tokens(mask_id), why)

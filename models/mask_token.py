@@ -65,6 +65,17 @@ def forbidden_mask_ids(tokenizer, produced_ids: Iterable[int] = ()) -> dict[int,
     return bad
 
 
+def mask_problem(tokenizer, mask_id: int) -> str | None:
+    """Why ``mask_id`` is a poor mask for this tokenizer (a token it produces), or None: a spare row
+    or an unused special token. Inference uses it to warn about a published drafter's choice."""
+    if mask_id not in tokenizer_emitted_ids(tokenizer):
+        return None
+    bad = forbidden_mask_ids(tokenizer)
+    if mask_id in bad:
+        return bad[mask_id]
+    return None if mask_id in _special_tokens(tokenizer) else "an ordinary text token"
+
+
 def resolve_mask_token(embedding_rows: int, tokenizer, explicit: int | None = None,
                        produced_ids: Iterable[int] = ()) -> MaskChoice:
     """The mask token, as the engines resolve it (docs/design.md, "Block and mask token").

@@ -305,6 +305,25 @@ def test_no_spare_row_and_no_reserved_token_is_a_clear_error():
 
 
 
+def test_inference_warns_about_a_mask_the_target_produces_but_not_a_reserved_special(caplog):
+    """A Llama-3-style drafter whose mask is a reserved special token once drew a spurious warning."""
+    import logging
+
+    from inference.stats import warn_if_mask_is_emitted
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3", reserved=4)
+    reserved = tok.convert_tokens_to_ids("<|reserved_special_token_0|>")
+    cases = {reserved: None, tok.eos_token_id: "eos token", tok.convert_tokens_to_ids("a"): "ordinary text token",
+             10_000: None}  # 10_000: a spare row past the tokenizer
+    for mask_id, warned in cases.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            warn_if_mask_is_emitted(mask_id, tok)
+        text = " ".join(r.getMessage() for r in caplog.records)
+        assert (warned in text) if warned else not text, (mask_id, text)
+
+
 # ---------------------------------------------------------------- generate / validate (inference/)
 # Every case here ends before any weights load: the target folders below hold config.json and the
 # tokenizer only, so a check that ran after loading would fail differently.
