@@ -253,3 +253,11 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     assert_close(grads[1][0], grads[0][0], atol=0, what="loss with gradient checkpointing")
     for k, g in grads[0][1].items():
         assert_close(grads[1][1][k], g, atol=1e-6, what=f"gradient of {k} with checkpointing")
+
+
+def test_console_rows_keep_small_learning_rates():
+    """Console rows once rounded to 4 decimals, so lr 6e-5 printed as 0.0 (metrics.jsonl was exact)."""
+    from train.metrics import rounded
+
+    row = rounded({"lr": 6e-5, "loss": 4.215631, "grad_norm": 0.0, "tau_hist": [1, 2], "step": 3})
+    assert row == {"lr": 6e-5, "loss": 4.2156, "grad_norm": 0.0, "step": 3}

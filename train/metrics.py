@@ -17,8 +17,12 @@ from typing import Any
 
 
 def rounded(row: dict) -> dict:
-    """A row for the console: floats to 4 decimals, lists and dicts (histograms, per-slot) left out."""
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if not isinstance(v, (list, dict))}
+    """A row for the console: floats to 4 decimals (4 significant digits below 0.001, so an lr of 6e-5
+    does not print as 0.0), lists and dicts (histograms, per-slot) left out."""
+    def short(v: float) -> float:
+        return round(v, 4) if abs(v) >= 1e-3 or v == 0 else float(f"{v:.4g}")
+
+    return {k: (short(v) if isinstance(v, float) else v) for k, v in row.items() if not isinstance(v, (list, dict))}
 
 
 class _NoWandb:
