@@ -72,6 +72,17 @@ def check_folder(folder: Path) -> DFlashConfig:
     return config
 
 
+def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str | Path) -> None:
+    """A report measured with another drafter (other block size or mask id) must not go on this card."""
+    theirs = {"block size": report.get("trained_block_size"), "mask token id": report.get("mask_token_id")}
+    ours = {"block size": config.block_size, "mask token id": config.mask_token_id}
+    wrong = [f"{k} {theirs[k]} (this folder: {ours[k]})" for k in ours
+             if theirs[k] is not None and theirs[k] != ours[k]]
+    if wrong:
+        raise ValueError(f"--report {path} was measured with another drafter: " + ", ".join(wrong) +
+                         ". Validate this folder and pass that report")
+
+
 def plan(folder: Path, repo: str, private: bool, revision: str, message: str) -> list[dict[str, Any]]:
     """The Hub operations, in order, as the keyword arguments HfApi receives."""
     ops: list[dict[str, Any]] = [{"op": "create_repo", "repo_id": repo, "repo_type": "model", "private": private,
@@ -92,8 +103,10 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
 
     folder = Path(folder)
     check_repo_id(repo)
-    check_folder(folder)
+    config = check_folder(folder)
     loaded = load_report(report) if report else None
+    if loaded is not None:
+        check_report_matches(loaded, config, report)
     target = (json.loads((folder / "config.json").read_text()).get("draftsmith") or {}).get("target")
     if not is_hub_id(target):
         log(f"note: the recorded target is {target!r}, not a Hub id, so the card has no base_model; re-export with "
