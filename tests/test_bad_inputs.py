@@ -680,6 +680,7 @@ def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys)
     ("folder fails the engine schema", "eagle_aux_hidden_state_layer_ids"),
     ("truncated weights", "corrupt or truncated"), ("--report missing", "not found: pass the report.json"),
     ("--report not JSON", "is not valid JSON"), ("--report of another tool", "not an inference.validate report"),
+    ("--report of another drafter", "measured with another drafter: block size 16 (this folder: 4)"),
 ])
 def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_drafter, monkeypatch, case,
                                                                  expected):
@@ -715,6 +716,11 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
             path.write_text("{")
         elif case == "--report of another tool":
             path.write_text(json.dumps({"tau": 2.5, "speedup": 2.0}))
+        elif case == "--report of another drafter":
+            path.write_text(json.dumps({"schema": "draftsmith.validate/1", "tau": 2.5, "tau_per_prompt_mean": 2.7,
+                                        "backend": "mlx", "device": "cpu", "dtype": "float32", "target": "t",
+                                        "num_prompts": 3, "per_category": {}, "trained_block_size": 16,
+                                        "mask_token_id": 290}))
         extra = ["--report", str(path)]
     msg = _export_error("push", ["--folder", str(folder), "--repo", repo] + extra)
     assert expected in msg
