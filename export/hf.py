@@ -32,7 +32,7 @@ import torch
 from export.check import (check_parity, config_differences, logit_stats, raise_if, random_block, schema_problems,
                           stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
-from export.source import resolve_source, target_quantization
+from export.source import describe_target_quantization, resolve_source
 from export.usage import serve_commands
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
@@ -63,7 +63,8 @@ def provenance(src_prov: dict[str, Any], target: str | None, revision: str | Non
     prov = dict(src_prov)
     if target:
         prov["target"] = target
-        prov["target_quantization"] = target_quantization(target) or prov.get("target_quantization")
+        if Path(target).expanduser().is_dir():  # a local folder says how it is quantized; a Hub id keeps the run's
+            prov["target_quantization"] = describe_target_quantization(target)
     if revision:
         prov["target_revision"] = revision
     return {k: v for k, v in prov.items() if v is not None}

@@ -95,7 +95,8 @@ def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: 
         if str(prov.get("target", "")).startswith("tiny:") and tiny is not None and (tiny / "config.json").is_file():
             # training built the tiny target in the run folder: record the folder the loops can load
             prov["target"] = str(tiny.resolve())
-            prov["target_quantization"] = target_quantization(prov["target"]) or prov.get("target_quantization")
+            quant = (run.get("target") or {}).get("quantization")
+            prov["target_quantization"] = describe_target_quantization(prov["target"], quant)
     steps = _steps(trainer_state, run_config)
     if steps is not None:
         prov["steps"] = steps
@@ -110,15 +111,26 @@ def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
     prov: dict[str, Any] = {
         "target": target.get("path") or None,
         "target_revision": target.get("revision"),
-        # train's target.quantization (none | mlx-4bit-g64 | mlx:PATH | bnb-4bit | fp8), else what the folder says
-        "target_quantization": (target.get("quantization") if target.get("quantization") not in (None, "", "none")
-                                else target_quantization(target.get("path")) or target.get("quantization")),
+        "target_quantization": describe_target_quantization(target.get("path"), target.get("quantization")),
         "recipe": run.get("recipe") or None,
         "data": {k: data[k] for k in DATA_KEYS if data.get(k) is not None},
         "features": (run.get("features") or {}).get("mode"),
         "train": {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
     }
     return {k: v for k, v in prov.items() if v not in (None, {}, "")}
+
+
+def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:
+    """The "trained against" line: ``models.quant.trained_against`` (train's ``target.quantization``, or an
+    MLX-quantized target folder), else a transformers ``quant_method`` the target folder declares."""
+    from models.quant import trained_against
+
+    try:
+        line = trained_against(path or "", quantization)
+    except ValueError:  # a value this version does not parse: record it as written
+        return quantization
+    folder = target_quantization(path)
+    return folder if line.startswith("none") and folder not in (None, "none") else line
 
 
 def target_quantization(target: str | None) -> str | None:

@@ -102,7 +102,8 @@ def test_hf_export_reloads_with_identical_logits_in_torch_mlx_and_automodel(setu
 
     prov = json.loads((out / "config.json").read_text())["draftsmith"]
     assert prov["target"] == str(target_dir) and prov["steps"] == 7 and prov["recipe"] == "tiny"
-    assert prov["target_quantization"] == "none" and prov["data"]["source"] == "tiny" and prov["train"]["lr"] == 3e-3
+    assert prov["target_quantization"] == "none (unquantized weights)"
+    assert prov["data"]["source"] == "tiny" and prov["train"]["lr"] == 3e-3
 
 
 def test_schema_lists_every_key_engines_read(setup, tmp_path):
@@ -158,7 +159,25 @@ def test_a_tiny_run_records_the_target_folder_it_built(setup, tmp_path):
     summary = export_hf(run, tmp_path / "hf", remote_code_check=False, log=quiet)
     prov = summary["provenance"]
     assert prov["target"] == str((run / "tiny_target").resolve()) and prov["steps"] == 20
-    assert prov["target_quantization"] == "none" and str(run / "tiny_target") in summary["commands"]["vllm"]
+    assert prov["target_quantization"] == "none (unquantized weights)"
+    assert str(run / "tiny_target") in summary["commands"]["vllm"]
+
+
+def test_provenance_records_what_the_drafter_was_trained_against(tmp_path):
+    from export.source import provenance_from_run
+
+    run = {"recipe": "qwen3-8b", "target": {"path": "Qwen/Qwen3-8B", "revision": "abc", "quantization": "mlx-4bit"},
+           "data": {"source": "nvidia/Nemotron-Post-Training-Dataset-v2", "subset": None}, "train": {"lr": 6e-4}}
+    prov = provenance_from_run(run)
+    assert prov == {"target": "Qwen/Qwen3-8B", "target_revision": "abc", "target_quantization": "mlx-4bit-g64",
+                    "recipe": "qwen3-8b", "data": {"source": "nvidia/Nemotron-Post-Training-Dataset-v2"},
+                    "train": {"lr": 6e-4}}
+    folder = tmp_path / "q"  # a target folder that is itself MLX-quantized
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3",
+                                                    "quantization": {"bits": 4, "group_size": 32, "mode": "affine"}}))
+    quant = provenance_from_run({"target": {"path": str(folder)}})["target_quantization"]
+    assert quant.startswith(f"mlx:{folder}") and "4" in quant and "32" in quant
 
 
 def test_drafter_for_a_qwen35_target_keeps_plain_rope(tmp_path):
