@@ -116,9 +116,11 @@ def read_drafter_config(directory: str | Path, name: str = "") -> tuple[DFlashCo
 
 
 def recorded_target(directory: str | Path, raw: dict) -> str | None:
-    """The target a drafter says it was trained for: config.json keys, else the model card's ``base_model``."""
+    """The target a drafter says it was trained for: config.json keys (the ``draftsmith`` provenance block
+    that ``export.hf`` writes first), else the model card's ``base_model``."""
     nested = raw.get("dflash_config") or {}
-    for value in (nested.get("target_model"), raw.get("target_model"), raw.get("base_model")):
+    prov = raw.get("draftsmith") if isinstance(raw.get("draftsmith"), dict) else {}
+    for value in (prov.get("target"), nested.get("target_model"), raw.get("target_model"), raw.get("base_model")):
         if isinstance(value, str) and value:
             return value
     card = Path(directory) / "README.md"

@@ -454,6 +454,17 @@ def test_recorded_target_differs_warns(infer_dirs, caplog):
     assert "records its target as Qwen/Qwen3-8B" in caplog.text
 
 
+def test_exported_provenance_target_differs_warns(infer_dirs, caplog):
+    """export.hf records the target in config.json's ``draftsmith`` block; pre-flight once ignored it."""
+    from inference.checks import preflight
+
+    draft = _drafter_variant(infer_dirs, "exported", draftsmith={"target": "meta-llama/Llama-3.1-8B-Instruct"})
+    with caplog.at_level("WARNING", logger="inference"):
+        pre = preflight(infer_dirs["target"], draft)
+    assert pre.recorded_target == "meta-llama/Llama-3.1-8B-Instruct"
+    assert "records its target as meta-llama/Llama-3.1-8B-Instruct" in caplog.text
+
+
 def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
     import json
 
