@@ -85,3 +85,18 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path):
                   "--max-new-tokens", "16", "--regen-tokens", "24", "--max-length", "160",
                   "--target", str(small_target), "--out", str(tmp_path / "abl")])
     assert again["rows"][0]["tau_pooled"] == row["tau_pooled"]
+
+
+def test_small_recipe_is_the_paper_recipe_at_small_size():
+    """recipes/small.yaml changes only size-specific settings (the ablation found no >= 10% win)."""
+    from train.ablate import BASE
+    from train.config import TrainConfig, load_config
+
+    cfg, paper = load_config(["recipe=small"]), TrainConfig()
+    for key in ("lr", "schedule", "warmup_ratio", "clip", "loss", "betas", "weight_decay", "gamma"):
+        assert getattr(cfg.train, key) == getattr(paper, key), key
+    assert cfg.gamma == 4.0 and cfg.drafter.rope_theta is None  # block 8's paper gamma; the target's RoPE base
+    for key, value in BASE.items():  # the ablation's baseline shape
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == value, key
+    assert cfg.train.anchors == 64

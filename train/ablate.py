@@ -153,15 +153,22 @@ def run_one(spec_file: Path) -> None:
     spec = json.loads(spec_file.read_text())
     run_dir = Path(spec["run_dir"])
     t0 = time.perf_counter()
-    from train.distill import main as distill
+    trained = run_dir / "trained.json"  # a run killed during its evaluation is not trained again
+    if trained.is_file() and json.loads(trained.read_text()).get("argv") == spec["argv"]:
+        summary = json.loads(trained.read_text())
+    else:
+        from train.distill import main as distill
 
-    summary = distill(spec["argv"])
-    train_s = time.perf_counter() - t0
+        summary = distill(spec["argv"])
+        summary = {"argv": spec["argv"], "last": summary.get("last"), "train_seconds": time.perf_counter() - t0}
+        trained.write_text(json.dumps(summary) + "\n")
+    train_s = summary.get("train_seconds")
+    t0 = time.perf_counter()
     report = true_tau_report(run_dir / "final" / "drafter", Path(spec["target"]), spec["prompts"],
                              spec["max_new_tokens"])
     report.update({"cell": spec["cell"], "seed": spec["seed"], "max_new_tokens": spec["max_new_tokens"],
-                   "train_seconds": round(train_s, 1),
-                   "eval_seconds": round(time.perf_counter() - t0 - train_s, 1),
+                   "train_seconds": None if train_s is None else round(train_s, 1),
+                   "eval_seconds": round(time.perf_counter() - t0, 1),
                    "final_loss": (summary.get("last") or {}).get("loss"), "argv": spec["argv"]})
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final drafter stays
     (run_dir / "result.json").write_text(json.dumps(report, indent=1) + "\n")
