@@ -788,6 +788,7 @@ def _copy_with(folder, dst, drop=(), config_update=None):
     ("gptq", "not a quantization draftsmith knows: use none | mlx:PATH_OR_ID"),
     ("mlx-7bit", "7 bits is not an MLX affine width"),
     ("mlx-4bit-g48", "group size 48 is not supported; use one of \\[32, 64, 128\\]"),
+    ("mlx:", "needs a folder or Hub id after 'mlx:'"),  # once read as the YAML mapping {'mlx': None}
 ])
 def test_bad_quantization_value_fails_at_config_time(value, message):
     from models.quant import QuantizationError

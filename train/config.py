@@ -447,6 +447,15 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     return recipe, pairs
 
 
+def _parse_value(text: str) -> Any:
+    """A command-line value as YAML (numbers, booleans, [lists]); a mapping only when written as
+    ``{...}``, so ``target.quantization=mlx:`` stays the text the user typed, not ``{'mlx': None}``."""
+    if text == "":
+        return None
+    value = yaml.safe_load(text)
+    return text if isinstance(value, dict) and not text.lstrip().startswith("{") else value
+
+
 def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
                 overrides: dict[str, Any] | None = None) -> RunConfig:
     """Recipe YAML, then overrides (command line pairs, then the ``overrides`` dict), validated."""
@@ -463,7 +472,7 @@ def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
             _check_key(k)
     for k, v in pairs:
         _check_key(k)
-        _set_dotted(tree, k, yaml.safe_load(v) if v != "" else None)
+        _set_dotted(tree, k, _parse_value(v))
     for k, v in (overrides or {}).items():
         _check_key(k)
         _set_dotted(tree, k, v)
