@@ -324,7 +324,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("extraction stopped early; re-run the same command to resume")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-extract`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -365,7 +365,12 @@ def main(argv: list[str] | None = None) -> None:
                                                         "dropped_no_loss", "template_errors")}, "out": str(a.out)}))
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-prepare`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

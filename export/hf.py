@@ -148,7 +148,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      overwrite=args.overwrite, remote_code_check=not args.no_remote_code_check)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-export-hf`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -185,7 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       target=args.target, target_revision=args.target_revision, overwrite=args.overwrite)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-export-mlx`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

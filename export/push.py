@@ -155,7 +155,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 license=args.license, commit_message=args.commit_message, dry_run=args.dry_run)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-push`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -232,7 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-validate`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

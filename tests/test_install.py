@@ -78,15 +78,15 @@ def test_dependencies_and_extras():
 
 
 def test_console_scripts_point_at_real_mains():
-    import draftsmith_cli
-
+    """Each script is its module's ``cli`` (``main`` through ``run_cli``), so a ``main`` that returns a
+    report never becomes an exit status."""
     scripts = pyproject()["project"]["scripts"]
-    assert set(scripts) == set(draftsmith_cli.COMMANDS)
+    assert len(scripts) == 8 and all(s.startswith("draftsmith-") for s in scripts)
     for script, target in scripts.items():
-        module, fn = target.split(":")
-        assert module == "draftsmith_cli" and callable(getattr(draftsmith_cli, fn)), script
-        main = importlib.import_module(draftsmith_cli.COMMANDS[script]).main
-        assert callable(main), script
+        module_name, fn = target.split(":")
+        assert fn == "cli", script
+        module = importlib.import_module(module_name)
+        assert callable(module.cli) and callable(module.main), script
 
 
 def test_python_m_train_distill_from_another_directory(tmp_path):

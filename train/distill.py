@@ -246,7 +246,12 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     return {"out_dir": str(run.out_dir), "steps": state.step, "last": last, "first_eval": first_eval}
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-distill`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()
