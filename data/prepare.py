@@ -325,7 +325,7 @@ def regenerated_conversations(path: Path, keys: list[str], stats) -> Iterator[di
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.regenerate import add_generation_args, parse_thinking
+    from data.regenerate import add_generation_args, load_local_target, parse_thinking
 
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,10 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
+    target_model = load_local_target(a, a.target) if a.regenerate == "local" else None
     stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
                     max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,
                     streaming=a.streaming, gen_kwargs=gen_kwargs, progress=not a.no_progress, rebuild=a.rebuild,
-                    num_proc=a.num_proc, server_log=a.server_log, engine_timeout=a.engine_timeout)
+                    num_proc=a.num_proc, server_log=a.server_log, engine_timeout=a.engine_timeout,
+                    target_model=target_model)
     print(json.dumps({"prepare": {k: stats[k] for k in ("rows", "documents", "tokens", "loss_tokens", "truncated",
                                                         "dropped_no_loss", "template_errors")}, "out": str(a.out)}))
 

@@ -270,6 +270,27 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=8, help="conversations per batch in-process (default 8)")
     g.add_argument("--retries", type=int, default=5, help="retries per request, exponential backoff (default 5)")
     g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (default 1)")
+    g.add_argument("--device", default="auto",
+                   help="in-process generation: cuda, cpu, mps... (default auto: cuda when available, else cpu)")
+    g.add_argument("--dtype", default="auto", help="in-process generation: bfloat16, float32... (default: the "
+                                                    "checkpoint's; float32 on cpu)")
+    g.add_argument("--device-map", default=None,
+                   help="in-process generation of a target larger than one GPU: auto | balanced | sequential")
+    g.add_argument("--max-memory", default=None, help="with --device-map: budget per device, e.g. 0=70GiB,1=70GiB")
+
+
+def load_local_target(a: argparse.Namespace, path: str):
+    """The in-process generator's target, placed as the flags say: on a GPU when there is one (a
+    second CPU-only copy made local regeneration of a real data set hours slower than needed)."""
+    import torch
+
+    from models.target import TargetModel
+
+    if a.device_map:
+        return TargetModel.from_pretrained(path, dtype=a.dtype, device_map=a.device_map, max_memory=a.max_memory)
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = a.dtype if a.dtype != "auto" or device != "cpu" else "float32"
+    return TargetModel.from_pretrained(path, dtype=dtype, device=device, max_memory=a.max_memory)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,8 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                                need_answers=False)
     target = None
     if not a.server:
-        from models.target import TargetModel
-        target = TargetModel.from_pretrained(a.target)
+        target = load_local_target(a, a.target)
     gen = make_generator(a.server or "local", model=a.model or a.target, target=target,
                          thinking=parse_thinking(a.thinking), temperature=a.temperature, max_tokens=a.max_tokens,
                          concurrency=a.concurrency, batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)

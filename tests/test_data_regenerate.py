@@ -289,3 +289,22 @@ def test_engine_that_dies_or_serves_another_model_is_stopped_with_a_clear_error(
                 progress=False, server_log=log, log=lines.append)
     assert any(line == "sglang stopped" for line in lines)
     assert not (tmp_path / "prepared").exists()  # nothing regenerated: no folder left behind
+
+
+def test_in_process_regeneration_places_the_target_as_the_flags_say(target_dir):
+    """Standalone local regeneration once loaded the target with no device: on a GPU node it ran on the CPU."""
+    import argparse
+
+    import torch
+
+    from data.regenerate import add_generation_args, load_local_target
+
+    p = argparse.ArgumentParser()
+    add_generation_args(p)
+    auto = load_local_target(p.parse_args([]), str(target_dir))
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert auto.device.type == expected and (expected != "cpu" or auto.dtype == torch.float32)
+    half = load_local_target(p.parse_args(["--device", "cpu", "--dtype", "bfloat16"]), str(target_dir))
+    assert half.device.type == "cpu" and half.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="max_memory needs device_map"):
+        load_local_target(p.parse_args(["--max-memory", "0=1GiB"]), str(target_dir))
