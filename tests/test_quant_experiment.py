@@ -38,4 +38,4 @@ def test_training_against_the_quantized_target_recovers_acceptance_on_it(tmp_pat
                          "unquantized_drafter_on_unquantized", "quantized_drafter_on_unquantized"}
     assert all(1.0 <= t <= 8.0 for t in four.values()), four  # block 8: 1..8 tokens per cycle
     assert four["quantized_drafter_on_quantized"] >= four["unquantized_drafter_on_quantized"] + MARGIN, four
-    assert (tmp_path / f"report-s{seed}.json").is_file()
+    assert (tmp_path / f"report-3bit-e3-s{seed}.json").is_file()
