@@ -297,16 +297,10 @@ def load_mlx_target(path_or_id: str | Path, dtype: torch.dtype | None = None, de
     ``dtype`` defaults to the scales' dtype (bf16 for mlx-community repos). The adapter's
     ``quantization`` attribute says what it was loaded from.
     """
-    from models.hub import resolve_model_dir
-    from models.target import TargetModel, check_supported
+    from models.target import TargetModel, read_target_config
 
-    directory = resolve_model_dir(path_or_id, revision=revision, what="quantized target")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: an MLX target folder needs config.json")
-    config = json.loads(config_path.read_text())
-    model_type = config.get("model_type", "<missing model_type>")
-    check_supported(model_type)
+    directory, config = read_target_config(path_or_id, revision, what="quantized target")
+    model_type = config["model_type"]
     quant = config.get("quantization")
     if not (isinstance(quant, dict) and "bits" in quant and "group_size" in quant):
         raise QuantizationError(f"{directory}/config.json has no MLX 'quantization: {{bits, group_size}}': "

@@ -69,6 +69,19 @@ def warn_if_slow_linear_attention(family: str, device: torch.device) -> None:
         "(and causal-conv1d where it builds)")
 
 
+def read_target_config(path_or_id: str | Path, revision: str | None = None,
+                       what: str = "target") -> tuple[Path, dict]:
+    """(local folder, config.json) of a target, its architecture checked before any weights load;
+    the torch adapter, the MLX twin and the MLX-quantized loader all start here."""
+    directory = resolve_model_dir(path_or_id, revision=revision, what=what)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a {what} folder needs config.json")
+    config = json.loads(config_path.read_text())
+    check_supported(config.get("model_type", "<missing model_type>"))
+    return directory, config
+
+
 class _StopForward(Exception):
     """Raised by the deepest tap when nothing after it is needed."""
 
@@ -213,12 +226,7 @@ class TargetModel:
 
         from models.quant import is_mlx_quantized, load_mlx_target, transformers_quantization_config
 
-        directory = resolve_model_dir(path_or_id, revision=revision, what="target")
-        config_path = directory / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path} not found: a target folder needs config.json")
-        model_type = json.loads(config_path.read_text()).get("model_type", "<missing model_type>")
-        check_supported(model_type)
+        directory, _ = read_target_config(path_or_id, revision)
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
         if device_map is not None:

@@ -16,15 +16,13 @@ through ``mlx_lm.load``; transformers 5 folders whose configs mlx_lm does not re
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
-from models.hub import resolve_model_dir
-from models.target import SUPPORTED, UnsupportedTarget, check_supported
+from models.target import SUPPORTED, UnsupportedTarget, check_supported, read_target_config
 
 __all__ = ["TargetModel", "TargetOutput", "Capture", "check_supported", "UnsupportedTarget", "SUPPORTED"]
 
@@ -212,13 +210,7 @@ class TargetModel:
         """
         from mlx_lm.utils import load
 
-        directory = resolve_model_dir(path_or_id, revision=revision, what="target")
-        config_path = directory / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path} not found: a target folder needs config.json")
-        config = json.loads(config_path.read_text())
-        model_type = config.get("model_type", "<missing model_type>")
-        check_supported(model_type)
+        directory, config = read_target_config(path_or_id, revision)
         model, tokenizer = load(str(directory), model_config=mlx_lm_overrides(config))
         if dtype is not None:
             _cast_floating(model, dtype)
