@@ -32,7 +32,7 @@ import torch
 from export.check import (check_parity, config_differences, logit_stats, raise_if, random_block, schema_problems,
                           stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
-from export.source import describe_target_quantization, resolve_source
+from export.source import describe_target_quantization, full_precision_source
 from export.usage import serve_commands
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
@@ -115,11 +115,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     out = Path(out)
-    src = resolve_source(checkpoint)
+    src = full_precision_source(checkpoint, "export.hf")
     check_out(out, overwrite, src.drafter_dir)
-    if DFlashConfig.load(src.drafter_dir).quantization:
-        raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: export.hf needs the full-precision "
-                         "drafter (the training checkpoint or final/drafter)")
     torch_dtype = DTYPES[dtype]
     log(f"source: {src.drafter_dir} ({src.kind})")
     model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=torch_dtype)

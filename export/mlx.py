@@ -29,7 +29,7 @@ from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_diffe
                           random_block, schema_problems, stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
 from export.hf import provenance
-from export.source import resolve_source
+from export.source import full_precision_source
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -112,7 +112,6 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     """Write, check and place the MLX folder; returns a summary (paths, parity figures)."""
     import torch
 
-    from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel as TorchDrafter
 
     if dtype not in DTYPES:
@@ -128,11 +127,8 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     if group_size not in (32, 64, 128):
         raise ValueError(f"--group-size {group_size}: use 32, 64 or 128")
     out = Path(out)
-    src = resolve_source(checkpoint)
+    src = full_precision_source(checkpoint, "export.mlx")
     check_out(out, overwrite, src.drafter_dir)
-    if DFlashConfig.load(src.drafter_dir).quantization:
-        raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: export from the HF drafter or the "
-                         "training checkpoint instead")
     log(f"source: {src.drafter_dir} ({src.kind})")
     reference = TorchDrafter.from_pretrained(src.drafter_dir, dtype=torch.float32)
     model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))

@@ -81,6 +81,18 @@ def resolve_source(path: str | Path) -> Source:
                            "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME")
 
 
+def full_precision_source(checkpoint: str | Path, command: str) -> Source:
+    """``resolve_source`` for an export, refusing a quantized MLX export as the source (both exports
+    need the full-precision drafter: re-exporting quantized weights would compound the error)."""
+    from models.config import DFlashConfig
+
+    src = resolve_source(checkpoint)
+    if DFlashConfig.load(src.drafter_dir).quantization:
+        raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: {command} needs the full-precision "
+                         "drafter (the training checkpoint or final/drafter)")
+    return src
+
+
 def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: Path,
               run_root: Path | None = None) -> dict[str, Any]:
     existing = json.loads((drafter_dir / "config.json").read_text()).get("draftsmith") or {}
