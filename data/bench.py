@@ -80,6 +80,26 @@ def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16,
     return TargetModel(model.eval(), tokenizer=None, name=f"random-{recipe}")
 
 
+def disk_speed(nbytes: int) -> dict:
+    """Sequential write + fsync and sha256 speed where the stores go: the ceiling of extraction is
+    ``min(write, hash x writers) / store bytes per token`` whatever the GPU does."""
+    import hashlib
+    import os
+
+    buf = torch.randint(0, 255, (min(nbytes, 1 << 30),), dtype=torch.uint8).numpy()
+    with tempfile.TemporaryDirectory(prefix="dsbench-disk-") as d:
+        t0 = time.perf_counter()
+        with open(os.path.join(d, "x"), "wb") as f:
+            f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        write = buf.nbytes / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    hashlib.sha256(buf).hexdigest()
+    sha = buf.nbytes / (time.perf_counter() - t0)
+    return {"write_MB_per_s": round(write / 2**20, 1), "sha256_MB_per_s": round(sha / 2**20, 1)}
+
+
 def random_data(rows: int, seq: int, vocab: int):
     from datasets import Dataset
 
@@ -107,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], help="store dtypes to measure")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats; the best is reported (default 2)")
+    p.add_argument("--shard-rows", type=int, default=4, help="rows per shard (default 4: many shards, so the "
+                   "steady state is timed rather than the last shard's write)")
     p.add_argument("--writers", type=int, default=2, help="background shard writers of extraction (default 2)")
     a = p.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     tapped_tps = tokens / best
     print(json.dumps({"bench": "tapped_forward", **common, "tokens_per_s": round(tapped_tps, 1)}), flush=True)
 
+    print(json.dumps({"bench": "disk", **common, **disk_speed(a.rows * a.seq * len(layer_ids) * a.hidden)}),
+          flush=True)
     for dtype in a.dtypes:
         best, store_dir = float("inf"), None
         for r in range(a.repeats):
@@ -150,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             _sync(device)
             t0 = time.perf_counter()
             extract(target, data, tmp, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
-                    shard_tokens=max(tokens // 4, 1), progress=False, writers=a.writers)
+                    shard_tokens=a.shard_rows * a.seq, progress=False, writers=a.writers)
             _sync(device)
             best, store_dir = min(best, time.perf_counter() - t0), tmp
         tps = tokens / best

@@ -94,6 +94,44 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
+_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16",
+              torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def write_safetensors(f, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[int, str]:
+    """Write ``tensors`` to the open file ``f`` in the safetensors format; return (bytes, sha256).
+
+    Shards are hundreds of MB: ``safetensors.torch.save`` copies every tensor into one bytes object
+    (~0.7 GB/s), then the file write and the hash each pass over it. Here each tensor's memory is
+    written as it lies (a list is written as its parts concatenated along dim 0), while a second
+    thread hashes the same buffers (hashlib and file writes release the GIL). Names are sorted so
+    equal shards give equal bytes; any safetensors reader opens the file.
+    """
+    import struct
+
+    header, views, offset = {}, [], 0
+    for name in sorted(tensors):
+        parts = tensors[name] if isinstance(tensors[name], list) else [tensors[name]]
+        shape = [sum(p.shape[0] for p in parts), *parts[0].shape[1:]] if parts[0].dim() else []
+        start = offset
+        for p in parts:
+            p = p.contiguous()
+            if p.numel():
+                views.append(p.reshape(-1).view(torch.uint8).numpy())  # the tensor's bytes, no copy
+                offset += p.numel() * p.element_size()
+        header[name] = {"dtype": _ST_DTYPES[parts[0].dtype], "shape": shape, "data_offsets": [start, offset]}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes with spaces
+    chunks = [struct.pack("<Q", len(head)), head, *views]
+    h = hashlib.sha256()
+    with ThreadPoolExecutor(1) as pool:
+        hashed = pool.submit(lambda: [h.update(c) for c in chunks])
+        for c in chunks:
+            f.write(c)
+        hashed.result()
+    return 8 + len(head) + offset, h.hexdigest()
+
+
 def target_identity(target) -> dict:
     """Name, revision (Hub commit if known) and fingerprint of a target.
 
@@ -244,10 +282,8 @@ class StoreWriter:
 
         ``quantized``: the rows' features already as fp8 ``(values, scales)`` concatenated in row
         order (quantized on the GPU by the extractor); the rows' own ``features`` are then unused.
-        The shard is serialised in memory and hashed from those bytes: one pass, no re-read.
+        The shard is written straight from the rows' memory and hashed on the way: no re-read.
         """
-        from safetensors.torch import save
-
         dtype = self.index["dtype"]
         taps = len(self.index["layer_ids"])
         lengths = [r.input_ids.shape[0] for r in rows]
@@ -262,7 +298,8 @@ class StoreWriter:
                 raise ValueError(f"pre-quantized features given to a {dtype} store")
             tensors["features"], tensors["feature_scales"] = (t.contiguous() for t in quantized)
         elif dtype == "bf16":
-            tensors["features"] = torch.cat([r.features for r in rows]).to(torch.bfloat16).contiguous()
+            # Row by row: the rows are laid end to end in the file without concatenating them first.
+            tensors["features"] = [r.features.to(torch.bfloat16).contiguous() for r in rows]
         else:
             tensors["features"], tensors["feature_scales"] = quantize_fp8(torch.cat([r.features for r in rows]), taps)
         if self.index.get("topk"):
@@ -270,16 +307,15 @@ class StoreWriter:
             tensors["topk_logprobs"] = cat("topk_logprobs", torch.float16)
         name = shard_name(k)
         tmp = self.path / (name + ".tmp")
-        blob = save(tensors)  # no metadata: its key order is not stable, and equal shards should hash equal
         with open(tmp, "wb") as f:
-            f.write(blob)
+            size, digest = write_safetensors(f, tensors)
             f.flush()
             os.fsync(f.fileno())
+        parts = lambda t: t if isinstance(t, list) else [t]  # noqa: E731
         info = {"file": name, "rows": len(rows), "row_start": self.index["plan"][k][0], "tokens": int(offsets[-1]),
-                "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
-                "feature_bytes": sum(t.numel() * t.element_size() for key, t in tensors.items()
-                                     if key in ("features", "feature_scales"))}
-        del blob
+                "bytes": size, "sha256": digest,
+                "feature_bytes": sum(x.numel() * x.element_size() for key, t in tensors.items()
+                                     if key in ("features", "feature_scales") for x in parts(t))}
         os.replace(tmp, self.path / name)
         _atomic_write_text(self.path / sidecar_name(k), json.dumps(info, indent=1))
         with self._lock:  # writer threads finish shards in any order; the index is sorted when flushed

@@ -10,14 +10,15 @@ and whether the greedy outputs match (first divergence index otherwise). A warm-
 runs first so that one-time costs (kernel selection, allocation, graph capture) are not timed.
 
 ``--loop`` (torch backend): ``eager`` is the reference loop (``inference.torch_loop``), ``static``
-the preallocated-cache loop with CUDA graphs (``inference.static_loop``; full-attention targets);
-the baseline runs through the same loop kind. Torch lines also give the **cycle cost** (decode
-seconds per DFlash cycle over baseline seconds per token: 1.0 means a draft+verify cycle costs one
-target decode step) and a ``decode_parts`` line per loop: per-cycle milliseconds of draft, verify,
-accept (the one host sync) and host bookkeeping (eager: rollback too), from one extra run with a
-device sync around each part. ``--random-target RECIPE`` builds a random-weight target of a
-recipe's shape on the device and a random recipe drafter (tau ~1: speed plumbing only); prompts
-are then random token ids.
+the preallocated-cache loop with CUDA graphs (``inference.static_loop``; full-attention targets),
+``compiled`` the same with ``torch.compile``d target layers and drafter block pass (one-time
+compile before the timed runs); the baseline runs through the same loop kind. Torch lines also
+give the **cycle cost** (decode seconds per DFlash cycle over baseline seconds per token: 1.0
+means a draft+verify cycle costs one target decode step) and a ``decode_parts`` line per loop:
+per-cycle milliseconds of draft, verify, accept (the one host sync) and host bookkeeping (eager:
+rollback too), from one extra run with a device sync around each part. ``--random-target RECIPE``
+builds a random-weight target of a recipe's shape on the device and a random recipe drafter
+(tau ~1: speed plumbing only); prompts are then random token ids.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
     B = block_size or drafter.config.block_size
     max_len = max(len(p) for p in prompts) + max_new + 2 * B
     for loop in loops:
-        if loop == "static":
-            st = sl.StaticTarget(target, drafter.config.target_layer_ids, max_len, B)
-            proposer = sl.StaticDrafterProposer(drafter, target, max_len)
+        if loop in ("static", "compiled"):
+            st = sl.StaticTarget(target, drafter.config.target_layer_ids, max_len, B, compile=loop == "compiled")
+            proposer = sl.StaticDrafterProposer(drafter, target, max_len, compile=loop == "compiled")
             gen = lambda ids, **kw: sl.static_dflash_generate(st, proposer, ids, **kw)  # noqa: E731
             base = lambda ids, **kw: sl.static_target_generate(st, ids, **kw)  # noqa: E731
         else:
@@ -134,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--random-target", metavar="RECIPE", default=None,
                    help="random target of a recipe's shape (qwen3-8b, llama31-8b, ...) + random drafter, on the device")
-    p.add_argument("--loop", nargs="+", choices=["eager", "static"], default=None,
-                   help="torch loops to time (default: static eager)")
+    p.add_argument("--loop", nargs="+", choices=["eager", "static", "compiled"], default=None,
+                   help="torch loops to time (default: static eager; compiled = static with compiled layers)")
     p.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts (default 1)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="--random-target: random prompt length (default 64)")
     args = p.parse_args(argv)

@@ -91,7 +91,7 @@ class StaticTarget:
     """The target over preallocated K/V buffers; ``forward`` passes of 1 and ``block_size`` tokens are graphed."""
 
     def __init__(self, target: TargetModel, layer_ids: list[int], max_len: int, block_size: int,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, compile: bool = False):
         check_static_target(target)
         self.target, self.layer_ids, self.max_len = target, list(layer_ids), max_len
         cfg, dev, dt = target.config, target.device, target.dtype
@@ -107,9 +107,13 @@ class StaticTarget:
         self._ids = {t: torch.zeros(1, t, dtype=torch.long, device=dev) for t in {1, block_size}}
         # One private memory pool per graph: a shared pool lets one graph's temporaries overlap the
         # other's outputs, which is only safe when replays keep the capture order.
-        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t]), self.graphs) for t in self._ids}
+        # compile: each decoder layer through torch.compile for the graphed passes (a captured eager
+        # layer still runs ~40 small kernels: norms, rotary, SiLU gate; compiled, they fuse). The
+        # prefill keeps the plain layers: its length changes with every prompt.
+        layers = [torch.compile(la, dynamic=False) for la in target.layers] if compile else list(target.layers)
+        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers), self.graphs) for t in self._ids}
 
-    def _pass(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pass(self, ids: torch.Tensor, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
         dec, T = self.target.decoder, ids.shape[1]
         pos = self._start + torch.arange(T, device=ids.device)  # [T]
         self.kv.index = pos
@@ -119,7 +123,7 @@ class StaticTarget:
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill(~mask, torch.finfo(h.dtype).min)
         rope = dec.rotary_emb(h, pos[None])
         taps, captured = set(self.layer_ids), {}
-        for i, layer in enumerate(self.target.layers):
+        for i, layer in enumerate(layers or self.target.layers):
             h = layer(h, attention_mask=mask, position_ids=pos[None], past_key_values=self.kv, use_cache=True,
                       cache_position=pos, position_embeddings=rope)
             h = h[0] if isinstance(h, tuple) else h
@@ -148,7 +152,8 @@ class StaticTarget:
 class StaticDrafterProposer:
     """The drafter over a preallocated committed-context cache; its block pass is graphed on CUDA."""
 
-    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, max_len: int, graphs: bool | None = None):
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, max_len: int, graphs: bool | None = None,
+                 compile: bool = False):
         cfg = drafter.config
         cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=target.num_layers)
         if cfg.use_sliding_window:
@@ -169,7 +174,8 @@ class StaticDrafterProposer:
         self._ctx_len = torch.zeros(1, dtype=torch.long, device=dev)
         self._n_new = torch.zeros(1, dtype=torch.long, device=dev)
         self._slot = torch.arange(max_len, device=dev)
-        self._pass = _Graphed(lambda: self._block_pass(self._feats), self.graphs)
+        block_pass = torch.compile(self._block_pass, dynamic=False) if compile else self._block_pass
+        self._pass = _Graphed(lambda: block_pass(self._feats), self.graphs)
 
     def reset(self) -> None:
         self.ctx_len = 0  # stale slots are masked, then overwritten

@@ -212,6 +212,18 @@ class DFlashDraftModel(nn.Module):
                 nn.init.normal_(m.weight, std=std)
         return self
 
+    def compile_layers(self) -> "DFlashDraftModel":
+        """``torch.compile`` each decoder layer (CUDA training, ``train.compile=true``).
+
+        Eager, every norm, rotary product and SiLU gate is its own kernel reading and writing the
+        whole activation; compiled, they fuse into the matmuls' neighbours. Layers, not the whole
+        model, so that gradient checkpointing (which wraps each layer) still works and the one
+        compiled graph serves every layer (same code and shapes; the weights are its inputs).
+        """
+        for layer in self.layers:
+            layer.compile()
+        return self
+
     # ----------------------------------------------------------- target parts
     def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "DFlashDraftModel":
         """Borrow the target's embedding and LM head (frozen, not registered as parameters)."""

@@ -259,6 +259,24 @@ def test_resume_with_only_harmless_changes_warns_and_continues(tmp_path):
     assert len(HARMLESS_KEYS) < 30  # an explicit, short list: everything else is refused
 
 
+def test_compiled_drafter_layers_off_cuda_are_refused():
+    """train.compile=true targets CUDA kernels: on a CPU run it says so instead of compiling for minutes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from conftest import tiny_drafter_config
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+    from train.config import load_config
+    from train.distill import build_drafter
+
+    target = TargetModel(tiny_target("qwen3"), tiny_tokenizer())
+    run = SimpleNamespace(cfg=load_config(["recipe=tiny", "train.compile=true"]), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="train.compile=true .* this run is on cpu: drop train.compile"):
+        build_drafter(run, tiny_drafter_config(target), target)
+
+
 
 
 # ---------------------------------------------------------------- mask token

@@ -165,3 +165,29 @@ def test_background_shard_writers_give_the_same_store(tiny_targets, tmp_path, dt
             assert sha256_file(out / name) == info["sha256"]
         FeatureStore(out).verify_all()
     assert stores[1] == stores[3]
+
+
+def test_direct_safetensors_writer_is_read_back_by_safetensors(tmp_path):
+    """Shards are written from the rows' memory (no ``save`` copy): any safetensors reader loads the
+    same tensors, a list is its parts laid end to end, and the returned size and sha256 are the file's."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from data.store import sha256_file, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(n, 6, generator=g).to(torch.bfloat16) for n in (3, 5, 1)]
+    tensors = {"row_offsets": torch.tensor([0, 3, 8, 9]), "input_ids": torch.arange(9, dtype=torch.int32),
+               "loss_mask": torch.tensor([0, 1] * 4 + [1], dtype=torch.int8), "features": rows,
+               "fp8": torch.randn(9, 6, generator=g).to(torch.float8_e4m3fn), "scales": torch.rand(9, 2).half()}
+    with open(tmp_path / "s.safetensors", "wb") as f:
+        size, digest = write_safetensors(f, tensors)
+    back = load_file(tmp_path / "s.safetensors")
+    assert sorted(back) == sorted(tensors)
+    assert torch.equal(back["features"], torch.cat(rows))
+    for name in ("row_offsets", "input_ids", "loss_mask", "scales"):
+        assert back[name].dtype == tensors[name].dtype and torch.equal(back[name], tensors[name])
+    assert torch.equal(back["fp8"].view(torch.uint8), tensors["fp8"].view(torch.uint8))
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as h:
+        assert h.get_slice("features").get_shape() == [9, 6]
+    assert size == (tmp_path / "s.safetensors").stat().st_size and digest == sha256_file(tmp_path / "s.safetensors")

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
     p.add_argument("--e2e", metavar="RECIPE", default=None,
                    help="time the whole online step with a random target of this recipe's shape (qwen3-8b, qwen35-9b)")
+    p.add_argument("--compile", action="store_true", help="compile the drafter layers (train.compile=true)")
     p.add_argument("--target-layers", type=int, default=None, help="--e2e: fewer target layers (smoke tests)")
     a = p.parse_args(argv)
     target = _e2e_setup(a, argv) if a.e2e else None
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                                   target_layer_ids=list(range(1, a.taps + 1)), block_size=a.block)
     dtype = torch.bfloat16 if cuda else torch.float32
     drafter = DFlashDraftModel(cfg).to(device)
+    if a.compile:
+        drafter.compile_layers()
     if target is not None:
         cfg.target_layer_ids = a.layer_ids
         embed, head = target.embed_tokens, target.lm_head
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         dt = time.perf_counter() - t0
         row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "attention": "flex" if use_flex else "dense", "hidden": H, "layers": a.layers, "seq": a.seq,
+               "attention": "flex" if use_flex else "dense", "compile": a.compile, "hidden": H, "layers": a.layers,
+               "seq": a.seq,
                "batch": a.batch, "anchors": n_anchors, "block": a.block, "steps": a.steps,
                "step_s": round(dt / a.steps, 4), "tokens_per_s": round(a.seq * a.batch * a.steps / dt, 1),
                "anchors_per_s": round(blocks_done / dt, 1), "tflops": round(flops / dt / 1e12, 3)}
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
 
             row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)
         print(json.dumps(row), flush=True)
-        print(json.dumps({"bench": "train_parts", "recipe": a.e2e, "anchors": n_anchors, "batch": a.batch,
+        print(json.dumps({"bench": "train_parts", "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors,
+                          "batch": a.batch,
                           **_parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, pos,
                                    n_anchors, use_flex, device)}), flush=True)
 

@@ -111,6 +111,11 @@ def build_drafter(run, drafter_cfg, target):
     drafter = drafter.float().to(run.device).train()
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
+    if run.cfg.train.compile:
+        if run.device.type != "cuda":
+            raise ValueError("train.compile=true compiles the drafter layers for CUDA kernels; this run is on "
+                             f"{run.device.type}: drop train.compile (the eager layers are the same math)")
+        drafter.compile_layers()
     return drafter
 
 
