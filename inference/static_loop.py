@@ -110,7 +110,15 @@ class StaticTarget:
         # compile: each decoder layer through torch.compile for the graphed passes (a captured eager
         # layer still runs ~40 small kernels: norms, rotary, SiLU gate; compiled, they fuse). The
         # prefill keeps the plain layers: its length changes with every prompt.
-        layers = [torch.compile(la, dynamic=False) for la in target.layers] if compile else list(target.layers)
+        layers = list(target.layers)
+        if compile:
+            import torch._dynamo
+
+            # HF layers specialise on their layer index (the cache update): one compile per layer and
+            # pass length. Past dynamo's recompile limit (8) the rest would silently run eager.
+            dyn = torch._dynamo.config
+            dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), 2 * len(layers) + 8)
+            layers = [torch.compile(la, dynamic=False) for la in layers]
         self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers), self.graphs) for t in self._ids}
 
     def _pass(self, ids: torch.Tensor, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
