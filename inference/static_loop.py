@@ -112,11 +112,9 @@ class StaticTarget:
         # prefill keeps the plain layers: its length changes with every prompt.
         layers = list(target.layers)
         if compile:
-            import torch._dynamo
-
             # HF layers specialise on their layer index (the cache update): one compile per layer and
             # pass length. Past dynamo's recompile limit (8) the rest would silently run eager.
-            dyn = torch._dynamo.config
+            dyn = __import__("torch._dynamo", fromlist=["config"]).config
             dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), 2 * len(layers) + 8)
             layers = [torch.compile(la, dynamic=False) for la in layers]
         self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers), self.graphs) for t in self._ids}
