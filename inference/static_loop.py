@@ -114,7 +114,7 @@ class StaticTarget:
         if compile:
             # HF layers specialise on their layer index (the cache update): one compile per layer and
             # pass length. Past dynamo's recompile limit (8) the rest would silently run eager.
-            dyn = __import__("torch._dynamo", fromlist=["config"]).config
+            import torch._dynamo.config as dyn
             dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), 2 * len(layers) + 8)
             layers = [torch.compile(la, dynamic=False) for la in layers]
         self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers), self.graphs) for t in self._ids}
