@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_generation_args(p)
     a = p.parse_args(argv)
+    if a.quantization != "none" and a.regenerate != "local":
+        p.error("--quantization applies to --regenerate local (a server generates with the weights it serves)")
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
     target_model = load_local_target(a, a.target) if a.regenerate == "local" else None

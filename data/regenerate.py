@@ -277,6 +277,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-map", default=None,
                    help="in-process generation of a target larger than one GPU: auto | balanced | sequential")
     g.add_argument("--max-memory", default=None, help="with --device-map: budget per device, e.g. 0=70GiB,1=70GiB")
+    g.add_argument("--quantization", default="none", metavar="none|mlx:PATH|mlx-4bit|bnb-4bit|fp8",
+                   help="in-process generation by the quantized target the drafter will be trained against (as "
+                        "target.quantization in training; mlx-Nbit quantizes --target into a target-mlx-Nbit-gG "
+                        "folder beside the output)")
 
 
 def load_local_target(a: argparse.Namespace, path: str):
@@ -284,13 +288,17 @@ def load_local_target(a: argparse.Namespace, path: str):
     second CPU-only copy made local regeneration of a real data set hours slower than needed)."""
     import torch
 
+    from models.quant import resolve_target
     from models.target import TargetModel
 
+    # The answers must come from the weights training will use (data provenance is checked there).
+    path, tq = resolve_target(path, a.quantization, Path(a.out).resolve().parent)
     if a.device_map:
-        return TargetModel.from_pretrained(path, dtype=a.dtype, device_map=a.device_map, max_memory=a.max_memory)
+        return TargetModel.from_pretrained(path, dtype=a.dtype, device_map=a.device_map, max_memory=a.max_memory,
+                                           quantization=tq)
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype if a.dtype != "auto" or device != "cpu" else "float32"
-    return TargetModel.from_pretrained(path, dtype=dtype, device=device, max_memory=a.max_memory)
+    return TargetModel.from_pretrained(path, dtype=dtype, device=device, max_memory=a.max_memory, quantization=tq)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,6 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not a.server and not a.target:
         p.error("give --server URL (OpenAI-compatible) or --target (in-process generation)")
+    if a.server and a.quantization != "none":
+        p.error("--quantization applies to in-process generation (--target without --server): a server generates "
+                "with the weights it serves")
     stats = ReadStats()  # the source is streamed: read as regeneration goes
     convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
                                need_answers=False)

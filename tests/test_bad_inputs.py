@@ -871,6 +871,22 @@ def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
         quantize_to_mlx(mlx_q4_folder[0], tmp_path, bits=4, group_size=32)
 
 
+@pytest.mark.parametrize("module, args", [
+    ("data.prepare", ["--regenerate", "http://127.0.0.1:9/v1", "--quantization", "mlx-4bit"]),
+    ("data.prepare", ["--quantization", "fp8"]),
+    ("data.regenerate", ["--server", "http://127.0.0.1:9/v1", "--quantization", "bnb-4bit"]),
+])
+def test_quantization_flag_without_in_process_generation_is_refused(tmp_path, capsys, module, args):
+    """A server generates with the weights it serves: --quantization there would record answers it did not make."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit):
+        main(["--target", str(tmp_path), "--source", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "o"), *args])
+    assert "--quantization applies to" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch):
     import importlib.util
 

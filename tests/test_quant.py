@@ -217,6 +217,26 @@ def test_train_config_key_and_data_provenance(sources, tmp_path, capsys):
     assert "warning:" in capsys.readouterr().err
 
 
+def test_prepare_cli_regenerates_with_the_quantized_target(sources, tmp_path):
+    """python -m data.prepare --regenerate local --quantization mlx-4bit-g32: the answers come from the
+    quantized weights (quantized once beside --out), so the data matches the quantized target, not the bf16 one."""
+    from data.prepare import DataMismatch, load_prepared, main
+    from data.tiny_chat import write
+    from models.target import TargetModel
+
+    src = str(sources("qwen3"))
+    chats = write(tmp_path / "chats.jsonl", n=3, seed=0)
+    main(["--target", src, "--source", str(chats), "--out", str(tmp_path / "data"), "--regenerate", "local",
+          "--quantization", "mlx-4bit-g32", "--max-tokens", "8", "--no-progress"])
+    q_dir = tmp_path / "target-mlx-4bit-g32"
+    quantized = TargetModel.from_pretrained(q_dir, dtype="float32")
+    _, meta = load_prepared(tmp_path / "data", tokenizer=quantized.tokenizer, target=quantized)
+    assert meta["regenerated_by_quantization"] == quantized.quantization != "none"
+    bf16 = TargetModel.from_pretrained(src, dtype="float32")
+    with pytest.raises(DataMismatch, match="data.force_target=true"):
+        load_prepared(tmp_path / "data", tokenizer=bf16.tokenizer, target=bf16)
+
+
 def test_quantizing_an_already_quantized_folder_is_refused(sources, tmp_path):
     out = quantize_to_mlx(sources("qwen3"), tmp_path / "q", bits=4, group_size=32, log=lambda *_: None)
     with pytest.raises(QuantizationError, match="already quantized.*target.quantization=mlx:"):
