@@ -1050,3 +1050,21 @@ def test_extract_with_no_writer_threads(capsys):
     with pytest.raises(SystemExit):
         main(["--target", "t", "--data", "d", "--out", "o", "--writers", "0"])
     assert "--writers 0: use 1 or more background shard writers" in capsys.readouterr().err
+
+
+def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
+    """Four taus measured on a target whose greedy output is a loop say nothing: stop before any work."""
+    import json
+
+    from train.quant_experiment import run
+
+    target = tmp_path / "target"
+    target.mkdir()
+    for name in ("chats.jsonl", "prompts.jsonl"):
+        (target / name).write_text("")
+    (target / "small_target.json").write_text(json.dumps({"greedy_check": {"distinct_3gram": 0.0685,
+                                                                          "distinct_outputs": 0.5}}))
+    with pytest.raises(ValueError, match="does not talk: .*distinct-3-gram ratio 0.0685 .*fit it longer"):
+        run(tmp_path / "out", "test", sweep_bits=(3,), bits=3, target_dir=str(target), log=lambda *_: None)
+    assert not list((tmp_path / "out").glob("target-mlx-*"))
+

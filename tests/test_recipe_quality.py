@@ -16,12 +16,11 @@ import math
 import pytest
 import torch
 
-from train.small_target import (SmallTargetSpec, build_small_target, distinct_ngram_ratio, greedy_samples,
-                                heldout_loss, make_model, sample_quality)
+from train.small_target import (DISTINCT_3GRAM_MIN, SmallTargetSpec, build_small_target, degenerate,
+                                distinct_ngram_ratio, greedy_samples, heldout_loss, make_model, sample_quality)
 
 SETTINGS = dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=128, vocab=512, steps=150, batch=8,
                 seq_len=128, lr=1e-2, max_train_bytes=300_000, chats=24, prompts=8)
-DISTINCT_3GRAM_MIN = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +50,7 @@ def test_small_target_greedy_output_is_not_degenerate(small_target):
     assert q == info["greedy_check"]  # the folder's own record is what the saved weights do
     assert q["distinct_3gram"] > DISTINCT_3GRAM_MIN, q  # not a loop
     assert q["distinct_outputs"] >= 0.5, q  # different prompts, different continuations
+    assert degenerate(q) is None and degenerate({**q, "distinct_3gram": 0.07}) is not None
     # Not noise either: noise is varied too, but scores ~ln(vocab) on the held-out continuations.
     uniform = math.log(model.config.vocab_size)
     assert q["heldout_loss"] < uniform - 1.0, (q, uniform)

@@ -39,9 +39,12 @@ BUDGETS = {
                          "seq_len": 128, "batch": 16},
               "train": {"data.limit": 160, "data.regenerate_max_tokens": 48, "train.epochs": 3, "train.batch_size": 8},
               "prompts": 6, "max_new_tokens": 48},
-    # tests/test_quant_experiment.py: a small corpus (one stdlib package), short answers, few steps
-    "test": {"target": {"hidden": 64, "layers": 6, "intermediate": 192, "steps": 60, "chats": 80, "prompts": 4,
-                        "seq_len": 96, "batch": 8, "max_train_bytes": 300_000, "held_out_every": 4},
+    # tests/test_quant_experiment.py: a small corpus (one stdlib package), short answers, few steps. The target
+    # is tests/test_recipe_quality.py's (BPE 512, 150 steps at lr 1e-2): 60 steps at BPE 2048 gave a target
+    # that looped on "<|im_start|>user" (distinct-3-gram 0.07), and four taus on a loop measure nothing.
+    "test": {"target": {"hidden": 64, "layers": 8, "intermediate": 128, "vocab": 512, "steps": 150, "lr": 1e-2,
+                        "chats": 80, "prompts": 4, "seq_len": 128, "batch": 8, "max_train_bytes": 300_000,
+                        "held_out_every": 4},
              "train": {"data.limit": 80, "data.regenerate_max_tokens": 32, "train.epochs": 3,
                        "train.batch_size": 8, "data.max_length": 192},
              "prompts": 4, "max_new_tokens": 32},
@@ -109,7 +112,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         bits: int | None = None, loss_threshold: float = 0.1, seed: int = 0, corpus: str | None = None,
         target_dir: str | None = None, log=print) -> dict:
     from models.quant import quantize_to_mlx
-    from train.small_target import build_small_target
+    from train.small_target import build_small_target, degenerate
 
     budget = BUDGETS[budget_name]
     out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +122,13 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
             raise FileNotFoundError(f"--target {target} is not a small-target folder (chats.jsonl + prompts.jsonl)")
     else:
         target = build_small_target(out / "target", seed=0, log=log, progress=False, corpus=corpus, **budget["target"])
+    check = json.loads((target / "small_target.json").read_text()).get("greedy_check", {}) \
+        if (target / "small_target.json").is_file() else {}
+    why = degenerate(check) if check else None
+    if why and budget_name != "smoke":
+        raise ValueError(f"the small target {target} does not talk: its greedy check gives {why}. Taus measured on "
+                         "a loop say nothing about quantization: fit it longer (python -m train.small_target, or a "
+                         "larger --budget)")
     quantized = {b: quantize_to_mlx(target, out / f"target-mlx-{b}bit-g{group_size}", bits=b, group_size=group_size,
                                     log=log) for b in sorted(set(sweep_bits) | ({bits} if bits else set()))}
     prompts = prompt_ids(target, budget["prompts"])

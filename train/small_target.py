@@ -245,6 +245,21 @@ def sample_quality(samples: list[list[int]], n: int = 3) -> dict:
             "mean_new_tokens": round(sum(map(len, samples)) / max(len(samples), 1), 1)}
 
 
+# A loop of period <= 6 tokens stays under 0.1 distinct 3-grams; half the prompts giving the same
+# continuation means the prompt is ignored. Either way acceptance measured on it says nothing.
+DISTINCT_3GRAM_MIN = 0.1
+DISTINCT_OUTPUTS_MIN = 0.5
+
+
+def degenerate(quality: dict) -> str | None:
+    """Why a target's greedy check (``sample_quality``) says it loops, or None when it talks."""
+    if quality.get("distinct_3gram", 0.0) <= DISTINCT_3GRAM_MIN:
+        return f"distinct-3-gram ratio {quality.get('distinct_3gram')} <= {DISTINCT_3GRAM_MIN} (a loop)"
+    if quality.get("distinct_outputs", 0.0) < DISTINCT_OUTPUTS_MIN:
+        return f"{quality.get('distinct_outputs')} of the prompts give distinct outputs (< {DISTINCT_OUTPUTS_MIN})"
+    return None
+
+
 # ----------------------------------------------------------------------------- build
 def _stamp(spec: SmallTargetSpec, chash: str) -> dict:
     return {"build_version": BUILD_VERSION, "spec": asdict(spec), "corpus_hash": chash}
