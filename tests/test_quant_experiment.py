@@ -1,37 +1,44 @@
 """The four-tau experiment at a test budget: a drafter trained against the quantized target beats one trained
 against the unquantized target *on the quantized target* (train/quant_experiment.py, README "Quantized targets").
 
-The small target is fitted on one standard-library package (``email``); each drafter learns from answers its
-own target regenerated; the taus come from the MLX loop on the MLX-quantized folder and the unquantized folder.
+The small target is fitted on one standard-library package (``email``) with the recipe-quality test's settings,
+so that it talks (greedy distinct-3-gram 0.19, every prompt a different continuation; the experiment refuses a
+target that loops). Each drafter learns from answers its own target regenerated; the taus come from the MLX loop
+on the MLX 3-bit folder and on the unquantized folder.
 
-OPT-IN (``DRAFTSMITH_SLOW=1``): two drafter trainings, two regenerations and four MLX validations do not fit
-the suite's time budget on 2 shared cores (one run took several minutes on the loaded CI box), and the
-ordering at this budget has not been confirmed across seeds: see the README table for the measured numbers.
-The assertion is kept as stated; it is not weakened to make it pass.
+Measured (2 CPU cores, ~1 minute a seed): 3-bit target, unquantized-trained drafter 1.059, 3-bit-trained
+1.512, for seeds 0 and 1 alike. At 27 drafter steps both drafters are barely trained (seed-independent greedy
+drafts, mostly the frequent tokens of their training answers), so this checks the direction of the effect end to
+end; its size at a real budget is the README's table. MARGIN is a tenth of the measured gap.
 """
 
 from __future__ import annotations
 
-import os
 import sysconfig
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("mlx_lm")
-pytestmark = pytest.mark.skipif(not os.environ.get("DRAFTSMITH_SLOW"),
-                                reason="opt-in (DRAFTSMITH_SLOW=1): minutes on 2 cores; ordering not yet confirmed "
-                                       "across seeds at this budget (README 'Quantized targets')")
 
 MARGIN = 0.05  # tau (pooled over cycles): quantization-aware minus unquantized-trained, on the quantized target
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_training_against_the_quantized_target_recovers_acceptance_on_it(tmp_path, seed):
-    from train.quant_experiment import run
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    from train.quant_experiment import BUDGETS
+    from train.small_target import build_small_target
 
     corpus = Path(sysconfig.get_paths()["stdlib"]) / "email"
-    report = run(tmp_path, "test", sweep_bits=(3,), bits=3, group_size=64, seed=seed, corpus=str(corpus),
+    return build_small_target(tmp_path_factory.mktemp("qx") / "target", seed=0, log=lambda *_: None, progress=False,
+                              corpus=str(corpus), device="cpu", **BUDGETS["test"]["target"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_training_against_the_quantized_target_recovers_acceptance_on_it(small_target, tmp_path, seed):
+    from train.quant_experiment import run
+
+    report = run(tmp_path, "test", sweep_bits=(3,), bits=3, group_size=64, seed=seed, target_dir=str(small_target),
                  log=lambda *_: None)
     four = {k: v["tau"] for k, v in report["four_tau"].items()}
     assert set(four) == {"unquantized_drafter_on_quantized", "quantized_drafter_on_quantized",
