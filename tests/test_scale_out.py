@@ -152,6 +152,19 @@ def test_target_dispatched_over_devices_gives_the_same_features_and_loss(prepare
 
 
 
+def test_shipped_deepspeed_config_parses_and_agrees_with_the_trainer():
+    """recipes/accelerate/deepspeed_zero2.yaml is not launched here (DeepSpeed needs GPUs): at least accelerate
+    reads it as ZeRO-2, and it leaves accumulation to distill.py and clips where train.clip does."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from train.config import TrainConfig
+
+    cfg = load_config_from_file(str(ROOT / "recipes" / "accelerate" / "deepspeed_zero2.yaml"))
+    assert cfg.distributed_type == "DEEPSPEED" and cfg.deepspeed_config["zero_stage"] == 2
+    assert cfg.deepspeed_config["gradient_accumulation_steps"] == 1
+    assert cfg.deepspeed_config["gradient_clipping"] == TrainConfig().clip
+
+
 def test_dry_run_plans_memory_per_device(monkeypatch):
     """qwen35-35b-a3b on 8 x 80 GB: a whole bf16 target per GPU does not fit; spread over the node it does."""
     from train import plan as plan_module
