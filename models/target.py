@@ -93,6 +93,25 @@ class TargetOutput:
     cache: object | None = None
 
 
+def check_borrowed_parts_resident(model) -> None:
+    """A spread target (``device_map``) must keep its embedding and LM head in device memory.
+
+    The drafter borrows their weight tensors directly (the training loss multiplies by ``lm_head.weight``),
+    and features and logits are gathered where the embedding is: offloaded to the CPU or disk by
+    accelerate, those weights are empty placeholders outside each module's own call.
+    """
+    placed = getattr(model, "hf_device_map", None) or {}
+    # With a GPU in the map, "cpu" means offloaded too (weights in host memory, moved in for each call).
+    gpus = any(isinstance(w, int) or str(w).startswith("cuda") for w in placed.values())
+    offloaded = ("disk", "meta", "cpu") if gpus else ("disk", "meta")
+    for name, where in placed.items():
+        borrowed = name in ("", "lm_head", "model", "model.language_model") or name.endswith("embed_tokens")
+        if borrowed and str(where) in offloaded:
+            raise ValueError(f"device_map put the target's {name or 'whole model'} on {where!r}: the embedding and "
+                             "LM head must stay in device memory (the drafter uses their weights directly). Raise "
+                             "max_memory for the first GPU, or add GPUs")
+
+
 class TargetModel:
     """A loaded target: embedding, LM head, sizes, and a tapped forward."""
 
@@ -253,6 +272,7 @@ class TargetModel:
                 kwargs.setdefault("device_map", {"": str(device)})
                 device = None
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or "auto", **kwargs)
+        check_borrowed_parts_resident(model)
         if device is not None:
             model = model.to(device)
         tokenizer = None

@@ -936,6 +936,27 @@ def test_target_device_map_with_one_process_per_gpu(monkeypatch, tmp_path):
         load_target(cfg, tmp_path, OneOfEight(), log=lambda *_: None)
 
 
+@pytest.mark.parametrize("placement, ok", [
+    ({"model.embed_tokens": 0, "model.layers.0": 1, "lm_head": "cpu"}, False),  # offloaded beside GPUs
+    ({"model.embed_tokens": "disk", "model.layers.0": 0, "lm_head": 0}, False),
+    ({"model": 0, "lm_head": "disk"}, False),
+    ({"model.embed_tokens": 0, "model.layers.0": "disk", "lm_head": 0}, True),  # a layer offloaded: slow, correct
+    ({"model.embed_tokens": "cpu", "model.layers.0": "cpu", "lm_head": "cpu"}, True),  # a CPU-only run
+])
+def test_device_map_that_offloads_the_embedding_or_lm_head(placement, ok):
+    """The drafter borrows the embedding and LM head weights: offloaded, they are empty placeholders."""
+    from types import SimpleNamespace
+
+    from models.target import check_borrowed_parts_resident
+
+    model = SimpleNamespace(hf_device_map=placement)
+    if ok:
+        check_borrowed_parts_resident(model)
+    else:
+        with pytest.raises(ValueError, match="must stay in device memory .* Raise max_memory for the first GPU"):
+            check_borrowed_parts_resident(model)
+
+
 def test_max_memory_that_is_not_device_size_pairs():
     from models.target import parse_max_memory
 
