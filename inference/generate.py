@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None,
                    help="compute dtype, e.g. float32 for exactness (torch default: bfloat16 on cuda, float32 on cpu; "
                         "mlx default: the checkpoint's)")
+    p.add_argument("--loop", choices=TORCH_LOOPS, default="auto",
+                   help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
+                        "else eager; static / compiled (graphs + torch.compile) / eager force one")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -92,11 +95,44 @@ def encode_prompt(args: argparse.Namespace, tokenizer, vocab_size: int | None = 
     return list(tokenizer(args.prompt, add_special_tokens=True)["input_ids"])
 
 
+TORCH_LOOPS = ("auto", "eager", "static", "compiled")
+
+
+def pick_torch_loop(requested: str, target, drafter) -> str:
+    """The torch loop a session runs: ``auto`` = the static-cache CUDA-graph loop on a GPU where it
+    applies (full-attention target, drafter without sliding-window layers), else the eager loop.
+
+    An eager batch-1 forward on a GPU is launch-bound (an 8B target's decode step took 84 ms eager,
+    10.8 ms replayed as a graph), so eager speedups there measure the host, not the drafter.
+    """
+    from inference.static_loop import StaticLoopUnsupported, check_static_target
+
+    if requested == "eager" or (requested == "auto" and target.device.type != "cuda"):
+        return "eager"
+    try:
+        check_static_target(target)
+        if drafter.config.use_sliding_window:
+            raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
+                                        "sliding-window layers: use --loop eager")
+    except StaticLoopUnsupported:
+        if requested == "auto":
+            return "eager"
+        raise
+    return "static" if requested == "auto" else requested
+
+
 class Session:
     """A loaded target + drafter on one backend; ``run`` generates (and optionally the baseline)."""
 
-    def __init__(self, backend: str, target: str, draft: str, device: str | None = None, dtype: str | None = None):
-        self.backend = backend
+    def __init__(self, backend: str, target: str, draft: str, device: str | None = None, dtype: str | None = None,
+                 loop: str = "auto"):
+        self.backend, requested = backend, loop  # `loop` is rebound to the backend's loop module below
+        if loop not in TORCH_LOOPS:
+            raise ValueError(f"--loop {loop!r}: use one of {', '.join(TORCH_LOOPS)}")
+        self.loop_kind, self._static = "eager", None
+        if backend == "mlx" and loop not in ("auto", "eager"):
+            raise ValueError(f"--loop {loop} is a torch loop; the MLX backend runs its own (drop --loop, or use "
+                             "--backend torch)")
         check_dtype(dtype)
         if backend == "mlx":
             try:
@@ -117,17 +153,51 @@ class Session:
             self.target = TargetModel.from_pretrained(target, dtype=tdtype, device=device)
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=tdtype, device=device)
             self.proposer = loop.DrafterProposer(drafter, self.target)
+            self.loop_kind = pick_torch_loop(requested, self.target, drafter)
         self.loop = loop
         self.tokenizer = self.target.tokenizer
 
     def run(self, prompt: list[int], baseline: bool = False, block_size: int | None = None, **kw):
-        result = self.loop.dflash_generate(self.target, self.proposer, prompt, block_size=block_size, **kw)
+        static = self._static_loop(prompt, kw.get("max_new_tokens", 256), block_size)
+        if static is not None:
+            from inference.static_loop import static_dflash_generate
+
+            result = static_dflash_generate(*static, prompt, block_size=block_size, **kw)
+        else:
+            result = self.loop.dflash_generate(self.target, self.proposer, prompt, block_size=block_size, **kw)
         base = self.baseline(prompt, **kw) if baseline else None
         return result, base
 
     def baseline(self, prompt: list[int], **kw):
-        """The target alone through the same backend's loop module: same dtype, stop rules and timers."""
+        """The target alone through the same loop kind: same dtype, stop rules, timers and cache treatment."""
+        static = self._static_loop(prompt, kw.get("max_new_tokens", 256), None)
+        if static is not None:
+            from inference.static_loop import static_target_generate
+
+            return static_target_generate(static[0], prompt, **kw)
         return self.loop.target_generate(self.target, prompt, **kw)
+
+    def _static_loop(self, prompt: list[int], max_new_tokens: int, block_size: int | None):
+        """(StaticTarget, StaticDrafterProposer) when this session runs the static loop, else None.
+
+        Built on first use with room for 4096 positions (or what the call needs, rounded up to 1024):
+        a longer call rebuilds them, and its CUDA graphs are captured again. A block size other than
+        the drafter's runs the eager loop (the graphs are captured for one block shape).
+        """
+        if self.loop_kind == "eager":
+            return None
+        B = self.proposer.drafter.config.block_size
+        if block_size not in (None, B):
+            return None
+        need = len(prompt) + max_new_tokens + 2 * B
+        if self._static is None or self._static[0].max_len < need:
+            from inference.static_loop import StaticDrafterProposer, StaticTarget
+
+            max_len = max(4096, -(-need // 1024) * 1024)
+            drafter, compiled = self.proposer.drafter, self.loop_kind == "compiled"
+            self._static = (StaticTarget(self.target, drafter.config.target_layer_ids, max_len, B, compile=compiled),
+                            StaticDrafterProposer(drafter, self.target, max_len, compile=compiled))
+        return self._static
 
     def reset_peak_memory(self) -> None:
         if self.backend == "mlx":
@@ -172,7 +242,7 @@ class Session:
             drafter = getattr(self.proposer, "drafter", None)  # test stand-ins have none
             ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
         return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
-                "platform": pf.platform(), "machine": pf.machine()}
+                "loop": self.loop_kind, "platform": pf.platform(), "machine": pf.machine()}
 
 
 def report_of(backend: str, result, baseline) -> dict:
@@ -195,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
     backend = pick_backend(args.backend)
-    session = Session(backend, args.target, args.draft, args.device, args.dtype)
+    session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)
     tokenizer = session.tokenizer
     prompt = early_ids if early_ids is not None else encode_prompt(args, tokenizer)
     result, baseline = session.run(prompt, baseline=args.baseline, block_size=args.block_size,

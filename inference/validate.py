@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 
 from inference.checks import check_dtype, check_temperature, preflight
+from inference.generate import TORCH_LOOPS
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
@@ -87,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype: float32, bfloat16 or float16 (default: the "
                                                   "backend's: torch bf16 on cuda / fp32 on cpu, mlx the checkpoint's)")
+    p.add_argument("--loop", choices=TORCH_LOOPS, default="auto",
+                   help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
+                        "else eager; static / compiled (graphs + torch.compile) / eager force one")
     p.add_argument("--out", default="validate-report", help="folder for report.json, report.md, acceptance.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs="+", metavar="REPORT_JSON",
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_temperature(args.temperature)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)
-    session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype)
+    session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype, loop=args.loop)
     ids = render_prompts(session.tokenizer, prompts, args.thinking)
     print(f"validate: {len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), block size "
           f"{pre.block_size}, {args.repeats} repeat(s), {session.backend} on {session.describe()['device']}",

@@ -557,6 +557,16 @@ def test_mlx_loop_draft_cache_out_of_step_is_an_error_not_an_assert(infer_dirs):
         mlx_loop.dflash_generate(target, Lagging(list(range(200)), [1, 3, 5], 4, 288), [1, 2, 3], max_new_tokens=8)
 
 
+def test_torch_loop_choice_on_the_mlx_backend(tmp_path):
+    """--loop picks among the torch loops: asking the MLX backend for one is refused before anything loads."""
+    from inference.generate import Session
+
+    with pytest.raises(ValueError, match="--loop static is a torch loop; the MLX backend runs its own"):
+        Session("mlx", str(tmp_path / "t"), str(tmp_path / "d"), loop="static")
+    with pytest.raises(ValueError, match="--loop 'graphs': use one of auto, eager, static, compiled"):
+        Session("torch", str(tmp_path / "t"), str(tmp_path / "d"), loop="graphs")
+
+
 def test_validate_mistake_prints_one_line(infer_dirs):
     import subprocess
     import sys

@@ -191,3 +191,49 @@ def test_direct_safetensors_writer_is_read_back_by_safetensors(tmp_path):
     with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as h:
         assert h.get_slice("features").get_shape() == [9, 6]
     assert size == (tmp_path / "s.safetensors").stat().st_size and digest == sha256_file(tmp_path / "s.safetensors")
+
+
+# ----------------------------------------------------------------------------- loop choice of generate / validate
+def test_session_static_loop_equals_eager_loop(tmp_path):
+    """generate / validate --loop static (the default on a GPU for full-attention targets): same tokens,
+    acceptance lengths and baseline as the eager loop; auto stays eager off CUDA."""
+    from inference.bench import tiny_folders
+    from inference.generate import Session
+
+    target, draft = tiny_folders("qwen3", str(tmp_path))
+    prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64]
+    runs = {}
+    for loop in ("eager", "static", "auto"):
+        session = Session("torch", target, draft, "cpu", "float32", loop=loop)
+        result, base = session.run(prompt, baseline=True, max_new_tokens=24, eos_token_ids=[])
+        runs[loop] = (session.describe()["loop"], result.tokens, result.acceptance_lengths, base.tokens)
+    assert runs["static"][0] == "static" and runs["eager"][0] == runs["auto"][0] == "eager"
+    assert runs["static"][1:] == runs["eager"][1:] == runs["auto"][1:]
+    assert runs["static"][1] == runs["static"][3]  # lossless in fp32
+
+
+def test_session_static_loop_refuses_a_hybrid_target_and_auto_falls_back(tmp_path):
+    import pytest
+
+    from inference.generate import Session, pick_torch_loop
+    from inference.static_loop import StaticLoopUnsupported
+    from inference.bench import tiny_folders
+
+    target, draft = tiny_folders("qwen3_5", str(tmp_path))
+    with pytest.raises(StaticLoopUnsupported, match="full-attention targets .* use the eager loop"):
+        Session("torch", target, draft, "cpu", "float32", loop="static")
+    hybrid = Session("torch", target, draft, "cpu", "float32", loop="eager")
+    dense = Session("torch", *tiny_folders("qwen3", str(tmp_path / "dense")), "cpu", "float32", loop="eager")
+
+    class OnGpu:  # the real target, seen as if it were on a GPU (only .device differs)
+        device = torch.device("cuda")
+
+        def __init__(self, t):
+            self.t = t
+
+        def __getattr__(self, name):
+            return getattr(self.t, name)
+
+    assert pick_torch_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
+    assert pick_torch_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
+    assert pick_torch_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
