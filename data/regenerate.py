@@ -292,7 +292,8 @@ def load_local_target(a: argparse.Namespace, path: str):
     from models.target import TargetModel
 
     # The answers must come from the weights training will use (data provenance is checked there).
-    path, tq = resolve_target(path, a.quantization, Path(a.out).resolve().parent)
+    out = getattr(a, "out", None)  # mlx-Nbit: the quantized folder goes beside the output
+    path, tq = resolve_target(path, a.quantization, Path(out).resolve().parent if out else Path.cwd())
     if a.device_map:
         return TargetModel.from_pretrained(path, dtype=a.dtype, device_map=a.device_map, max_memory=a.max_memory,
                                            quantization=tq)
