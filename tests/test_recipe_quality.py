@@ -100,3 +100,17 @@ def test_small_recipe_is_the_paper_recipe_at_small_size():
         section, name = key.split(".")
         assert getattr(getattr(cfg, section), name) == value, key
     assert cfg.train.anchors == 64
+
+
+def test_batch_cell_has_the_paper_cells_compute(tmp_path):
+    """batch=8:lr=3e-3 trains the same rows x anchors as the paper cell, in 8x fewer steps."""
+    from train.ablate import run_argv
+
+    def args(cell):
+        argv = run_argv(cell, 0, target=tmp_path, prepared=tmp_path, run_dir=tmp_path, steps=1500, anchors=64)
+        return dict(a.split("=", 1) for a in argv)
+
+    paper, batch = args("paper"), args("batch=8:lr=3e-3")
+    rows = lambda a: int(a["train.max_steps"]) * int(a["train.batch_size"]) * int(a["train.anchors"])  # noqa: E731
+    assert rows(paper) == 1500 * 64 and abs(rows(batch) - rows(paper)) <= 8 * 64
+    assert batch["train.lr"] == "0.003" and batch["drafter.num_hidden_layers"] == paper["drafter.num_hidden_layers"]

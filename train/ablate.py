@@ -61,6 +61,8 @@ CELLS: dict[str, dict] = {  # in the order they run (most telling first: a cut-s
     "loss=kl:topk=8": {"train.loss": "kl", "train.kl_topk": 8},
     "layers=1": {"drafter.num_hidden_layers": 1},
     "layers=3": {"drafter.num_hidden_layers": 3},
+    # The same rows x anchors in 8x fewer, 8x larger steps, at a learning rate for that batch.
+    "batch=8:lr=3e-3": {"train.batch_size": 8, "train.lr": 3e-3, "steps_scale": 1 / 8},
     "anchors=x0.5": {"anchors_scale": 0.5},
     "anchors=x2": {"anchors_scale": 2.0},
 }
@@ -105,11 +107,12 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
 def run_argv(cell: str, seed: int, *, target: Path, prepared: Path, run_dir: Path, steps: int,
              anchors: int) -> list[str]:
     """``train/distill.py`` arguments of one run (the paper recipe, the budget, the cell's overrides)."""
-    over = dict(BASE)
-    over.update({k: v for k, v in CELLS[cell].items() if k not in ("data", "anchors_scale")})
+    over, scale = dict(BASE), CELLS[cell]
+    over.update({k: v for k, v in scale.items() if k not in ("data", "anchors_scale", "steps_scale")})
     over.update({"target.path": str(target), "target.dtype": "float32", "data.prepared": str(prepared),
-                 "data.eval_rows": 1, "eval.batches": 1, "train.max_steps": steps,
-                 "train.anchors": max(1, round(anchors * CELLS[cell].get("anchors_scale", 1.0))),
+                 "data.eval_rows": 1, "eval.batches": 1,
+                 "train.max_steps": max(1, round(steps * scale.get("steps_scale", 1.0))),
+                 "train.anchors": max(1, round(anchors * scale.get("anchors_scale", 1.0))),
                  "train.seed": seed, "train.mixed_precision": "no", "train.attention": "dense",
                  "eval.every": 0, "eval.at_start": False, "eval.true_tau_prompts": 0,
                  "checkpoint.every": 0, "checkpoint.keep_last": 1, "logging.every": 50, "logging.progress": False,
