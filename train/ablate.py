@@ -57,6 +57,7 @@ CELLS: dict[str, dict] = {  # in the order they run (most telling first: a cut-s
     "lr=2e-3:constant": {"train.lr": 2e-3, "train.schedule": "constant"},
     "lr=5e-3": {"train.lr": 5e-3},
     "gamma=2": {"train.gamma": 2.0},
+    "gamma=1": {"train.gamma": 1.0},
     "loss=ce+kl:w=0.3": {"train.loss": "ce+kl", "train.kl_weight": 0.3},
     "loss=kl:topk=8": {"train.loss": "kl", "train.kl_topk": 8},
     "layers=1": {"drafter.num_hidden_layers": 1},
