@@ -87,8 +87,7 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
     max_len = max(len(p) for p in prompts) + max_new + 2 * B
     for loop in loops:
         if loop in ("static", "compiled"):
-            st = sl.StaticTarget(target, drafter.config.target_layer_ids, max_len, B, compile=loop == "compiled")
-            proposer = sl.StaticDrafterProposer(drafter, target, max_len, compile=loop == "compiled")
+            st, proposer = sl.build_static_loop(target, drafter, max_len, B, compile=loop == "compiled")
             gen = lambda ids, **kw: sl.static_dflash_generate(st, proposer, ids, **kw)  # noqa: E731
             base = lambda ids, **kw: sl.static_target_generate(st, ids, **kw)  # noqa: E731
         else:

@@ -191,12 +191,10 @@ class Session:
             return None
         need = len(prompt) + max_new_tokens + 2 * B
         if self._static is None or self._static[0].max_len < need:
-            from inference.static_loop import StaticDrafterProposer, StaticTarget
+            from inference.static_loop import build_static_loop
 
-            max_len = max(4096, -(-need // 1024) * 1024)
-            drafter, compiled = self.proposer.drafter, self.loop_kind == "compiled"
-            self._static = (StaticTarget(self.target, drafter.config.target_layer_ids, max_len, B, compile=compiled),
-                            StaticDrafterProposer(drafter, self.target, max_len, compile=compiled))
+            self._static = build_static_loop(self.target, self.proposer.drafter, max(4096, -(-need // 1024) * 1024),
+                                             compile=self.loop_kind == "compiled")
         return self._static
 
     def reset_peak_memory(self) -> None:

@@ -241,6 +241,15 @@ class StaticDrafterProposer:
 
 
 @torch.no_grad()
+def build_static_loop(target: TargetModel, drafter: DFlashDraftModel, max_len: int, block_size: int | None = None,
+                      compile: bool = False) -> tuple[StaticTarget, StaticDrafterProposer]:
+    """The target and drafter halves of the static loop, sharing one ``max_len`` (what
+    ``static_dflash_generate`` takes; ``static_target_generate`` uses the first)."""
+    B = block_size or drafter.config.block_size
+    return (StaticTarget(target, drafter.config.target_layer_ids, max_len, B, compile=compile),
+            StaticDrafterProposer(drafter, target, max_len, compile=compile))
+
+
 def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                            temperature: float = 0.0, block_size: int | None = None,
                            eos_token_ids: list[int] | None = None, seed: int = 0,

@@ -122,8 +122,8 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
             raise FileNotFoundError(f"--target {target} is not a small-target folder (chats.jsonl + prompts.jsonl)")
     else:
         target = build_small_target(out / "target", seed=0, log=log, progress=False, corpus=corpus, **budget["target"])
-    check = json.loads((target / "small_target.json").read_text()).get("greedy_check", {}) \
-        if (target / "small_target.json").is_file() else {}
+    stamp = target / "small_target.json"
+    check = json.loads(stamp.read_text()).get("greedy_check") if stamp.is_file() else None
     why = degenerate(check) if check else None
     if why and budget_name != "smoke":
         raise ValueError(f"the small target {target} does not talk: its greedy check gives {why}. Taus measured on "
