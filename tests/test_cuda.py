@@ -181,6 +181,23 @@ def test_compiled_drafter_layers_equal_eager():
             assert_close(results[True][1][n], g, atol=1e-5, rtol=1e-4, what=f"compiled grad {n}, ckpt={checkpointing}")
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_compiled_target_layers_equal_eager_on_cuda(arch):
+    """train.compile=true with online features: inductor's target layers give the eager taps (fp32), over
+    two row lengths (the second compiles the dynamic-shape graph); Qwen3.5 with its GatedDeltaNet mixers
+    left to their own kernels."""
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    eager = TargetModel(tiny_target(arch).cuda())
+    compiled = TargetModel(tiny_target(arch).cuda()).compile_layers()
+    for n in (48, 80, 64):
+        ids = torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n)).cuda()
+        ref = eager.forward(ids, [1, 3, 5], with_logits=False).features
+        got = compiled.forward(ids, [1, 3, 5], with_logits=False).features
+        assert_close(got, ref, atol=1e-4, what=f"{arch} compiled target taps, length {n}")
+
+
 def test_compiled_graph_loop_equals_eager_loop_on_cuda():
     """--loop compiled: torch.compile'd target layers and drafter block pass inside the CUDA graphs give
     target-only decoding's tokens and the eager loop's tokens and acceptance lengths (fp32)."""

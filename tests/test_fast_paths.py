@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from conftest import assert_close
+
 from train.block_mask import direct_block_mask, documents_contiguous, tile_states
 from train.objective import draw_blocks, flex_block_mask
 
@@ -237,3 +239,40 @@ def test_session_static_loop_refuses_a_hybrid_target_and_auto_falls_back(tmp_pat
     assert pick_torch_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
     assert pick_torch_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
     assert pick_torch_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
+def test_compiled_target_layers_give_the_eager_taps(arch):
+    """train.compile=true compiles the target's layers: the taps are unchanged, one graph serves every
+    layer, varying row lengths stop recompiling after the first new length, and passes that fill a
+    cache (held-out generation) stay eager."""
+    from inference.torch_loop import target_generate
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):  # the graphs dynamo hands to a compiler, run as traced
+        graphs.append(gm)
+        return gm.forward
+
+    eager = TargetModel(tiny_target(arch))
+    compiled = TargetModel(tiny_target(arch)).compile_layers(backend=counting_backend)
+    kinds = len(set(compiled.layer_types))  # a whole full-attention layer; a GatedDeltaNet layer's MLP
+    rows = [torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n)) for n in (17, 29, 40, 33)]
+    for i, ids in enumerate(rows):
+        for with_logits in (False, True):
+            ref = eager.forward(ids, [1, 3, 5], with_logits=with_logits)
+            got = compiled.forward(ids, [1, 3, 5], with_logits=with_logits)
+            assert_close(got.features, ref.features, atol=1e-5, what=f"{arch} compiled taps, length {ids.shape[1]}")
+            if with_logits:
+                assert_close(got.logits, ref.logits, atol=1e-4, what=f"{arch} compiled logits")
+        # First length: one static graph per kind of layer; second: one dynamic one; then none.
+        assert len(graphs) == kinds * min(i + 1, 2), (arch, i, len(graphs))
+    before = len(graphs)
+    prompt = rows[0][0, :6].tolist()
+    assert (target_generate(compiled, prompt, 6, eos_token_ids=[]).tokens
+            == target_generate(eager, prompt, 6, eos_token_ids=[]).tokens)
+    if arch != "qwen3_5":  # a GatedDeltaNet layer's MLP has no cache argument: it stays compiled
+        assert len(graphs) == before, "a pass with a cache was compiled"

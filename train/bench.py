@@ -6,6 +6,7 @@
 
     python -m train.bench --e2e qwen3-8b        # whole online step: random Qwen3-8B target + recipe drafter
     python -m train.bench --e2e qwen35-9b --batch 2
+    python -m train.bench --e2e qwen3-8b --compile          # as train.compile=true (drafter + target layers)
 
 Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward,
 AdamW step) on random context features, as in ``train/distill.py`` (flex attention on CUDA, dense
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
     p.add_argument("--e2e", metavar="RECIPE", default=None,
                    help="time the whole online step with a random target of this recipe's shape (qwen3-8b, qwen35-9b)")
-    p.add_argument("--compile", action="store_true", help="compile the drafter layers (train.compile=true)")
+    p.add_argument("--compile", nargs="?", const="all", choices=["all", "drafter"], default=None,
+                   help="as train.compile=true: compile the drafter's layers and, with --e2e, the target's; "
+                        "'--compile drafter' leaves the target eager")
     p.add_argument("--target-layers", type=int, default=None, help="--e2e: fewer target layers (smoke tests)")
     a = p.parse_args(argv)
     target = _e2e_setup(a, argv) if a.e2e else None
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     drafter = DFlashDraftModel(cfg).to(device)
     if a.compile:
         drafter.compile_layers()
+    if a.compile == "all" and target is not None:
+        target.compile_layers()
     if target is not None:
         cfg.target_layer_ids = a.layer_ids
         embed, head = target.embed_tokens, target.lm_head

@@ -133,7 +133,7 @@ class TrainConfig:
     ce_chunk: int = 2048  # block slots per LM-head chunk (logits: chunk x vocab fp32)
     attention: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
     grad_checkpointing: bool = False
-    compile: bool = False  # torch.compile each drafter layer (CUDA; fuses the elementwise ops around the matmuls)
+    compile: bool = False  # torch.compile each drafter layer and, online, the target's (CUDA; fuses elementwise ops)
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | fp16 | no
     seed: int = 0
 
