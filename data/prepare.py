@@ -286,7 +286,10 @@ def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, think
         elif regenerate == "local":
             from models.target import TargetModel
 
-            model = target_model if target_model is not None else TargetModel.from_pretrained(target)
+            model = target_model
+            if model is None or not model.has_layers:  # none given, or only its embedding and head (offline run)
+                where = {} if model is None else {"dtype": model.dtype, "device": model.device}
+                model = TargetModel.from_pretrained(target, **where)
         gen = make_generator(spec, model=server_model, target=model, thinking=thinking, **gen_kwargs)
         report = run_regeneration(tee(), out / REGEN_FILE, gen, progress=progress)
     log(report.line())

@@ -141,6 +141,8 @@ class TargetModel:
         warn_if_slow_linear_attention(self.family, self.device)
         # What the weights are ("none", "mlx-4bit-g64", "bnb-4bit", ...): recorded as "trained against".
         self.quantization = "none"
+        # False when only the embedding and LM head were loaded (``borrowed_parts``): no forward.
+        self.has_layers = True
 
     # ------------------------------------------------------------------ facts
     @property
@@ -222,6 +224,10 @@ class TargetModel:
                 position_ids: torch.Tensor | None = None, with_logits: bool = True,
                 logits_slice: slice | None = None, attention_mask: torch.Tensor | None = None) -> TargetOutput:
         """Run the target; return the tapped layers' outputs (``hidden_states[l + 1]``) and logits."""
+        if not self.has_layers:
+            raise RuntimeError(f"target {self.name} was loaded without its decoder layers (only the embedding and LM "
+                               "head, for training on offline features): this step needs the whole target. Prepare "
+                               "the data first (python -m data.prepare), or train with features.mode=online")
         layer_ids = list(layer_ids or [])
         for i in layer_ids:
             if not 0 <= i < self.num_layers:
@@ -313,3 +319,72 @@ class TargetModel:
         if quant_config is not None:
             target.quantization = quantization
         return target
+
+    @classmethod
+    def borrowed_parts(cls, path_or_id: str | Path, dtype: torch.dtype | None = None,
+                       device: str | torch.device = "cpu", revision: str | None = None) -> "TargetModel":
+        """The target with only its embedding and LM head in memory: all that training on offline features
+        borrows (the drafter's input embedding and loss head). The decoder layers stay on the meta device
+        (shapes and config only), so Qwen3.5-27B costs its ~5 GB of embedding and head per GPU
+        instead of 55 GB. ``forward`` refuses. Only the two tensors are read from the safetensors shards.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        from models.quant import is_mlx_quantized
+
+        directory, _ = read_target_config(path_or_id, revision)
+        if is_mlx_quantized(directory):
+            raise ValueError(f"{directory} is MLX-quantized: its embedding and head are packed; load the whole target")
+        config = AutoConfig.from_pretrained(directory).get_text_config(decoder=True)
+        dtype = dtype or getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        names = {m: n for n, m in model.named_modules()}
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        wanted = {"embed": names[embed] + ".weight", "head": names[head] + ".weight"}
+        # Tied checkpoints store no head tensor; one that stores both is loaded untied (as from_pretrained does).
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        found = read_safetensors_tensors(directory, [wanted["embed"], wanted["head"]], device,
+                                         optional=[wanted["head"]] if tied else [])
+        embed.weight = nn.Parameter(found[wanted["embed"]].to(dtype), requires_grad=False)
+        head_weight = found.get(wanted["head"])
+        head.weight = (embed.weight if head_weight is None
+                       else nn.Parameter(head_weight.to(dtype), requires_grad=False))
+        if (directory / "generation_config.json").is_file():  # eos ids, as from_pretrained reads them
+            model.generation_config = GenerationConfig.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory) if any(directory.glob("tokenizer*")) else None
+        target = cls(model, tokenizer=tokenizer, name=str(path_or_id))
+        target.has_layers = False
+        return target
+
+
+def read_safetensors_tensors(directory: Path, keys: list[str], device: str | torch.device = "cpu",
+                             optional: list[str] = ()) -> dict:
+    """Named tensors from a model folder's safetensors shards, reading only those (``optional`` ones may
+    be absent).
+
+    A multimodal checkpoint stores the text tower under ``model.language_model.``: a key the text
+    model calls ``model.X`` is looked up there too.
+    """
+    from safetensors import safe_open
+
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights: loading only the embedding and LM head "
+                                "needs safetensors shards (load the whole target instead)")
+    out = {}
+    for key in keys:
+        aliases = [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
+        for shard in shards:
+            with safe_open(str(shard), framework="pt", device=str(device)) as f:
+                hit = next((a for a in aliases if a in f.keys()), None)
+                if hit is not None:
+                    out[key] = f.get_tensor(hit)
+                    break
+        else:
+            if key in optional:
+                continue
+            raise ValueError(f"{directory}: no tensor named {' or '.join(aliases)} in its safetensors shards "
+                             "(an incomplete download, or not this architecture's checkpoint)")
+    return out

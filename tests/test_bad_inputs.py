@@ -992,6 +992,35 @@ def test_device_map_mistakes_before_any_weights_load(tmp_path, kwargs, message):
 
 
 
+def test_embedding_and_head_only_from_an_incomplete_checkpoint(tmp_path):
+    """Offline training reads only the embedding and LM head: shards without them (an interrupted
+    download), or no safetensors at all, are named, never loaded as meta or random weights."""
+    from safetensors.torch import load_file, save_file
+
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    shard = folder / "model.safetensors"
+    tensors = load_file(str(shard))
+    save_file({k: v for k, v in tensors.items() if "embed_tokens" not in k}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no tensor named model.embed_tokens.weight.*incomplete download"):
+        TargetModel.borrowed_parts(folder)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        TargetModel.borrowed_parts(folder)
+
+
+def test_forward_of_a_target_loaded_without_its_layers():
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    target = TargetModel(tiny_target("qwen3", num_layers=2))
+    target.has_layers = False
+    with pytest.raises(RuntimeError, match="without its decoder layers.*python -m data.prepare"):
+        target.forward(__import__("torch").tensor([[1, 2]]), [0])
+
+
 # ---------------------------------------------------------------- recipe (train/ablate.py, train/small_target.py)
 def test_ablation_cell_name_that_does_not_exist():
     from train.ablate import main

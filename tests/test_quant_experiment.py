@@ -46,3 +46,15 @@ def test_training_against_the_quantized_target_recovers_acceptance_on_it(small_t
     assert all(1.0 <= t <= 8.0 for t in four.values()), four  # block 8: 1..8 tokens per cycle
     assert four["quantized_drafter_on_quantized"] >= four["unquantized_drafter_on_quantized"] + MARGIN, four
     assert (tmp_path / f"report-3bit-e3-s{seed}.json").is_file()
+
+
+def test_epochs_flag_changes_this_run_only(monkeypatch, tmp_path):
+    """--epochs goes to this run; the module's budgets (what the README documents) stay as they are."""
+    import copy
+
+    import train.quant_experiment as qe
+
+    before, seen = copy.deepcopy(qe.BUDGETS), {}
+    monkeypatch.setattr(qe, "run", lambda *args, **kwargs: seen.update(kwargs))
+    qe.main(["--out", str(tmp_path), "--budget", "smoke", "--epochs", "2"])
+    assert seen["epochs"] == 2 and qe.BUDGETS == before

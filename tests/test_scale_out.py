@@ -256,3 +256,40 @@ def test_fsdp_on_two_nodes_takes_the_same_steps_and_resumes(prepared, tmp_path):
     assert_close(step_losses(fsdp)[3], a[3], atol=1e-5, what="step 3 after resuming under FSDP")
     for k, v in final_weights(fsdp).items():
         assert_close(v, wa[k], atol=2e-5, what=f"drafter weight {k} after resuming under FSDP")
+
+
+def test_offline_features_plan_the_embedding_and_head_alone(monkeypatch):
+    """qwen35-27b offline on 8 x 80 GB: every process holds only the target's embedding and LM head, except
+    GPU 0 when it generates for true tau, and the plan names eval.true_tau_prompts=0 as the fix."""
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's shape facts (test)"))
+    common = ["recipe=qwen35-27b", "devices=8x80", "features.mode=offline", "features.store=/unused"]
+    online = plan_module.plan(load_config(["recipe=qwen35-27b", "devices=8x80"]))
+    mem = online["memory_per_gpu"]
+    assert mem["embedding_lm_head_gib"] == round(2 * 248320 * 5120 * 2 / 1024 ** 3, 2)  # untied, bf16
+    with_tau = plan_module.plan(load_config(common))["devices"]
+    per = with_tau["per_device_gib"]
+    assert per[0] == online["devices"]["per_device_gib"][0] and per[0] > 80 >= per[1]
+    assert abs((per[0] - per[1]) / 1.15 - (mem["target_weights_gib"] - mem["embedding_lm_head_gib"])) < 0.1
+    assert not with_tau["fits"] and "eval.true_tau_prompts=0" in with_tau["warning"]
+    no_tau = plan_module.plan(load_config([*common, "eval.true_tau_prompts=0"]))["devices"]
+    assert no_tau["fits"] and no_tau["per_device_gib"] == [per[1]] * 8
+
+
+def test_which_processes_load_the_whole_target():
+    """Online: every process. Offline: only the one(s) that generate for true tau (main; all under FSDP)."""
+    from train.config import load_config
+    from train.setup import loads_whole_target
+
+    online = load_config(["recipe=tiny"])
+    offline = load_config(["recipe=tiny", "features.mode=offline", "features.store=/unused"])
+    no_tau = load_config(["recipe=tiny", "features.mode=offline", "features.store=/unused", "eval.true_tau_prompts=0"])
+    no_eval_rows = load_config(["recipe=tiny", "features.mode=offline", "features.store=/unused", "data.eval_rows=0"])
+    for is_main in (True, False):
+        for fsdp in (True, False):
+            assert loads_whole_target(online, is_main, fsdp)
+            assert loads_whole_target(offline, is_main, fsdp) == (is_main or fsdp)
+            assert not loads_whole_target(no_tau, is_main, fsdp)
+            assert not loads_whole_target(no_eval_rows, is_main, fsdp)

@@ -62,3 +62,40 @@ def test_eos_ids_come_from_the_generation_config(tmp_path):
     save_tiny_target(tmp_path, "qwen3")
     target = TargetModel.from_pretrained(tmp_path)
     assert target.eos_token_ids() == [258]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5_vl"])
+def test_borrowed_parts_are_the_loaded_embedding_and_head(tmp_path, arch):
+    """Offline training loads only the embedding and LM head (the multimodal checkpoint's text-tower names
+    too): the same tensors and facts as the whole target, no decoder weights in memory, forward refused."""
+    save_tiny_target(tmp_path, arch)
+    whole = TargetModel.from_pretrained(tmp_path)
+    part = TargetModel.borrowed_parts(tmp_path, dtype=torch.float32)
+    assert torch.equal(part.embed_tokens.weight, whole.embed_tokens.weight)
+    assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
+    facts = lambda t: (t.model_type, t.num_layers, t.hidden_size, t.vocab_size, t.layer_types,  # noqa: E731
+                       t.eos_token_ids())
+    assert facts(part) == facts(whole)
+    assert part.tokenizer is not None and part.device.type == "cpu" and not part.has_layers
+    loaded = [n for n, p in part.model.named_parameters() if p.device.type != "meta"]
+    assert sorted(loaded) == sorted(["model.embed_tokens.weight", "lm_head.weight"]), loaded
+    with pytest.raises(RuntimeError, match="without its decoder layers.*features.mode=online"):
+        part.forward(torch.tensor([[1, 2, 3]]), [1])
+
+
+def test_borrowed_parts_follow_tied_embeddings(tmp_path):
+    """A checkpoint with tie_word_embeddings stores no lm_head tensor: the head is the embedding."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    save_tiny_target(tmp_path / "untied", "qwen3")
+    config = AutoConfig.from_pretrained(tmp_path / "untied")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    part = TargetModel.borrowed_parts(tmp_path / "tied", dtype=torch.float32)
+    whole = TargetModel.from_pretrained(tmp_path / "tied")
+    assert part.lm_head.weight is part.embed_tokens.weight
+    assert torch.equal(part.lm_head.weight, whole.lm_head.weight)

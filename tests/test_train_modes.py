@@ -99,7 +99,7 @@ def test_two_processes_take_the_same_step_as_one(tiny, tmp_path):
         assert_close(wb[k], wa[k], atol=2e-5, what=f"drafter weight {k} after 2 steps")
 
 
-def test_offline_features_train_like_online(tiny, store, tmp_path):
+def test_offline_features_train_like_online(tiny, store, tmp_path, capsys):
     """Same first losses from a bf16 store as from the fp32 target in the step.
 
     The store rounds every feature to bf16 (relative error <= 2^-9 per element); the first loss
@@ -110,8 +110,10 @@ def test_offline_features_train_like_online(tiny, store, tmp_path):
     """
     path, ids = store
     run(tmp_path / "online", *tiny["args"], *FAST, *STEPS, "train.max_steps=2")
+    capsys.readouterr()
     run(tmp_path / "offline", *tiny["args"], *FAST, *STEPS, "train.max_steps=2", "features.mode=offline",
         f"features.store={path}")
+    assert "embedding and LM head only" in capsys.readouterr().out  # no true tau: no decoder layers loaded
     import json
 
     dflash = json.loads((tmp_path / "online" / "final" / "drafter" / "config.json").read_text())["dflash_config"]
@@ -120,6 +122,16 @@ def test_offline_features_train_like_online(tiny, store, tmp_path):
     print(f"online {on} offline {off}")
     assert_close(off[1], on[1], atol=1e-3, what="first loss, offline bf16 store vs online fp32")
     assert_close(off[2], on[2], atol=2e-3, what="second loss, offline bf16 store vs online fp32")
+
+
+def test_offline_run_with_true_tau_loads_the_whole_target_for_it(tiny, store, tmp_path, capsys):
+    """Offline features with true-tau eval: the main process loads the decoder layers to generate."""
+    path, _ = store
+    capsys.readouterr()
+    run(tmp_path, *tiny["args"], *FAST, *STEPS, "train.max_steps=1", "features.mode=offline",
+        f"features.store={path}", "eval.true_tau_prompts=2", "eval.true_tau_max_new_tokens=12")
+    assert "embedding and LM head only" not in capsys.readouterr().out
+    assert 1.0 <= metrics(tmp_path)[-1]["eval_tau_true"] <= 8.0
 
 
 def test_mismatched_store_is_refused_before_training(tiny, store, tmp_path):

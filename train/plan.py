@@ -80,20 +80,31 @@ def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
     """Memory per GPU for this layout, and what to change when it does not fit (before anything loads).
 
     One process per GPU holds the whole target and a drafter replica with its AdamW state and
-    activations (offline features too: training still loads the target for its embedding, LM head
-    and true-tau eval); ``target.device_map`` instead spreads the target over the node's GPUs, with
-    the drafter on GPU 0.
+    activations. With offline features a process loads only the target's embedding and LM head,
+    except the main one when it generates for true tau (``train.setup.loads_whole_target``).
+    ``target.device_map`` instead spreads the target over the node's GPUs, with the drafter on GPU 0.
     """
+    from train.setup import loads_whole_target
+
     devices = parse_devices(cfg.devices)
     if devices is None:
         return {"count": 0, "note": "no GPU here: pass devices=COUNTxGiB (e.g. devices=8x80) to plan for a node"}
     n, cap = devices
-    target = mem["target_weights_gib"]
-    rest = sum(v for k, v in mem.items() if k not in ("target_weights_gib", "total_gib"))
+    target, borrowed = mem["target_weights_gib"], mem["embedding_lm_head_gib"]
+    rest = sum(v for k, v in mem.items() if k not in ("target_weights_gib", "embedding_lm_head_gib", "total_gib"))
     spread = bool(cfg.target.device_map)
+    from models.quant import parse_quantization
+
+    # quantized targets load whole (their embedding and head come through the quantizer)
+    offline = cfg.features.mode == "offline" and parse_quantization(cfg.target.quantization).kind == "none"
     if spread:
         per = [(target / n + rest) * slack] + [target / n * slack] * (n - 1)
         layout = f"1 process per node, target spread over its {n} GPUs (target.device_map), drafter on GPU 0"
+    elif offline:
+        main, others = (target if loads_whole_target(cfg, is_main, False) else borrowed for is_main in (True, False))
+        per = [(main + rest) * slack] + [(others + rest) * slack] * (n - 1)
+        layout = (f"{n} processes (one per GPU), each with a drafter replica and the target's embedding and LM head "
+                  "(offline features)" + (", the whole target on GPU 0 for true tau" if main == target else ""))
     else:
         per = [(target + rest) * slack] * n
         layout = f"{n} processes (one per GPU), each with the whole target and a drafter replica"
@@ -102,6 +113,9 @@ def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
     if not out["fits"]:
         fixes = []
         spread_gib = (target / n + rest) * slack
+        if offline and per[0] > cap >= per[-1]:
+            fixes.append("eval.true_tau_prompts=0 (then no process loads the whole target; measure true tau after "
+                         "training with python -m inference.validate)")
         if not spread and spread_gib <= cap:
             fixes.append(f"target.device_map=auto (one process per node spreads the target over its {n} GPUs: "
                          f"~{spread_gib:.1f} GiB on GPU 0)")
@@ -159,13 +173,14 @@ def plan(cfg) -> dict:
     q = N * B  # drafter query tokens per row
     mem = {
         "target_weights_gib": round(params_b * 1e9 * 2 / gib, 2),
+        "embedding_lm_head_gib": round(2 * V * H * 2 / gib, 2),  # all that offline features load on most GPUs
         "drafter_weights_grads_adam_gib": round(n_draft * 16 / gib, 2),
         "features_gib": round(tr.batch_size * S * len(taps) * H * 2 / gib, 3),
         "drafter_activations_gib": round(tr.batch_size * d.num_hidden_layers * q * (12 * H + 3 * inter) * 2
                                          / (gib * (4 if tr.grad_checkpointing else 1)), 2),
         "lm_head_chunk_gib": round(min(tr.ce_chunk, q) * V * 4 * 3 / gib, 2),
     }
-    mem["total_gib"] = round(sum(mem.values()) * 1.15, 1)  # + allocator slack
+    mem["total_gib"] = round((sum(mem.values()) - mem["embedding_lm_head_gib"]) * 1.15, 1)  # + allocator slack
     draft_fwd = draft.flops_per_token(S / 2 + B)
     flops_row = 3 * draft_fwd * q + 2 * active_b * 1e9 * S  # drafter fwd+bwd + target fwd
     out.update({

@@ -110,11 +110,13 @@ def pick_bits(sweep: dict[int, float], reference: float, threshold: float) -> in
 
 def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 4, 3), group_size: int = 64,
         bits: int | None = None, loss_threshold: float = 0.1, seed: int = 0, corpus: str | None = None,
-        target_dir: str | None = None, log=print) -> dict:
+        target_dir: str | None = None, log=print, epochs: int | None = None) -> dict:
     from models.quant import quantize_to_mlx
     from train.small_target import build_small_target, degenerate
 
     budget = BUDGETS[budget_name]
+    if epochs is not None:  # a copy: the module's budgets stay as documented for later runs in this process
+        budget = {**budget, "train": {**budget["train"], "train.epochs": epochs}}
     out.mkdir(parents=True, exist_ok=True)
     if target_dir:  # an existing small-target folder (e.g. built on a GPU with python -m train.small_target)
         target = Path(target_dir)
@@ -194,13 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
     if a.epochs is not None:
         if a.epochs < 1:
             p.error("--epochs must be at least 1")
-        BUDGETS[a.budget] = {**BUDGETS[a.budget], "train": {**BUDGETS[a.budget]["train"], "train.epochs": a.epochs}}
     from models.quant import check_bits_group
 
     for b in a.sweep + ([a.bits] if a.bits else []):
         check_bits_group(b, a.group_size, what="--sweep/--bits")
     return run(Path(a.out), a.budget, tuple(a.sweep), a.group_size, a.bits, a.loss_threshold, a.seed, a.corpus,
-               a.target)
+               a.target, epochs=a.epochs)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ tokenization, loss masks, regeneration and packing to ``data.prepare``, features
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -45,13 +46,46 @@ def load_target(cfg, out_dir: Path, accelerator, log):
         placement = dict(device_map=cfg.target.device_map, max_memory=cfg.target.max_memory)
     else:
         placement = dict(device=accelerator.device)
-    target = TargetModel.from_pretrained(path, dtype=dtype, revision=cfg.target.revision, quantization=tq,
-                                         **placement)
+    if can_borrow(path, tq, cfg) and not loads_whole_target(cfg, accelerator.is_main_process, _fsdp(accelerator)):
+        target = TargetModel.borrowed_parts(path, dtype=dtype, device=accelerator.device, revision=cfg.target.revision)
+    else:
+        target = TargetModel.from_pretrained(path, dtype=dtype, revision=cfg.target.revision, quantization=tq,
+                                             **placement)
     if target.tokenizer is None:
         raise ValueError(f"target {path} has no tokenizer files: training needs its tokenizer and chat template")
     log(f"target: {path} ({target.model_type}, {target.num_layers} layers, hidden {target.hidden_size}, "
-        f"vocab {target.vocab_size}, {target.dtype}, quantization {target.quantization})")
+        f"vocab {target.vocab_size}, {target.dtype}, quantization {target.quantization})"
+        + ("" if target.has_layers else "; embedding and LM head only: offline features need no decoder layers here"))
     return target, path
+
+
+def loads_whole_target(cfg, is_main: bool, fsdp: bool) -> bool:
+    """Whether this process needs the target's decoder layers, not only its embedding and LM head.
+
+    Online features run the target in every step. Offline ones only borrow its embedding (the
+    drafter's input) and LM head (the loss), except where held-out text is generated for true tau:
+    the main process, or every process under FSDP (each takes part in the drafter's all-gathers).
+    """
+    if cfg.features.mode == "online":
+        return True
+    return bool(cfg.eval.true_tau_prompts and cfg.data.eval_rows) and (is_main or fsdp)
+
+
+def can_borrow(path: str, quantization: str | None, cfg) -> bool:
+    """An unquantized, unspread target in safetensors can be loaded as its embedding and LM head alone."""
+    from models.quant import is_mlx_quantized
+    from models.target import read_target_config
+
+    if quantization or cfg.target.device_map:
+        return False
+    directory, _ = read_target_config(path, cfg.target.revision)
+    return not is_mlx_quantized(directory) and any(directory.glob("*.safetensors"))
+
+
+def _fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
@@ -75,7 +109,8 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
                         gen_kwargs={"max_tokens": cfg.data.regenerate_max_tokens,
                                     "batch_size": cfg.data.regenerate_batch_size},
                         server_log=out_dir / "regenerate-server.log",
-                        make_room=lambda: offloaded(target.model),  # a started vLLM/SGLang gets the GPU
+                        # a started vLLM/SGLang gets the GPU (nothing to move when only embedding and head loaded)
+                        make_room=lambda: offloaded(target.model) if target.has_layers else contextlib.nullcontext(),
                         target_model=target)  # local regeneration: the loaded (maybe quantized) target, its device
 
     run_on_main(prepare_data, accelerator, what="data preparation")  # a failure there stops every process
