@@ -276,3 +276,22 @@ def test_compiled_target_layers_give_the_eager_taps(arch):
             == target_generate(eager, prompt, 6, eos_token_ids=[]).tokens)
     if arch != "qwen3_5":  # a GatedDeltaNet layer's MLP has no cache argument: it stays compiled
         assert len(graphs) == before, "a pass with a cache was compiled"
+
+
+@pytest.mark.parametrize("mode,target_compiled", [("online", True), ("offline", False)])
+def test_train_compile_compiles_the_target_only_with_online_features(mode, target_compiled):
+    from train.config import load_config
+    from train.distill import compile_models
+
+    calls = []
+
+    class Model:
+        def __init__(self, name):
+            self.name = name
+
+        def compile_layers(self):
+            calls.append(self.name)
+
+    cfg = load_config(["recipe=tiny", "train.compile=true", f"features.mode={mode}", "features.store=/unused"])
+    compile_models(cfg, "cuda", Model("drafter"), Model("target"))
+    assert calls == ["drafter", "target"] if target_compiled else calls == ["drafter"]

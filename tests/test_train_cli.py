@@ -26,3 +26,4 @@ def test_mistakes_are_explained_without_a_traceback():
     assert "unknown recipe 'no-such-recipe'" in bad.stderr and "Traceback" not in bad.stderr
     value = distill("recipe=tiny", "train.lr=abc")
     assert "train.lr='abc': expected a number" in value.stderr
+

@@ -112,13 +112,20 @@ def build_drafter(run, drafter_cfg, target):
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
     if run.cfg.train.compile:
-        if run.device.type != "cuda":
-            raise ValueError("train.compile=true compiles the drafter layers for CUDA kernels; this run is on "
-                             f"{run.device.type}: drop train.compile (the eager layers are the same math)")
-        drafter.compile_layers()
-        if run.cfg.features.mode == "online":  # the frozen target's tapped forward is ~40% of an online step
-            target.compile_layers()
+        compile_models(run.cfg, run.device.type, drafter, target)
     return drafter
+
+
+def compile_models(cfg, device_type: str, drafter, target) -> None:
+    """``train.compile=true``: the drafter's layers, and with online features the target's too (its tapped
+    forward is ~40% of an online step; offline runs never call it)."""
+    if device_type != "cuda":
+        raise ValueError("train.compile=true compiles the drafter's (and online, the target's) layers for CUDA "
+                         f"kernels; this run is on {device_type}: drop train.compile (the eager layers are the same "
+                         "math)")
+    drafter.compile_layers()
+    if cfg.features.mode == "online":
+        target.compile_layers()
 
 
 def build_optimizer(run, drafter, sched):
