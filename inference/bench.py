@@ -10,7 +10,7 @@ and whether the greedy outputs match (first divergence index otherwise). A warm-
 runs first so that one-time costs (kernel selection, allocation, graph capture) are not timed.
 
 ``--loop`` (torch backend): ``eager`` is the reference loop (``inference.torch_loop``), ``static``
-the preallocated-cache loop with CUDA graphs (``inference.static_loop``; full-attention targets),
+the preallocated-cache loop with CUDA graphs (``inference.static_loop``),
 ``compiled`` the same with ``torch.compile``d target layers and drafter block pass (one-time
 compile before the timed runs); the baseline runs through the same loop kind. Torch lines also
 give the **cycle cost** (decode seconds per DFlash cycle over baseline seconds per token: 1.0

@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "mlx default: the checkpoint's)")
     p.add_argument("--loop", choices=TORCH_LOOPS, default="auto",
                    help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
-                        "else eager; static / compiled (graphs + torch.compile) / eager force one")
+                        "else eager; static / compiled (graphs + torch.compile) / eager force one (static also "
+                        "runs Qwen3.5 targets)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -104,10 +105,12 @@ def pick_torch_loop(requested: str, target, drafter) -> str:
 
     An eager batch-1 forward on a GPU is launch-bound (an 8B target's decode step took 84 ms eager,
     10.8 ms replayed as a graph), so eager speedups there measure the host, not the drafter.
+    Qwen3.5 / 3.6 (GatedDeltaNet) targets run the static loop when asked (``--loop static``); ``auto``
+    keeps them eager until its graph replay has been checked on a GPU (``tests/test_cuda.py``).
     """
     from inference.static_loop import StaticLoopUnsupported, check_static_target
 
-    if requested == "eager" or (requested == "auto" and target.device.type != "cuda"):
+    if requested == "eager" or (requested == "auto" and (target.device.type != "cuda" or target.is_hybrid)):
         return "eager"
     try:
         check_static_target(target)

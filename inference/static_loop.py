@@ -14,10 +14,13 @@ eager loop (``torch_loop.py``) measures the host. Here every per-token pass has 
   captured once as CUDA graphs and replayed; the prefill runs eagerly. Inputs (tokens, start
   position, lengths) are copied into static device buffers before a replay.
 
+* GatedDeltaNet layers (Qwen3.5 / 3.6) keep the state after every position of a pass
+  (``inference.static_gdn``); the next pass starts from the one after the committed positions, so
+  their rollback is an index too.
+
 The eager loop stays the reference: CPU tests check that this loop (graphs off) gives the same
 tokens and acceptance lengths, and ``tests/test_cuda.py`` checks graph replay against eager.
-Supported targets: full-attention ones (Qwen3 dense/MoE, Llama 3.x). GatedDeltaNet (Qwen3.5 /
-3.6) state is not static here: those targets raise a clear error and run the eager loop.
+Supported targets: Qwen3 (dense/MoE), Llama 3.x, Qwen3.5 / 3.6 (hybrid, dense/MoE).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from inference.torch_loop import Clock, check_draft_cache, sample
 from models.drafter import DFlashDraftModel, apply_rope, attend, rope_cos_sin
@@ -77,10 +81,12 @@ class _StaticKV:
 
 
 def check_static_target(target: TargetModel) -> None:
-    if target.is_hybrid or any(t != "full_attention" for t in target.layer_types):
+    kinds = set(target.layer_types) - {"full_attention", "linear_attention"}
+    if kinds or (target.is_hybrid and target.family != "qwen3_5"):
         raise StaticLoopUnsupported(
-            f"the static-cache/CUDA-graph loop supports full-attention targets (Qwen3, Llama); {target.model_type} has "
-            f"layer types {sorted(set(target.layer_types))}: use the eager loop (inference.torch_loop.dflash_generate)")
+            f"the static-cache/CUDA-graph loop supports full-attention and Qwen3.5 GatedDeltaNet layers; "
+            f"{target.model_type} has layer types {sorted(set(target.layer_types))}: use the eager loop "
+            "(inference.torch_loop.dflash_generate)")
     attn = getattr(target.model.config, "_attn_implementation", "sdpa")
     if attn not in ("sdpa", "eager"):  # the static mask (stale slots past the committed length) must be applied
         raise StaticLoopUnsupported(f"the static loop needs attn_implementation 'sdpa' or 'eager' (it masks the "
@@ -97,9 +103,14 @@ class StaticTarget:
         cfg, dev, dt = target.config, target.device, target.dtype
         kv_heads = cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        bufs = lambda: [torch.zeros(1, kv_heads, max_len, head_dim, device=dev, dtype=dt)  # noqa: E731
-                        for _ in range(target.num_layers)]
+        attention = [i for i, kind in enumerate(target.layer_types) if kind == "full_attention"]
+        bufs = lambda: {i: torch.zeros(1, kv_heads, max_len, head_dim, device=dev, dtype=dt)  # noqa: E731
+                        for i in attention}
         self.kv = _StaticKV(bufs(), bufs())
+        self.gdn = {i: StaticGatedDeltaNet(m, i, block_size) for i, m in target.linear_attention_modules()}
+        self.block_size = block_size
+        self._keep = torch.ones(1, dtype=torch.long, device=dev)  # positions of the last pass now committed
+        self._last_start, self._last_len = -1, 1  # the last pass's recorded states: positions start .. start+len-1
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
         self._additive_mask = getattr(target.model.config, "_attn_implementation", "sdpa") == "eager"
         self._start = torch.zeros(1, dtype=torch.long, device=dev)
@@ -129,7 +140,16 @@ class StaticTarget:
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill(~mask, torch.finfo(h.dtype).min)
         rope = dec.rotary_emb(h, pos[None])
         taps, captured = set(self.layer_ids), {}
+        prefill = self.target.new_cache() if self.gdn and T > self.block_size else None  # a long prompt
         for i, layer in enumerate(layers or self.target.layers):
+            if i in self.gdn:  # the decoder layer's own order: mixer, then MLP, each with its residual
+                base = self.target.layers[i]
+                x = base.input_layernorm(h)
+                h = h + (self.gdn[i].prefill(x, prefill) if prefill is not None else self.gdn[i].forward(x, self._keep))
+                h = h + base.mlp(base.post_attention_layernorm(h))
+                if i in taps:
+                    captured[i] = h
+                continue
             h = layer(h, attention_mask=mask, position_ids=pos[None], past_key_values=self.kv, use_cache=True,
                       cache_position=pos, position_embeddings=rope)
             h = h[0] if isinstance(h, tuple) else h
@@ -149,10 +169,28 @@ class StaticTarget:
             raise ValueError(f"static cache holds {self.max_len} positions; a pass to {start + T} does not fit: "
                              "raise max_len (prompt + max_new_tokens + block size)")
         self._start.fill_(start)
+        if self.gdn:
+            self._commit(start, T)
         if T in self._passes:
             self._ids[T].copy_(ids)
             return self._passes[T]()
         return self._pass(ids)  # the prefill: any length, eager
+
+
+    def _commit(self, start: int, T: int) -> None:
+        """GatedDeltaNet rollback: the last pass's positions before ``start`` are the committed ones."""
+        if start == 0:  # a new sequence: the zero state (committed window and state slot 0 cleared)
+            for g in self.gdn.values():
+                g.window.zero_()
+                g.states[0].zero_()
+            self._last_start, self._last_len = -1, 1
+        keep = start - self._last_start
+        if not 1 <= keep <= self._last_len:
+            raise RuntimeError(f"GatedDeltaNet states are kept for positions {self._last_start} to "
+                               f"{self._last_start + self._last_len - 1}; a pass cannot start at {start}")
+        self._keep.fill_(keep)
+        # A pass longer than a block (the prompt) keeps only its final state, as if it had started at its end.
+        self._last_start, self._last_len = (start, T) if T <= self.block_size else (start + T - 1, 1)
 
 
 class StaticDrafterProposer:

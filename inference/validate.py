@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                   "backend's: torch bf16 on cuda / fp32 on cpu, mlx the checkpoint's)")
     p.add_argument("--loop", choices=TORCH_LOOPS, default="auto",
                    help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
-                        "else eager; static / compiled (graphs + torch.compile) / eager force one")
+                        "else eager; static / compiled (graphs + torch.compile) / eager force one (static also "
+                        "runs Qwen3.5 targets)")
     p.add_argument("--out", default="validate-report", help="folder for report.json, report.md, acceptance.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs="+", metavar="REPORT_JSON",

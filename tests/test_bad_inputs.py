@@ -1087,11 +1087,28 @@ def test_bench_with_an_unknown_recipe_shape(module, argv):
         importlib.import_module(module).main(argv)
 
 
-def test_static_loop_on_a_hybrid_target_says_to_use_the_eager_loop(tiny_targets):
+def test_static_loop_on_an_unsupported_layer_kind_says_to_use_the_eager_loop():
+    from inference.static_loop import StaticTarget
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    target = TargetModel(tiny_target("qwen3", num_layers=2))
+    target.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="supports full-attention and Qwen3.5 GatedDeltaNet.*use the eager loop"):
+        StaticTarget(target, [0], max_len=64, block_size=8)
+
+
+def test_static_gated_delta_net_pass_outside_its_kept_states(tiny_targets):
+    """The GatedDeltaNet rollback picks a kept state: a pass that skips ahead or goes back too far is refused."""
+    import torch
+
     from inference.static_loop import StaticTarget
 
-    with pytest.raises(ValueError, match="supports full-attention targets.*use the eager loop"):
-        StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
+    st = StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
+    st.forward(torch.tensor([[1, 2, 3, 4, 5]]), 0)
+    st.forward(torch.tensor([[1] * 8]), 5)
+    with pytest.raises(RuntimeError, match="kept for positions 5 to 12; a pass cannot start at 14"):
+        st.forward(torch.tensor([[1]]), 14)
 
 
 def test_static_loop_past_its_preallocated_length(tiny_targets):

@@ -79,10 +79,11 @@ def test_torch_loop_on_cuda(tiny_targets, arch):
             assert first is None and res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
 def test_graph_loop_equals_eager_loop_on_cuda(arch):
     """CUDA graph replay of the static loop (decode, verify, drafter block pass) against the eager loop
-    in fp32: same tokens as target-only decoding, same acceptance lengths, same drafts."""
+    in fp32: same tokens as target-only decoding, same acceptance lengths, same drafts. Qwen3.5: the
+    GatedDeltaNet rollback (an index into the kept states) inside the graphs."""
     from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
                                        static_target_generate)
     from inference.torch_loop import DrafterProposer, dflash_generate, target_generate

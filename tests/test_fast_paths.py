@@ -89,7 +89,7 @@ NEW, B = 24, 8
 MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 17, 19)}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_moe"])
 def test_static_loop_equals_eager_loop(tiny_targets, arch):
     """Same tokens and acceptance lengths as the eager loop: planted mistakes (exact acceptance known)
     and a random drafter through the static drafter pass (same drafts as the eager drafter)."""
@@ -214,17 +214,23 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     assert runs["static"][1] == runs["static"][3]  # lossless in fp32
 
 
-def test_session_static_loop_refuses_a_hybrid_target_and_auto_falls_back(tmp_path):
-    import pytest
-
-    from inference.generate import Session, pick_torch_loop
-    from inference.static_loop import StaticLoopUnsupported
+def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path):
+    """--loop static runs Qwen3.5 (GatedDeltaNet) with the eager loop's tokens; auto on a GPU picks static for
+    full-attention targets and keeps hybrid ones eager (their graph replay is checked in test_cuda.py)."""
     from inference.bench import tiny_folders
+    from inference.generate import Session, pick_torch_loop
 
     target, draft = tiny_folders("qwen3_5", str(tmp_path))
-    with pytest.raises(StaticLoopUnsupported, match="full-attention targets .* use the eager loop"):
-        Session("torch", target, draft, "cpu", "float32", loop="static")
     hybrid = Session("torch", target, draft, "cpu", "float32", loop="eager")
+    static = Session("torch", target, draft, "cpu", "float32", loop="static")
+    block = static.proposer.drafter.config.block_size
+    assert static.describe()["loop"] == "static" and len(PROMPT) > block
+    # Prompts of one token, one block (both through the fixed-shape passes from the zero state) and longer.
+    for prompt in (PROMPT[:1], PROMPT[:block], PROMPT):
+        (a, a_base), (b, b_base) = (s.run(prompt, baseline=True, max_new_tokens=20, eos_token_ids=[])
+                                    for s in (hybrid, static))
+        assert b.tokens == a.tokens == b_base.tokens == a_base.tokens, len(prompt)  # lossless in fp32
+        assert b.acceptance_lengths == a.acceptance_lengths
     dense = Session("torch", *tiny_folders("qwen3", str(tmp_path / "dense")), "cpu", "float32", loop="eager")
 
     class OnGpu:  # the real target, seen as if it were on a GPU (only .device differs)
