@@ -5,7 +5,8 @@ the static loop's rollback (a length reset) does not apply to it as such. Here e
 pass keeps the state after *each* of its positions (``T`` states of ``heads x d_k x d_v``, fp32)
 and its convolution inputs; the next pass starts from the state after the positions that were
 committed (``keep``, a device tensor), picked by an index. No replay, no host decision, the same
-shapes every cycle: the pass can be captured as a CUDA graph like the attention layers.
+shapes every cycle: the pass can be captured as a CUDA graph like the attention layers. The cost is
+memory: Qwen3.5-9B keeps 16 x 32 x 128 x 128 fp32 (34 MB) per GatedDeltaNet layer, ~0.8 GB in all.
 
 The math is transformers' ``Qwen3_5GatedDeltaNet.forward`` with its token-by-token gated delta
 rule (``torch_recurrent_gated_delta_rule``): projections, causal depthwise conv + SiLU, L2-normed
