@@ -214,7 +214,7 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     assert runs["static"][1] == runs["static"][3]  # lossless in fp32
 
 
-def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path):
+def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, caplog):
     """--loop static runs Qwen3.5 (GatedDeltaNet) with the eager loop's tokens; auto on a GPU picks static for
     full-attention targets and keeps hybrid ones eager (their graph replay is checked in test_cuda.py)."""
     from inference.bench import tiny_folders
@@ -243,6 +243,8 @@ def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path):
             return getattr(self.t, name)
 
     assert pick_torch_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
+    assert "--loop static runs the CUDA-graph loop" in caplog.text  # says what it left on the table
+    assert pick_torch_loop("static", OnGpu(hybrid.target), hybrid.proposer.drafter) == "static"
     assert pick_torch_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
     assert pick_torch_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
 
