@@ -128,9 +128,12 @@ class StaticTarget:
             import torch._dynamo.config as dyn
             dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), 2 * len(layers) + 8)
             layers = [torch.compile(la, dynamic=False) for la in layers]
-        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers), self.graphs) for t in self._ids}
+        # GatedDeltaNet passes: compiled, the token-by-token recurrence fuses into a few kernels per step.
+        steps = {i: torch.compile(g.forward, dynamic=False) if compile else g.forward for i, g in self.gdn.items()}
+        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers, steps), self.graphs)
+                        for t in self._ids}
 
-    def _pass(self, ids: torch.Tensor, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pass(self, ids: torch.Tensor, layers=None, steps=None) -> tuple[torch.Tensor, torch.Tensor]:
         dec, T = self.target.decoder, ids.shape[1]
         pos = self._start + torch.arange(T, device=ids.device)  # [T]
         self.kv.index = pos
@@ -145,7 +148,8 @@ class StaticTarget:
             if i in self.gdn:  # the decoder layer's own order: mixer, then MLP, each with its residual
                 base = self.target.layers[i]
                 x = base.input_layernorm(h)
-                h = h + (self.gdn[i].prefill(x, prefill) if prefill is not None else self.gdn[i].forward(x, self._keep))
+                step = (steps or {}).get(i, self.gdn[i].forward)
+                h = h + (self.gdn[i].prefill(x, prefill) if prefill is not None else step(x, self._keep))
                 h = h + base.mlp(base.post_attention_layernorm(h))
                 if i in taps:
                     captured[i] = h

@@ -199,9 +199,11 @@ def test_compiled_target_layers_equal_eager_on_cuda(arch):
         assert_close(got, ref, atol=1e-4, what=f"{arch} compiled target taps, length {n}")
 
 
-def test_compiled_graph_loop_equals_eager_loop_on_cuda():
-    """--loop compiled: torch.compile'd target layers and drafter block pass inside the CUDA graphs give
-    target-only decoding's tokens and the eager loop's tokens and acceptance lengths (fp32)."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
+    """--loop compiled: torch.compile'd target layers (and GatedDeltaNet steps) and drafter block pass inside
+    the CUDA graphs give target-only decoding's tokens and the eager loop's tokens and acceptance lengths
+    (fp32)."""
     from inference.static_loop import StaticDrafterProposer, StaticTarget, static_dflash_generate
     from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
     from models.drafter import DFlashDraftModel
@@ -209,7 +211,7 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda():
     from models.tiny import tiny_target, tiny_tokenizer
 
     prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
-    target = TargetModel(tiny_target("qwen3").cuda(), tiny_tokenizer())
+    target = TargetModel(tiny_target(arch).cuda(), tiny_tokenizer())
     ref = target_generate(target, prompt, 64, eos_token_ids=[])
     torch.manual_seed(1)
     drafter = DFlashDraftModel(tiny_drafter_config(target)).cuda().eval()
