@@ -377,10 +377,10 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
     for key in keys:
         aliases = [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
         for shard in shards:
-            with safe_open(str(shard), framework="pt", device=str(device)) as f:
+            with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
                 hit = next((a for a in aliases if a in f.keys()), None)
                 if hit is not None:
-                    out[key] = f.get_tensor(hit)
+                    out[key] = f.get_tensor(hit).to(device)
                     break
         else:
             if key in optional:

@@ -293,3 +293,29 @@ def test_which_processes_load_the_whole_target():
             assert loads_whole_target(offline, is_main, fsdp) == (is_main or fsdp)
             assert not loads_whole_target(no_tau, is_main, fsdp)
             assert not loads_whole_target(no_eval_rows, is_main, fsdp)
+
+
+def test_offline_processes_with_and_without_the_whole_target_take_the_same_steps(prepared, tmp_path):
+    """Offline features, 2 processes (torchrun) with true tau on: the main process loads the whole target to
+    generate, the other only the embedding and LM head. Same steps as 1 process x 2 rows without true tau
+    (every process borrowing), and the true-tau eval ran."""
+    from data.extract import extract
+    from models.config import default_layer_ids
+    from models.target import TargetModel
+    from train.config import load_config
+    from train.distill import train
+
+    ids = default_layer_ids(6, load_config(["recipe=tiny"]).drafter.num_taps)
+    store = tmp_path / "store"
+    extract(TargetModel.from_pretrained(prepared["target"], dtype=torch.float32), prepared["data"], store,
+            layer_ids=ids, batch_size=2, progress=False)
+    offline = ["features.mode=offline", f"features.store={store}", "checkpoint.every=0"]
+    train(load_config(train_args(prepared, tmp_path / "one", *offline, "train.batch_size=2")))
+    two = launch(str(ROOT / "train" / "distill.py"), *train_args(prepared, tmp_path / "two", *offline,
+                 "train.batch_size=1", "eval.true_tau_prompts=1", "eval.true_tau_max_new_tokens=8"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "embedding and LM head only" not in two.stdout  # the main process generates: whole target
+    a, b = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert_close([b[s] for s in (1, 2, 3)], [a[s] for s in (1, 2, 3)], atol=1e-5, what="offline, 2 processes vs 1")
+    evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if line]
+    assert any("eval_tau_true" in r for r in evals)

@@ -70,7 +70,7 @@ def test_borrowed_parts_are_the_loaded_embedding_and_head(tmp_path, arch):
     too): the same tensors and facts as the whole target, no decoder weights in memory, forward refused."""
     save_tiny_target(tmp_path, arch)
     whole = TargetModel.from_pretrained(tmp_path)
-    part = TargetModel.borrowed_parts(tmp_path, dtype=torch.float32)
+    part = TargetModel.borrowed_parts(tmp_path, dtype=torch.float32, device=torch.device("cpu", 0))  # as DDP gives
     assert torch.equal(part.embed_tokens.weight, whole.embed_tokens.weight)
     assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
     facts = lambda t: (t.model_type, t.num_layers, t.hidden_size, t.vocab_size, t.layer_types,  # noqa: E731
