@@ -34,7 +34,7 @@ from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from inference.torch_loop import Clock, check_draft_cache, sample
 from models.drafter import DFlashDraftModel, apply_rope, attend, rope_cos_sin
-from models.target import TargetModel
+from models.target import TargetModel, allow_recompiles
 
 
 class StaticLoopUnsupported(ValueError):
@@ -124,9 +124,8 @@ class StaticTarget:
         layers = list(target.layers)
         if compile:
             # HF layers specialise on their layer index (the cache update): one compile per layer and
-            # pass length. Past dynamo's recompile limit (8) the rest would silently run eager.
-            import torch._dynamo.config as dyn
-            dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), 2 * len(layers) + 8)
+            # pass length.
+            allow_recompiles(2 * len(layers) + 8)
             layers = [torch.compile(la, dynamic=False) for la in layers]
         # GatedDeltaNet passes: compiled, the token-by-token recurrence fuses into a few kernels per step.
         steps = {i: torch.compile(g.forward, dynamic=False) if compile else g.forward for i, g in self.gdn.items()}
@@ -148,7 +147,7 @@ class StaticTarget:
             if i in self.gdn:  # the decoder layer's own order: mixer, then MLP, each with its residual
                 base = self.target.layers[i]
                 x = base.input_layernorm(h)
-                step = (steps or {}).get(i, self.gdn[i].forward)
+                step = steps[i] if steps else self.gdn[i].forward
                 h = h + (self.gdn[i].prefill(x, prefill) if prefill is not None else step(x, self._keep))
                 h = h + base.mlp(base.post_attention_layernorm(h))
                 if i in taps:
@@ -179,7 +178,6 @@ class StaticTarget:
             self._ids[T].copy_(ids)
             return self._passes[T]()
         return self._pass(ids)  # the prefill: any length, eager
-
 
     def _commit(self, start: int, T: int) -> None:
         """GatedDeltaNet rollback: the last pass's positions before ``start`` are the committed ones."""

@@ -112,6 +112,14 @@ def check_borrowed_parts_resident(model) -> None:
                              "max_memory for the first GPU, or add GPUs")
 
 
+def allow_recompiles(n: int) -> None:
+    """Raise dynamo's recompile limit (8) to ``n``: HF layers compile once per layer and kind of shape, and
+    past the limit the rest would silently run eager."""
+    import torch._dynamo.config as dyn
+
+    dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), n)
+
+
 def _uncached_compiled(eager, backend):
     """``eager``, compiled for calls without a cache (``TargetModel.compile_layers``)."""
     compiled = torch.compile(eager, backend=backend)
@@ -199,9 +207,7 @@ class TargetModel:
         fill a cache (the held-out generation, the loops) keep the eager layers: a cache update
         specialises each compile on its layer index and a growing length, minutes of compiles for nothing.
         """
-        import torch._dynamo.config as dyn
-
-        dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), 2 * len(self.layers) + 8)
+        allow_recompiles(2 * len(self.layers) + 8)
         for kind, layer in zip(self.layer_types, self.layers):
             part = layer if kind == "full_attention" else layer.mlp
             part.forward = _uncached_compiled(part.forward, backend)

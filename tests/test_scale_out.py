@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,9 +221,26 @@ def two_nodes(out: Path, *args: str) -> list[str]:
         port = str(s.getsockname()[1])
     node = [sys.executable, "-m", *FSDP, "--num_machines", "2", "--num_processes", "2", "--main_process_ip",
             "127.0.0.1", "--main_process_port", port, "--machine_rank"]
-    nodes = [subprocess.Popen([*node, str(r), SHIM, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+    logs_dir = out.parent / f"{out.name}-node-logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    files = [open(logs_dir / f"node{r}.log", "w+") for r in (0, 1)]
+    nodes = [subprocess.Popen([*node, str(r), SHIM, *args], cwd=ROOT, env=ENV, stdout=files[r],
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=300)[0] for p in nodes]
+    # A node that fails leaves the other waiting for it (rendezvous, exit barrier): stop it at once.
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in nodes):
+            break
+        time.sleep(0.2)
+    for p in nodes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    logs = []
+    for f in files:
+        f.seek(0)
+        logs.append(f.read())
+        f.close()
     assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     return logs
 

@@ -84,7 +84,7 @@ def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
     except the main one when it generates for true tau (``train.setup.loads_whole_target``).
     ``target.device_map`` instead spreads the target over the node's GPUs, with the drafter on GPU 0.
     """
-    from train.setup import loads_whole_target
+    from train.setup import borrows_target, loads_whole_target
 
     devices = parse_devices(cfg.devices)
     if devices is None:
@@ -93,10 +93,7 @@ def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
     target, borrowed = mem["target_weights_gib"], mem["embedding_lm_head_gib"]
     rest = sum(v for k, v in mem.items() if k not in ("target_weights_gib", "embedding_lm_head_gib", "total_gib"))
     spread = bool(cfg.target.device_map)
-    from models.quant import parse_quantization
-
-    # quantized targets load whole (their embedding and head come through the quantizer)
-    offline = cfg.features.mode == "offline" and parse_quantization(cfg.target.quantization).kind == "none"
+    offline = borrows_target(cfg)
     if spread:
         per = [(target / n + rest) * slack] + [target / n * slack] * (n - 1)
         layout = f"1 process per node, target spread over its {n} GPUs (target.device_map), drafter on GPU 0"

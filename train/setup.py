@@ -46,7 +46,8 @@ def load_target(cfg, out_dir: Path, accelerator, log):
         placement = dict(device_map=cfg.target.device_map, max_memory=cfg.target.max_memory)
     else:
         placement = dict(device=accelerator.device)
-    if can_borrow(path, tq, cfg) and not loads_whole_target(cfg, accelerator.is_main_process, _fsdp(accelerator)):
+    if (borrows_target(cfg) and in_safetensors(path, cfg.target.revision)
+            and not loads_whole_target(cfg, accelerator.is_main_process, _fsdp(accelerator))):
         target = TargetModel.borrowed_parts(path, dtype=dtype, device=accelerator.device, revision=cfg.target.revision)
     else:
         target = TargetModel.from_pretrained(path, dtype=dtype, revision=cfg.target.revision, quantization=tq,
@@ -71,14 +72,21 @@ def loads_whole_target(cfg, is_main: bool, fsdp: bool) -> bool:
     return bool(cfg.eval.true_tau_prompts and cfg.data.eval_rows) and (is_main or fsdp)
 
 
-def can_borrow(path: str, quantization: str | None, cfg) -> bool:
-    """An unquantized, unspread target in safetensors can be loaded as its embedding and LM head alone."""
+def borrows_target(cfg) -> bool:
+    """Offline features with an unquantized target on one device per process: its embedding and LM head
+    can be loaded alone (quantized targets come through their quantizer, spread ones through device_map)."""
+    from models.quant import parse_quantization
+
+    return (cfg.features.mode == "offline" and not cfg.target.device_map
+            and parse_quantization(cfg.target.quantization).kind == "none")
+
+
+def in_safetensors(path: str, revision: str | None) -> bool:
+    """A plain (not MLX-quantized) folder with safetensors shards, the two tensors can be read from."""
     from models.quant import is_mlx_quantized
     from models.target import read_target_config
 
-    if quantization or cfg.target.device_map:
-        return False
-    directory, _ = read_target_config(path, cfg.target.revision)
+    directory, _ = read_target_config(path, revision)
     return not is_mlx_quantized(directory) and any(directory.glob("*.safetensors"))
 
 
