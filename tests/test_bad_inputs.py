@@ -244,6 +244,31 @@ def test_resume_with_changed_model_or_data_settings_is_refused_naming_each(tmp_p
     assert all(r in msg for r in refused) and "logging.every" not in msg and "another out_dir" in msg, msg
 
 
+def test_resume_shorter_than_the_checkpoint_is_refused_and_a_broken_trainer_state_named(tmp_path):
+    """Lengthening a run on resume is allowed (tests/test_train_reliability.py); a train.max_steps before
+    the checkpoint's step has nothing to train, and an unreadable trainer_state.json names the checkpoint."""
+    from train.checkpoint import ResumeConfigError, resume_checkpoint
+    from train.config import load_config
+
+    ckpt = tmp_path / "checkpoints" / "step_6"
+    ckpt.mkdir(parents=True)
+    saved = load_config(["recipe=tiny", f"out_dir={tmp_path}", "train.max_steps=6"])
+    (ckpt / "config.yaml").write_text(saved.to_yaml())
+    (ckpt / "trainer_state.json").write_text('{"step": 6, "epoch": 0, "step_in_epoch": 6}')
+    cfg = load_config(["recipe=tiny", f"out_dir={tmp_path}", "resume=true", "train.max_steps=4"])
+    with pytest.raises(ResumeConfigError, match=r"step_6 is at step 6, past train\.max_steps=4: raise it to train "
+                                                r"longer, or export that checkpoint"):
+        resume_checkpoint(cfg, tmp_path, lambda *_: None)
+    logged: list[str] = []
+    longer = load_config(["recipe=tiny", f"out_dir={tmp_path}", "resume=true", "train.max_steps=9"])
+    assert resume_checkpoint(longer, tmp_path, logged.append) == ckpt
+    assert logged == ["resume: settings changed since the checkpoint (harmless): train.max_steps: 6 -> 9"]
+    (ckpt / "trainer_state.json").write_text('{"step": 6, "ep')  # killed while writing
+    with pytest.raises(ValueError, match=r"trainer_state\.json is missing or not JSON .*delete .*step_6 to resume "
+                                         r"from the one before it"):
+        resume_checkpoint(cfg, tmp_path, lambda *_: None)
+
+
 def test_resume_with_only_harmless_changes_warns_and_continues(tmp_path):
     from train.checkpoint import HARMLESS_KEYS, check_resume_config
     from train.config import load_config

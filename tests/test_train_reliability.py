@@ -112,6 +112,62 @@ def test_resume_refuses_changed_model_settings_and_allows_harmless_ones(tiny, tm
     assert "resumed from" in out and result["steps"] == 2
 
 
+def test_resume_may_lengthen_the_run_and_takes_the_new_schedule(tiny, tmp_path, capsys):
+    """Train 2 steps, then resume with train.max_steps=4: steps 3-4 take the learning rates of a 4-step
+    run (cosine), and with a constant schedule the very losses of an uninterrupted 4-step run. A length
+    before the checkpoint's step is refused."""
+    from train.checkpoint import ResumeConfigError
+
+    base = [*tiny, *FAST, *STEPS, "checkpoint.every=2", "train.warmup_ratio=0"]
+    for schedule in ("cosine", "constant"):
+        cut, full = tmp_path / f"{schedule}-cut", tmp_path / f"{schedule}-full"
+        run(cut, *base, f"train.schedule={schedule}", "train.max_steps=2")
+        capsys.readouterr()
+        result = run(cut, *base, f"train.schedule={schedule}", "train.max_steps=4", "resume=true")
+        out = capsys.readouterr().out
+        run(full, *base, f"train.schedule={schedule}", "train.max_steps=4")
+        assert result["steps"] == 4 and sorted(losses(cut)) == [1, 2, 3, 4]
+        assert "train.max_steps: 2 -> 4" in out
+        got, ref = losses(cut, "lr"), losses(full, "lr")
+        assert [got[k] for k in (3, 4)] == pytest.approx([ref[k] for k in (3, 4)], rel=1e-9)
+        if schedule == "cosine":  # at step 2 the 2-step run had decayed to its floor; a 4-step run is halfway
+            assert "schedule now spans 4 steps: learning rate at step 2 0 -> 0.0015" in out, out
+            assert got[2] == 0 and got[3] == pytest.approx(ref[3])
+        else:
+            assert "schedule now spans" not in out
+            got, ref = losses(cut), losses(full)
+            assert [got[k] for k in (3, 4)] == pytest.approx([ref[k] for k in (3, 4)], abs=1e-6)
+    # Shorter than the checkpoint: by max_steps (refused before anything loads) or by epochs (once the data is).
+    cut = tmp_path / "cosine-cut"
+    with pytest.raises(ResumeConfigError, match=r"at step 4, past train\.max_steps=3: raise it"):
+        run(cut, *base, "train.max_steps=3", "resume=true")
+    with pytest.raises(ResumeConfigError, match=r"at step 4, past this run's 1 steps \(train\.epochs=0\.01"):
+        run(cut, *base, "train.epochs=0.01", "resume=true")
+
+
+def test_resync_lr_gives_the_first_resumed_step_the_new_schedules_rate():
+    """A restored optimizer keeps the old schedule's rate until LambdaLR's next step(): without the
+    resync, step 3 of a 2-step run lengthened to 4 would be taken at the 2-step run's floor (0)."""
+    import torch
+
+    from train.loop import lr_lambda, resync_lr
+
+    def scheduler(total):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, 0.0, "cosine", 0.0))
+
+    old = scheduler(2)
+    for _ in range(2):
+        old.optimizer.step()
+        old.step()
+    new = scheduler(4)
+    new.optimizer.load_state_dict(old.optimizer.state_dict())
+    new.load_state_dict(old.state_dict())
+    assert new.optimizer.param_groups[0]["lr"] == 0.0  # what the checkpoint held
+    assert resync_lr(new) == (0.0, pytest.approx(5e-4))  # halfway down a 4-step cosine
+    assert new.optimizer.param_groups[0]["lr"] == new.get_last_lr()[0] == pytest.approx(5e-4)
+
+
 def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tmp_path, monkeypatch):
     calls: dict[str, list] = {"init": []}
 

@@ -13,7 +13,8 @@ leaves a half checkpoint that ``resume=true`` would pick. Only the newest ``keep
 ``resume=true`` first compares the run's config with the checkpoint's ``config.yaml``
 (:func:`check_resume_config`): a changed key that alters the model, the objective or the data
 order is refused, naming each one; a change to one of the short list of :data:`HARMLESS_KEYS`
-(logging, eval and checkpoint cadence, settings the loop never reads) is only reported.
+(logging, eval and checkpoint cadence, settings the loop never reads) is only reported, as is a
+new length (:data:`LENGTH_KEYS`) that does not end before the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -82,7 +83,16 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
 def load_checkpoint(accelerator, directory: Path) -> dict:
     """Restore model / optimizer / scheduler / RNG state; returns the trainer state."""
     accelerator.load_state(str(Path(directory) / "state"))
-    return json.loads((Path(directory) / "trainer_state.json").read_text())
+    return read_trainer_state(directory)
+
+
+def read_trainer_state(directory: Path) -> dict:
+    path = Path(directory) / "trainer_state.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is missing or not JSON ({e}): the checkpoint is incomplete; delete {directory} "
+                         "to resume from the one before it") from e
 
 
 # ----------------------------------------------------------------------------- resume: changed settings
@@ -98,6 +108,11 @@ HARMLESS_KEYS = (
     "target.max_position_embeddings", "target.rope_theta", "target.params_b", "target.active_params_b",
     "target.device_map", "target.max_memory",  # where the target's layers live, not what it computes
 )
+# The run's length may change on resume, to train longer (or stop sooner, though not before the
+# checkpoint's step): the data order is a function of (seed, epoch) whatever the length, and the
+# learning rate from the resumed step on follows the schedule of a run of the new length
+# (``train.loop.resync_lr``), as if it had been started with it.
+LENGTH_KEYS = ("train.epochs", "train.max_steps")
 
 
 class ResumeConfigError(UserError, ValueError):
@@ -126,7 +141,7 @@ def config_changes(saved: dict, now: dict, defaults: dict) -> tuple[list[str], l
     for key in sorted((set(old) | set(new)) - {"resume", "dry_run"}):  # the flags of this very command
         a, b = old.get(key, dflt.get(key)), new.get(key, dflt.get(key))
         if a != b:
-            (harmless if is_harmless(key) else refused).append(f"{key}: {a!r} -> {b!r}")
+            (harmless if is_harmless(key) or key in LENGTH_KEYS else refused).append(f"{key}: {a!r} -> {b!r}")
     return refused, harmless
 
 
@@ -154,4 +169,8 @@ def resume_checkpoint(cfg, out_dir: Path, log) -> Path | None:
         log(f"resume=true but no checkpoint under {Path(out_dir) / 'checkpoints'}: starting from scratch")
         return None
     check_resume_config(ckpt, cfg, log)
+    step = read_trainer_state(ckpt).get("step", 0)
+    if cfg.train.max_steps is not None and step > cfg.train.max_steps:  # epochs: checked once the data is known
+        raise ResumeConfigError(f"resume=true, but the checkpoint {ckpt} is at step {step}, past train.max_steps="
+                                f"{cfg.train.max_steps}: raise it to train longer, or export that checkpoint as it is")
     return ckpt

@@ -32,6 +32,7 @@ of an optimizer step is normalised by the slot-weight sum of the whole step (see
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -143,18 +144,31 @@ def build_optimizer(run, drafter, sched):
     return model, optimizer, scheduler
 
 
-def resume_state(run):
-    """A fresh ``LoopState``, or (``resume=true``) the state of the checkpoint ``setup_run`` checked."""
-    from train.checkpoint import load_checkpoint
-    from train.loop import LoopState
+def resume_state(run, sched, scheduler):
+    """A fresh ``LoopState``, or (``resume=true``) the state of the checkpoint ``setup_run`` checked.
+
+    The run's length may have changed since (``train.checkpoint.LENGTH_KEYS``): never to before the
+    checkpoint's step, and the learning rate follows the new length's schedule from the first resumed step.
+    """
+    from train.checkpoint import ResumeConfigError, load_checkpoint
+    from train.loop import LoopState, resync_lr
 
     if run.resume_from is None:
         return LoopState(world_size=run.world)
     state = LoopState.from_dict(load_checkpoint(run.accelerator, run.resume_from))
+    if state.step > sched.total_steps:
+        raise ResumeConfigError(
+            f"resume=true, but the checkpoint {run.resume_from} is at step {state.step}, past this run's "
+            f"{sched.total_steps} steps (train.epochs={run.cfg.train.epochs}, train.max_steps="
+            f"{run.cfg.train.max_steps}): raise them to train longer, or export that checkpoint as it is")
     if state.world_size != run.world:
         run.log(f"warning: the checkpoint was written by {state.world_size} process(es), this run has {run.world}: "
                 "each process's share of the data order changes from here on")
         state.world_size = run.world
+    before, after = resync_lr(scheduler)
+    if not math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12):
+        run.log(f"resume: the schedule now spans {sched.total_steps} steps: learning rate at step {state.step} "
+                f"{before:.3g} -> {after:.3g} (as a run of this length would have it)")
     run.log(f"resumed from {run.resume_from} (step {state.step}, epoch {state.epoch}, step in epoch "
             f"{state.step_in_epoch})")
     return state
@@ -236,7 +250,7 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     sched = make_schedule(cfg, len(train_ds), run.world, run.rank)
     drafter = build_drafter(run, drafter_cfg, target)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
-    state = resume_state(run)
+    state = resume_state(run, sched, scheduler)
     logger = open_metrics(cfg, run.out_dir, run.is_main, resuming=state.step > 0, wandb_run_id=state.wandb_run_id,
                           log=run.log)
     run.log(f"training: {len(train_ds)} rows, {sched.steps_per_epoch} steps/epoch, {sched.total_steps} steps, "

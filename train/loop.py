@@ -121,6 +121,21 @@ def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: f
     return f
 
 
+def resync_lr(scheduler) -> tuple[float, float]:
+    """Set each group's learning rate from the schedule at the scheduler's step; (before, after) of the first.
+
+    A restored optimizer keeps the learning rate the checkpoint's schedule gave, and ``LambdaLR`` only
+    rewrites it at its next ``step()``: after a resume that changed the run's length (``train.epochs``,
+    ``train.max_steps``), the first resumed step would still take the old schedule's rate.
+    """
+    groups = scheduler.optimizer.param_groups
+    before = groups[0]["lr"]
+    for group, base, f in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * f(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() (the logged lr) reports
+    return before, groups[0]["lr"]
+
+
 # ----------------------------------------------------------------------------- one optimizer step
 @dataclass
 class MicroBatch:
