@@ -133,35 +133,47 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) 
 
 
 def target_identity(target) -> dict:
-    """Name, revision (Hub commit if known) and fingerprint of a target.
+    """Name, revision (Hub commit if known) and fingerprint of a target (a folder, a Hub id, or a loaded
+    ``TargetModel``, by its name).
 
     The fingerprint hashes config.json, the weight files' names and sizes, and the first and last
     MiB of each weight file: cheap (a few MiB read), equal for a Hub snapshot and a local copy of
     it, different for another model, a fine-tune with the same shapes, or another quantization.
+    A Hub id needs neither its weights downloaded nor loaded: the spans of absent shards are read
+    from the Hub (``models.hub.weight_file_spans``). A target that is neither a folder nor a Hub id
+    (built in memory) is fingerprinted by its config alone.
     """
-    from models.hub import resolve_model_dir
+    from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir, snapshot_commit, weight_file_spans
 
     name = target if isinstance(target, (str, Path)) else getattr(target, "name", "")
     config = getattr(getattr(target, "model", None), "config", None)
     revision = getattr(config, "_commit_hash", None)
     h = hashlib.sha256()
-    folder = Path(str(name)).expanduser()
-    if isinstance(target, (str, Path)) and not folder.is_dir():
-        folder = resolve_model_dir(target, what="target")
+    folder, repo_id = Path(str(name)).expanduser(), None
+    if not folder.is_dir() and is_hub_id(name):
+        repo_id = str(name)
+        folder = resolve_model_dir(repo_id, revision=revision, what="target", allow_patterns=SMALL_FILES)
     if folder.is_dir() and (folder / "config.json").is_file():
         h.update((folder / "config.json").read_bytes())
-        for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-            size = f.stat().st_size
-            h.update(f"{f.name}:{size}".encode())
-            with open(f, "rb") as fh:  # head and tail bytes: a fine-tune with the same shapes differs here
-                h.update(fh.read(1 << 20))
-                fh.seek(max(size - (1 << 20), 0))
-                h.update(fh.read(1 << 20))
-        if revision is None and folder.parent.name == "snapshots":
-            revision = folder.name
+        for file_name, size, head, tail in weight_file_spans(folder, repo_id):
+            h.update(f"{file_name}:{size}".encode())
+            h.update(head)  # head and tail bytes: a fine-tune with the same shapes differs here
+            h.update(tail)
+        revision = revision or snapshot_commit(folder)
     elif config is not None:
         h.update(config.to_json_string(use_diff=False).encode())
     return {"target": str(name), "target_revision": revision, "target_fingerprint": h.hexdigest()[:16]}
+
+
+def legacy_hub_fingerprint(target) -> str | None:
+    """The fingerprint versions before file-based Hub fingerprints recorded for a loaded target named by a
+    Hub id (its config alone), so stores and prepared data made then stay usable; None otherwise."""
+    from models.hub import is_hub_id
+
+    config = getattr(getattr(target, "model", None), "config", None)
+    if config is None or not is_hub_id(getattr(target, "name", "")):
+        return None
+    return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -380,7 +392,7 @@ class FeatureStore:
             problems.append(f"layer ids: store {self.layer_ids}, training asks {list(layer_ids)}")
         if target is not None:
             ident = target_identity(target)
-            if ident["target_fingerprint"] != self.index["target_fingerprint"]:
+            if self.index["target_fingerprint"] not in (ident["target_fingerprint"], legacy_hub_fingerprint(target)):
                 problems.append(f"target: store was extracted from {self.index['target']!r} "
                                 f"(fingerprint {self.index['target_fingerprint']}), training uses {ident['target']!r} "
                                 f"(fingerprint {ident['target_fingerprint']})")

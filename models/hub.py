@@ -1,16 +1,33 @@
-"""Local folder or Hugging Face Hub id -> a local folder laid out like a Hub repo."""
+"""Local folder or Hugging Face Hub id -> a local folder laid out like a Hub repo.
+
+A Hub id resolves to ``huggingface_hub``'s snapshot folder (``.../snapshots/<commit>/``), fetching
+only the files asked for: the small ones (config, tokenizer, chat template, the shard index) are
+enough to plan, tokenize and fingerprint a target; weight shards come when a load needs them, and
+only those (training on offline features reads the embedding and LM head, one or two shards of a
+dozen).
+"""
 
 from __future__ import annotations
 
+import json
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SMALL_FILES = ["*.json", "*.py", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # all a load reads but the weights
+WEIGHT_FILES = ["*.safetensors"]
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def is_hub_id(path_or_id: str | Path) -> bool:
+    """``org/name`` that is not a local path (a local folder of that name wins, as in transformers)."""
+    return not Path(str(path_or_id)).expanduser().exists() and bool(HUB_ID.match(str(path_or_id)))
 
 
 def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what: str = "model",
                       allow_patterns: list[str] | None = None) -> Path:
-    """A local folder is used as is; ``org/name`` is fetched with ``huggingface_hub.snapshot_download``."""
+    """A local folder is used as is; ``org/name`` is fetched with ``huggingface_hub.snapshot_download``
+    (``allow_patterns``: which files; default everything a load reads, weights included)."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
@@ -21,9 +38,86 @@ def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what:
         raise FileNotFoundError(f"{what} {text!r} is neither a local folder nor a Hub id of the form org/name")
     from huggingface_hub import snapshot_download
 
-    patterns = allow_patterns or ["*.json", "*.safetensors", "*.py", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+    patterns = allow_patterns or SMALL_FILES + WEIGHT_FILES
     try:
         return Path(snapshot_download(text, revision=revision, allow_patterns=patterns))
     except Exception as e:  # the hub client raises many types; all mean "could not get it"
         raise OSError(f"could not fetch {what} {text!r} from the Hugging Face Hub ({type(e).__name__}: {e}). "
                       "Check the id and your network, or pass a local folder") from e
+
+
+def snapshot_commit(directory: Path) -> str | None:
+    """The commit of a ``huggingface_hub`` snapshot folder (``.../snapshots/<commit>``); None for other folders."""
+    return directory.name if directory.parent.name == "snapshots" else None
+
+
+def fetch_files(repo_id: str, directory: Path, files: list[str], what: str = "model") -> None:
+    """Download ``files`` of a Hub repo into its snapshot ``directory``, at that snapshot's commit (a repo
+    updated since cannot mix two versions); files already there are not fetched again."""
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        got = resolve_model_dir(repo_id, revision=snapshot_commit(directory), what=what, allow_patterns=missing)
+        if got != directory:  # the same commit lands in the same snapshot folder
+            raise OSError(f"{what} {repo_id!r}: fetched {missing} into {got}, expected {directory}")
+
+
+def shard_index(directory: Path) -> dict[str, str] | None:
+    """``weight_map`` (tensor name -> shard file) of a sharded checkpoint; None for a single-file one."""
+    path = directory / SHARD_INDEX
+    if not path.is_file():
+        return None
+    try:
+        return dict(json.loads(path.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a safetensors shard index ({type(e).__name__}: {e}): a truncated "
+                         "download? Delete it and fetch the model again") from e
+
+
+def weight_file_spans(directory: Path, repo_id: str | None = None, span: int = 1 << 20):
+    """``(file name, size, first span bytes, last span bytes)`` of each weight file, in name order.
+
+    A local folder (or a complete snapshot) is read from disk. A Hub snapshot missing shards (only the
+    small files, or the embedding's shard) lists the repo's ``*.safetensors`` at the snapshot's commit
+    and reads the absent ones' two spans by ranged requests (2 MiB per shard, not the shard): the
+    same bytes, so the same fingerprint as a full download or a local copy.
+    """
+    local = sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin"))
+    index = shard_index(directory)
+    complete = (all((directory / f).is_file() for f in set(index.values())) if index is not None
+                else any(f.suffix == ".safetensors" for f in local))
+    if repo_id is None or complete:
+        for f in local:
+            yield (f.name, f.stat().st_size, *_local_spans(f, span))
+        return
+    yield from _remote_spans(repo_id, directory, span)
+
+
+def _local_spans(path: Path, span: int) -> tuple[bytes, bytes]:
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(span)
+        fh.seek(max(size - span, 0))
+        return head, fh.read(span)
+
+
+def _remote_spans(repo_id: str, directory: Path, span: int):
+    from huggingface_hub import HfFileSystem
+
+    commit = snapshot_commit(directory)
+    try:
+        fs = HfFileSystem()
+        entries = fs.ls(repo_id, detail=True, revision=commit)
+        files = sorted((PurePosixPath(e["name"]).name, int(e["size"])) for e in entries
+                       if e.get("type") == "file" and e["name"].endswith(".safetensors"))
+        for name, size in files:
+            if (directory / name).is_file():  # this shard was downloaded (same commit)
+                yield (name, size, *_local_spans(directory / name, span))
+                continue
+            with fs.open(f"{repo_id}/{name}", "rb", revision=commit, block_size=span) as fh:
+                head = fh.read(span)
+                fh.seek(max(size - span, 0))
+                yield name, size, head, fh.read(span)
+    except Exception as e:  # the hub client raises many types; all mean "could not read it"
+        raise OSError(f"could not read the weight files of {repo_id!r} (commit {commit}) from the Hugging Face Hub "
+                      f"to fingerprint the target ({type(e).__name__}: {e}): check your network, or download the "
+                      f"whole target (hf download {repo_id}) and pass its folder") from e

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.hub import resolve_model_dir
+from models.hub import SMALL_FILES, fetch_files, is_hub_id, resolve_model_dir, shard_index
 
 # model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
 SUPPORTED = {
@@ -70,10 +70,12 @@ def warn_if_slow_linear_attention(family: str, device: torch.device) -> None:
 
 
 def read_target_config(path_or_id: str | Path, revision: str | None = None,
-                       what: str = "target") -> tuple[Path, dict]:
+                       what: str = "target", weights: bool = True) -> tuple[Path, dict]:
     """(local folder, config.json) of a target, its architecture checked before any weights load;
-    the torch adapter, the MLX twin and the MLX-quantized loader all start here."""
-    directory = resolve_model_dir(path_or_id, revision=revision, what=what)
+    the torch adapter, the MLX twin and the MLX-quantized loader all start here. ``weights=False``:
+    a Hub id fetches only the small files (config, tokenizer, shard index)."""
+    directory = resolve_model_dir(path_or_id, revision=revision, what=what,
+                                  allow_patterns=None if weights else SMALL_FILES)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a {what} folder needs config.json")
@@ -338,7 +340,7 @@ class TargetModel:
 
         from models.quant import is_mlx_quantized
 
-        directory, _ = read_target_config(path_or_id, revision)
+        directory, _ = read_target_config(path_or_id, revision, weights=False)  # shards: only the two tensors'
         if is_mlx_quantized(directory):
             raise ValueError(f"{directory} is MLX-quantized: its embedding and head are packed; load the whole target")
         config = AutoConfig.from_pretrained(directory).get_text_config(decoder=True)
@@ -352,7 +354,8 @@ class TargetModel:
         # Tied checkpoints store no head tensor; one that stores both is loaded untied (as from_pretrained does).
         tied = bool(getattr(config, "tie_word_embeddings", False))
         found = read_safetensors_tensors(directory, [wanted["embed"], wanted["head"]], device,
-                                         optional=[wanted["head"]] if tied else [])
+                                         optional=[wanted["head"]] if tied else [],
+                                         repo_id=str(path_or_id) if is_hub_id(path_or_id) else None)
         embed.weight = nn.Parameter(found[wanted["embed"]].to(dtype), requires_grad=False)
         head_weight = found.get(wanted["head"])
         head.weight = (embed.weight if head_weight is None
@@ -366,31 +369,58 @@ class TargetModel:
 
 
 def read_safetensors_tensors(directory: Path, keys: list[str], device: str | torch.device = "cpu",
-                             optional: list[str] = ()) -> dict:
+                             optional: list[str] = (), repo_id: str | None = None) -> dict:
     """Named tensors from a model folder's safetensors shards, reading only those (``optional`` ones may
-    be absent).
+    be absent). A sharded checkpoint's index names the shard of each; ``repo_id`` (a Hub snapshot)
+    downloads just those shards.
 
     A multimodal checkpoint stores the text tower under ``model.language_model.``: a key the text
     model calls ``model.X`` is looked up there too.
     """
     from safetensors import safe_open
 
+    def aliases(key: str) -> list[str]:
+        return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
+
+    def absent(key: str) -> ValueError:
+        return ValueError(f"{directory}: no tensor named {' or '.join(aliases(key))} in its safetensors shards "
+                          "(an incomplete download, or not this architecture's checkpoint)")
+
+    index = shard_index(directory)
+    if index is not None:  # name -> shard: open only the shards that hold the keys
+        where = {}
+        for key in keys:
+            hit = next((a for a in aliases(key) if a in index), None)
+            if hit is not None:
+                where[key] = (hit, directory / index[hit])
+            elif key not in optional:
+                raise absent(key)
+        if repo_id is not None:
+            fetch_files(repo_id, directory, sorted({shard.name for _, shard in where.values()}), what="target")
+        out = {}
+        for key, (hit, shard) in where.items():
+            if not shard.is_file():
+                raise FileNotFoundError(f"{shard} (named in {directory / 'model.safetensors.index.json'} for {hit}) "
+                                        "is missing: an incomplete download; fetch the model again")
+            with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
+                out[key] = f.get_tensor(hit).to(device)
+        return out
+    if repo_id is not None:  # one unindexed file holds everything: fetch it
+        fetch_files(repo_id, directory, ["model.safetensors"], what="target")
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights: loading only the embedding and LM head "
                                 "needs safetensors shards (load the whole target instead)")
     out = {}
     for key in keys:
-        aliases = [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
         for shard in shards:
-            with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
-                hit = next((a for a in aliases if a in f.keys()), None)
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                hit = next((a for a in aliases(key) if a in f.keys()), None)
                 if hit is not None:
                     out[key] = f.get_tensor(hit).to(device)
                     break
         else:
             if key in optional:
                 continue
-            raise ValueError(f"{directory}: no tensor named {' or '.join(aliases)} in its safetensors shards "
-                             "(an incomplete download, or not this architecture's checkpoint)")
+            raise absent(key)
     return out

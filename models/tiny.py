@@ -133,11 +133,12 @@ def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_s
 
 
 def save_tiny_target(directory: str | Path, arch: str = "qwen3", seed: int = 0, num_layers: int = 8,
-                     template: str | None = None) -> Path:
-    """Write a tiny target as a folder laid out like a Hub repo (config, safetensors, tokenizer)."""
+                     template: str | None = None, max_shard_size: str | None = None) -> Path:
+    """Write a tiny target as a folder laid out like a Hub repo (config, safetensors, tokenizer);
+    ``max_shard_size`` (e.g. "200KB") shards it with an index, as large Hub checkpoints are."""
     directory = Path(directory)
     model = tiny_target(arch, seed=seed, num_layers=num_layers)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tok = tiny_tokenizer(template or ("llama3" if arch == "llama" else "chatml"))
     tok.save_pretrained(directory)
     gen = {"eos_token_id": tok.eos_token_id, "bos_token_id": 256, "do_sample": False}

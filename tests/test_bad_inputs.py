@@ -1036,6 +1036,38 @@ def test_embedding_and_head_only_from_an_incomplete_checkpoint(tmp_path):
         TargetModel.borrowed_parts(folder)
 
 
+def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_hub(tmp_path, monkeypatch):
+    """A shard index that is truncated, or that names a shard not on disk, is named with the fix; a Hub
+    target whose weight spans cannot be read (no network) says so, never fingerprints it from less."""
+    from data.store import target_identity
+    from fake_hub import FakeHub
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2, max_shard_size="60KB")
+    index = folder / "model.safetensors.index.json"
+    weight_map = __import__("json").loads(index.read_text())["weight_map"]
+    (folder / weight_map["lm_head.weight"]).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{weight_map['lm_head.weight']} \\(named in .*index.json for "
+                                                "lm_head.weight\\) is missing: an incomplete download"):
+        TargetModel.borrowed_parts(folder)
+    index.write_text(index.read_text()[:40])
+    with pytest.raises(ValueError, match="index.json is not a safetensors shard index .*truncated download"):
+        TargetModel.borrowed_parts(folder)
+
+    hub = FakeHub(tmp_path / "cache", monkeypatch)
+    hub.add("org/t", save_tiny_target(tmp_path / "remote", "qwen3", num_layers=2, max_shard_size="60KB"))
+
+    class Offline:
+        def ls(self, *a, **kw):
+            raise ConnectionError("no route to host")
+
+    monkeypatch.setattr("huggingface_hub.HfFileSystem", Offline)
+    with pytest.raises(OSError, match="could not read the weight files of 'org/t' .*to fingerprint the target "
+                                      ".*ConnectionError: no route to host.*hf download org/t"):
+        target_identity("org/t")
+
+
 def test_forward_of_a_target_loaded_without_its_layers():
     from models.target import TargetModel
     from models.tiny import tiny_target

@@ -1,0 +1,117 @@
+"""Targets named by Hub id fetch only what they need, from a fake Hub over local folders (offline).
+
+Training on offline features reads the target's embedding and LM head: with a sharded checkpoint
+that is one or two shards of many, and its fingerprint (checked against the feature store) is
+read from the small files plus 2 MiB ranges of the others, equal to a local copy's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fake_hub import COMMIT, FakeHub
+from test_train_run import FAST, losses, run
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    from models.tiny import save_tiny_target
+
+    hub = FakeHub(tmp_path / "hf-cache", monkeypatch)
+    hub.folder = save_tiny_target(tmp_path / "remote" / "tiny", max_shard_size="200KB")
+    hub.add("org/tiny", hub.folder)
+    return hub
+
+
+def weight_map(folder) -> dict[str, str]:
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def test_fingerprint_of_a_hub_id_reads_no_shard_and_equals_a_local_copy(hub, tmp_path):
+    from data.store import target_identity
+    from models.hub import weight_file_spans
+    from models.tiny import save_tiny_target
+
+    shards = set(weight_map(hub.folder).values())
+    ident = target_identity("org/tiny")
+    assert hub.downloaded_weights() == set() and "config.json" in hub.downloaded
+    assert ident["target_fingerprint"] == target_identity(hub.folder)["target_fingerprint"]
+    assert ident["target_revision"] == COMMIT and set(hub.ranged) == shards
+    # Two spans per absent shard, never the shard: 2 x 4 KiB of each ~200 KB file.
+    hub.ranged.clear()
+    snapshot = hub.cache / "models--org--tiny" / "snapshots" / COMMIT
+    spans = list(weight_file_spans(snapshot, "org/tiny", span=4096))
+    assert [s[0] for s in spans] == sorted(shards) and hub.ranged == {s: 8192 for s in shards}
+    # A fine-tune with the very same shapes and files (another seed) has another fingerprint.
+    hub.add("org/tiny-ft", save_tiny_target(tmp_path / "remote" / "tiny-ft", seed=1, max_shard_size="200KB"))
+    assert target_identity("org/tiny-ft")["target_fingerprint"] != ident["target_fingerprint"]
+
+
+def test_borrowed_parts_of_a_hub_id_download_only_the_shards_of_embedding_and_head(hub):
+    from safetensors.torch import load_file
+
+    from models.target import TargetModel
+
+    wm = weight_map(hub.folder)
+    need = {wm["model.embed_tokens.weight"], wm["lm_head.weight"]}
+    target = TargetModel.borrowed_parts("org/tiny")
+    assert hub.downloaded_weights() == need and len(need) < len(set(wm.values())) == 8
+    ref = {k: load_file(str(hub.folder / wm[k]))[k] for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    assert torch.equal(target.embed_tokens.weight, ref["model.embed_tokens.weight"])
+    assert torch.equal(target.lm_head.weight, ref["lm_head.weight"])
+    assert target.tokenizer is not None and not target.has_layers
+    TargetModel.borrowed_parts("org/tiny")  # cached: nothing fetched twice
+    assert len(hub.downloaded) == len(set(hub.downloaded))
+
+
+def test_offline_training_on_a_hub_target_takes_the_local_runs_steps_from_two_shards(hub, tmp_path):
+    """A store extracted from a local copy, training by Hub id: the store accepts the target (same
+    fingerprint), only the embedding's and head's shards are downloaded, and the losses are the local run's."""
+    from data.extract import main as extract_main
+    from data.prepare import prepare
+    from data.tiny_chat import write
+
+    source = write(tmp_path / "chat.jsonl", n=40, seed=0)
+    data, store = tmp_path / "data", tmp_path / "feats"
+    prepare(str(hub.folder), str(source), data, thinking=False, max_length=128, progress=False)
+    extract_main(["--target", str(hub.folder), "--data", str(data), "--out", str(store), "--layers", "1", "3", "5",
+                  "--target-dtype", "float32", "--device", "cpu", "--no-progress"])
+    common = [*FAST, f"data.prepared={data}", "features.mode=offline", f"features.store={store}",
+              "drafter.target_layer_ids=[1,3,5]", "train.max_steps=2", "train.batch_size=4", "train.anchors=8",
+              "logging.every=1", "eval.batches=1"]
+    run(tmp_path / "hub-run", "target.path=org/tiny", *common)
+    wm = weight_map(hub.folder)
+    assert hub.downloaded_weights() == {wm["model.embed_tokens.weight"], wm["lm_head.weight"]}
+    run(tmp_path / "local-run", f"target.path={hub.folder}", *common)
+    assert losses(tmp_path / "hub-run") == losses(tmp_path / "local-run")
+
+
+def test_stores_fingerprinted_by_config_before_still_match_their_hub_target(hub, tmp_path):
+    """Earlier versions fingerprinted a loaded target named by Hub id by its config alone: a store or
+    prepared data recorded so is accepted for that target, and a store of another target still refused."""
+    import hashlib
+
+    from data.store import FeatureStore, StoreMismatch, legacy_hub_fingerprint
+    from models.target import TargetModel
+
+    target = TargetModel.borrowed_parts("org/tiny")
+    legacy = hashlib.sha256(target.model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    assert legacy_hub_fingerprint(target) == legacy
+    assert legacy_hub_fingerprint(TargetModel.borrowed_parts(hub.folder)) is None  # a local folder never was
+    store = tmp_path / "feats"
+    store.mkdir()
+    for fingerprint, ok in ((legacy, True), ("0123456789abcdef", False)):
+        index = {"format": "draftsmith-features", "version": 1, "target": "org/tiny", "target_revision": None,
+                 "target_fingerprint": fingerprint, "layer_ids": [1], "hidden_size": 64, "dtype": "bf16",
+                 "topk": 0, "tokenizer_hash": None, "rows": 0, "tokens": 0, "plan": [], "shards": {},
+                 "complete": True}
+        (store / "index.json").write_text(json.dumps(index))
+        fs = FeatureStore(store, verify=False)
+        if ok:
+            fs.check_compatible(target=target)
+        else:
+            with pytest.raises(StoreMismatch, match="store was extracted from 'org/tiny' .*fingerprint 0123"):
+                fs.check_compatible(target=target)
