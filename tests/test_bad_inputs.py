@@ -851,6 +851,18 @@ def test_bad_quantization_value_fails_at_config_time(value, message):
         load_config(["recipe=tiny", f"target.quantization={value}"])
 
 
+@pytest.mark.parametrize("value", ["bnb-4bit", "fp8"])
+def test_loader_quantization_with_offline_features_is_refused(value):
+    """The store's features come from the unquantized weights data.extract runs: training would take
+    them for the quantized target's (the fingerprint reads the same files)."""
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=f"target.quantization={value} with features.mode=offline: .*unquantized "
+                                         "weights.*features.mode=online, or an MLX-quantized target"):
+        load_config(["recipe=tiny", f"target.quantization={value}", "features.mode=offline", "features.store=/f"])
+    load_config(["recipe=tiny", "target.quantization=mlx:/q4", "features.mode=offline", "features.store=/f"])
+
+
 def test_mlx_prefix_without_a_path_is_refused():
     from models.quant import QuantizationError, parse_quantization
 

@@ -226,7 +226,7 @@ class RunConfig:
     def validate(self) -> None:
         from models.quant import parse_quantization
 
-        parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
+        quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
         choices = {"features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
                    "train.mixed_precision": ("auto", "bf16", "fp16", "no")}
@@ -237,8 +237,13 @@ class RunConfig:
                 raise ValueError(f"{key}={value!r}: use one of {allowed}")
         if self.features.mode == "offline" and not self.features.store:
             raise ValueError("features.mode=offline needs features.store=DIR (written by `python -m data.extract`)")
-        if self.train.loss != "ce" and self.features.mode == "offline":
-            pass  # the offline store must then carry top-k log-probs; checked when the store is opened
+        if self.features.mode == "offline" and quant.kind in ("bnb", "fp8"):
+            # A store holds the features of the weights data.extract ran, which it loads unquantized; these
+            # quantizations exist only inside transformers' loader, so the store's fingerprint cannot tell.
+            raise ValueError(f"target.quantization={self.target.quantization} with features.mode=offline: the store's "
+                             "features come from data.extract, which runs the unquantized weights, so the drafter "
+                             "would not learn the quantized target. Use features.mode=online, or an MLX-quantized "
+                             "target (target.quantization=mlx:DIR, extracted with data.extract --target DIR)")
         for key in ("train.batch_size", "train.grad_accum", "train.anchors", "drafter.block_size", "train.ce_chunk"):
             section, name = key.split(".")
             if getattr(getattr(self, section), name) < 1:
