@@ -51,6 +51,14 @@ class HTTPGenerator:
         self.ask_token_ids = True  # vLLM's return_token_ids; dropped if the server refuses the field
         self._warned_no_ids = False
 
+    @property
+    def port(self) -> int:
+        """The port of ``base_url`` (the default of its scheme when it names none), for the start command."""
+        from urllib.parse import urlsplit
+
+        url = urlsplit(self.base)
+        return url.port or (443 if url.scheme == "https" else 80)
+
     def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -86,8 +94,8 @@ class HTTPGenerator:
             reason = getattr(e, "reason", e)
             raise ServerUnavailable(
                 f"no regeneration server answers at {self.base} ({reason}). Start one with the target: "
-                f"{start_command(self.model or 'TARGET')}; or let draftsmith start it (data.regenerate=vllm|sglang, "
-                "--regenerate vllm|sglang), or regenerate in-process (local) or not at all (none)") from None
+                f"{start_command(self.model or 'TARGET', self.port)}; or let draftsmith start it "
+                "(data.regenerate=vllm|sglang, --regenerate vllm|sglang), or regenerate in-process (local) or not at all (none)") from None
         if self.model in served:
             return
         if not self.model and len(served) == 1:  # no name given: the server's only model
@@ -100,8 +108,8 @@ class HTTPGenerator:
             self.model = close[0]
             return
         raise ServerUnavailable(f"the server at {self.base} serves {served}, not the target {self.model!r}: serve "
-                                f"the target ({start_command(self.model)}), or pass --model NAME if it is the same "
-                                "model under another name")
+                                f"the target ({start_command(self.model, self.port)}), or pass --model NAME if it is "
+                                "the same model under another name")
 
     def _token_ids(self, choice: dict) -> list[int] | None:
         ids = choice.get("token_ids")  # vLLM (return_token_ids)

@@ -133,11 +133,11 @@ def _closed_port() -> int:
 def test_regeneration_without_a_server_fails_at_once_with_the_command_to_start_one():
     from data.regenerate import ServerUnavailable, make_generator
 
-    url = f"http://127.0.0.1:{_closed_port()}/v1"
-    with pytest.raises(ServerUnavailable) as e:
-        make_generator(url, model="Qwen/Qwen3-8B", retries=5, backoff=30.0)  # no retry loop: one request
+    port = _closed_port()
+    with pytest.raises(ServerUnavailable) as e:  # no retry loop: one request
+        make_generator(f"http://127.0.0.1:{port}/v1", model="Qwen/Qwen3-8B", retries=5, backoff=30.0)
     message = str(e.value)
-    assert "\n" not in message and "vllm serve Qwen/Qwen3-8B --port 8000" in message
+    assert "\n" not in message and f"vllm serve Qwen/Qwen3-8B --port {port}`" in message  # the URL's port
     assert "sglang.launch_server --model-path Qwen/Qwen3-8B" in message and "local" in message
 
 
