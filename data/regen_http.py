@@ -95,7 +95,8 @@ class HTTPGenerator:
             raise ServerUnavailable(
                 f"no regeneration server answers at {self.base} ({reason}). Start one with the target: "
                 f"{start_command(self.model or 'TARGET', self.port)}; or let draftsmith start it "
-                "(data.regenerate=vllm|sglang, --regenerate vllm|sglang), or regenerate in-process (local) or not at all (none)") from None
+                "(data.regenerate=vllm|sglang, --regenerate vllm|sglang), or regenerate in-process (local) or not "
+                "at all (none)") from None
         if self.model in served:
             return
         if not self.model and len(served) == 1:  # no name given: the server's only model
