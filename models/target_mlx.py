@@ -131,8 +131,11 @@ class TargetModel:
         return "linear_attention" in self.layer_types
 
     @property
-    def quantization(self) -> dict | None:
-        return self.config.get("quantization") or None
+    def quantization(self) -> str:
+        """``none`` or ``mlx-<bits>bit-g<group>``: the same words as the torch adapter's ``quantization``."""
+        from models.quant import describe_mlx
+
+        return describe_mlx(self.config) if self.config.get("quantization") else "none"
 
     def linear_attention_layers(self) -> list[tuple[int, object]]:
         """``(index, decoder layer)`` for every GatedDeltaNet layer."""

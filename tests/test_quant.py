@@ -116,12 +116,16 @@ def test_tiny_model_quantized_by_mlx_lm_dequantizes_bitwise(sources, tmp_path, b
 # ---------------------------------------------------------------------------- torch vs MLX forward
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_vl", "qwen3_moe", "qwen3_5_moe"])
 def test_dequantized_torch_target_matches_the_mlx_quantized_target(sources, tmp_path, arch):
+    from models.target import TargetModel
     from models.target_mlx import TargetModel as MlxTarget
 
     out = quantize_to_mlx(sources(arch), tmp_path / "q4", bits=4, group_size=32, log=lambda *_: None)
     torch_target = load_mlx_target(out, dtype=torch.float32)
     mlx_target = MlxTarget.from_pretrained(out, dtype=mx.float32)
-    assert torch_target.quantization == "mlx-4bit-g32" and torch_target.num_layers == 4
+    assert torch_target.quantization == mlx_target.quantization == "mlx-4bit-g32" and torch_target.num_layers == 4
+    if arch == "qwen3":  # the unquantized source: the same word from both adapters
+        assert MlxTarget.from_pretrained(sources(arch)).quantization == TargetModel.from_pretrained(
+            sources(arch)).quantization == "none"
     ids = [[256, 257, 40, 100, 101, 32, 115, 10, 99, 200, 45, 61]]
     a = torch_target.forward(torch.tensor(ids), [0, 2])
     b = mlx_target.forward(mx.array(ids), [0, 2])
