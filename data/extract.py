@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-memory", default=None, metavar="0=70GiB,1=70GiB,cpu=200GiB",
                    help="per-device budget for --device-map (default: what transformers finds free)")
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default bfloat16)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     a = p.parse_args(argv)
     if a.writers < 1:
         p.error(f"--writers {a.writers}: use 1 or more background shard writers")

@@ -313,10 +313,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", help="target folder or Hub id: generate in-process (or the server's model name)")
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default",
                    help="chat template thinking switch (enable_thinking); 'default' leaves the template's default")
-    p.add_argument("--split", default="train")
-    p.add_argument("--subset", default=None)
+    p.add_argument("--split", default="train", help="split of a Hub data set; \"+\" joins splits (default train)")
+    p.add_argument("--subset", default=None, help="subset (configuration) of a Hub data set")
     p.add_argument("--limit", type=int, default=None, help="only the first N usable conversations")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     add_generation_args(p)
     a = p.parse_args(argv)
     if not a.server and not a.target:

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m export.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b",
+                   help="drafter shape to export (random weights; default qwen3-8b)")
     p.add_argument("--work", default="/tmp/export-bench", help="scratch folder (emptied first)")
     p.add_argument("--mlx", action="store_true", help="also export.mlx (bf16)")
     p.add_argument("--mlx-quantize", type=int, choices=[4, 8], default=None, help="also a quantized MLX export")

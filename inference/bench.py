@@ -126,12 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", help="target folder or Hub id")
     p.add_argument("--draft", help="drafter folder or Hub id")
     p.add_argument("--tiny", choices=["qwen3", "llama", "qwen3_5"], help="use a random tiny target + drafter")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "mlx"])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "mlx"],
+                   help="torch (CUDA or CPU), mlx (Metal, or CPU on Linux); auto: mlx on Apple Silicon")
     p.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS, help="chat prompts (default: three built-in)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="draft block size (default: the drafter's trained block size)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when there is one, else cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="compute dtype, e.g. float32 (torch default: bfloat16 on cuda, float32 on cpu; "
+                        "mlx: the checkpoint's)")
     p.add_argument("--random-target", metavar="RECIPE", default=None,
                    help="random target of a recipe's shape (qwen3-8b, llama31-8b, ...) + random drafter, on the device")
     p.add_argument("--loop", nargs="+", choices=["eager", "static", "compiled"], default=None,

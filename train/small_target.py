@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Re-running with the same settings returns the cached folder at once.")
     p.add_argument("--out", required=True, help="target folder (created; cached by settings and corpus hash)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     defaults = SmallTargetSpec()
     for name in ("hidden", "layers", "intermediate", "vocab", "steps", "batch", "seq_len", "chats", "prompts"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
