@@ -8,6 +8,7 @@
         --main_process_ip $HEAD --main_process_port 29500 --num_processes 32 \\
         train/distill.py recipe=qwen35-27b features.mode=offline features.store=/data/feat-27b
     python train/distill.py recipe=tiny resume=true                      # continue from the newest checkpoint
+    python train/distill.py recipe=tiny resume=true train.epochs=4       # ...and train longer than planned
 
 Arguments are ``recipe=NAME|PATH.yaml`` then dotted ``key=value`` overrides (see train/config.py;
 an unknown key is an error naming the closest valid one). Everything goes under ``out_dir``:
@@ -25,9 +26,8 @@ Determinism: the data order of epoch e is a permutation drawn from (seed, e), an
 each row from (seed, epoch, row), both from their own generators (train/rng.py). So the data-order
 state is just (epoch, step in epoch), a resumed run draws exactly the same anchors as an
 uninterrupted one, and a row's blocks do not depend on the batch size, gradient accumulation or
-process count. The loss
-of an optimizer step is normalised by the slot-weight sum of the whole step (see the loop), so
-``batch_size=2 grad_accum=1`` and ``batch_size=1 grad_accum=2`` take the same step.
+process count. The loss of an optimizer step is normalised by the slot-weight sum of the whole step
+(see the loop), so ``batch_size=2 grad_accum=1`` and ``batch_size=1 grad_accum=2`` take the same step.
 """
 
 from __future__ import annotations
