@@ -129,10 +129,19 @@ def config_differences(expected: DFlashConfig, got: DFlashConfig) -> list[str]:
 
 
 def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[list[str], str]:
-    """Check the drafter against its target when the target folder is here; (problems, what was checked)."""
-    if not target or not (Path(target) / "config.json").is_file():
-        return [], "target not checked (not a local folder)"
-    folder = Path(target)
+    """Check the drafter against its target, a local folder or a Hub id (its config and tokenizer files
+    only, never its weights); (problems, what was checked)."""
+    from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir
+
+    if target and is_hub_id(target):
+        try:
+            folder = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
+        except OSError as e:
+            return [], f"target not checked (could not fetch the config of {target}: {e})"
+    elif target and (Path(target) / "config.json").is_file():
+        folder = Path(target)
+    else:
+        return [], "target not checked (neither a local folder with config.json nor a Hub id)"
     t = json.loads((folder / "config.json").read_text())
     text = t.get("text_config") or t
     problems = []
@@ -154,7 +163,7 @@ def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[li
             problems.append(f"mask_token_id={config.mask_token_id} ({name!r}) is a token the target's tokenizer "
                             "emits: drafts would confuse it with real text")
         checked = "target shape and tokenizer"
-    return problems, f"{checked} ({folder})"
+    return problems, f"{checked} ({target})"
 
 
 def raise_if(problems: list[str], what: str) -> None:

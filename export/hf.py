@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder to write (must be new or empty; see --overwrite)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weight dtype of the export (default bf16)")
     p.add_argument("--target", default=None,
-                   help="target Hub id or local folder to record (default: the one training used); a local "
-                        "folder is also checked against the drafter")
+                   help="target Hub id or local folder to record (default: the one training used); it is also "
+                        "checked against the drafter (a Hub id from its config and tokenizer files only)")
     p.add_argument("--target-revision", default=None, help="target revision to record")
     p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier draftsmith export at --out")

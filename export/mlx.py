@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="quantization group (default 64)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="dtype of the norms and unquantized weights (default bf16)")
-    p.add_argument("--target", default=None, help="target Hub id or local folder to record (default: training's)")
+    p.add_argument("--target", default=None, help="target Hub id or local folder to record (default: training's); "
+                   "also checked against the drafter (a Hub id from its config and tokenizer files only)")
     p.add_argument("--target-revision", default=None, help="target revision to record")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier draftsmith export at --out")
     return p.parse_args(argv)

@@ -296,6 +296,26 @@ def test_gate_refuses_a_drafter_that_does_not_fit_its_target(setup, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_gate_checks_a_hub_target_from_its_small_files(setup, tmp_path, monkeypatch):
+    """--target org/name fetches config and tokenizer only (no weights) and checks them like a folder;
+    with no Hub reachable the export goes on and says the target was not checked."""
+    from fake_hub import FakeHub
+    from models.tiny import save_tiny_target
+
+    hub = FakeHub(tmp_path / "cache", monkeypatch)
+    hub.add("org/tiny", setup[0])
+    hub.add("org/short", save_tiny_target(tmp_path / "short_target", "qwen3", num_layers=6))
+    lines: list[str] = []
+    export_hf(setup[3], tmp_path / "ok", target="org/tiny", log=lines.append)
+    assert "check: target shape and tokenizer (org/tiny)" in lines and hub.downloaded_weights() == set()
+    with pytest.raises(ExportCheckError, match="the target has 6 decoder layers"):
+        export_hf(setup[3], tmp_path / "out", target="org/short", log=quiet)
+    lines.clear()
+    export_hf(setup[3], tmp_path / "unchecked", target="org/elsewhere", log=lines.append)
+    assert any(line.startswith("check: target not checked (could not fetch the config of org/elsewhere: ")
+               for line in lines), lines
+
+
 def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
     from export.hf import main
     from models.cli import run_cli
