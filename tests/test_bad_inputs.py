@@ -264,9 +264,32 @@ def test_resume_shorter_than_the_checkpoint_is_refused_and_a_broken_trainer_stat
     assert resume_checkpoint(longer, tmp_path, logged.append) == ckpt
     assert logged == ["resume: settings changed since the checkpoint (harmless): train.max_steps: 6 -> 9"]
     (ckpt / "trainer_state.json").write_text('{"step": 6, "ep')  # killed while writing
-    with pytest.raises(ValueError, match=r"trainer_state\.json is missing or not JSON .*delete .*step_6 to resume "
-                                         r"from the one before it"):
+    with pytest.raises(ValueError, match=r"trainer_state\.json is missing or not JSON .*incomplete\. Delete \(or move "
+                                         r"away\) .*step_6 to start over: it is the only checkpoint"):
         resume_checkpoint(cfg, tmp_path, lambda *_: None)
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl"])
+def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(tmp_path_factory, tmp_path, damaged):
+    """A checkpoint truncated after it was written (a copy cut short, a full disk): one line naming the
+    checkpoint and the fallback, instead of torch's or pickle's traceback; the older one then resumes.
+    (accelerate itself skips an unreadable random_states_N.pkl with a log line: harmless here, the data
+    order and the anchors come from their own generators, train/rng.py.)"""
+    from test_train_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import CheckpointError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
+            "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
+    run(tmp_path, *args)
+    f = tmp_path / "checkpoints" / "step_2" / "state" / damaged
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"could not restore the checkpoint .*step_2 \(.*\): a file under "
+                                              r".*step_2/state is damaged or missing\. Delete \(or move away\) "
+                                              r".*step_2 to resume from .*step_1$"):
+        run(tmp_path, *args, "resume=true")
+    __import__("shutil").rmtree(tmp_path / "checkpoints" / "step_2")
+    assert run(tmp_path, *args, "resume=true")["steps"] == 2
 
 
 def test_resume_with_only_harmless_changes_warns_and_continues(tmp_path):

@@ -80,10 +80,26 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
     return final
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint whose files cannot be read back (damaged after it was written: a truncated copy, a full disk)."""
+
+
 def load_checkpoint(accelerator, directory: Path) -> dict:
     """Restore model / optimizer / scheduler / RNG state; returns the trainer state."""
-    accelerator.load_state(str(Path(directory) / "state"))
-    return read_trainer_state(directory)
+    import pickle
+
+    from safetensors import SafetensorError
+
+    state = read_trainer_state(directory)
+    try:
+        accelerator.load_state(str(Path(directory) / "state"))
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, SafetensorError) as e:
+        # torch.load, safetensors and pickle each raise their own type for a damaged file
+        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]  # the first sentence says it
+        raise CheckpointError(f"could not restore the checkpoint {directory} ({type(e).__name__}: {reason}): "
+                              f"a file under {Path(directory) / 'state'} is damaged or missing. "
+                              + _fallback(directory)) from e
+    return state
 
 
 def read_trainer_state(directory: Path) -> dict:
@@ -91,8 +107,18 @@ def read_trainer_state(directory: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is missing or not JSON ({e}): the checkpoint is incomplete; delete {directory} "
-                         "to resume from the one before it") from e
+        raise CheckpointError(f"{path} is missing or not JSON ({e}): the checkpoint is incomplete. "
+                              + _fallback(directory)) from e
+
+
+def _fallback(directory: Path) -> str:
+    """What to do about a broken checkpoint: resume from the one before it, if any."""
+    directory = Path(directory)
+    older = [d for d in checkpoint_dirs(directory.parent.parent) if d != directory and
+             int(d.name.split("_")[1]) < int(directory.name.split("_")[1])] if STEP_DIR.match(directory.name) else []
+    if older:
+        return f"Delete (or move away) {directory} to resume from {older[-1]}"
+    return f"Delete (or move away) {directory} to start over: it is the only checkpoint"
 
 
 # ----------------------------------------------------------------------------- resume: changed settings
