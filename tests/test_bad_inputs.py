@@ -1101,6 +1101,8 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
     with pytest.raises(OSError, match="could not read the weight files of 'org/t' .*to fingerprint the target "
                                       ".*ConnectionError: no route to host.*hf download org/t"):
         target_identity("org/t")
+    with pytest.raises(FileNotFoundError, match="target 'no/such/folder' is neither a local folder nor a Hub id"):
+        target_identity("no/such/folder")  # never the fingerprint of nothing
 
 
 def test_forward_of_a_target_loaded_without_its_layers():
