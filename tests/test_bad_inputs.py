@@ -269,6 +269,41 @@ def test_resume_shorter_than_the_checkpoint_is_refused_and_a_broken_trainer_stat
         resume_checkpoint(cfg, tmp_path, lambda *_: None)
 
 
+@pytest.mark.parametrize("error", ["dcp", "safetensors", "pickle", "eof"])
+def test_every_reader_error_of_a_damaged_checkpoint_becomes_one_line(tmp_path, error):
+    """The readers accelerate.load_state calls raise their own types (FSDP's sharded reader a
+    BaseException): each becomes the one-line CheckpointError; a bug elsewhere (KeyError) stays a traceback."""
+    import pickle
+
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from train.checkpoint import CheckpointError, load_checkpoint
+
+    raised = {"dcp": CheckpointException("read failed", {1: _wrap_exception(ValueError("bad __1_0.distcp"))}),
+              "safetensors": SafetensorError("Error while deserializing header: HeaderTooLarge"),
+              "pickle": pickle.UnpicklingError("pickle data was truncated"), "eof": EOFError("Ran out of input")}
+    for step in (1, 4):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text(f'{{"step": {step}}}')
+
+    class Accelerator:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def load_state(self, path):
+            raise self.exc
+
+    with pytest.raises(CheckpointError, match=f"step_4 \\({type(raised[error]).__name__}: .*Delete \\(or move away\\) "
+                                              ".*step_4 to resume from .*step_1$"):
+        load_checkpoint(Accelerator(raised[error]), tmp_path / "checkpoints" / "step_4")
+    if error == "dcp":  # the failing rank's own error, not "CheckpointException ranks:dict_keys([1])"
+        with pytest.raises(CheckpointError, match=r"\(CheckpointException: rank 1: ValueError: bad __1_0\.distcp\)"):
+            load_checkpoint(Accelerator(raised[error]), tmp_path / "checkpoints" / "step_4")
+    with pytest.raises(KeyError):
+        load_checkpoint(Accelerator(KeyError("optimizer")), tmp_path / "checkpoints" / "step_4")
+
+
 @pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl"])
 def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(tmp_path_factory, tmp_path, damaged):
     """A checkpoint truncated after it was written (a copy cut short, a full disk): one line naming the

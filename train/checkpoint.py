@@ -90,16 +90,29 @@ def load_checkpoint(accelerator, directory: Path) -> dict:
 
     from safetensors import SafetensorError
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     state = read_trainer_state(directory)
     try:
         accelerator.load_state(str(Path(directory) / "state"))
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, SafetensorError) as e:
-        # torch.load, safetensors and pickle each raise their own type for a damaged file
-        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]  # the first sentence says it
-        raise CheckpointError(f"could not restore the checkpoint {directory} ({type(e).__name__}: {reason}): "
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, SafetensorError, CheckpointException) as e:
+        # torch.load, safetensors, pickle and (FSDP's sharded state) torch.distributed.checkpoint each raise
+        # their own type for a damaged file; the last is a BaseException
+        raise CheckpointError(f"could not restore the checkpoint {directory} ({type(e).__name__}: {_reason(e)}): "
                               f"a file under {Path(directory) / 'state'} is damaged or missing. "
                               + _fallback(directory)) from e
     return state
+
+
+def _reason(e: BaseException) -> str:
+    """The first sentence of a reader's error (torch's go on for lines); for a sharded (FSDP) read, the first
+    failing rank's own error."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {type(inner).__name__}: {_reason(inner)}"
+    return (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
 
 
 def read_trainer_state(directory: Path) -> dict:
