@@ -42,8 +42,10 @@ def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what:
     try:
         return Path(snapshot_download(text, revision=revision, allow_patterns=patterns))
     except Exception as e:  # the hub client raises many types; all mean "could not get it"
-        raise OSError(f"could not fetch {what} {text!r} from the Hugging Face Hub ({type(e).__name__}: {e}). "
-                      "Check the id and your network, or pass a local folder") from e
+        reason = (str(e).strip().splitlines() or [""])[0]  # the client's messages run over several lines
+        raise OSError(f"could not fetch {what} {text!r} from the Hugging Face Hub ({type(e).__name__}: {reason}), "
+                      f"and there is no local folder {path.resolve()}. Check the id and your network, or pass "
+                      "the folder (build it first if a recipe names one)") from e
 
 
 def snapshot_commit(directory: Path) -> str | None:

@@ -1140,6 +1140,23 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
         target_identity("no/such/folder")  # never the fingerprint of nothing
 
 
+def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):
+    """``runs/small-target`` (recipe=small before train.small_target built it) is also an org/name id:
+    the error names the Hub failure in one line and the local folder that is not there."""
+    from models.hub import resolve_model_dir
+
+    def offline(repo_id, **_):
+        raise RuntimeError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened ...")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError) as e:
+        resolve_model_dir("runs/small-target", what="target")
+    message = str(e.value)
+    assert "\n" not in message and "Name or service not known)" in message
+    assert f"there is no local folder {tmp_path / 'runs' / 'small-target'}" in message and "build it first" in message
+
+
 def test_forward_of_a_target_loaded_without_its_layers():
     from models.target import TargetModel
     from models.tiny import tiny_target
