@@ -127,8 +127,9 @@ def read_trainer_state(directory: Path) -> dict:
 def _fallback(directory: Path) -> str:
     """What to do about a broken checkpoint: resume from the one before it, if any."""
     directory = Path(directory)
-    older = [d for d in checkpoint_dirs(directory.parent.parent) if d != directory and
-             int(d.name.split("_")[1]) < int(directory.name.split("_")[1])] if STEP_DIR.match(directory.name) else []
+    m = STEP_DIR.match(directory.name)
+    step = lambda d: int(STEP_DIR.match(d.name).group(1))  # noqa: E731
+    older = [d for d in checkpoint_dirs(directory.parent.parent) if m and step(d) < int(m.group(1))]
     if older:
         return f"Delete (or move away) {directory} to resume from {older[-1]}"
     return f"Delete (or move away) {directory} to start over: it is the only checkpoint"
