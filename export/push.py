@@ -72,12 +72,22 @@ def check_folder(folder: Path) -> DFlashConfig:
     return config
 
 
-def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str | Path) -> None:
-    """A report measured with another drafter (other block size or mask id) must not go on this card."""
+def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str | Path,
+                         folder: Path | None = None) -> None:
+    """A report measured with another drafter (other block size, mask id or weights) must not go on this card.
+
+    The weights are compared by ``models.weights.norm_signature`` (reports that predate it skip that part):
+    the same drafter in any export format matches, another trained drafter does not.
+    """
+    from models.weights import norm_signature, same_signature
+
     theirs = {"block size": report.get("trained_block_size"), "mask token id": report.get("mask_token_id")}
     ours = {"block size": config.block_size, "mask token id": config.mask_token_id}
     wrong = [f"{k} {theirs[k]} (this folder: {ours[k]})" for k in ours
              if theirs[k] is not None and theirs[k] != ours[k]]
+    signature = report.get("draft_signature")
+    if folder is not None and isinstance(signature, dict) and not same_signature(signature, norm_signature(folder)):
+        wrong.append(f"other weights (its drafter {report.get('draft')!r} has other norm weights than this folder)")
     if wrong:
         raise ValueError(f"--report {path} was measured with another drafter: " + ", ".join(wrong) +
                          ". Validate this folder and pass that report")
@@ -106,7 +116,7 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
     config = check_folder(folder)
     loaded = load_report(report) if report else None
     if loaded is not None:
-        check_report_matches(loaded, config, report)
+        check_report_matches(loaded, config, report, Path(folder))
     target = (json.loads((folder / "config.json").read_text()).get("draftsmith") or {}).get("target")
     if not is_hub_id(target):
         log(f"note: the recorded target is {target!r}, not a Hub id, so the card has no base_model; re-export with "

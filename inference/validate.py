@@ -33,8 +33,9 @@ in ``inference.report``:
   ``dtype`` (target compute dtype), ``draft_dtype``, ``target``, ``draft`` (as given),
   ``target_model_type``, ``target_quantization`` (e.g. ``"4-bit affine, group 64"``, from the target
   folder's config; null = not quantized), ``recorded_target``, ``block_size``,
-  ``trained_block_size``, ``mask_token_id``, ``temperature``, ``thinking``, ``max_new_tokens``,
-  ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``, ``created``,
+  ``trained_block_size``, ``mask_token_id``, ``draft_signature`` (first values of the drafter's norm
+  weights: what ``export.push`` matches the report to its folder by), ``temperature``, ``thinking``,
+  ``max_new_tokens``, ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``, ``created``,
   ``python_version``, ``torch_version``, ``transformers_version``, ``mlx_version``,
   ``mlx_lm_version``, ``draftsmith_version``;
 - overall numbers: ``tau`` (pooled over all cycles: the headline), ``tau_per_prompt_mean``,
@@ -203,6 +204,14 @@ def run_compare(files: list[str], out: str | Path) -> dict:
     return {"rows": rows, "png": png}
 
 
+def draft_signature(draft: str) -> dict[str, list[float]]:
+    """``models.weights.norm_signature`` of the drafter measured (already fetched by the load)."""
+    from models.hub import resolve_model_dir
+    from models.weights import norm_signature
+
+    return norm_signature(resolve_model_dir(draft, what="drafter"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     from inference.generate import Session, pick_backend
 
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         **session.describe(), "target": args.target, "draft": args.draft, "target_model_type": pre.target.model_type,
         "target_quantization": describe_quantization(pre.target.quantization), "recorded_target": pre.recorded_target,
         "block_size": pre.block_size, "trained_block_size": pre.drafter.block_size,
-        "mask_token_id": pre.drafter.mask_token_id, "temperature": args.temperature, "thinking": args.thinking,
+        "mask_token_id": pre.drafter.mask_token_id, "draft_signature": draft_signature(args.draft),
+        "temperature": args.temperature, "thinking": args.thinking,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed, "prompts": args.prompts,
         "prompt_set_hash": prompt_set_hash(prompts, args.thinking), "prompt_tokens_total": sum(map(len, ids)),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions(), **peaks,

@@ -74,3 +74,29 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"{path} is corrupt or truncated ({e}); re-download or re-export it") from None
     return state
+
+
+def norm_signature(directory: Path, n: int = 8) -> dict[str, list[float]]:
+    """The first ``n`` values of every RMSNorm weight of a drafter folder, by name.
+
+    What tells one trained drafter from another across its exports: the fp32 checkpoint, the bf16 HF
+    folder and the MLX folders (bf16 or quantized: quantization leaves norms alone) agree to bf16
+    precision, while training moves every norm away from its initial ones. ``inference.validate``
+    records it and ``export.push`` compares it (:func:`same_signature`), so a report measured with
+    another drafter never lands on this one's model card.
+    """
+    from safetensors import safe_open
+
+    out = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("norm.weight"):
+                    out[key] = [round(float(v), 5) for v in f.get_slice(key)[:n].float()]
+    return dict(sorted(out.items()))
+
+
+def same_signature(a: dict[str, list[float]], b: dict[str, list[float]], tol: float = 1e-2) -> bool:
+    """Equal names and values within ``tol`` (bf16 keeps ~3 significant digits: 4e-3 relative)."""
+    return a.keys() == b.keys() and all(
+        len(a[k]) == len(b[k]) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a[k], b[k])) for k in a)

@@ -803,6 +803,7 @@ def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys)
     ("truncated weights", "corrupt or truncated"), ("--report missing", "not found: pass the report.json"),
     ("--report not JSON", "is not valid JSON"), ("--report of another tool", "not an inference.validate report"),
     ("--report of another drafter", "measured with another drafter: block size 16 (this folder: 4)"),
+    ("--report of another drafter's weights", "measured with another drafter: other weights (its drafter 'd2' has"),
 ])
 def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_drafter, monkeypatch, case,
                                                                  expected):
@@ -843,6 +844,17 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
                                         "backend": "mlx", "device": "cpu", "dtype": "float32", "target": "t",
                                         "num_prompts": 3, "per_category": {}, "trained_block_size": 16,
                                         "mask_token_id": 290}))
+        elif case == "--report of another drafter's weights":  # same shape facts, other trained norms
+            from models.config import DFlashConfig
+            from models.weights import norm_signature
+
+            config = DFlashConfig.load(folder)
+            other = {k: [v + 0.2 for v in vals] for k, vals in norm_signature(folder).items()}
+            path.write_text(json.dumps({"schema": "draftsmith.validate/1", "tau": 2.5, "tau_per_prompt_mean": 2.7,
+                                        "backend": "mlx", "device": "cpu", "dtype": "float32", "target": "t",
+                                        "num_prompts": 3, "per_category": {}, "draft": "d2",
+                                        "trained_block_size": config.block_size,
+                                        "mask_token_id": config.mask_token_id, "draft_signature": other}))
         extra = ["--report", str(path)]
     msg = _export_error("push", ["--folder", str(folder), "--repo", repo] + extra)
     assert expected in msg

@@ -150,6 +150,45 @@ def test_a_readme_the_user_wrote_is_uploaded_as_it_is(folder, hub):
     assert (folder / "README.md").read_text() == "# my own card\n" and hub[-1][1][0] == "README.md"
 
 
+def test_report_goes_only_on_the_drafter_it_measured_in_any_export_format(report, hub, tmp_path):
+    """The report records the measured drafter's norm weights (draft_signature): its fp32 checkpoint
+    matches its bf16 HF export and its 4-bit MLX export; a drafter trained otherwise (same block size,
+    mask id and target) is refused before anything is sent."""
+    from export.mlx import export_mlx
+    from models.weights import norm_signature
+
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32, vocab_size=300, num_target_layers=36,
+                       target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=290, block_size=16)
+
+    def trained(seed: int, out):  # norms moved away from their initial ones, as training moves them
+        torch.manual_seed(seed)
+        model = DFlashDraftModel(cfg)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.uniform_(0.6, 1.4)
+        model.save_pretrained(out)
+        return out
+
+    fp32 = trained(0, tmp_path / "fp32")
+    bf16 = tmp_path / "bf16"
+    DFlashDraftModel.from_pretrained(fp32).save_pretrained(bf16, dtype=torch.bfloat16)
+    mlx4 = tmp_path / "mlx4"
+    export_mlx(fp32, mlx4, quantize=4, group_size=32, log=quiet)
+    other = trained(1, tmp_path / "other")
+    path, rep = report
+    for measured, pushed, ok in ((fp32, bf16, True), (fp32, mlx4, True), (mlx4, bf16, True), (other, bf16, False)):
+        path.write_text(json.dumps({**rep, "trained_block_size": 16, "mask_token_id": 290, "draft": str(measured),
+                                    "draft_signature": norm_signature(measured)}))
+        if ok:
+            assert f"**{rep['tau']:.2f}**" in push(pushed, "me/d", report=str(path), dry_run=True, log=quiet)["card"]
+        else:
+            with pytest.raises(ValueError, match=f"measured with another drafter: other weights \\(its drafter "
+                                                 f"'{other}' has other norm weights than this folder\\)"):
+                push(pushed, "me/d", report=str(path), dry_run=True, log=quiet)
+    assert hub == []
+
+
 def test_mlx_card_is_mlx_only(folder, hub, tmp_path):
     d = json.loads((folder / "config.json").read_text())
     d["quantization"] = d["quantization_config"] = {"bits": 4, "group_size": 64, "mode": "affine"}

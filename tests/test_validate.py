@@ -78,6 +78,13 @@ def test_torch_report_matches_the_loop_and_is_lossless(setup, torch_report):
     assert report["dflash_tok_s"] > 0 and report["baseline_tok_s"] > 0 and report["speedup"] > 0
     assert report["truncated"] == sum(p["new_tokens"] == NEW for p in report["per_prompt"])
     assert report["backend"] == "torch" and report["dtype"] == "float32" and report["block_size"] == 8
+    from pathlib import Path
+
+    from models.weights import norm_signature
+
+    signature = report["draft_signature"]  # what export.push matches the report to its folder by
+    assert signature == norm_signature(Path(setup["draft"])) and len(signature) == 2 * 4 + 2  # 2 layers
+    assert json.loads((Path(setup["root"]) / "torch" / "report.json").read_text())["draft_signature"] == signature
     assert report["thinking"] == "off" and len(report["prompt_set_hash"]) == 16 and report["torch_version"]
     # The report's per-prompt numbers are the loop's own: rerun the same prompt ids through the loop.
     session = Session("torch", setup["target"], setup["draft"])
