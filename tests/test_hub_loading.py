@@ -67,6 +67,22 @@ def test_borrowed_parts_of_a_hub_id_download_only_the_shards_of_embedding_and_he
     assert len(hub.downloaded) == len(set(hub.downloaded))
 
 
+def test_preparing_data_for_a_hub_target_downloads_its_tokenizer_not_its_weights(hub, tmp_path):
+    """data.prepare without in-process regeneration (none, or a server) needs the tokenizer and chat
+    template only: no shard is fetched, and the rows equal those prepared with a local copy."""
+    from datasets import load_from_disk
+
+    from data.prepare import prepare
+    from data.tiny_chat import write
+
+    source = write(tmp_path / "chat.jsonl", n=12, seed=0)
+    prepare("org/tiny", str(source), tmp_path / "hub", thinking=False, max_length=128, progress=False)
+    assert hub.downloaded_weights() == set() and "tokenizer.json" in hub.downloaded
+    prepare(str(hub.folder), str(source), tmp_path / "local", thinking=False, max_length=128, progress=False)
+    a, b = load_from_disk(str(tmp_path / "hub")), load_from_disk(str(tmp_path / "local"))
+    assert len(a) == len(b) > 0 and a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+
+
 def test_offline_training_on_a_hub_target_takes_the_local_runs_steps_from_two_shards(hub, tmp_path):
     """A store extracted from a local copy, training by Hub id: the store accepts the target (same
     fingerprint), only the embedding's and head's shards are downloaded, and the losses are the local run's."""
