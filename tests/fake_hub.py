@@ -19,6 +19,7 @@ class FakeHub:
         self.cache, self.repos = Path(cache), {}
         self.downloaded: list[str] = []  # file names copied by snapshot_download, in order
         self.ranged: dict[str, int] = {}  # file name -> bytes read through HfFileSystem
+        self.offline = False  # as HF_HUB_OFFLINE=1: the cached snapshot as it is, nothing fetched
         hub = self
 
         def snapshot_download(repo_id, revision=None, allow_patterns=None, **_):
@@ -26,6 +27,10 @@ class FakeHub:
                 raise RuntimeError(f"404: {repo_id}")
             assert revision in (None, "main", COMMIT), revision
             snap = hub.cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+            if hub.offline:
+                if not snap.is_dir():
+                    raise RuntimeError(f"offline and {repo_id} is not in the cache")
+                return str(snap)
             snap.mkdir(parents=True, exist_ok=True)
             for f in sorted(hub.repos[repo_id].iterdir()):
                 wanted = allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns)

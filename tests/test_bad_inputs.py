@@ -1150,6 +1150,11 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
         target_identity("org/t")
     with pytest.raises(FileNotFoundError, match="target 'no/such/folder' is neither a local folder nor a Hub id"):
         target_identity("no/such/folder")  # never the fingerprint of nothing
+    # Offline with only the small files cached: the shards to read are named, with the command that fetches them.
+    hub.offline = True
+    with pytest.raises(OSError, match=r"target 'org/t': \['model-0000\d-of-0000\d\.safetensors'.*\] not in the "
+                                      r"local snapshot .* \(HF_HUB_OFFLINE=1\?\): download them \(hf download org/t "):
+        TargetModel.borrowed_parts("org/t")
 
 
 def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):
