@@ -304,6 +304,38 @@ def test_every_reader_error_of_a_damaged_checkpoint_becomes_one_line(tmp_path, e
         load_checkpoint(Accelerator(KeyError("optimizer")), tmp_path / "checkpoints" / "step_4")
 
 
+def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_says_so(tmp_path_factory, tmp_path,
+                                                                               monkeypatch):
+    """ENOSPC while writing step 2's checkpoint: one line naming the intact step_1 and resume=true, the
+    half-written step_2.tmp removed (it only takes space); the resumed run then finishes."""
+    import errno
+
+    import train.checkpoint
+    from test_train_run import FAST, losses, run, tiny_input_dirs
+    from train.checkpoint import CheckpointError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
+            "train.max_steps=3", "train.batch_size=4", "train.anchors=8", "eval.batches=1", "logging.every=1"]
+    real, calls = train.checkpoint.save_drafter, []
+
+    def full_disk_at_the_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train.checkpoint, "save_drafter", full_disk_at_the_second)
+    with pytest.raises(CheckpointError, match=r"could not write the checkpoint of step 2 under .* \(No space left on "
+                                              r"device\): the newest complete one, .*step_1, is intact: free space "
+                                              r"\(or fix the folder\) and rerun with resume=true"):
+        run(tmp_path, *args)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    monkeypatch.setattr(train.checkpoint, "save_drafter", real)
+    assert run(tmp_path, *args, "resume=true")["steps"] == 3 and sorted(losses(tmp_path)) == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]  # keep_last 2
+
+
 @pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin"])
 def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(tmp_path_factory, tmp_path, damaged):
     """A checkpoint truncated after it was written (a copy cut short, a full disk): one line naming the

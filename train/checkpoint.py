@@ -32,6 +32,10 @@ from models.cli import UserError
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be written (a full disk) or read back (damaged after it was written)."""
+
+
 def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = Path(out_dir) / "checkpoints"
@@ -67,21 +71,26 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
-    save_drafter(accelerator, model, tmp / "drafter")
+    try:
+        accelerator.save_state(str(tmp / "state"))
+        save_drafter(accelerator, model, tmp / "drafter")
+        if accelerator.is_main_process:
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+    except OSError as e:  # a full disk, a quota, a vanished mount: the earlier checkpoints are untouched
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written one only takes space
+        newest = latest_checkpoint(out_dir)
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} under {root} ({e.strerror or e}): "
+            + (f"the newest complete one, {newest}, is intact: free space (or fix the folder) and rerun with "
+               "resume=true" if newest else "no earlier checkpoint to resume from: free space and rerun")) from e
     if accelerator.is_main_process:
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
         for old in checkpoint_dirs(out_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint whose files cannot be read back (damaged after it was written: a truncated copy, a full disk)."""
 
 
 def load_checkpoint(accelerator, directory: Path) -> dict:
