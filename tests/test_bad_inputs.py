@@ -334,6 +334,18 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_says_so(t
     monkeypatch.setattr(train.checkpoint, "save_drafter", real)
     assert run(tmp_path, *args, "resume=true")["steps"] == 3 and sorted(losses(tmp_path)) == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]  # keep_last 2
+    # The final drafter cannot be written: the last step's checkpoint holds it, and resume=true writes it again.
+    import shutil
+
+    shutil.rmtree(tmp_path / "final")
+    monkeypatch.setattr(train.checkpoint, "save_drafter", lambda *a, **kw: (_ for _ in ()).throw(
+        OSError(errno.EDQUOT, "Disk quota exceeded")))
+    with pytest.raises(CheckpointError, match=r"could not write the final drafter to .*final \(Disk quota exceeded\): "
+                                              r"the checkpoint of the last step, .*step_3, holds the same weights"):
+        run(tmp_path, *args, "resume=true")
+    monkeypatch.setattr(train.checkpoint, "save_drafter", real)
+    run(tmp_path, *args, "resume=true")
+    assert (tmp_path / "final" / "drafter" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin"])

@@ -225,14 +225,21 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
 
 def save_final(run, model) -> Path:
     """``out_dir/final/drafter`` (bf16 when trained in bf16) and the config it was trained with."""
-    from train.checkpoint import save_drafter
+    from train.checkpoint import CheckpointError, latest_checkpoint, save_drafter
 
     final = run.out_dir / "final"
-    save_drafter(run.accelerator, model, final / "drafter", dtype=torch.bfloat16 if run.mixed_precision == "bf16"
-                 else None)
-    if run.is_main:
-        (final / "config.yaml").write_text(run.config_yaml)
-        run.log(f"final drafter: {final / 'drafter'}")
+    try:
+        save_drafter(run.accelerator, model, final / "drafter",
+                     dtype=torch.bfloat16 if run.mixed_precision == "bf16" else None)
+        if run.is_main:
+            (final / "config.yaml").write_text(run.config_yaml)
+    except OSError as e:  # the last step's checkpoint (always written) holds the same weights
+        newest = latest_checkpoint(run.out_dir)
+        raise CheckpointError(f"could not write the final drafter to {final} ({e.strerror or e}): the checkpoint of "
+                              f"the last step, {newest}, holds the same weights: free space and rerun with "
+                              f"resume=true (it writes final/ again), or export it (python -m export.hf "
+                              f"--checkpoint {newest} --out DIR)") from e
+    run.log(f"final drafter: {final / 'drafter'}")
     return final / "drafter"
 
 
