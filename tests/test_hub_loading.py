@@ -65,6 +65,14 @@ def test_borrowed_parts_of_a_hub_id_download_only_the_shards_of_embedding_and_he
     assert target.tokenizer is not None and not target.has_layers
     TargetModel.borrowed_parts("org/tiny")  # cached: nothing fetched twice
     assert len(hub.downloaded) == len(set(hub.downloaded))
+    # The main process of an offline run with true tau then loads the whole target: the rest of the shards
+    # land in the same snapshot, none twice, and the fingerprint stays the local copy's.
+    from data.store import target_identity
+
+    whole = TargetModel.from_pretrained("org/tiny")
+    assert hub.downloaded_weights() == set(wm.values()) and len(hub.downloaded) == len(set(hub.downloaded))
+    assert torch.equal(whole.embed_tokens.weight, target.embed_tokens.weight) and whole.has_layers
+    assert target_identity(whole)["target_fingerprint"] == target_identity(hub.folder)["target_fingerprint"]
 
 
 def test_preparing_data_for_a_hub_target_downloads_its_tokenizer_not_its_weights(hub, tmp_path):
