@@ -24,7 +24,10 @@ Method (the same for every backend, so numbers compare):
    ``torch.cuda.max_memory_allocated`` (CUDA); null on a torch CPU run.
 
 Outputs in ``--out``: ``report.json``, ``report.md``, ``acceptance.png`` (needs the ``plot`` extra,
-matplotlib; skipped with one warning without it), and a table on stdout.
+matplotlib; skipped with one warning without it), and a table on stdout. While it runs, each
+finished prompt is appended to ``--out/partial.jsonl``: an interrupted run (Ctrl-C, a crash)
+resumes with the same command, measuring only the missing prompts (``inference.partial``; a file
+written with other settings is set aside, never mixed in).
 
 report.json (schema ``draftsmith.validate/1``), flat at the top level; every group key is defined
 in ``inference.report``:
@@ -44,7 +47,7 @@ in ``inference.report``:
   ``position_acceptance`` (list, slot 1..B-1), ``tau_first_quarter``, ``tau_last_quarter``,
   ``identical_share``, ``first_divergence_min``, ``truncated``, ``baseline_truncated``,
   ``num_prompts``, ``num_cycles``, ``num_tokens``, ``peak_memory_bytes``,
-  ``baseline_peak_memory_bytes``;
+  ``baseline_peak_memory_bytes``, ``resumed_prompts`` (prompts measured by an interrupted run);
 - ``per_category``: {category: the same group numbers}; ``per_prompt``: a list with each prompt's
   numbers (id, category, tau, timings, first divergence, acceptance lengths...).
 """
@@ -58,6 +61,7 @@ import sys
 import time
 from pathlib import Path
 
+from inference import partial
 from inference.checks import check_dtype, check_temperature, preflight
 from inference.generate import TORCH_LOOPS
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
@@ -136,33 +140,47 @@ def describe_quantization(q: dict | None) -> str | None:
 
 def measure(session, ids: list[list[int]], prompts: list, *, repeats: int = 1, block_size: int | None = None,
             max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-            progress: bool = True) -> tuple[list[PromptRun], dict]:
-    """Baseline and DFlash on every prompt (alternating, ``repeats`` times each) after a warm-up."""
+            progress: bool = True, done: dict | None = None, record=None) -> tuple[list[PromptRun], dict]:
+    """Baseline and DFlash on every prompt (alternating, ``repeats`` times each) after a warm-up.
+
+    ``done``: prompts measured by an interrupted run (position -> (run, peaks), ``inference.partial``),
+    taken as they are; ``record(position, run, peaks)`` is called as each new prompt finishes.
+    """
     from tqdm import tqdm
 
+    done = done or {}
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    if warmup:  # one-time costs (kernel selection, allocation, graph capture) are not timed
-        session.run(ids[0], baseline=True, block_size=block_size, **{**kw, "max_new_tokens": min(WARMUP_TOKENS,
-                                                                                                   max_new_tokens)})
+    todo = [i for i in range(len(ids)) if i not in done]
+    if warmup and todo:  # one-time costs (kernel selection, allocation, graph capture) are not timed
+        session.run(ids[todo[0]], baseline=True, block_size=block_size,
+                    **{**kw, "max_new_tokens": min(WARMUP_TOKENS, max_new_tokens)})
     peaks = {"peak_memory_bytes": None, "baseline_peak_memory_bytes": None}
 
-    def peak(key: str, value: int | None) -> None:
+    def peak(into: dict, key: str, value: int | None) -> None:
         if value is not None:
-            peaks[key] = max(peaks[key] or 0, value)
+            into[key] = max(into[key] or 0, value)
 
     runs = []
-    bar = tqdm(total=len(ids) * repeats, desc="validate", unit="run", file=sys.stderr, disable=not progress)
-    for prompt, p_ids in zip(prompts, ids):
-        run = PromptRun(prompt.id, prompt.category, len(p_ids))
-        for _ in range(repeats):
-            session.reset_peak_memory()
-            run.baseline.append(session.baseline(p_ids, **kw))
-            peak("baseline_peak_memory_bytes", session.peak_memory_bytes())
-            session.reset_peak_memory()
-            run.dflash.append(session.run(p_ids, block_size=block_size, **kw)[0])
-            peak("peak_memory_bytes", session.peak_memory_bytes())
-            bar.update(1)
-        bar.set_postfix(tau=f"{run.dflash[0].tau:.2f}")
+    bar = tqdm(total=len(ids) * repeats, initial=(len(ids) - len(todo)) * repeats, desc="validate", unit="run",
+               file=sys.stderr, disable=not progress)
+    for i, (prompt, p_ids) in enumerate(zip(prompts, ids)):
+        if i in done:
+            run, its = done[i]
+        else:
+            run, its = PromptRun(prompt.id, prompt.category, len(p_ids)), dict.fromkeys(peaks)
+            for _ in range(repeats):
+                session.reset_peak_memory()
+                run.baseline.append(session.baseline(p_ids, **kw))
+                peak(its, "baseline_peak_memory_bytes", session.peak_memory_bytes())
+                session.reset_peak_memory()
+                run.dflash.append(session.run(p_ids, block_size=block_size, **kw)[0])
+                peak(its, "peak_memory_bytes", session.peak_memory_bytes())
+                bar.update(1)
+            bar.set_postfix(tau=f"{run.dflash[0].tau:.2f}")
+            if record is not None:
+                record(i, run, its)
+        for key, value in its.items():
+            peak(peaks, key, value)
         runs.append(run)
     bar.close()
     return runs, peaks
@@ -227,9 +245,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"validate: {len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), block size "
           f"{pre.block_size}, {args.repeats} repeat(s), {session.backend} on {session.describe()['device']}",
           file=sys.stderr)
-    runs, peaks = measure(session, ids, prompts, repeats=args.repeats, block_size=pre.block_size,
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                          progress=not args.no_progress)
     environment = {
         **session.describe(), "target": args.target, "draft": args.draft, "target_model_type": pre.target.model_type,
         "target_quantization": describe_quantization(pre.target.quantization), "recorded_target": pre.recorded_target,
@@ -238,10 +253,22 @@ def main(argv: list[str] | None = None) -> dict:
         "temperature": args.temperature, "thinking": args.thinking,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed, "prompts": args.prompts,
         "prompt_set_hash": prompt_set_hash(prompts, args.thinking), "prompt_tokens_total": sum(map(len, ids)),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions(), **peaks,
+        **_versions(),
     }
+    key = partial.settings_key(environment)  # an interrupted run with these settings resumes
+    done = partial.load(args.out, key, lambda m: print(m, file=sys.stderr))
+    if done:
+        print(f"validate: resuming: {len(done)} of {len(ids)} prompts measured by an interrupted run with the same "
+              f"settings ({Path(args.out) / partial.PARTIAL})", file=sys.stderr)
+    recorder = partial.Recorder(args.out, key)
+    runs, peaks = measure(session, ids, prompts, repeats=args.repeats, block_size=pre.block_size,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          progress=not args.no_progress, done=done, record=recorder)
+    environment.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), resumed_prompts=len(done),
+                       **peaks)
     report = build_report(runs, pre.block_size, args.temperature == 0, environment)
     paths = write_outputs(report, args.out)
+    recorder.finish()
     print(text_table(table_rows(report)))
     print(f"\nwrote {', '.join(str(p) for p in paths.values() if p)}", file=sys.stderr)
     return report

@@ -470,6 +470,31 @@ def test_inference_warns_about_a_mask_the_target_produces_but_not_a_reserved_spe
 
 
 # ---------------------------------------------------------------- generate / validate (inference/)
+def test_validate_partial_file_of_other_settings_or_cut_short(tmp_path):
+    """A partial.jsonl written with other settings is set aside (never mixed into this report); a line cut
+    short by the interruption is dropped, the complete ones are kept."""
+    import json
+
+    from inference import partial
+    from inference.report import PromptRun
+    from inference.stats import GenerationResult
+
+    run = PromptRun("code-00", "code", 12, [GenerationResult([1, 2, 3], [2, 1], [1], 8, 0.1, 0.2)],
+                    [GenerationResult([1, 2, 3], [1, 1], [0], 1, 0.1, 0.3)])
+    rec = partial.Recorder(tmp_path, "key-a")
+    rec(0, run, {"peak_memory_bytes": None, "baseline_peak_memory_bytes": None})
+    with open(tmp_path / partial.PARTIAL, "a") as f:
+        f.write('{"index": 1, "id": "code-01", "categ')  # the run stopped while writing this line
+    notes: list[str] = []
+    done = partial.load(tmp_path, "key-a", notes.append)
+    assert list(done) == [0] and done[0][0] == run and notes == []
+    assert partial.load(tmp_path, "key-b", notes.append) == {}
+    assert notes == [f"note: {tmp_path / partial.PARTIAL} was measured with other settings: set aside as "
+                     "partial.jsonl.old, starting over"]
+    assert not (tmp_path / partial.PARTIAL).exists() and (tmp_path / "partial.jsonl.old").is_file()
+    assert json.loads((tmp_path / "partial.jsonl.old").read_text().splitlines()[0]) == {"settings": "key-a"}
+
+
 # Every case here ends before any weights load: the target folders below hold config.json and the
 # tokenizer only, so a check that ran after loading would fail differently.
 

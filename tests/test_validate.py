@@ -101,6 +101,36 @@ def test_torch_report_matches_the_loop_and_is_lossless(setup, torch_report):
     assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_an_interrupted_validate_measures_only_the_missing_prompts(setup, torch_report, monkeypatch, tmp_path):
+    """Ctrl-C during the second prompt: partial.jsonl holds the first; the same command then measures
+    prompts 2 and 3 only and gives the uninterrupted run's acceptance and outputs, and removes the file."""
+    from inference.generate import Session
+
+    real, calls = Session.run, []
+
+    def stop_in_the_second_prompt(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # 1: warm-up, 2: prompt 1, 3: prompt 2
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    out = str(tmp_path / "val")
+    monkeypatch.setattr(Session, "run", stop_in_the_second_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        run_validate(setup, "torch", out)
+    lines = (tmp_path / "val" / "partial.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["index"] == 0
+    monkeypatch.setattr(Session, "run", real)
+    calls.clear()
+    monkeypatch.setattr(Session, "run", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    report = run_validate(setup, "torch", out)
+    assert report["resumed_prompts"] == 1 and len(calls) == 1 + 2  # warm-up + the two missing prompts
+    for got, ref in zip(report["per_prompt"], torch_report["per_prompt"], strict=True):
+        assert got["id"] == ref["id"] and got["acceptance_lengths"] == ref["acceptance_lengths"]
+        assert got["new_tokens"] == ref["new_tokens"] and got["identical"] == ref["identical"]
+    assert not (tmp_path / "val" / "partial.jsonl").exists() and torch_report["resumed_prompts"] == 0
+
+
 def test_perfect_drafter_tau_is_the_block_size(setup):
     """A stand-in that proposes the target's own continuation: every cycle accepts the whole block."""
     session = Session("torch", setup["target"], setup["draft"])

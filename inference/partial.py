@@ -1,0 +1,73 @@
+"""Resumable validation: each measured prompt is appended to ``--out/partial.jsonl`` as it finishes.
+
+A validate run of many prompts and repeats takes a while on a laptop; when it is interrupted (Ctrl-C,
+a closed lid, a crash), the same command measures only the prompts that are missing. The file's
+first line records a hash of every setting that changes the numbers (target, drafter and its
+weights, backend, dtype, block size, prompts, tokens, temperature, repeats, seed, versions); a file
+written with other settings is set aside, never mixed in. The finished report replaces the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from inference.report import PromptRun
+from inference.stats import GenerationResult
+
+PARTIAL = "partial.jsonl"
+# Environment keys that do not change the measurements (when, or what memory the run peaked at).
+UNKEYED = ("created", "peak_memory_bytes", "baseline_peak_memory_bytes")
+
+
+def settings_key(environment: dict) -> str:
+    kept = {k: v for k, v in environment.items() if k not in UNKEYED}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load(out: str | Path, key: str, log) -> dict[int, tuple[PromptRun, dict]]:
+    """Prompts measured earlier with these settings: position in the prompt set -> (run, its peak memory)."""
+    path = Path(out) / PARTIAL
+    if not path.is_file():
+        return {}
+    lines = path.read_text().splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else {}
+    except ValueError:
+        head = {}
+    if head.get("settings") != key:
+        path.replace(path.with_name(PARTIAL + ".old"))
+        log(f"note: {path} was measured with other settings: set aside as {PARTIAL}.old, starting over")
+        return {}
+    done = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except ValueError:  # the line being written when the run stopped
+            continue
+        results = {mode: [GenerationResult(**r) for r in row[mode]] for mode in ("dflash", "baseline")}
+        run = PromptRun(row["id"], row["category"], row["prompt_tokens"], results["dflash"], results["baseline"])
+        done[int(row["index"])] = (run, row["peaks"])
+    return done
+
+
+class Recorder:
+    """Appends each finished prompt (and creates the file with its settings line first)."""
+
+    def __init__(self, out: str | Path, key: str):
+        self.path = Path(out) / PARTIAL
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.is_file():
+            self.path.write_text(json.dumps({"settings": key}) + "\n")
+
+    def __call__(self, index: int, run: PromptRun, peaks: dict) -> None:
+        row = {"index": index, "id": run.id, "category": run.category, "prompt_tokens": run.prompt_tokens,
+               "dflash": [asdict(r) for r in run.dflash], "baseline": [asdict(r) for r in run.baseline],
+               "peaks": peaks}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
