@@ -64,11 +64,14 @@ def test_eos_ids_come_from_the_generation_config(tmp_path):
     assert target.eos_token_ids() == [258]
 
 
+@pytest.mark.parametrize("shards", [None, "60KB"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5_vl"])
-def test_borrowed_parts_are_the_loaded_embedding_and_head(tmp_path, arch):
+def test_borrowed_parts_are_the_loaded_embedding_and_head(tmp_path, arch, shards):
     """Offline training loads only the embedding and LM head (the multimodal checkpoint's text-tower names
-    too): the same tensors and facts as the whole target, no decoder weights in memory, forward refused."""
-    save_tiny_target(tmp_path, arch)
+    too): the same tensors and facts as the whole target, no decoder weights in memory, forward refused.
+    A sharded checkpoint is read through its index (only the shards that hold the two)."""
+    save_tiny_target(tmp_path, arch, max_shard_size=shards)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shards)
     whole = TargetModel.from_pretrained(tmp_path)
     part = TargetModel.borrowed_parts(tmp_path, dtype=torch.float32, device=torch.device("cpu", 0))  # as DDP gives
     assert torch.equal(part.embed_tokens.weight, whole.embed_tokens.weight)
@@ -83,18 +86,26 @@ def test_borrowed_parts_are_the_loaded_embedding_and_head(tmp_path, arch):
         part.forward(torch.tensor([[1, 2, 3]]), [1])
 
 
-def test_borrowed_parts_follow_tied_embeddings(tmp_path):
-    """A checkpoint with tie_word_embeddings stores no lm_head tensor: the head is the embedding."""
-    from safetensors import safe_open
+@pytest.mark.parametrize("shards", [None, "60KB"])
+def test_borrowed_parts_follow_tied_embeddings(tmp_path, shards):
+    """A checkpoint with tie_word_embeddings stores no lm_head tensor (nor an index entry): the head is
+    the embedding."""
+    import json
+
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.weights import load_state_dict
 
     save_tiny_target(tmp_path / "untied", "qwen3")
     config = AutoConfig.from_pretrained(tmp_path / "untied")
     config.tie_word_embeddings = True
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
-    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
-        assert "lm_head.weight" not in f.keys()
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied",
+                                                             **({"max_shard_size": shards} if shards else {}))
+    assert "lm_head.weight" not in load_state_dict(tmp_path / "tied")
+    if shards:
+        assert "lm_head.weight" not in json.loads((tmp_path / "tied" / "model.safetensors.index.json").read_text())[
+            "weight_map"]
     part = TargetModel.borrowed_parts(tmp_path / "tied", dtype=torch.float32)
     whole = TargetModel.from_pretrained(tmp_path / "tied")
     assert part.lm_head.weight is part.embed_tokens.weight
