@@ -64,8 +64,8 @@ def fetch_files(repo_id: str, directory: Path, files: list[str], what: str = "mo
         still = [f for f in missing if not (directory / f).is_file()]
         if still:  # HF_HUB_OFFLINE=1 answers with the cached snapshot as it is
             raise OSError(f"{what} {repo_id!r}: {still} not in the local snapshot {directory} and not fetched "
-                          "(HF_HUB_OFFLINE=1?): download them (hf download " + repo_id + " " + " ".join(still) +
-                          ") or go online")
+                          "(HF_HUB_OFFLINE=1?, or not in the repo): download them (hf download " + repo_id + " "
+                          + " ".join(still) + ") or go online")
 
 
 def shard_index(directory: Path) -> dict[str, str] | None:

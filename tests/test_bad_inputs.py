@@ -1222,7 +1222,8 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
     # Offline with only the small files cached: the shards to read are named, with the command that fetches them.
     hub.offline = True
     with pytest.raises(OSError, match=r"target 'org/t': \['model-0000\d-of-0000\d\.safetensors'.*\] not in the "
-                                      r"local snapshot .* \(HF_HUB_OFFLINE=1\?\): download them \(hf download org/t "):
+                                      r"local snapshot .* \(HF_HUB_OFFLINE=1\?, or not in the repo\): download "
+                                      r"them \(hf download org/t "):
         TargetModel.borrowed_parts("org/t")
 
 
