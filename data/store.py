@@ -145,6 +145,8 @@ def target_identity(target) -> dict:
     """
     from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir, snapshot_commit, weight_file_spans
 
+    if getattr(target, "identity", None):  # a loaded target is fingerprinted once (Hub ranged reads included)
+        return dict(target.identity)
     name = target if isinstance(target, (str, Path)) else getattr(target, "name", "")
     config = getattr(getattr(target, "model", None), "config", None)
     revision = getattr(config, "_commit_hash", None)
@@ -162,7 +164,16 @@ def target_identity(target) -> dict:
         revision = revision or snapshot_commit(folder)
     elif config is not None:
         h.update(config.to_json_string(use_diff=False).encode())
-    return {"target": str(name), "target_revision": revision, "target_fingerprint": h.hexdigest()[:16]}
+    ident = {"target": str(name), "target_revision": revision, "target_fingerprint": h.hexdigest()[:16]}
+    if not isinstance(target, (str, Path)):
+        target.identity = dict(ident)
+    return ident
+
+
+def is_same_target(recorded: str, target, fingerprint: str) -> bool:
+    """Whether a fingerprint recorded by a store or prepared data is this target's (``fingerprint``, from
+    ``target_identity``), earlier versions' config-only fingerprint of a Hub-named target included."""
+    return recorded in (fingerprint, legacy_hub_fingerprint(target))
 
 
 def legacy_hub_fingerprint(target) -> str | None:
@@ -392,7 +403,7 @@ class FeatureStore:
             problems.append(f"layer ids: store {self.layer_ids}, training asks {list(layer_ids)}")
         if target is not None:
             ident = target_identity(target)
-            if self.index["target_fingerprint"] not in (ident["target_fingerprint"], legacy_hub_fingerprint(target)):
+            if not is_same_target(self.index["target_fingerprint"], target, ident["target_fingerprint"]):
                 problems.append(f"target: store was extracted from {self.index['target']!r} "
                                 f"(fingerprint {self.index['target_fingerprint']}), training uses {ident['target']!r} "
                                 f"(fingerprint {ident['target_fingerprint']})")

@@ -18,13 +18,11 @@ from inference.report import PromptRun
 from inference.stats import GenerationResult
 
 PARTIAL = "partial.jsonl"
-# Environment keys that do not change the measurements (when, or what memory the run peaked at).
-UNKEYED = ("created", "peak_memory_bytes", "baseline_peak_memory_bytes")
 
 
 def settings_key(environment: dict) -> str:
-    kept = {k: v for k, v in environment.items() if k not in UNKEYED}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """Hash of the report's environment as it stands before measuring (no time, no peak memory yet)."""
+    return hashlib.sha256(json.dumps(environment, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load(out: str | Path, key: str, log) -> dict[int, tuple[PromptRun, dict]]:

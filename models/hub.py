@@ -9,14 +9,12 @@ dozen).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path, PurePosixPath
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SMALL_FILES = ["*.json", "*.py", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # all a load reads but the weights
 WEIGHT_FILES = ["*.safetensors"]
-SHARD_INDEX = "model.safetensors.index.json"
 
 
 def is_hub_id(path_or_id: str | Path) -> bool:
@@ -68,18 +66,6 @@ def fetch_files(repo_id: str, directory: Path, files: list[str], what: str = "mo
                           + " ".join(still) + ") or go online")
 
 
-def shard_index(directory: Path) -> dict[str, str] | None:
-    """``weight_map`` (tensor name -> shard file) of a sharded checkpoint; None for a single-file one."""
-    path = directory / SHARD_INDEX
-    if not path.is_file():
-        return None
-    try:
-        return dict(json.loads(path.read_text())["weight_map"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a safetensors shard index ({type(e).__name__}: {e}): a truncated "
-                         "download? Delete it and fetch the model again") from e
-
-
 def weight_file_spans(directory: Path, repo_id: str | None = None, span: int = 1 << 20):
     """``(file name, size, first span bytes, last span bytes)`` of each weight file, in name order.
 
@@ -88,11 +74,16 @@ def weight_file_spans(directory: Path, repo_id: str | None = None, span: int = 1
     and reads the absent ones' two spans by ranged requests (2 MiB per shard, not the shard): the
     same bytes, so the same fingerprint as a full download or a local copy.
     """
+    from models.weights import shard_index
+
     local = sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin"))
-    index = shard_index(directory)
-    complete = (all((directory / f).is_file() for f in set(index.values())) if index is not None
-                else any(f.suffix == ".safetensors" for f in local))
-    if repo_id is None or complete:
+    if repo_id is None:  # a local folder is read as it is
+        complete = True
+    elif (index := shard_index(directory)) is not None:
+        complete = all((directory / f).is_file() for f in set(index.values()))
+    else:
+        complete = any(f.suffix == ".safetensors" for f in local)
+    if complete:
         for f in local:
             yield (f.name, f.stat().st_size, *_local_spans(f, span))
         return

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.hub import SMALL_FILES, fetch_files, is_hub_id, resolve_model_dir, shard_index
+from models.hub import SMALL_FILES, fetch_files, is_hub_id, resolve_model_dir
 
 # model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
 SUPPORTED = {
@@ -153,6 +153,8 @@ class TargetModel:
         self.quantization = "none"
         # False when only the embedding and LM head were loaded (``borrowed_parts``): no forward.
         self.has_layers = True
+        # Name, revision and weight fingerprint, set by ``data.store.target_identity`` the first time.
+        self.identity: dict | None = None
 
     # ------------------------------------------------------------------ facts
     @property
@@ -379,6 +381,8 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
     """
     from safetensors import safe_open
 
+    from models.weights import INDEX, shard_index
+
     def aliases(key: str) -> list[str]:
         return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
 
@@ -400,7 +404,7 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
         out = {}
         for key, (hit, shard) in where.items():
             if not shard.is_file():
-                raise FileNotFoundError(f"{shard} (named in {directory / 'model.safetensors.index.json'} for {hit}) "
+                raise FileNotFoundError(f"{shard} (named in {directory / INDEX} for {hit}) "
                                         "is missing: an incomplete download; fetch the model again")
             with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
                 out[key] = f.get_tensor(hit).to(device)

@@ -45,16 +45,24 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_s
     return weight_files(directory)
 
 
+def shard_index(directory: Path) -> dict[str, str] | None:
+    """``weight_map`` (tensor name -> shard file) of a sharded folder; None for a single-file one."""
+    path = Path(directory) / INDEX
+    if not path.is_file():
+        return None
+    try:
+        return dict(json.loads(path.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a safetensors shard index ({type(e).__name__}: {e}): a truncated "
+                         "download? Re-download or re-export the folder") from None
+
+
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a folder: the index's shards, or every ``*.safetensors``."""
     directory = Path(directory)
-    index = directory / INDEX
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); re-download or "
-                             "re-export the folder") from None
+    index = shard_index(directory)
+    if index is not None:
+        names = sorted(set(index.values()))
     else:
         names = sorted(p.name for p in directory.glob("*.safetensors"))
     if not names:

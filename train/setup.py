@@ -84,14 +84,14 @@ def borrows_target(cfg) -> bool:
 def in_safetensors(path: str, revision: str | None) -> bool:
     """A plain (not MLX-quantized) folder with safetensors shards, the two tensors can be read from.
     A Hub id with a shard index is answered from its small files (no shard downloaded here)."""
-    from models.hub import SHARD_INDEX
     from models.quant import is_mlx_quantized
     from models.target import read_target_config
+    from models.weights import INDEX
 
     directory, _ = read_target_config(path, revision, weights=False)
     if is_mlx_quantized(directory):
         return False
-    if (directory / SHARD_INDEX).is_file() or any(directory.glob("*.safetensors")):
+    if (directory / INDEX).is_file() or any(directory.glob("*.safetensors")):
         return True
     directory, _ = read_target_config(path, revision)  # a Hub id without an index: its one file is the model
     return any(directory.glob("*.safetensors"))
