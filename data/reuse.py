@@ -2,12 +2,14 @@
 
 A prepared folder (``python -m data.prepare --out DIR``, or ``out_dir/data`` of a training run)
 records in ``draftsmith_data.json`` every setting that changes its rows: the source (and, for a
-local source, its size and modification time), split, subset, limit, regeneration mode and
+local source, its size and modification time and a hash of its content), split, subset, limit, regeneration mode and
 generation settings, thinking switch, max length, packing and the tokenizer. While it is being
 built, ``draftsmith_data.partial.json`` records the same settings, so an interrupted
 regeneration is recognised and resumed.
 
-- A folder with the same settings is re-used as it is.
+- A folder with the same settings is re-used as it is. A local source is the same when its size and
+  modification time are, or else when its content is: a run folder moved or copied elsewhere (the tiny
+  recipe's source lives inside it), or a source copied to a node's local disk, is still recognised.
 - Other settings are refused with the differences named, unless a rebuild is asked for
   (``data.rebuild=true`` / ``--rebuild``). A rebuild keeps the regenerated answers
   (``regenerated.jsonl``) when the regeneration settings did not change: they are keyed by a hash
@@ -71,6 +73,36 @@ def source_fingerprint(source: str) -> str | None:
     return None
 
 
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def source_content(source: str) -> str | None:
+    """A hash of a local source's bytes (a folder's: of its files' names and bytes, hidden ones such as
+    ``.git`` left out); None for a Hub id. Read only when building a folder, or when the cheap size and
+    modification time check fails, so a multi-GB source is not hashed at every start."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return _file_sha256(path)[:16]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        parts = [(str(p.relative_to(path)), _file_sha256(p)) for p in files]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+    return None
+
+
+def with_content(wanted: dict) -> dict:
+    """``wanted`` with the source's content hash filled in (once: the dict keeps it)."""
+    if "source_content" not in wanted:
+        wanted["source_content"] = source_content(wanted["source"])
+    return wanted
+
+
 def row_settings(*, source: str, split: str, subset: str | None, limit: int | None, regenerate: str | None,
                  thinking: bool | None, max_length: int | None, pack: bool, tokenizer_hash: str,
                  gen_kwargs: dict | None = None) -> dict:
@@ -84,6 +116,17 @@ def row_settings(*, source: str, split: str, subset: str | None, limit: int | No
             "max_length": max_length, "packed": bool(pack), "tokenizer_hash": tokenizer_hash}
 
 
+def same_source(recorded: dict, wanted: dict) -> bool:
+    """The same path with the same size and mtime, or (recorded by a folder of this version) the same
+    content wherever it now lives."""
+    if recorded.get("source") == wanted.get("source") and \
+            recorded.get("source_fingerprint") == wanted.get("source_fingerprint"):
+        return True
+    if recorded.get("source_content") is None or wanted.get("source_fingerprint") is None:
+        return False  # a Hub id, or a folder prepared before contents were hashed
+    return recorded["source_content"] == with_content(wanted)["source_content"]
+
+
 def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
     """``key: old -> new`` for every setting that differs. Keys a folder did not record are not compared
     (folders prepared before they were recorded)."""
@@ -91,11 +134,17 @@ def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
     for key in keys:
         if key not in recorded or recorded[key] == wanted.get(key):
             continue
-        if key == "source_fingerprint":
-            if recorded.get("source") == wanted.get("source"):
-                diff.append(f"source {wanted['source']!r} changed since it was prepared (size:mtime "
+        if key in ("source", "source_fingerprint"):
+            if key == "source_fingerprint" and recorded.get("source") != wanted.get("source"):
+                continue  # the path's own line says it
+            if same_source(recorded, wanted):
+                continue
+            if key == "source_fingerprint":
+                diff.append(f"source {wanted['source']!r} changed since it was prepared (its content differs)"
+                            if recorded.get("source_content") else
+                            f"source {wanted['source']!r} changed since it was prepared (size:mtime "
                             f"{recorded[key]} -> {wanted[key]})")
-            continue
+                continue
         label = "pack" if key == "packed" else key
         diff.append(f"{label}: {recorded[key]!r} -> {wanted.get(key)!r}")
     return diff
@@ -134,7 +183,7 @@ def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
             raise DataMismatch(f"{out} holds data {state} with other settings ({'; '.join(diff)}): {FIX}")
         clear(out, keep_answers=not settings_diff(recorded, wanted, REGEN_SETTINGS))
     out.mkdir(parents=True, exist_ok=True)
-    (out / PARTIAL_FILE).write_text(json.dumps(wanted, indent=2))
+    (out / PARTIAL_FILE).write_text(json.dumps(with_content(wanted), indent=2))
 
 
 def clear(out: Path, keep_answers: bool) -> None:

@@ -74,6 +74,34 @@ def test_changed_settings_under_out_dir_data_are_refused_by_training(data_target
     assert "alpaca.jsonl" in warned[0] and "using it as it is" in warned[0]
 
 
+def test_a_moved_or_touched_source_is_recognised_by_content_and_an_edited_one_is_refused(data_target, tmp_path):
+    """Size and mtime alone once refused a run folder moved elsewhere (the tiny recipe's source lives in it)."""
+    import os
+    import shutil
+
+    from data.prepare import ensure_prepared
+    from data.reuse import DataMismatch
+
+    src = tmp_path / "a" / "chats.jsonl"
+    src.parent.mkdir()
+    shutil.copy(_DATA_FIX / "openai.jsonl", src)
+    out = tmp_path / "run" / "data"
+    check = lambda source: ensure_prepared(str(data_target), str(source), out, progress=False, log=lambda *_: None)
+    check(src)
+    stats = (out / "stats.json").read_text()
+    moved = tmp_path / "b" / "chats.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(src, moved)  # another path, another mtime, the same bytes
+    os.utime(src, ns=(1, 1))  # and the original touched
+    for same in (moved, src):
+        check(same)
+        assert (out / "stats.json").read_text() == stats  # re-used, not rebuilt
+    src.write_text(src.read_text().replace("a", "b", 1))
+    with pytest.raises(DataMismatch, match="source .*chats.jsonl' changed since it was prepared \\(its content "
+                                           "differs\\).*data.rebuild=true"):
+        check(src)
+
+
 def test_no_held_out_rows_trains_without_eval(data_target, tmp_path):
     """data.eval_rows=0 once raised IndexError (datasets refuses an empty range starting at len(ds))."""
     from data.prepare import ensure_prepared
