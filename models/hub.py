@@ -4,7 +4,7 @@ A Hub id resolves to ``huggingface_hub``'s snapshot folder (``.../snapshots/<com
 only the files asked for: the small ones (config, tokenizer, chat template, the shard index) are
 enough to plan, tokenize and fingerprint a target; weight shards come when a load needs them, and
 only those (training on offline features reads the embedding and LM head, one or two shards of a
-dozen).
+dozen; a whole load reads the shards the index names, not a consolidated copy beside them).
 """
 
 from __future__ import annotations
@@ -44,6 +44,20 @@ def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what:
         raise OSError(f"could not fetch {what} {text!r} from the Hugging Face Hub ({type(e).__name__}: {reason}), "
                       f"and there is no local folder {path.resolve()}. Check the id and your network, or pass "
                       "the folder (build it first if a recipe names one)") from e
+
+
+def fetch_model(path_or_id: str | Path, revision: str | None = None, what: str = "model") -> Path:
+    """Everything a full load reads: a local folder as is; a Hub id's small files, then the shards its
+    index names (a repo that also ships a consolidated copy or stray ``*.safetensors`` is not downloaded
+    twice), or its one ``model.safetensors``."""
+    if not is_hub_id(path_or_id):
+        return resolve_model_dir(path_or_id, revision=revision, what=what)
+    from models.weights import shard_index
+
+    directory = resolve_model_dir(path_or_id, revision=revision, what=what, allow_patterns=SMALL_FILES)
+    index = shard_index(directory)
+    fetch_files(str(path_or_id), directory, sorted(set(index.values())) if index else ["model.safetensors"], what)
+    return directory
 
 
 def snapshot_commit(directory: Path) -> str | None:

@@ -346,11 +346,11 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
     except ImportError as e:
         raise QuantizationError(f"quantizing to MLX needs mlx and mlx-lm ({e}): pip install 'mlx[cpu]' mlx-lm "
                                 "(plain 'mlx' on macOS)") from e
-    from models.hub import resolve_model_dir
+    from models.hub import fetch_model
     from models.target import check_supported
     from models.target_mlx import mlx_lm_overrides
 
-    src = resolve_model_dir(hf_path, revision=revision, what="target")
+    src = fetch_model(hf_path, revision=revision, what="target")
     out = Path(out_dir)
     stamp = {"source": str(hf_path), "revision": revision, "bits": bits, "group_size": group_size, "dtype": dtype,
              "source_config": json.loads((src / "config.json").read_text())}
@@ -433,9 +433,9 @@ def resolve_target(path: str, quantization: str | None, work_dir: str | Path, re
     if spec.kind == "none":
         return path, None
     if spec.kind == "mlx" and spec.path:
-        from models.hub import resolve_model_dir
+        from models.hub import fetch_model
 
-        folder = resolve_model_dir(spec.path, revision=revision, what="quantized target")
+        folder = fetch_model(spec.path, revision=revision, what="quantized target")
         if not is_mlx_quantized(folder):
             raise QuantizationError(f"target.quantization=mlx:{spec.path}: {folder} has no MLX 'quantization' in its "
                                     "config.json; give an MLX-quantized folder, or mlx-4bit to quantize target.path")

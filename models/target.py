@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.hub import SMALL_FILES, fetch_files, is_hub_id, resolve_model_dir
+from models.hub import SMALL_FILES, fetch_files, fetch_model, is_hub_id, resolve_model_dir
 
 # model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
 SUPPORTED = {
@@ -74,8 +74,8 @@ def read_target_config(path_or_id: str | Path, revision: str | None = None,
     """(local folder, config.json) of a target, its architecture checked before any weights load;
     the torch adapter, the MLX twin and the MLX-quantized loader all start here. ``weights=False``:
     a Hub id fetches only the small files (config, tokenizer, shard index)."""
-    directory = resolve_model_dir(path_or_id, revision=revision, what=what,
-                                  allow_patterns=None if weights else SMALL_FILES)
+    directory = (fetch_model(path_or_id, revision=revision, what=what) if weights else
+                 resolve_model_dir(path_or_id, revision=revision, what=what, allow_patterns=SMALL_FILES))
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a {what} folder needs config.json")

@@ -75,6 +75,26 @@ def test_borrowed_parts_of_a_hub_id_download_only_the_shards_of_embedding_and_he
     assert target_identity(whole)["target_fingerprint"] == target_identity(hub.folder)["target_fingerprint"]
 
 
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_a_whole_hub_target_downloads_its_index_shards_not_a_consolidated_copy(hub, tmp_path, backend):
+    """Some repos ship the sharded checkpoint beside a consolidated one: a full load once fetched every
+    ``*.safetensors`` of the repo root, both copies."""
+    import shutil
+
+    repo = tmp_path / "remote" / "both"
+    shutil.copytree(hub.folder, repo)
+    shard = sorted(set(weight_map(repo).values()))[0]
+    shutil.copy(repo / shard, repo / "consolidated.safetensors")
+    hub.add("org/both", repo)
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        from models.target_mlx import TargetModel as Target
+    else:
+        from models.target import TargetModel as Target
+    Target.from_pretrained("org/both")
+    assert hub.downloaded_weights() == set(weight_map(repo).values())
+
+
 def test_preparing_data_for_a_hub_target_downloads_its_tokenizer_not_its_weights(hub, tmp_path):
     """data.prepare without in-process regeneration (none, or a server) needs the tokenizer and chat
     template only: no shard is fetched, and the rows equal those prepared with a local copy."""
