@@ -81,6 +81,10 @@ def read_target_config(path_or_id: str | Path, revision: str | None = None,
         raise FileNotFoundError(f"{config_path} not found: a {what} folder needs config.json")
     config = json.loads(config_path.read_text())
     check_supported(config.get("model_type", "<missing model_type>"))
+    if weights:  # a truncated shard: one line naming it, not a loader's traceback after minutes of loading
+        from models.weights import check_folder_weights
+
+        check_folder_weights(directory)
     return directory, config
 
 
@@ -381,7 +385,7 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
     """
     from safetensors import safe_open
 
-    from models.weights import INDEX, shard_index
+    from models.weights import INDEX, check_complete, shard_index
 
     def aliases(key: str) -> list[str]:
         return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
@@ -406,6 +410,7 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
             if not shard.is_file():
                 raise FileNotFoundError(f"{shard} (named in {directory / INDEX} for {hit}) "
                                         "is missing: an incomplete download; fetch the model again")
+            check_complete(shard)
             with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
                 out[key] = f.get_tensor(hit).to(device)
         return out
@@ -415,6 +420,8 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
     if not shards:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights: loading only the embedding and LM head "
                                 "needs safetensors shards (load the whole target instead)")
+    for shard in shards:
+        check_complete(shard)
     out = {}
     for key in keys:
         for shard in shards:

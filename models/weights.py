@@ -74,6 +74,36 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / n for n in names]
 
 
+def check_complete(path: Path) -> None:
+    """Refuse a safetensors file whose header does not parse or whose size is not the one its header
+    describes (a truncated download or copy): reads the header only, so it is cheap for a whole target,
+    and the error names the file instead of a loader's traceback."""
+    path = Path(path)
+    fix = "re-download or re-export it"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= size - 8:
+                raise ValueError(f"header length {n} in a file of {size} bytes")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"{path} is corrupt or truncated (unreadable safetensors header: {e}); {fix}") from None
+    if 8 + n + end != size:
+        raise ValueError(f"{path} is corrupt or truncated: {size} bytes, its header describes {8 + n + end}; {fix}")
+
+
+def check_folder_weights(directory: Path) -> None:
+    """:func:`check_complete` on every safetensors file a load of ``directory`` reads (none: nothing to check,
+    as for a ``pytorch_model.bin`` checkpoint, which its loader checks)."""
+    directory = Path(directory)
+    if shard_index(directory) is None and not any(directory.glob("*.safetensors")):
+        return
+    for path in weight_files(directory):
+        check_complete(path)
+
+
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):

@@ -1255,6 +1255,36 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
         TargetModel.borrowed_parts("org/t")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_a_truncated_or_garbled_target_shard_is_named_by_every_loader(tmp_path, damage):
+    """A target cut short by a copy or download ended in a safetensors / mlx_lm traceback (the drafter's
+    own loader already named the file)."""
+    import importlib.util
+
+    from models.quant import load_mlx_target, quantize_to_mlx
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+
+    def spoil(path):
+        data = path.read_bytes()
+        path.write_bytes(data[:-1000] if damage == "truncated" else b"\xff" * 8 + data[8:])
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    loaders = [TargetModel.from_pretrained, TargetModel.borrowed_parts]
+    if importlib.util.find_spec("mlx_lm") is not None:  # the CPU suite has it ([dev] extra)
+        from models.target_mlx import TargetModel as MLXTarget
+
+        loaders.append(MLXTarget.from_pretrained)
+        quantized = quantize_to_mlx(folder, tmp_path / "q", bits=4, group_size=32)
+        spoil(quantized / "model.safetensors")
+        with pytest.raises(ValueError, match="q/model.safetensors is corrupt or truncated.*re-download"):
+            load_mlx_target(quantized)
+    spoil(folder / "model.safetensors")
+    for load in loaders:
+        with pytest.raises(ValueError, match="t/model.safetensors is corrupt or truncated.*re-download"):
+            load(folder)
+
+
 def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):
     """``runs/small-target`` (recipe=small before train.small_target built it) is also an org/name id:
     the error names the Hub failure in one line and the local folder that is not there."""
