@@ -82,13 +82,36 @@ def test_ctrl_c_prints_the_newest_checkpoint_and_the_resume_command(tiny, tmp_pa
     out = capsys.readouterr().out
     assert f"interrupted at step 2: newest checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step_2'}" in out
     command = out.split("resume from it with:\n  ", 1)[1].splitlines()[0]
-    assert command.startswith("python train/distill.py recipe=tiny") and command.endswith(" resume=true")
+    # called from Python (pytest): the module form, which works from any directory
+    assert command.startswith("python -m train.distill recipe=tiny") and command.endswith(" resume=true")
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
     monkeypatch.setattr(train.loop, "train_step", real)
-    main(command.split()[2:])
+    main(command.split()[3:])
     full = tmp_path / "full"
     run(full, *tiny, *FAST, *STEPS, "train.max_steps=4", "checkpoint.every=2")
     got, ref = losses(tmp_path / "run"), losses(full)
     assert [got[k] for k in (3, 4)] == pytest.approx([ref[k] for k in (3, 4)], abs=1e-6)
+
+
+@pytest.mark.parametrize("argv0, module, world, expected", [
+    ("train/distill.py", None, 1, "python train/distill.py"),
+    ("/x/train/distill.py", "train.distill", 1, "python -m train.distill"),
+    ("train/distill.py", None, 8, "accelerate launch --num_processes 8 train/distill.py"),
+    ("/x/train/distill.py", "train.distill", 2, "accelerate launch --num_processes 2 -m train.distill"),
+    ("/venv/bin/draftsmith-distill", None, 1, "draftsmith-distill"),
+])
+def test_the_resume_hint_starts_the_run_the_way_it_was_started(monkeypatch, argv0, module, world, expected):
+    """It always said ``python train/distill.py``, a file that only exists in the checkout."""
+    import sys
+    import types
+
+    from train.loop import launch_command
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=module) if module else None
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert launch_command(world) == expected
 
 
 def test_resume_refuses_changed_model_settings_and_allows_harmless_ones(tiny, tmp_path, capsys):
@@ -110,6 +133,34 @@ def test_resume_refuses_changed_model_settings_and_allows_harmless_ones(tiny, tm
     out = capsys.readouterr().out
     assert "settings changed since the checkpoint (harmless): eval.batches: 2 -> 1; logging.every: 1 -> 2" in out
     assert "resumed from" in out and result["steps"] == 2
+
+
+def test_resume_reads_the_same_rows_from_a_moved_folder_and_refuses_other_rows(tiny, tmp_path, capsys):
+    """The checkpoint records the rows' identity: data.prepared may then name a copy of the data (a run folder
+    moved elsewhere), which once was refused as a changed setting, while other rows are refused."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    from train.checkpoint import ResumeConfigError
+
+    data = Path(tiny[1].split("=", 1)[1])
+    moved, fewer = tmp_path / "moved-data", tmp_path / "fewer-rows"
+    shutil.copytree(data, moved, copy_function=shutil.copy)
+    ds = load_from_disk(str(data))
+    ds.select(range(len(ds) - 1)).save_to_disk(str(fewer))
+    shutil.copy(data / "draftsmith_data.json", fewer)
+    base = [tiny[0], *FAST, *STEPS, "train.max_steps=2", "checkpoint.every=1"]
+    run(tmp_path / "cut", f"data.prepared={data}", *base)
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_2")  # as if stopped after step 1
+    with pytest.raises(ResumeConfigError, match="prepared rows differ from those the checkpoint .*step_1 trained "
+                                                "on .*data order would change"):
+        run(tmp_path / "cut", f"data.prepared={fewer}", *base, "resume=true")
+    capsys.readouterr()
+    run(tmp_path / "cut", f"data.prepared={moved}", *base, "resume=true")
+    assert f"(harmless): data.prepared: '{data}' -> '{moved}'" in capsys.readouterr().out
+    run(tmp_path / "full", f"data.prepared={data}", *base)
+    assert losses(tmp_path / "cut")[2] == pytest.approx(losses(tmp_path / "full")[2], abs=1e-6)
 
 
 def test_resume_may_lengthen_the_run_and_takes_the_new_schedule(tiny, tmp_path, capsys):
@@ -189,7 +240,7 @@ def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tm
             "train.max_steps=2"]
     run(tmp_path, *base)
     state = json.loads((tmp_path / "checkpoints" / "step_1" / "trainer_state.json").read_text())
-    assert set(state) == {"step", "epoch", "step_in_epoch", "tokens_seen", "wandb_run_id", "world_size"}
+    assert set(state) == {"step", "epoch", "step_in_epoch", "tokens_seen", "wandb_run_id", "world_size", "rows"}
     assert state["step"] == 1 and state["wandb_run_id"] == "run-abc123" and state["tokens_seen"] > 0
     shutil.rmtree(tmp_path / "checkpoints" / "step_2")  # as if stopped after step 1
     run(tmp_path, *base, "resume=true")

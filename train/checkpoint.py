@@ -5,7 +5,8 @@
     step_<N>/config.yaml     the resolved run config
     step_<N>/trainer_state.json  the loop state (``train.loop.LoopState``): step, epoch, step in
                              epoch (the data order is a pure function of seed and epoch, so this
-                             is the whole data-order state), tokens seen, the wandb run id
+                             is the whole data-order state), tokens seen, the wandb run id, and
+                             the identity of the prepared rows (a resume on other rows is refused)
 
 A checkpoint is written to ``step_<N>.tmp`` and renamed when complete, so a kill mid-save never
 leaves a half checkpoint that ``resume=true`` would pick. Only the newest ``keep_last`` are kept.
@@ -68,7 +69,8 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
     final = root / f"step_{step}"
     tmp = root / f"step_{step}.tmp"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob("step_*.tmp"):  # cut short by an earlier kill: never complete, only space
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
@@ -79,6 +81,10 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
+    except KeyboardInterrupt:  # Ctrl-C mid-save: the half-written one goes, the earlier ones are untouched
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except OSError as e:  # a full disk, a quota, a vanished mount: the earlier checkpoints are untouched
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written one only takes space
         newest = latest_checkpoint(out_dir)
@@ -156,6 +162,9 @@ HARMLESS_KEYS = (
     "target.num_attention_heads", "target.num_key_value_heads", "target.head_dim", "target.vocab_size",
     "target.max_position_embeddings", "target.rope_theta", "target.params_b", "target.active_params_b",
     "target.device_map", "target.max_memory",  # where the target's layers live, not what it computes
+    # Where the prepared rows are read from, and whether they were rebuilt: the checkpoint records the rows'
+    # identity (LoopState.rows), and a resume on other rows is refused by that, not by the folder's name.
+    "data.prepared", "data.rebuild",
 )
 # The run's length may change on resume, to train longer (or stop sooner, though not before the
 # checkpoint's step): the data order is a function of (seed, epoch) whatever the length, and the

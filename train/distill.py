@@ -144,18 +144,28 @@ def build_optimizer(run, drafter, sched):
     return model, optimizer, scheduler
 
 
-def resume_state(run, sched, scheduler):
+def resume_state(run, sched, scheduler, rows: str):
     """A fresh ``LoopState``, or (``resume=true``) the state of the checkpoint ``setup_run`` checked.
 
     The run's length may have changed since (``train.checkpoint.LENGTH_KEYS``): never to before the
     checkpoint's step, and the learning rate follows the new length's schedule from the first resumed step.
+    ``rows``: the identity of the rows this run loaded, which must be the checkpoint's.
     """
     from train.checkpoint import ResumeConfigError, load_checkpoint
     from train.loop import LoopState, resync_lr
 
     if run.resume_from is None:
-        return LoopState(world_size=run.world)
+        return LoopState(world_size=run.world, rows=rows)
     state = LoopState.from_dict(load_checkpoint(run.accelerator, run.resume_from))
+    if state.rows is None:
+        run.log("warning: the checkpoint predates recorded row identities: cannot check that the prepared rows "
+                "are the ones it trained on")
+    elif state.rows != rows:
+        raise ResumeConfigError(
+            f"resume=true, but the prepared rows differ from those the checkpoint {run.resume_from} trained on "
+            f"(identity {state.rows} -> {rows}), so the data order would change: point data.prepared at the data "
+            "it trained on, or start a new run with another out_dir")
+    state.rows = rows
     if state.step > sched.total_steps:
         raise ResumeConfigError(
             f"resume=true, but the checkpoint {run.resume_from} is at step {state.step}, past this run's "
@@ -245,6 +255,7 @@ def save_final(run, model) -> Path:
 
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
+    from data.rows import rows_identity
     from train.loop import interrupted_message, make_schedule
     from train.metrics import open_metrics
     from train.setup import data_token_ids, load_data, load_target, make_features, resolve_drafter_config
@@ -257,7 +268,7 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     sched = make_schedule(cfg, len(train_ds), run.world, run.rank)
     drafter = build_drafter(run, drafter_cfg, target)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
-    state = resume_state(run, sched, scheduler)
+    state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
     logger = open_metrics(cfg, run.out_dir, run.is_main, resuming=state.step > 0, wandb_run_id=state.wandb_run_id,
                           log=run.log)
     run.log(f"training: {len(train_ds)} rows, {sched.steps_per_epoch} steps/epoch, {sched.total_steps} steps, "

@@ -72,6 +72,7 @@ class LoopState:
     tokens_seen: int = 0  # context tokens of the rows trained on, all processes
     wandb_run_id: str | None = None
     world_size: int = 1  # processes that produced this state (the data shards depend on it)
+    rows: str | None = None  # data.rows.rows_identity of the train and held-out rows it trains on
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -311,11 +312,31 @@ def checkpoint_due(cfg, step: int, final: bool) -> bool:
 
 
 # ----------------------------------------------------------------------------- interruption
+def launch_command(world: int) -> str:
+    """How this run was started, for the resume hint: ``python train/distill.py`` (the script, in the
+    checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch`` with
+    several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
+    from any directory once the package is installed."""
+    import sys
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    script = sys.argv[0] if sys.argv else ""
+    if spec is not None and spec.name == "train.distill":
+        program = ["-m", "train.distill"]
+    elif Path(script).name == "distill.py":
+        program = [script]
+    elif Path(script).name == "draftsmith-distill" and world == 1:
+        return "draftsmith-distill"
+    else:
+        program = ["-m", "train.distill"]
+    launcher = ["accelerate", "launch", "--num_processes", str(world)] if world > 1 else ["python"]
+    return shlex.join(launcher + program)
+
+
 def resume_command(args: list[str], world: int) -> str:
     """The command that continues this run: the same arguments plus ``resume=true``."""
     kept = [a for a in args if a != "--resume" and not a.startswith(("resume=", "--resume="))]
-    launcher = f"accelerate launch --num_processes {world} train/distill.py" if world > 1 else "python train/distill.py"
-    return " ".join([launcher, *map(shlex.quote, kept), "resume=true"])
+    return " ".join([launch_command(world), *map(shlex.quote, kept), "resume=true"])
 
 
 def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world: int) -> str:
