@@ -139,11 +139,8 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     raise_if(problems, "the drafter does not fit its target")
     log(f"check: {checked}")
     if quantize:
+        check_group_size(model, group_size)
         model.quantize(bits=quantize, group_size=group_size)
-        if not any(k.endswith(".scales") for k, _ in _flat(model.parameters())):
-            raise ValueError(f"--group-size {group_size} divides no linear's input width (hidden "
-                             f"{model.config.hidden_size}, intermediate {model.config.intermediate_size}): "
-                             "use 32 or 64")
     with staging(out, overwrite) as tmp:
         model.save_pretrained(tmp)
         _finish_folder(tmp, quantized=bool(quantize))
@@ -154,6 +151,23 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
         f"{prov.get('target', 'TARGET')} --draft {out} --prompt \"Explain KV caching.\" --chat --baseline")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "quantization": model.quantization,
             "provenance": prov, "parity": stats}
+
+
+def check_group_size(model, group_size: int) -> None:
+    """Refuse a group size that does not divide every linear's input width: those linears would stay
+    unquantized in a folder labelled as quantized (mlx quantizes a row in whole groups)."""
+    import mlx.nn as nn
+
+    widths = {name: m.weight.shape[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    left = sorted(name for name, width in widths.items() if width % group_size)
+    if not left:
+        return
+    fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths.values())]
+    fix = (f"use --group-size {fits[0]} (the largest that divides them all)" if fits else
+           "no group size divides them all: export without --quantize")
+    raise ValueError(f"--group-size {group_size} does not divide the input width of {len(left)} of the drafter's "
+                     f"{len(widths)} linears (e.g. {left[0]}: {widths[left[0]]}), which would stay unquantized: "
+                     + fix)
 
 
 def _flat(params):

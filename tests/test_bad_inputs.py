@@ -6,6 +6,8 @@ a plain test function (or a parametrized table) named after the mistake it guard
 
 from __future__ import annotations
 
+import re
+
 import pytest  # noqa: F401  (used by the sections below)
 
 # ---------------------------------------------------------------- config, resume, data re-use (train/, data/)
@@ -787,7 +789,7 @@ def export_drafter(tmp_path):
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
 
-    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
                        target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=4, torch_dtype="float32")
     torch.manual_seed(0)
@@ -876,11 +878,17 @@ def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
 
 
-def test_export_mlx_refuses_a_group_size_that_fits_nothing(tmp_path, export_drafter):
+@pytest.mark.parametrize("group, expected", [
+    (128, "does not divide the input width of 8 of the drafter's 8 linears .*use --group-size 32"),
+    # Only down_proj (width 64) fits: the others were left in bf16 in a folder labelled 4-bit g64.
+    (64, "does not divide the input width of 7 of the drafter's 8 linears \\(e.g. fc: 96\\), which would stay "
+         "unquantized: use --group-size 32 \\(the largest that divides them all\\)"),
+])
+def test_export_mlx_refuses_a_group_size_that_leaves_linears_unquantized(tmp_path, export_drafter, group, expected):
     pytest.importorskip("mlx.core")
     msg = _export_error("mlx", ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "q"), "--quantize", "4",
-                                "--group-size", "128"])
-    assert "--group-size 128 divides no linear's input width" in msg
+                                "--group-size", str(group)])
+    assert re.search(f"--group-size {group} {expected}", msg), msg
     assert not (tmp_path / "q").exists()
 
 
