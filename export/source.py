@@ -102,16 +102,26 @@ def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: 
             run = yaml.safe_load(run_config.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{run_config} is not valid YAML ({e}); it is the run config saved by training") from None
-        prov.update(provenance_from_run(run))
-        tiny = run_root / "tiny_target" if run_root is not None else None
-        if str(prov.get("target", "")).startswith("tiny:") and tiny is not None and (tiny / "config.json").is_file():
-            # training built the tiny target in the run folder: record the folder the loops can load
-            prov["target"] = str(tiny.resolve())
-            quant = (run.get("target") or {}).get("quantization")
-            prov["target_quantization"] = describe_target_quantization(prov["target"], quant)
+        prov.update(provenance_of_run(run, run_root))
     steps = _steps(trainer_state, run_config)
     if steps is not None:
         prov["steps"] = steps
+    return prov
+
+
+def provenance_of_run(run: dict[str, Any], run_root: Path | None) -> dict[str, Any]:
+    """:func:`provenance_from_run` with the target as a folder the loops can load: the tiny target training
+    built in the run folder for ``tiny:<arch>``, a local folder by its absolute path (the recorded target is
+    compared with ``--target`` wherever the command runs)."""
+    prov = provenance_from_run(run)
+    target = str(prov.get("target", ""))
+    tiny = run_root / "tiny_target" if run_root is not None else None
+    if target.startswith("tiny:") and tiny is not None and (tiny / "config.json").is_file():
+        prov["target"] = str(tiny.resolve())
+        quant = (run.get("target") or {}).get("quantization")
+        prov["target_quantization"] = describe_target_quantization(prov["target"], quant)
+    elif target and Path(target).expanduser().is_dir():
+        prov["target"] = str(Path(target).expanduser().resolve())
     return prov
 
 

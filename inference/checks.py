@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,14 @@ def recorded_target(directory: str | Path, raw: dict) -> str | None:
     return None
 
 
-def _same_model(a: str, b: str) -> bool:
-    norm = [str(x).rstrip("/").split("/")[-1].lower() for x in (a, b)]
+def _same_model(recorded: str, given: str) -> bool:
+    """Two folders that exist here: the same folder. Otherwise by model name, one containing the other
+    (``Qwen/Qwen3-8B`` and ``mlx-community/Qwen3-8B-4bit``, a Hub cache's ``models--Qwen--Qwen3-8B/snapshots/..``)."""
+    paths = [Path(str(x)).expanduser() for x in (recorded, given)]
+    if all(p.is_dir() for p in paths):
+        return paths[0].resolve() == paths[1].resolve()
+    cached = [re.search(r"models--[^/]+--([^/]+)/snapshots/", str(x)) for x in (recorded, given)]
+    norm = [(m.group(1) if m else str(x).rstrip("/").split("/")[-1]).lower() for m, x in zip(cached, (recorded, given))]
     return norm[0] == norm[1] or norm[0] in norm[1] or norm[1] in norm[0]
 
 

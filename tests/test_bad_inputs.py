@@ -665,6 +665,33 @@ def test_exported_provenance_target_differs_warns(infer_dirs, caplog):
     assert "records its target as meta-llama/Llama-3.1-8B-Instruct" in caplog.text
 
 
+def test_a_trained_drafter_names_its_target_and_another_folder_of_the_same_name_warns(tmp_path_factory, tmp_path,
+                                                                                   caplog, monkeypatch):
+    """final/drafter (and each checkpoint's drafter) once recorded no target, so validating it against another
+    target gave no warning; and targets were compared by their folder's last name only."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from inference.checks import preflight
+    from test_train_run import FAST, run, tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=1",
+        "train.batch_size=4", "train.anchors=8", "eval.batches=1")
+    draft = tmp_path / "run" / "final" / "drafter"
+    recorded = json.loads((draft / "config.json").read_text())["draftsmith"]
+    assert recorded["target"] == str(Path(d["target"]).resolve()) and recorded["recipe"] == "tiny"
+    twin = tmp_path / "elsewhere" / Path(d["target"]).name  # another folder with the same name (and weights)
+    shutil.copytree(d["target"], twin)
+    monkeypatch.chdir(Path(d["target"]).parent)
+    for target, warns in ((Path(d["target"]).name, False), (twin, True)):  # a relative path to the same folder
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="inference"):
+            assert preflight(str(target), str(draft)).recorded_target == recorded["target"]
+        assert ("records its target as" in caplog.text) == warns, caplog.text
+
+
 def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
     import json
 
