@@ -58,10 +58,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def provenance(src_prov: dict[str, Any], target: str | None, revision: str | None) -> dict[str, Any]:
-    """The source's provenance with command-line values on top."""
+def provenance(src_prov: dict[str, Any], target: str | None, revision: str | None,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The source's provenance with command-line values on top. ``--target`` must be a local folder or a Hub
+    id (a mistyped path was once recorded as the target, its check reported as skipped); one that differs
+    from the target the run trained against is recorded, with a warning."""
+    from inference.checks import same_model
+    from models.hub import HUB_ID
+
     prov = dict(src_prov)
     if target:
+        if not Path(target).expanduser().is_dir() and not HUB_ID.match(target):
+            raise FileNotFoundError(f"--target {target}: no such folder, and not a Hub id (org/name): give the "
+                                    "target's folder or Hub id (or leave --target out to record the run's)")
+        trained = src_prov.get("target")
+        if trained and not same_model(trained, target):
+            log(f"warning: --target {target} is not the target the drafter was trained against ({trained}): "
+                f"recording {target}; acceptance will suffer unless they are the same weights")
         prov["target"] = target
         if Path(target).expanduser().is_dir():  # a local folder says how it is quantized; a Hub id keeps the run's
             prov["target_quantization"] = describe_target_quantization(target)
@@ -120,7 +133,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     torch_dtype = DTYPES[dtype]
     log(f"source: {src.drafter_dir} ({src.kind})")
     model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=torch_dtype)
-    prov = provenance(src.provenance, target, target_revision)
+    prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(torch_dtype=str(torch_dtype).removeprefix("torch."), draftsmith=prov or None)
     problems, checked = target_problems(model.config, prov.get("target"))
     raise_if(problems, "the drafter does not fit its target")

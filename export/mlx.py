@@ -133,7 +133,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     log(f"source: {src.drafter_dir} ({src.kind})")
     reference = TorchDrafter.from_pretrained(src.drafter_dir, dtype=torch.float32)
     model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
-    prov = provenance(src.provenance, target, target_revision)
+    prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(draftsmith=prov or None)
     problems, checked = target_problems(model.config, prov.get("target"))
     raise_if(problems, "the drafter does not fit its target")

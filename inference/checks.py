@@ -135,7 +135,7 @@ def recorded_target(directory: str | Path, raw: dict) -> str | None:
     return None
 
 
-def _same_model(recorded: str, given: str) -> bool:
+def same_model(recorded: str, given: str) -> bool:
     """Two folders that exist here: the same folder. Otherwise by model name, one containing the other
     (``Qwen/Qwen3-8B`` and ``mlx-community/Qwen3-8B-4bit``, a Hub cache's ``models--Qwen--Qwen3-8B/snapshots/..``)."""
     paths = [Path(str(x)).expanduser() for x in (recorded, given)]
@@ -210,7 +210,7 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     check_pair(cfg, facts, draft)
     b = resolve_block_size(block_size, cfg.block_size)
     rec = recorded_target(ddir, raw)
-    if rec is not None and not _same_model(rec, target):
+    if rec is not None and not same_model(rec, target):
         log.warning("the drafter %s records its target as %s, but --target is %s: acceptance will suffer unless they "
                     "are the same weights", draft, rec, target)
     return Preflight(target=facts, drafter=cfg, block_size=b, recorded_target=rec)

@@ -882,6 +882,8 @@ def _export_case(case: str, root, drafter) -> list[str]:
 
         export_mlx(drafter, root / "q4", quantize=4, group_size=32, log=lambda *_: None)
         return ["--checkpoint", str(root / "q4"), "--out", out]
+    if case == "a mistyped --target folder":  # was recorded as the target, its check reported as skipped
+        return ["--checkpoint", str(drafter), "--out", out, "--target", "./runs/tiny/tiny_targt"]
     raise AssertionError(case)
 
 
@@ -892,6 +894,7 @@ EXPORT_CASES = {
     "damaged trainer state": "not a valid trainer state", "--out holds the user's files": "exists and is not empty",
     "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
     "a quantized MLX export as the source": "already a quantized MLX export",
+    "a mistyped --target folder": "--target ./runs/tiny/tiny_targt: no such folder, and not a Hub id (org/name)",
 }
 
 
@@ -917,6 +920,20 @@ def test_export_mlx_refuses_a_group_size_that_leaves_linears_unquantized(tmp_pat
                                 "--group-size", str(group)])
     assert re.search(f"--group-size {group} {expected}", msg), msg
     assert not (tmp_path / "q").exists()
+
+
+def test_export_to_another_target_than_the_trained_one_warns():
+    """``--target`` overrides the run's recorded target: once silently, now with a warning when it is another model
+    (a quantized copy of the same one is not)."""
+    from export.hf import provenance
+
+    trained = {"target": "Qwen/Qwen3-8B", "recipe": "qwen3-8b"}
+    for target, warns in (("Qwen/Qwen3-14B", True), ("mlx-community/Qwen3-8B-4bit", False)):
+        lines = []
+        prov = provenance(trained, target, None, lines.append)
+        assert prov["target"] == target and prov["recipe"] == "qwen3-8b"
+        assert bool(lines) == warns and (not warns or "not the target the drafter was trained against "
+                                                       "(Qwen/Qwen3-8B): recording Qwen/Qwen3-14B" in lines[0])
 
 
 def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys):
