@@ -317,6 +317,11 @@ class DFlashDraftModel(nn.Module):
 
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
+        if config.quantization:  # packed uint32 weights + scales: only MLX reads them
+            q = config.quantization
+            raise ValueError(f"{path_or_id} is a quantized MLX export ({q.get('bits')}-bit, group "
+                             f"{q.get('group_size')}): only the MLX backend runs it (--backend mlx); with PyTorch "
+                             "use the full-precision drafter (its HF export or the run's final/drafter)")
         state = drop_stray_keys(load_state_dict(directory), directory)
         model = cls(config)
         expected = model.state_dict()

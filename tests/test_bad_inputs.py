@@ -936,6 +936,18 @@ def test_export_to_another_target_than_the_trained_one_warns():
                                                        "(Qwen/Qwen3-8B): recording Qwen/Qwen3-14B" in lines[0])
 
 
+def test_a_quantized_mlx_drafter_on_the_torch_backend_says_to_use_mlx(tmp_path, export_drafter):
+    """It was refused as weights that do not match config.json, with "re-export" as the fix."""
+    pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+    from models.drafter import DFlashDraftModel
+
+    export_mlx(export_drafter, tmp_path / "q4", quantize=4, group_size=32, log=lambda *_: None)
+    with pytest.raises(ValueError, match="q4 is a quantized MLX export \\(4-bit, group 32\\): only the MLX backend "
+                                         "runs it \\(--backend mlx\\)"):
+        DFlashDraftModel.from_pretrained(tmp_path / "q4")
+
+
 def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys):
     from export.hf import main
 
