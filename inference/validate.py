@@ -97,7 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
                         "else eager; static / compiled (graphs + torch.compile) / eager force one (static also "
                         "runs Qwen3.5 targets)")
-    p.add_argument("--out", default="validate-report", help="folder for report.json, report.md, acceptance.png")
+    p.add_argument("--out", default="validate-report",
+                   help="folder for report.json, report.md, acceptance.png (--compare: compare.png); "
+                        "default ./validate-report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs="+", metavar="REPORT_JSON",
                    help="compare reports side by side (ratios to the first) and write compare.png to --out")
@@ -219,6 +221,8 @@ def run_compare(files: list[str], out: str | Path) -> dict:
     print(text_table(rows))
     Path(out).mkdir(parents=True, exist_ok=True)
     png = write_plot(reports, labels, str(Path(out) / "compare.png"))
+    if png:
+        print(f"\nwrote {png}", file=sys.stderr)
     return {"rows": rows, "png": png}
 
 

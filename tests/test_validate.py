@@ -173,7 +173,9 @@ def test_mlx_backend_and_compare(setup, torch_report, capsys):
     assert "tau pooled" in table and "tau per-prompt mean" in table and table.splitlines()[-1].startswith("all")
     out = run_compare([str(setup["root"] / "torch" / "report.json"), str(setup["root"] / "mlx" / "report.json")],
                       str(setup["root"] / "cmp"))
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert f"wrote {setup['root'] / 'cmp' / 'compare.png'}" in captured.err  # where the plot went
     header = printed.splitlines()[0].split()
     assert header == ["metric", "torch", "mlx", "mlx/torch"]
     tau_row = next(line.split() for line in printed.splitlines() if line.startswith("tau "))
