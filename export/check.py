@@ -166,10 +166,10 @@ def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[li
     return problems, f"{checked} ({target})"
 
 
-def raise_if(problems: list[str], what: str) -> None:
+def raise_if(problems: list[str], what: str,
+             fix: str = "Nothing was exported: fix the drafter (or its config.json) and export again") -> None:
     if problems:
-        raise ExportCheckError(f"{what}: " + "; ".join(problems) + ". Nothing was exported: fix the drafter "
-                               "(or its config.json) and export again")
+        raise ExportCheckError(f"{what}: " + "; ".join(problems) + f". {fix}")
 
 
 # ------------------------------------------------------------------------------ parity inputs

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from export.card import MARKER, is_hub_id, render_card
 from export.check import raise_if, schema_problems, weight_problems
-from export.source import NotADrafterError, is_drafter_dir
+from export.source import NotADrafterError, is_drafter_dir, training_output
 from models.config import DFlashConfig
 
 IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
@@ -64,11 +64,17 @@ def check_folder(folder: Path) -> DFlashConfig:
     if not is_drafter_dir(folder):
         raise NotADrafterError(f"--folder {folder} is not a DFlash drafter export (no config.json naming "
                                "DFlashDraftModel): run python -m export.hf (or export.mlx) first")
+    run = training_output(folder)
+    if run is not None:  # fp32, never through the export checks, its target maybe a local path
+        raise ValueError(f"--folder {folder} is a training run's drafter, not an export: export it first "
+                         f"(python -m export.hf --checkpoint {run} --out DIR --target ORG/NAME: bf16, checked for "
+                         "the engines, the target named for the card), then push DIR")
     d = json.loads((folder / "config.json").read_text())
     hf = "quantization" not in d
-    raise_if(schema_problems(d, folder, hf=hf), f"{folder}/config.json fails the engine schema")
+    fix = "Nothing was uploaded: export the drafter again (python -m export.hf / export.mlx) and push that folder"
+    raise_if(schema_problems(d, folder, hf=hf), f"{folder}/config.json fails the engine schema", fix)
     config = DFlashConfig.from_dict(d)
-    raise_if(weight_problems(folder, config), f"{folder} weights")
+    raise_if(weight_problems(folder, config), f"{folder} weights", fix)
     return config
 
 

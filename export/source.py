@@ -51,6 +51,18 @@ def is_drafter_dir(path: Path) -> bool:
     return isinstance(d, dict) and (ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d)
 
 
+def training_output(folder: Path) -> Path | None:
+    """For a training run's drafter folder (``final/drafter``, ``checkpoints/step_N/drafter``), what
+    ``--checkpoint`` takes to export it (the run folder, the checkpoint); None for any other folder."""
+    if folder.name != "drafter":
+        return None
+    if (folder.parent / "trainer_state.json").is_file():
+        return folder.parent
+    if folder.parent.name == "final" and (folder.parent / "config.yaml").is_file():
+        return folder.parent.parent
+    return None
+
+
 def resolve_source(path: str | Path) -> Source:
     """The drafter folder inside ``path`` and its provenance (see the module docstring for layouts)."""
     p = Path(path).expanduser()

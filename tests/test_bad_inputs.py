@@ -962,6 +962,8 @@ def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys)
     ("folder is not a drafter", "is not a DFlash drafter export"),
     ("folder fails the engine schema", "eagle_aux_hidden_state_layer_ids"),
     ("truncated weights", "corrupt or truncated"), ("--report missing", "not found: pass the report.json"),
+    ("a run's final drafter", "final/drafter is a training run's drafter, not an export: export it first (python -m "
+                              "export.hf --checkpoint "),
     ("--report not JSON", "is not valid JSON"), ("--report of another tool", "not an inference.validate report"),
     ("--report of another drafter", "measured with another drafter: block size 16 (this folder: 4)"),
     ("--report of another drafter's weights", "measured with another drafter: other weights (its drafter 'd2' has"),
@@ -969,6 +971,7 @@ def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys)
 def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_drafter, monkeypatch, case,
                                                                  expected):
     import json
+    import shutil
 
     from huggingface_hub import HfApi
 
@@ -994,6 +997,10 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
     elif case == "truncated weights":
         w = folder / "model.safetensors"
         w.write_bytes(w.read_bytes()[:-100])
+    elif case == "a run's final drafter":  # fp32, never through the export checks
+        folder = tmp_path / "run" / "final" / "drafter"
+        shutil.copytree(export_drafter, folder)
+        (folder.parent / "config.yaml").write_text("recipe: tiny\n")
     elif case.startswith("--report"):
         path = tmp_path / "report.json"
         if case == "--report not JSON":
@@ -1018,7 +1025,7 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
                                         "mask_token_id": config.mask_token_id, "draft_signature": other}))
         extra = ["--report", str(path)]
     msg = _export_error("push", ["--folder", str(folder), "--repo", repo] + extra)
-    assert expected in msg
+    assert expected in msg and "Nothing was exported" not in msg  # push's own words, not export's
     assert not (export_drafter / "README.md").exists()
 
 
