@@ -113,7 +113,7 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
     from data.features import OnlineFeatures
     from data.prepare import load_prepared
     from data.store import DTYPES, StoreWriter, target_identity
-    from models.config import default_layer_ids
+    from models.config import ConfigError, default_layer_ids
     from models.target import TargetModel
 
     if dtype not in DTYPES:
@@ -125,7 +125,14 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
         dataset, meta = load_prepared(data, tokenizer=target.tokenizer)
     else:
         dataset = data
-    layer_ids = list(layer_ids) if layer_ids else default_layer_ids(target.num_layers)
+    if not layer_ids:
+        try:
+            layer_ids = default_layer_ids(target.num_layers)
+        except ConfigError:
+            raise ValueError(f"the default 5 taps do not fit a {target.num_layers}-layer target (they lie in layers "
+                             "1..L-3): pass --layers with the drafter's target_layer_ids, e.g. --layers "
+                             + " ".join(map(str, range(1, max(target.num_layers - 2, 2))))) from None
+    layer_ids = list(layer_ids)
     provider = OnlineFeatures(target, layer_ids, dataset, topk=topk)
     lengths = [int(n) for n in dataset["num_tokens"]]
     per_token = bytes_per_token(target.hidden_size, len(layer_ids), dtype, topk)

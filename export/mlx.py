@@ -41,14 +41,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoint (runs/NAME/checkpoints/step_N), run folder (runs/NAME) or HF drafter folder")
     p.add_argument("--out", required=True, help="folder to write (must be new or empty; see --overwrite)")
     p.add_argument("--quantize", type=int, choices=[4, 8], default=None, help="affine-quantize the linears (bits)")
-    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="quantization group (default 64)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
+                   help="quantization group, with --quantize (default 64)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="dtype of the norms and unquantized weights (default bf16)")
     p.add_argument("--target", default=None, help="target Hub id or local folder to record (default: training's); "
                    "also checked against the drafter (a Hub id from its config and tokenizer files only)")
     p.add_argument("--target-revision", default=None, help="target revision to record")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier draftsmith export at --out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.group_size is not None and args.quantize is None:  # was ignored: a bf16 export the user did not expect
+        p.error("--group-size applies to quantized exports: add --quantize 4 (or 8), or leave --group-size out")
+    args.group_size = args.group_size or 64
+    return args
 
 
 def torch_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
@@ -97,9 +102,11 @@ def gate(folder: Path, model, reference, dtype: str, log: Callable[[str], None])
         if not np.isfinite(stats["max_abs"]):
             raise ExportCheckError(f"{what}: logits are not finite; nothing was exported")
         if stats["top1"] < LOW_TOP1:
+            q = model.quantization
+            tries = ["--quantize 8"] * (q["bits"] < 8) + ["a smaller --group-size"] * (q["group_size"] > 32)
             msg = (f"the quantized draft agrees with the full-precision one on only {stats['top1']:.1%} of top-1 "
-                   "tokens (random block): expect lower acceptance; try "
-                   f"{'--quantize 8 or ' if model.quantization['bits'] < 8 else ''}a smaller --group-size")
+                   "tokens (random block): expect lower acceptance; "
+                   + (f"try {' or '.join(tries)}" if tries else "or export it unquantized (bf16)"))
             log(f"warning: {msg}")
     else:
         check_parity(stats, dtype, what)

@@ -57,6 +57,17 @@ def check_repo_id(repo: str) -> str:
     return repo
 
 
+def check_revision(revision: str) -> str:
+    """A branch name git (and so the Hub) accepts; a dry run once passed names the upload then refused."""
+    bad = (not revision or revision.startswith(("-", "/", ".")) or revision.endswith(("/", ".", ".lock"))
+           or any(s in revision for s in ("..", "@{", "//")) or any(c in revision for c in " ~^:?*[\\")
+           or any(ord(c) < 32 or ord(c) == 127 for c in revision))
+    if bad:
+        raise ValueError(f"--revision {revision!r} is not a valid branch name (no spaces, '..', '~^:?*[\\', "
+                         "leading '-', '/' or '.'): use a name like main or v1")
+    return revision
+
+
 def check_folder(folder: Path) -> DFlashConfig:
     """The folder is a drafter export that passes the engine schema and whose weights are readable."""
     if not folder.is_dir():
@@ -119,6 +130,7 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
 
     folder = Path(folder)
     check_repo_id(repo)
+    check_revision(revision)
     config = check_folder(folder)
     loaded = load_report(report) if report else None
     if loaded is not None:

@@ -23,7 +23,10 @@ class ReportError(ValueError):
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
+    """A validate report: its report.json, or the ``--out`` folder that holds one."""
     p = Path(path)
+    if p.is_dir() and (p / "report.json").is_file():
+        p = p / "report.json"
     if not p.is_file():
         raise ReportError(f"--report {p} not found: pass the report.json written by `python -m inference.validate`")
     try:

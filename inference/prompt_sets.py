@@ -70,6 +70,9 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     if n is not None and n < 1:
         raise ValueError(f"--n {n}: give at least 1 prompt per category (or leave --n out for all of them)")
     names = BUILTIN if spec == "all" else (spec,) if spec in BUILTIN else ()
+    if not names and "/" not in spec and not Path(spec).expanduser().exists():  # a mistyped set name
+        raise FileNotFoundError(f"--prompts {spec!r} is not a shipped prompt set ({', '.join(BUILTIN)} or all), a "
+                                "local file or folder, or a Hub data set id org/name")
     sources = [(str(builtin_path(name)), name) for name in names] or [(spec, _source_name(spec))]
     prompts: list[Prompt] = []
     per_category: Counter = Counter()

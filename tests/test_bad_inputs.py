@@ -699,8 +699,11 @@ def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
     empty.write_text(json.dumps({"messages": [{"role": "assistant", "content": "no user turn"}]}) + "\n")
     with pytest.raises(ValueError, match="no usable prompts"):
         _validate(infer_dirs, "--prompts", str(empty))
-    with pytest.raises(FileNotFoundError, match="neither a local file/folder nor a Hub id"):
+    with pytest.raises(FileNotFoundError, match="'nope.jsonl' is not a shipped prompt set \\(code, math, chat, long "
+                                                "or all\\), a local file or folder, or a Hub data set id"):
         _validate(infer_dirs, "--prompts", "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="'cod' is not a shipped prompt set"):  # the names are listed
+        _validate(infer_dirs, "--prompts", "cod")
     with pytest.raises(SystemExit):
         _validate(infer_dirs, "--n", "0")
     assert "--n 0: give at least 1 prompt" in capsys.readouterr().err
@@ -962,6 +965,7 @@ def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys)
     ("folder is not a drafter", "is not a DFlash drafter export"),
     ("folder fails the engine schema", "eagle_aux_hidden_state_layer_ids"),
     ("truncated weights", "corrupt or truncated"), ("--report missing", "not found: pass the report.json"),
+    ("revision that is no branch name", "--revision 'bad..rev' is not a valid branch name"),
     ("a run's final drafter", "final/drafter is a training run's drafter, not an export: export it first (python -m "
                               "export.hf --checkpoint "),
     ("--report not JSON", "is not valid JSON"), ("--report of another tool", "not an inference.validate report"),
@@ -997,6 +1001,8 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
     elif case == "truncated weights":
         w = folder / "model.safetensors"
         w.write_bytes(w.read_bytes()[:-100])
+    elif case == "revision that is no branch name":  # passed the dry run; the upload then failed
+        extra = ["--revision", "bad..rev"]
     elif case == "a run's final drafter":  # fp32, never through the export checks
         folder = tmp_path / "run" / "final" / "drafter"
         shutil.copytree(export_drafter, folder)
@@ -1481,6 +1487,27 @@ def test_static_loop_past_its_preallocated_length(tiny_targets):
     st = StaticTarget(tiny_targets("qwen3"), [1, 3], max_len=16, block_size=8)
     with pytest.raises(ValueError, match="static cache holds 16 positions.*raise max_len"):
         st.forward(torch.zeros(1, 8, dtype=torch.long), start=12)
+
+
+def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
+    """The default 5 taps need 8 layers; the fix once named target_layer_ids, a key data.extract does not have."""
+    from data.extract import extract
+    from models.tiny import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "t", "qwen3", num_layers=6)
+    with pytest.raises(ValueError, match="default 5 taps do not fit a 6-layer target .*pass --layers with the "
+                                         "drafter's target_layer_ids, e.g. --layers 1 2 3$"):
+        extract(str(target), [], tmp_path / "feats")
+
+
+def test_export_mlx_group_size_without_quantize(capsys):
+    """It was ignored: a bf16 export when the user asked for a group size."""
+    from export.mlx import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpoint", "c", "--out", "o", "--group-size", "32"])
+    assert "--group-size applies to quantized exports: add --quantize 4" in capsys.readouterr().err
+    assert parse_args(["--checkpoint", "c", "--out", "o", "--quantize", "4"]).group_size == 64
 
 
 def test_extract_with_no_writer_threads(capsys):

@@ -98,6 +98,10 @@ def test_push_sends_the_exact_operations_and_never_writes_the_token(folder, repo
     printed = capsys.readouterr()
     assert TOKEN not in printed.out + printed.err
     assert all(TOKEN.encode() not in p.read_bytes() for p in folder.iterdir())
+    # validate's --out folder names the same report (it was "not found")
+    again = main(["--folder", str(folder), "--repo", "me/Qwen3-8B-DFlash", "--report", str(report[0].parent),
+                  "--dry-run"])
+    assert again["card"] == result["card"]
 
 
 def test_card_renders_metadata_usage_recipe_and_the_reports_numbers(folder, report, hub):
