@@ -32,7 +32,8 @@ class Completion:
 @dataclass
 class RegenReport:
     rows_total: int = 0
-    already_done: int = 0
+    already_done: int = 0  # answered by an earlier run (resumed)
+    duplicates: int = 0  # the same prompt as a row before it: answered once, shared
     done: int = 0
     failed: int = 0
     truncated: int = 0  # rows with at least one turn cut at max tokens

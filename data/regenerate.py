@@ -196,7 +196,7 @@ def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: b
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    have = done_keys(out)
+    have, queued = done_keys(out), set()
     report = RegenReport(out=str(out))
     failed_path = out.with_name(out.name + ".failed.jsonl")
     start = time.time()
@@ -206,11 +206,12 @@ def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: b
         for conv in convs:
             report.rows_total += 1
             key = conv.get("key", conv["id"])
-            if key in have:  # done by an earlier run, or a duplicate of a conversation already queued
-                report.already_done += 1
+            if key in have or key in queued:  # done by an earlier run, or the same prompt as a row before it
+                report.already_done += key in have
+                report.duplicates += key in queued
                 bar.update(1)
                 continue
-            have.add(key)
+            queued.add(key)
             yield conv
 
     failures = []

@@ -186,14 +186,15 @@ def test_resume_is_keyed_on_conversation_content_not_row_number(target, tmp_path
     before = {r["key"]: r for r in read_rows(tmp_path / "regen.jsonl")}
     # the source is edited: a new conversation comes first, so every old one moves down a row
     new = {"messages": [{"role": "user", "content": "a brand new question"}, {"role": "assistant", "content": "x"}]}
-    edited = [new] + [{"messages": c["messages"]} for c in convs]
+    edited = [new] + [{"messages": c["messages"]} for c in convs] + [new]  # ... and once more at the end
     edited = [{"id": str(i), "key": conversation_key(c["messages"]), **c} for i, c in enumerate(edited)]
     report = regenerate(edited, tmp_path / "regen.jsonl", make(), progress=False)
     assert report.already_done == 3 and report.done == 1  # only the new conversation is generated
+    assert report.duplicates == 1  # its second copy shares the answer (once counted as "already done")
     rows = {r["key"]: r for r in read_rows(tmp_path / "regen.jsonl")}
     fresh = rows[edited[0]["key"]]
     assert fresh["messages"][0]["content"] == "a brand new question"  # not row 0's old answer
-    for conv in edited[1:]:
+    for conv in edited[1:-1]:
         assert rows[conv["key"]] == before[conv["key"]]
 
 
