@@ -2,8 +2,8 @@
 
 A prepared folder (``python -m data.prepare --out DIR``, or ``out_dir/data`` of a training run)
 records in ``draftsmith_data.json`` every setting that changes its rows: the source (and, for a
-local source, its size and modification time and a hash of its content), split, subset, limit, regeneration mode and
-generation settings, thinking switch, max length, packing and the tokenizer. While it is being
+local source, its size and modification time and a hash of its content), split, subset, limit,
+regeneration mode and generation settings, thinking switch, max length, packing and the tokenizer. While it is being
 built, ``draftsmith_data.partial.json`` records the same settings, so an interrupted
 regeneration is recognised and resumed.
 
@@ -135,15 +135,14 @@ def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
         if key not in recorded or recorded[key] == wanted.get(key):
             continue
         if key in ("source", "source_fingerprint"):
-            if key == "source_fingerprint" and recorded.get("source") != wanted.get("source"):
-                continue  # the path's own line says it
             if same_source(recorded, wanted):
                 continue
             if key == "source_fingerprint":
-                diff.append(f"source {wanted['source']!r} changed since it was prepared (its content differs)"
-                            if recorded.get("source_content") else
-                            f"source {wanted['source']!r} changed since it was prepared (size:mtime "
-                            f"{recorded[key]} -> {wanted[key]})")
+                if recorded.get("source") == wanted.get("source"):  # else the path's own line says it
+                    diff.append(f"source {wanted['source']!r} changed since it was prepared (its content differs)"
+                                if recorded.get("source_content") else
+                                f"source {wanted['source']!r} changed since it was prepared (size:mtime "
+                                f"{recorded[key]} -> {wanted[key]})")
                 continue
         label = "pack" if key == "packed" else key
         diff.append(f"{label}: {recorded[key]!r} -> {wanted.get(key)!r}")

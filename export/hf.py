@@ -63,8 +63,7 @@ def provenance(src_prov: dict[str, Any], target: str | None, revision: str | Non
     """The source's provenance with command-line values on top. ``--target`` must be a local folder or a Hub
     id (a mistyped path was once recorded as the target, its check reported as skipped); one that differs
     from the target the run trained against is recorded, with a warning."""
-    from inference.checks import same_model
-    from models.hub import HUB_ID
+    from models.hub import HUB_ID, same_model
 
     prov = dict(src_prov)
     if target:

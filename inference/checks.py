@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,17 +134,6 @@ def recorded_target(directory: str | Path, raw: dict) -> str | None:
     return None
 
 
-def same_model(recorded: str, given: str) -> bool:
-    """Two folders that exist here: the same folder. Otherwise by model name, one containing the other
-    (``Qwen/Qwen3-8B`` and ``mlx-community/Qwen3-8B-4bit``, a Hub cache's ``models--Qwen--Qwen3-8B/snapshots/..``)."""
-    paths = [Path(str(x)).expanduser() for x in (recorded, given)]
-    if all(p.is_dir() for p in paths):
-        return paths[0].resolve() == paths[1].resolve()
-    cached = [re.search(r"models--[^/]+--([^/]+)/snapshots/", str(x)) for x in (recorded, given)]
-    norm = [(m.group(1) if m else str(x).rstrip("/").split("/")[-1]).lower() for m, x in zip(cached, (recorded, given))]
-    return norm[0] == norm[1] or norm[0] in norm[1] or norm[1] in norm[0]
-
-
 def check_pair(cfg: DFlashConfig, facts: TargetFacts, draft_name: str) -> None:
     """A drafter only works with the target it was trained for: compare the two configs."""
     fix = "use a drafter trained for this target"
@@ -193,7 +181,7 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     Hub ids fetch only the small files here (``*.json``, ``*.md``); the weights come with the load.
     """
     from inference.stats import resolve_block_size
-    from models.hub import resolve_model_dir
+    from models.hub import resolve_model_dir, same_model
 
     check_temperature(temperature)
     small = ["*.json", "*.md"]

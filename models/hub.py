@@ -60,6 +60,17 @@ def fetch_model(path_or_id: str | Path, revision: str | None = None, what: str =
     return directory
 
 
+def same_model(recorded: str, given: str) -> bool:
+    """Two folders that exist here: the same folder. Otherwise by model name, one containing the other
+    (``Qwen/Qwen3-8B`` and ``mlx-community/Qwen3-8B-4bit``, a Hub cache's ``models--Qwen--Qwen3-8B/snapshots/..``)."""
+    paths = [Path(str(x)).expanduser() for x in (recorded, given)]
+    if all(p.is_dir() for p in paths):
+        return paths[0].resolve() == paths[1].resolve()
+    cached = [re.search(r"models--[^/]+--([^/]+)/snapshots/", str(x)) for x in (recorded, given)]
+    norm = [(m.group(1) if m else str(x).rstrip("/").split("/")[-1]).lower() for m, x in zip(cached, (recorded, given))]
+    return norm[0] == norm[1] or norm[0] in norm[1] or norm[1] in norm[0]
+
+
 def snapshot_commit(directory: Path) -> str | None:
     """The commit of a ``huggingface_hub`` snapshot folder (``.../snapshots/<commit>``); None for other folders."""
     return directory.name if directory.parent.name == "snapshots" else None
