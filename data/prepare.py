@@ -138,7 +138,7 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     regenerate = None if regenerate in (None, "", "none") else regenerate
     tokenizer, wanted = wanted_settings(target, source, regenerate=regenerate, thinking=thinking,
                                         max_length=max_length, pack=pack, limit=limit, split=split, subset=subset,
-                                        gen_kwargs=gen_kwargs)
+                                        gen_kwargs=gen_kwargs, target_model=target_model)
     if reuse and reusable(out, wanted):
         return read_json(out / STATS_FILE) or {}
     created = not out.exists()
@@ -155,15 +155,22 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
 
 
 def wanted_settings(target: str, source: str, *, regenerate, thinking, max_length, pack, limit, split, subset,
-                    gen_kwargs) -> tuple:
-    """(tokenizer, the settings a folder prepared with these arguments records)."""
+                    gen_kwargs, target_model=None) -> tuple:
+    """(tokenizer, the settings a folder prepared with these arguments records). With local regeneration
+    they include the regenerating target's fingerprint and quantization (``answers_by``): answers of
+    another target, finished or from an interrupted run, are never reused under this one's name."""
     from data.chat import tokenizer_fingerprint
     from data.reuse import row_settings
 
     tokenizer = load_tokenizer(target)
-    return tokenizer, row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
-                                   thinking=thinking, max_length=max_length, pack=pack,
-                                   tokenizer_hash=tokenizer_fingerprint(tokenizer), gen_kwargs=gen_kwargs)
+    wanted = row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
+                          thinking=thinking, max_length=max_length, pack=pack,
+                          tokenizer_hash=tokenizer_fingerprint(tokenizer), gen_kwargs=gen_kwargs)
+    if wanted["regenerate"] == "local":
+        maker = regeneration_provenance(target_model if target_model is not None else target)
+        wanted["answers_by"] = (f"{maker['regenerated_by_fingerprint']} (quantization "
+                                f"{maker['regenerated_by_quantization']})")
+    return tokenizer, wanted
 
 
 def ensure_prepared(target: str, source: str | None, out: str | Path, *, explicit: bool = False,
@@ -193,7 +200,7 @@ def ensure_prepared(target: str, source: str | None, out: str | Path, *, explici
                                     thinking=kwargs.get("thinking"), max_length=kwargs.get("max_length"),
                                     pack=kwargs.get("pack", False), limit=kwargs.get("limit"),
                                     split=kwargs.get("split", "train"), subset=kwargs.get("subset"),
-                                    gen_kwargs=gen_kwargs)
+                                    gen_kwargs=gen_kwargs, target_model=kwargs.get("target_model"))
         diff = settings_diff(meta, wanted)
         if diff:
             log(f"warning: data.prepared={out} was prepared with other settings than the recipe's "

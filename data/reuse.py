@@ -34,10 +34,10 @@ STATS_FILE = "stats.json"
 REGEN_FILE = "regenerated.jsonl"
 CACHE_DIR = ".prepare-cache"
 # Settings that change the prepared rows, compared on re-use (in this order in messages).
-ROW_SETTINGS = ("source", "source_fingerprint", "split", "subset", "limit", "regenerate", "generation", "thinking",
-                "max_length", "packed", "tokenizer_hash")
-# Settings that change the regenerated answers themselves.
-REGEN_SETTINGS = ("regenerate", "generation", "thinking", "tokenizer_hash")
+ROW_SETTINGS = ("source", "source_fingerprint", "split", "subset", "limit", "regenerate", "answers_by", "generation",
+                "thinking", "max_length", "packed", "tokenizer_hash")
+# Settings that change the regenerated answers themselves (answers_by: the local regenerating target).
+REGEN_SETTINGS = ("regenerate", "answers_by", "generation", "thinking", "tokenizer_hash")
 FIX = ("rebuild it with the new settings (data.rebuild=true, or --rebuild for python -m data.prepare), or choose "
        "another folder (data.prepared=DIR, or --out DIR)")
 
@@ -144,7 +144,7 @@ def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
                                 f"source {wanted['source']!r} changed since it was prepared (size:mtime "
                                 f"{recorded[key]} -> {wanted[key]})")
                 continue
-        label = "pack" if key == "packed" else key
+        label = {"packed": "pack", "answers_by": "regenerating target"}.get(key, key)
         diff.append(f"{label}: {recorded[key]!r} -> {wanted.get(key)!r}")
     return diff
 

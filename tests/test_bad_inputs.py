@@ -104,6 +104,30 @@ def test_a_moved_or_touched_source_is_recognised_by_content_and_an_edited_one_is
         check(src)
 
 
+def test_answers_regenerated_by_another_target_are_not_reused_under_its_name(data_target, tmp_path):
+    """data.prepare with local regeneration into a folder another target regenerated once found every answer
+    "already done" and recorded the new target as their author (training then accepted them)."""
+    import json
+
+    from data.prepare import prepare
+    from data.reuse import DataMismatch
+    from models.tiny import save_tiny_target
+
+    other = save_tiny_target(tmp_path / "other", "qwen3", num_layers=2, seed=1)  # same shapes and tokenizer
+    out = tmp_path / "data"
+    run = lambda target, **kw: prepare(str(target), str(_DATA_FIX / "openai.jsonl"), out, regenerate="local",
+                                       progress=False, reuse=True, gen_kwargs={"max_tokens": 4}, **kw)
+    run(data_target)
+    assert run(data_target)["regenerate"]["done"] > 0  # the same target: re-used as it is
+    with pytest.raises(DataMismatch, match="other settings \\(regenerating target: .* \\(quantization none\\)' "
+                                           "-> .*data.rebuild=true"):
+        run(other)
+    stats = run(other, rebuild=True)
+    assert stats["regenerate"]["already_done"] == 0 and stats["regenerate"]["done"] > 0  # answered anew
+    meta = json.loads((out / "draftsmith_data.json").read_text())
+    assert meta["regenerated_by"] == str(other)
+
+
 def test_no_held_out_rows_trains_without_eval(data_target, tmp_path):
     """data.eval_rows=0 once raised IndexError (datasets refuses an empty range starting at len(ds))."""
     from data.prepare import ensure_prepared
