@@ -163,6 +163,27 @@ def test_resume_reads_the_same_rows_from_a_moved_folder_and_refuses_other_rows(t
     assert losses(tmp_path / "cut")[2] == pytest.approx(losses(tmp_path / "full")[2], abs=1e-6)
 
 
+def test_a_fresh_run_over_an_earlier_one_never_mixes_their_checkpoints(tiny, tmp_path, capsys):
+    """A run without resume=true in a used out_dir once kept the earlier run's later checkpoints, which a
+    later resume=true then picked. A finished earlier run is replaced; an unfinished one is refused."""
+    import shutil
+
+    from train.checkpoint import ResumeConfigError, checkpoint_dirs
+
+    base = [*tiny, *FAST, *STEPS, "checkpoint.every=1"]
+    run(tmp_path, *base, "train.max_steps=3")
+    capsys.readouterr()
+    run(tmp_path, *base, "train.max_steps=2", "train.seed=1")
+    assert "removing the earlier (finished) run's checkpoints step_2, step_3" in capsys.readouterr().out
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_1", "step_2"]
+    assert run(tmp_path, *base, "train.max_steps=3", "train.seed=1", "resume=true")["steps"] == 3  # its own steps
+    shutil.rmtree(tmp_path / "final")  # as if it had crashed after step 3's checkpoint
+    with pytest.raises(ResumeConfigError, match="holds an unfinished run \\(newest checkpoint .*step_3, step 3\\): "
+                                                "resume=true continues it; to start over, delete"):
+        run(tmp_path, *base, "train.max_steps=2")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_3"]  # untouched
+
+
 def test_resume_may_lengthen_the_run_and_takes_the_new_schedule(tiny, tmp_path, capsys):
     """Train 2 steps, then resume with train.max_steps=4: steps 3-4 take the learning rates of a 4-step
     run (cosine), and with a constant schedule the very losses of an uninterrupted 4-step run. A length

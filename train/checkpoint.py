@@ -220,6 +220,35 @@ def check_resume_config(ckpt: Path, cfg, log) -> None:
         log(f"resume: settings changed since the checkpoint (harmless): {'; '.join(harmless)}")
 
 
+def clear_for_fresh_start(out_dir: Path, log, accelerator) -> None:
+    """A run without ``resume=true`` in an ``out_dir`` that holds an earlier run's checkpoints.
+
+    Left there, they would mix with the new run's (the older steps stay, and a later ``resume=true``
+    would pick the earlier run's newest). An unfinished earlier run (no ``final/`` newer than its newest
+    checkpoint: a crash, a forgotten ``resume=true``) is refused, never overwritten; a finished one is
+    replaced, as its ``final/`` and ``metrics.jsonl`` are.
+    """
+    newest = latest_checkpoint(out_dir)
+    if newest is None:
+        return
+    final = Path(out_dir) / "final" / "config.yaml"
+    state = newest / "trainer_state.json"
+    finished = final.is_file() and (not state.is_file() or final.stat().st_mtime >= state.stat().st_mtime)
+    if not finished:
+        raise ResumeConfigError(
+            f"{out_dir} holds an unfinished run (newest checkpoint {newest}, step "
+            f"{read_trainer_state(newest).get('step', '?')}): resume=true continues it; to start over, delete "
+            f"{Path(out_dir) / 'checkpoints'} (or choose another out_dir)")
+    accelerator.wait_for_everyone()  # every process has decided before one of them removes anything
+    if accelerator.is_main_process:
+        old = checkpoint_dirs(out_dir)
+        log(f"starting over in {out_dir}: removing the earlier (finished) run's checkpoints "
+            f"{', '.join(p.name for p in old)} (resume=true continues a run instead)")
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
 def resume_checkpoint(cfg, out_dir: Path, log) -> Path | None:
     """The newest checkpoint under ``out_dir`` (None: start from scratch), its settings checked against ``cfg``."""
     ckpt = latest_checkpoint(out_dir)

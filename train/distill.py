@@ -80,7 +80,7 @@ def setup_run(cfg):
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
-    from train.checkpoint import resume_checkpoint
+    from train.checkpoint import clear_for_fresh_start, resume_checkpoint
     from train.loop import Run
 
     cuda = torch.cuda.is_available()
@@ -91,6 +91,8 @@ def setup_run(cfg):
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
+    if not cfg.resume:
+        clear_for_fresh_start(out_dir, log, accelerator)
     config_yaml = cfg.to_yaml()
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
