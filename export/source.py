@@ -107,14 +107,17 @@ def full_precision_source(checkpoint: str | Path, command: str) -> Source:
 
 def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: Path,
               run_root: Path | None = None) -> dict[str, Any]:
+    # The drafter's own block wins: training writes it from the data it actually trained on (a prepared
+    # folder named by data.prepared may differ from the recipe's data keys); older drafters have none.
     existing = json.loads((drafter_dir / "config.json").read_text()).get("draftsmith") or {}
-    prov: dict[str, Any] = dict(existing)
+    prov: dict[str, Any] = {}
     if run_config is not None and run_config.is_file():
         try:
             run = yaml.safe_load(run_config.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{run_config} is not valid YAML ({e}); it is the run config saved by training") from None
         prov.update(provenance_of_run(run, run_root))
+    prov.update(existing)
     steps = _steps(trainer_state, run_config)
     if steps is not None:
         prov["steps"] = steps
@@ -135,6 +138,12 @@ def provenance_of_run(run: dict[str, Any], run_root: Path | None) -> dict[str, A
     elif target and Path(target).expanduser().is_dir():
         prov["target"] = str(Path(target).expanduser().resolve())
     return prov
+
+
+def data_provenance(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``data`` entry of the block from a prepared folder's ``draftsmith_data.json``: what training read."""
+    return {k: meta.get("packed" if k == "pack" else k) for k in DATA_KEYS
+            if meta.get("packed" if k == "pack" else k) is not None}
 
 
 def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:

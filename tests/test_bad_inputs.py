@@ -702,10 +702,17 @@ def test_a_trained_drafter_names_its_target_and_another_folder_of_the_same_name_
 
     d = tiny_input_dirs(tmp_path_factory)
     run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=1",
-        "train.batch_size=4", "train.anchors=8", "eval.batches=1")
+        "train.batch_size=4", "train.anchors=8", "eval.batches=1", "data.max_length=77")
     draft = tmp_path / "run" / "final" / "drafter"
     recorded = json.loads((draft / "config.json").read_text())["draftsmith"]
     assert recorded["target"] == str(Path(d["target"]).resolve()) and recorded["recipe"] == "tiny"
+    # The data trained on is the prepared folder's (data.prepared is used as it is), not the recipe's keys.
+    meta = json.loads((Path(d["data"]) / "draftsmith_data.json").read_text())
+    assert recorded["data"]["source"] == meta["source"] and recorded["data"].get("max_length") == meta["max_length"]
+    assert meta["max_length"] != 77
+    from export.source import resolve_source
+
+    assert resolve_source(tmp_path / "run").provenance["data"] == recorded["data"]  # what an export records
     twin = tmp_path / "elsewhere" / Path(d["target"]).name  # another folder with the same name (and weights)
     shutil.copytree(d["target"], twin)
     monkeypatch.chdir(Path(d["target"]).parent)

@@ -258,17 +258,19 @@ def save_final(run, model) -> Path:
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
     from data.rows import rows_identity
-    from export.source import provenance_of_run
+    from export.source import data_provenance, provenance_of_run
     from train.loop import interrupted_message, make_schedule
     from train.metrics import open_metrics
     from train.setup import data_token_ids, load_data, load_target, make_features, resolve_drafter_config
 
     run = setup_run(cfg)
     target, target_path = load_target(cfg, run.out_dir, run.accelerator, run.log)
-    train_ds, eval_ds, _meta = load_data(cfg, target_path, target, run.out_dir, run.accelerator, run.log)
+    train_ds, eval_ds, meta = load_data(cfg, target_path, target, run.out_dir, run.accelerator, run.log)
     drafter_cfg = resolve_drafter_config(cfg, target, data_token_ids(train_ds), run.mixed_precision, run.log)
     # Checkpoints and final/drafter name their target, so the loops warn when run with another one.
-    drafter_cfg = drafter_cfg.replace(draftsmith=provenance_of_run(cfg.to_dict(), run.out_dir))
+    provenance = provenance_of_run(cfg.to_dict(), run.out_dir)
+    provenance["data"] = data_provenance(meta) or provenance.get("data")  # the rows read, not the recipe's keys
+    drafter_cfg = drafter_cfg.replace(draftsmith=provenance)
     feats, eval_feats = make_features(cfg, target, drafter_cfg.target_layer_ids, train_ds, eval_ds, run.device)
     sched = make_schedule(cfg, len(train_ds), run.world, run.rank)
     drafter = build_drafter(run, drafter_cfg, target)
