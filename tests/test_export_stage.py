@@ -110,6 +110,8 @@ def test_a_training_run_exports_its_final_drafter(tmp_path_factory, tmp_path, mo
     assert hf["draftsmith"] == mlx["draftsmith"]
     prov = hf["draftsmith"]
     assert prov["recipe"] == "tiny" and prov["steps"] == 1 and prov["target"] == str(d["target"])
-    assert prov["target_quantization"] == "none (unquantized weights)" and prov["data"]["source"] == "tiny"
+    assert prov["target_quantization"] == "none (unquantized weights)"
+    # the prepared folder it trained on (data.prepared), not the recipe's data.source=tiny
+    assert prov["data"]["source"] == json.loads((d["data"] / "draftsmith_data.json").read_text())["source"]
     assert mlx["quantization"] == {"bits": 4, "group_size": 32, "mode": "affine"}
     assert hf["dflash_config"] == {k: v for k, v in mlx["dflash_config"].items()}
