@@ -1112,6 +1112,21 @@ def _copy_with(folder, dst, drop=(), config_update=None):
     return dst
 
 
+@pytest.mark.parametrize("override, message", [
+    ("target.dtype=fp16x", "target.dtype='fp16x': use one of \\('auto', 'float32', 'bfloat16', 'float16'\\)"),
+    ("train.epochs=0", "train.epochs=0.0: give a positive number of passes"),  # trained 1 step silently
+    ("train.epochs=-1", "train.epochs=-1.0: give a positive number of passes"),
+    ("train.max_steps=0", "train.max_steps=0 must be >= 1"),
+])
+def test_bad_training_values_fail_at_config_time(override, message):
+    """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(["recipe=tiny", override])
+    assert load_config(["recipe=tiny", "target.dtype=bf16"]).target.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("value, message", [
     ("gptq", "not a quantization draftsmith knows: use none | mlx:PATH_OR_ID"),
     ("mlx-7bit", "7 bits is not an MLX affine width"),

@@ -227,7 +227,11 @@ class RunConfig:
         from models.quant import parse_quantization
 
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
-        choices = {"features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
+        # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
+        self.target.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.target.dtype,
+                                                                                           self.target.dtype)
+        choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),
+                   "features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
                    "train.mixed_precision": ("auto", "bf16", "fp16", "no")}
         for key, allowed in choices.items():
@@ -244,6 +248,11 @@ class RunConfig:
                              "features come from data.extract, which runs the unquantized weights, so the drafter "
                              "would not learn the quantized target. Use features.mode=online, or an MLX-quantized "
                              "target (target.quantization=mlx:DIR, extracted with data.extract --target DIR)")
+        if not self.train.epochs > 0:  # 0 or less once trained one step silently
+            raise ValueError(f"train.epochs={self.train.epochs}: give a positive number of passes over the data "
+                             "(fractions allowed), or train.max_steps=N")
+        if self.train.max_steps is not None and self.train.max_steps < 1:
+            raise ValueError(f"train.max_steps={self.train.max_steps} must be >= 1 (or unset: train.epochs decides)")
         for key in ("train.batch_size", "train.grad_accum", "train.anchors", "drafter.block_size", "train.ce_chunk"):
             section, name = key.split(".")
             if getattr(getattr(self, section), name) < 1:
