@@ -100,9 +100,14 @@ class OnlineFeatures:
         from models.config import ConfigError
 
         self.target, self.layer_ids, self.data, self.topk = target, list(layer_ids), data, topk
-        if self.layer_ids and max(self.layer_ids) >= target.num_layers - 1:
-            raise ConfigError("target_layer_ids", self.layer_ids, f"the last target layer ({target.num_layers - 1}) "
-                              "cannot be tapped (engines cannot capture it)", "tap layers up to L-2")
+        last = target.num_layers - 1
+        bad = [i for i in self.layer_ids if not 0 <= i < last]
+        if bad:  # checked before a store's index is written (a bad id once left one behind)
+            raise ConfigError("target_layer_ids", self.layer_ids, f"layer ids {bad} are outside [0, {last}) for a "
+                              f"{target.num_layers}-layer target (the last layer cannot be tapped: engines cannot "
+                              "capture it)", f"tap layers 0..{last - 1}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ConfigError("target_layer_ids", self.layer_ids, "a layer is tapped twice", "list each layer once")
         tok = target.tokenizer
         tok_pad = tok.pad_token_id if tok is not None else None
         self.pad_id = pad_id if pad_id is not None else (tok_pad if tok_pad is not None else 0)

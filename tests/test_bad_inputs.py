@@ -1544,6 +1544,14 @@ def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match="default 5 taps do not fit a 6-layer target .*pass --layers with the "
                                          "drafter's target_layer_ids, e.g. --layers 1 2 3$"):
         extract(str(target), [], tmp_path / "feats")
+    # A negative id once got as far as writing the store's index (then refusing the corrected rerun), and
+    # an id past the end was reported as "the last layer cannot be tapped".
+    for ids, bad in (([-1, 2], "\\[-1\\]"), ([1, 2, 9], "\\[9\\]"), ([1, 5], "\\[5\\]")):
+        with pytest.raises(ValueError, match=f"layer ids {bad} are outside \\[0, 5\\) for a 6-layer target"):
+            extract(str(target), [], tmp_path / "feats", layer_ids=ids)
+    with pytest.raises(ValueError, match="a layer is tapped twice"):
+        extract(str(target), [], tmp_path / "feats", layer_ids=[1, 1])
+    assert not (tmp_path / "feats").exists()
 
 
 def test_export_mlx_group_size_without_quantize(capsys):
