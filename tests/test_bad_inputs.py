@@ -1112,6 +1112,20 @@ def _copy_with(folder, dst, drop=(), config_update=None):
     return dst
 
 
+def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
+    """target.path=./run/tiny_target then run/tiny_target was refused as a changed setting."""
+    from train.checkpoint import config_changes
+
+    (tmp_path / "run" / "tiny_target").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    saved = {"target": {"path": "./run/tiny_target"}}
+    for same in ("run/tiny_target", str(tmp_path / "run" / "tiny_target")):
+        assert config_changes(saved, {"target": {"path": same}}, {}) == ([], [])
+    (tmp_path / "run" / "other").mkdir()
+    assert config_changes(saved, {"target": {"path": "run/other"}}, {})[0] == [
+        "target.path: './run/tiny_target' -> 'run/other'"]
+
+
 @pytest.mark.parametrize("override, message", [
     ("target.dtype=fp16x", "target.dtype='fp16x': use one of \\('auto', 'float32', 'bfloat16', 'float16'\\)"),
     ("train.epochs=0", "train.epochs=0.0: give a positive number of passes"),  # trained 1 step silently

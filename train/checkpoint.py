@@ -191,6 +191,17 @@ def is_harmless(key: str) -> bool:
     return any(key == h or (h.endswith(".") and key.startswith(h)) for h in HARMLESS_KEYS)
 
 
+# Keys naming files or folders: ./run/target and run/target (or an absolute path) are the same folder.
+PATH_KEYS = ("target.path", "data.source", "features.store")
+
+
+def _same_path(a, b) -> bool:
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
 def config_changes(saved: dict, now: dict, defaults: dict) -> tuple[list[str], list[str]]:
     """(refused, harmless) changes between a checkpoint's config and this run's, as ``key: old -> new``.
     A key the checkpoint predates counts as its default there."""
@@ -198,7 +209,7 @@ def config_changes(saved: dict, now: dict, defaults: dict) -> tuple[list[str], l
     refused, harmless = [], []
     for key in sorted((set(old) | set(new)) - {"resume", "dry_run"}):  # the flags of this very command
         a, b = old.get(key, dflt.get(key)), new.get(key, dflt.get(key))
-        if a != b:
+        if a != b and not (key in PATH_KEYS and _same_path(a, b)):
             (harmless if is_harmless(key) or key in LENGTH_KEYS else refused).append(f"{key}: {a!r} -> {b!r}")
     return refused, harmless
 
