@@ -56,8 +56,9 @@ def test_grad_accumulation_is_exact(tiny, tmp_path):
     its own magnitude in the first steps, so rounding-level gradient differences of different batch
     shapes show up as ~1e-6 in the weights).
     """
-    # eval.batches=32 covers all 32 held-out rows at either batch size.
-    common = [*tiny["args"], *FAST, *STEPS, "train.max_steps=2", "train.anchors=8", "eval.batches=32"]
+    # eval.batches counts optimizer-step batches: 3 x 2 rows either way (it once counted micro-batches, so the
+    # accumulating run evaluated half the rows; covering all of them with eval.batches=32 hid it).
+    common = [*tiny["args"], *FAST, *STEPS, "train.max_steps=2", "train.anchors=8", "eval.batches=3"]
     run(tmp_path / "bs2", *common, "train.batch_size=2", "train.grad_accum=1")
     run(tmp_path / "ga2", *common, "train.batch_size=1", "train.grad_accum=2")
     a, b = losses(tmp_path / "bs2"), losses(tmp_path / "ga2")
@@ -72,6 +73,7 @@ def test_grad_accumulation_is_exact(tiny, tmp_path):
     # Held-out blocks are drawn per row too: the simulated tau does not depend on the batch size.
     tau = [losses(tmp_path / name, "eval_tau_sim")[2] for name in ("bs2", "ga2")]
     assert abs(tau[0] - tau[1]) <= 5e-3, tau
+    assert losses(tmp_path / "bs2", "eval_blocks")[2] == losses(tmp_path / "ga2", "eval_blocks")[2]
 
 
 def test_two_processes_take_the_same_step_as_one(tiny, tmp_path):

@@ -142,7 +142,7 @@ class TrainConfig:
 class EvalConfig:
     every: int = 500  # steps (0 = only at the end)
     at_start: bool = True  # also evaluate the untrained drafter (step 0): the baseline tau
-    batches: int = 8  # held-out batches for the simulated tau
+    batches: int = 8  # held-out step batches (batch_size x grad_accum x processes rows each) for the simulated tau
     true_tau_every: int = 0  # steps between real DFlash generations (0 = only at the end if true_tau_prompts)
     true_tau_prompts: int = 0  # held-out prompts generated with the torch loop (0 = off)
     true_tau_max_new_tokens: int = 128

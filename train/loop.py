@@ -289,7 +289,10 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
     if (run.is_main or sharded) and len(eval_feats):
         row.update(evaluate_sim(drafter, target, eval_feats, list(range(len(eval_feats))),
                                 batch_size=cfg.train.batch_size, num_anchors=cfg.train.anchors, gamma=cfg.gamma,
-                                seed=cfg.train.seed, max_batches=cfg.eval.batches, use_flex=run.use_flex,
+                                # eval.batches counts optimizer-step batches (batch x accum x processes rows), so
+                                # the held-out rows, and the figure, do not depend on how a step is split
+                                seed=cfg.train.seed, max_batches=cfg.eval.batches * cfg.train.grad_accum * run.world,
+                                use_flex=run.use_flex,
                                 ce_chunk=cfg.train.ce_chunk, autocast=run.accelerator.autocast))
         if with_true and prompts:
             with run.accelerator.autocast():
