@@ -220,6 +220,17 @@ def _checked(convs: Iterator[dict], read_stats, source: str) -> Iterator[dict]:
         raise no_usable_rows(source, read_stats)
 
 
+def _answered(convs: Iterator[dict], regen_stats, path: Path) -> Iterator[dict]:
+    """Pass regenerated conversations through; none usable at all is named (it once surfaced as "no
+    conversation to tokenize")."""
+    yield from convs
+    if regen_stats.kept == 0:
+        raise ValueError(f"no regenerated answer is usable ({regen_stats.summary()}): the target answered every "
+                         f"prompt with nothing (or only whitespace). Look at {path}: a target that is barely trained, "
+                         "or ends its turn at once under this chat template / thinking setting, cannot teach a "
+                         "drafter; fit it longer, fix the thinking switch, or prepare without regeneration")
+
+
 def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, thinking, max_length, pack, limit,
            split, subset, streaming, gen_kwargs, progress, num_proc, server_log: Path, engine_timeout, make_room,
            log, target_model=None) -> dict:
@@ -237,7 +248,8 @@ def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, th
                                           server_log, engine_timeout, make_room, log, target_model)
         stats["regenerate"] = json.loads(report.line())["regenerate"]
         regen_stats = ReadStats()
-        convs = regenerated_conversations(out / REGEN_FILE, keys, regen_stats)
+        convs = _answered(regenerated_conversations(out / REGEN_FILE, keys, regen_stats), regen_stats,
+                          out / REGEN_FILE)
     counts = tokenize_to_disk(tokenizer, convs, out, out / CACHE_DIR, thinking=thinking, max_length=max_length,
                               pack=pack, num_proc=num_proc, progress=progress)
     if regenerate:

@@ -128,6 +128,20 @@ def test_answers_regenerated_by_another_target_are_not_reused_under_its_name(dat
     assert meta["regenerated_by"] == str(other)
 
 
+def test_a_target_that_answers_nothing_is_named_not_no_conversation_to_tokenize(data_target, tmp_path, monkeypatch):
+    """A barely fitted target ends every turn at once: all answers are empty and dropped, which surfaced as
+    "no conversation to tokenize"."""
+    import data.regenerate
+    from data.prepare import prepare
+
+    eos_first = lambda target, prompts, *a, **kw: [([], True)] * len(prompts)  # noqa: E731
+    monkeypatch.setattr(data.regenerate, "generate_batch", eos_first)
+    with pytest.raises(ValueError, match="no regenerated answer is usable \\(read 3 rows: kept 0 .*\\): the target "
+                                         "answered every prompt with nothing .*regenerated.jsonl"):
+        prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", regenerate="local",
+                progress=False, gen_kwargs={"max_tokens": 4})
+
+
 def test_no_held_out_rows_trains_without_eval(data_target, tmp_path):
     """data.eval_rows=0 once raised IndexError (datasets refuses an empty range starting at len(ds))."""
     from data.prepare import ensure_prepared
