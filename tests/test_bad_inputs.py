@@ -134,7 +134,7 @@ def test_a_target_that_answers_nothing_is_named_not_no_conversation_to_tokenize(
     import data.regenerate
     from data.prepare import prepare
 
-    eos_first = lambda target, prompts, *a, **kw: [([], True)] * len(prompts)  # noqa: E731
+    eos_first = lambda target, prompts, *a, **kw: [([], True)] * len(prompts)
     monkeypatch.setattr(data.regenerate, "generate_batch", eos_first)
     with pytest.raises(ValueError, match="no regenerated answer is usable \\(read 3 rows: kept 0 .*\\): the target "
                                          "answered every prompt with nothing .*regenerated.jsonl"):
