@@ -79,7 +79,8 @@ def tiny_tokenizer(template: str = "chatml", reserved: int = 0, mask_token: str 
     return fast
 
 
-def _tiny_config(arch: str, vocab_size: int, num_layers: int):
+def tiny_config(arch: str, vocab_size: int, num_layers: int):
+    """The transformers config of a tiny target (no weights): what the builders below and the dry-run plan use."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
@@ -123,7 +124,7 @@ def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_s
     """A tiny causal LM of the given architecture with seeded random weights (fp32, eval mode)."""
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
 
-    config = _tiny_config(arch, vocab_size, num_layers)
+    config = tiny_config(arch, vocab_size, num_layers)
     torch.manual_seed(seed)
     if arch == "qwen3_5_vl":
         model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=dtype)

@@ -1276,6 +1276,20 @@ def test_fp8_without_cuda_says_so(monkeypatch):
 
 
 # ---------------------------------------------------------------- scale-out
+def test_dry_run_of_the_tiny_recipe_plans_the_target_it_builds(monkeypatch):
+    """recipe=tiny --dry-run once said "cannot plan" (the tiny target's shape is fixed in code); a target whose
+    shape is unknown names every missing key."""
+    from train import plan as plan_module
+    from train.config import load_config
+
+    out = plan_module.plan(load_config(["recipe=tiny"]))
+    assert "error" not in out and out["target_layer_ids"] == [1, 2, 3]  # what training taps (6 layers, 3 taps)
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "offline (test)"))
+    out = plan_module.plan(load_config(["recipe=tiny", "target.path=org/unknown"]))
+    assert out["error"] == ("cannot plan: the target's num_hidden_layers, hidden_size, vocab_size unknown (set "
+                            "target.num_layers=N target.hidden_size=N target.vocab_size=N)")
+
+
 @pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x"])
 def test_dry_run_devices_that_are_not_count_x_gib(spec):
     from train.plan import parse_devices

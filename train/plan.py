@@ -21,8 +21,13 @@ def _fetch_config(cfg) -> tuple[dict | None, str]:
     from train.tiny import parse_tiny
 
     path = cfg.target.path
-    if parse_tiny(path):
-        return None, f"{path} is built locally at train time (tiny recipe)"
+    arch = parse_tiny(path)
+    if arch:  # its shape is fixed in code: plan it as built
+        from models.tiny import TINY_VOCAB, tiny_config
+        from train.tiny import NUM_LAYERS
+
+        return (tiny_config(arch, TINY_VOCAB, NUM_LAYERS).to_dict(),
+                f"{path}: the tiny target built at train time ({NUM_LAYERS} layers)")
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
         return json.loads(local.read_text()), f"local {local}"
@@ -129,8 +134,8 @@ def plan(cfg) -> dict:
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not shape.get(k)]
     out: dict = {"recipe": cfg.recipe, "target": cfg.target.path, "target_shape_from": source}
     if missing:
-        key = missing[0].replace("num_hidden_layers", "num_layers")
-        out["error"] = f"cannot plan: target {missing} unknown (set target.{key})"
+        keys = " ".join(f"target.{k.replace('num_hidden_layers', 'num_layers')}=N" for k in missing)
+        out["error"] = f"cannot plan: the target's {', '.join(missing)} unknown (set {keys})"
         return out
     from models.config import DFlashConfig, TargetShape
 

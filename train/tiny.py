@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 FIT_VERSION = 2  # bump when the fitting procedure changes (invalidates cached tiny targets)
+NUM_LAYERS = 6  # of the target tiny:<arch> builds
 
 
-def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: int = 6, seed: int = 0,
+def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: int = NUM_LAYERS, seed: int = 0,
                       fit_steps: int = 100, conversations: int = 512, log=print) -> Path:
     """A tiny target folder (config, safetensors, tokenizer), fitted on tiny chat; cached by its recipe."""
     from data.chat import tokenize_conversation
