@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--temperature {args.temperature}: use 0 for greedy (lossless) decoding or a positive value to sample")
     if args.chat and args.prompt is None:
         p.error("--chat needs --prompt (text); --prompt-ids are used as given")
+    if args.thinking is not None and not args.chat:  # was ignored: the prompt went in raw
+        p.error("--thinking sets the chat template's switch: add --chat (with --prompt)")
     return args
 
 
@@ -76,10 +78,11 @@ def pick_backend(requested: str) -> str:
 
 def parse_prompt_ids(text: str, vocab_size: int | None) -> list[int]:
     """``--prompt-ids 1,2,3``, checked against the target's vocabulary before any model loads."""
+    parts = [x.strip() for x in text.strip().strip(",").split(",")]
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        ids = [int(x) for x in parts] if any(parts) else []
+    except ValueError:  # "1,,2" too: an empty id is a typo, not nothing
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
     return check_prompt_ids(ids, vocab_size)
 
 

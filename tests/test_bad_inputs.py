@@ -627,6 +627,20 @@ def test_generate_prompt_ids_outside_the_vocabulary(infer_dirs, ids, shown):
         _generate(infer_dirs, f"--prompt-ids={ids}")
 
 
+@pytest.mark.parametrize("ids", ["1,,2", "a,b", "1, x"])
+def test_generate_prompt_ids_that_are_not_integers(infer_dirs, ids):
+    """"1,,2" was read as [1, 2]; "a,b" ended without the one-line "error:" form."""
+    with pytest.raises(ValueError, match="--prompt-ids must be comma-separated integers"):
+        _generate(infer_dirs, f"--prompt-ids={ids}")
+
+
+def test_generate_thinking_without_chat(infer_dirs, capsys):
+    """--thinking on with a raw --prompt was silently ignored."""
+    with pytest.raises(SystemExit):
+        _generate(infer_dirs, "--prompt", "hi", "--thinking", "on")
+    assert "--thinking sets the chat template's switch: add --chat" in capsys.readouterr().err
+
+
 def test_generate_negative_temperature(infer_dirs, capsys):
     with pytest.raises(SystemExit):
         _generate(infer_dirs, "--prompt-ids", "1", "--temperature", "-1")

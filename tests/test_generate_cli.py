@@ -58,7 +58,7 @@ def test_mlx_backend_gives_the_torch_tokens(folders, capsys):
 
 def test_bad_input_is_explained(folders):
     target, draft = folders
-    with pytest.raises(SystemExit, match="comma-separated integers"):
+    with pytest.raises(ValueError, match="comma-separated integers"):
         main(["--backend", "torch", "--target", target, "--draft", draft, "--prompt-ids", "1,x"])
     with pytest.raises(ValueError, match="trained block size 8"):
         main(["--backend", "torch", "--target", target, "--draft", draft, "--prompt-ids", "1", "--block-size", "32"])
