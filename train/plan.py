@@ -231,7 +231,9 @@ def print_plan(cfg) -> dict:
         print(f"  schedule: {sc['epochs']} epochs, steps {sc['steps']}, lr {sc['lr']} cosine, warmup "
               f"{sc['warmup_ratio']:.0%}" + (f" ({sc['note']})" if "note" in sc else ""))
         m = p["memory_per_gpu"]
-        print(f"  memory/GPU ~{m['total_gib']} GiB: " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "total_gib"))
+        # the parts for one process holding the whole target; the devices line says what each GPU gets
+        print(f"  memory parts (whole target in one process ~{m['total_gib']} GiB): "
+              + ", ".join(f"{k} {v}" for k, v in m.items() if k != "total_gib"))
         dv = p["devices"]
         if not dv["count"]:
             print(f"  devices: {dv['note']}")
