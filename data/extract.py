@@ -326,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device=device)
     report = extract(target, a.data, a.out, layer_ids=a.layers, dtype=a.dtype, topk=a.topk, batch_size=a.batch_size,
                      shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks, writers=a.writers)
-    print(report.line())
+    # one write per line: the ranks of a launch share stdout, and print's separate newline write let two
+    # ranks' lines run together (a write under PIPE_BUF bytes is atomic)
+    sys.stdout.write(report.line() + "\n")
+    sys.stdout.flush()
     if ranks.is_main and not report.complete:
         sys.exit("extraction stopped early; re-run the same command to resume")
 

@@ -184,10 +184,10 @@ def test_drafter_for_a_qwen35_target_keeps_plain_rope(tmp_path):
     """The Qwen3.5 multimodal target has partial rotary in its nested text_config; the export never copies it,
     and the target check reads the text tower's shape."""
     from models.config import DFlashConfig
-    from models.tiny import _tiny_config, tiny_tokenizer
+    from models.tiny import tiny_config, tiny_tokenizer
 
     target_dir = tmp_path / "qwen35"  # what the check reads: config.json and the tokenizer (no weights needed)
-    _tiny_config("qwen3_5_vl", 288, 8).save_pretrained(target_dir)
+    tiny_config("qwen3_5_vl", 288, 8).save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
     text = json.loads((target_dir / "config.json").read_text())["text_config"]
     assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
