@@ -163,6 +163,8 @@ def run_one(spec_file: Path) -> None:
     else:
         from train.distill import main as distill
 
+        # a run killed during training starts over (distill refuses to start fresh over an unfinished run)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         summary = distill(spec["argv"])
         summary = {"argv": spec["argv"], "last": summary.get("last"), "train_seconds": time.perf_counter() - t0}
         trained.write_text(json.dumps(summary) + "\n")

@@ -94,7 +94,7 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
 
     overrides = {**DRAFTER, **budget["train"], "target.path": str(target_dir), "target.quantization": quantization,
                  "data.source": str(target_dir / "chats.jsonl"), "out_dir": str(out_dir), "train.seed": seed,
-                 "logging.progress": False}
+                 "logging.progress": False, "resume": True}  # an interrupted training goes on (none: from scratch)
     log(f"training drafter against {quantization if quantization != 'none' else 'the unquantized target'} -> {out_dir}")
     distill(["recipe=tiny"] + [f"{k}={v}" for k, v in overrides.items()])
     return final
