@@ -99,7 +99,7 @@ def shard_plan(lengths: list[int], tokens_per_shard: int) -> list[tuple[int, int
 def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None, dtype: str = "bf16",
             topk: int = 0, batch_size: int = 8, shard_mb: float = 2048, shard_tokens: int | None = None,
             max_shards: int | None = None, progress: bool = True, ranks: Ranks | None = None,
-            writers: int = 1) -> ExtractReport:
+            writers: int = 1, force_target: bool = False) -> ExtractReport:
     """Extract features of prepared ``data`` (folder or loaded dataset) with ``target`` into ``out``.
 
     ``max_shards`` stops after writing that many new shards (tests use it to interrupt a run).
@@ -122,7 +122,10 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
         target = TargetModel.from_pretrained(target)
     meta = {}
     if isinstance(data, (str, Path)):
-        dataset, meta = load_prepared(data, tokenizer=target.tokenizer)
+        # answers another target regenerated: training refuses their store, so refuse before hours of extraction
+        dataset, meta = load_prepared(data, tokenizer=target.tokenizer, target=target, force=force_target,
+                                      fix="prepare the data with this target, or pass --force-target to extract "
+                                          "anyway (training then needs data.force_target=true)")
     else:
         dataset = data
     if not layer_ids:
@@ -311,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="per-device budget for --device-map (default: what transformers finds free)")
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default bfloat16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    p.add_argument("--force-target", action="store_true",
+                   help="extract even though another target (or quantization) regenerated the data's answers")
     a = p.parse_args(argv)
     if a.writers < 1:
         p.error(f"--writers {a.writers}: use 1 or more background shard writers")
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         device = a.device or rank_device or ("cuda" if torch.cuda.is_available() else "cpu")
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device=device)
     report = extract(target, a.data, a.out, layer_ids=a.layers, dtype=a.dtype, topk=a.topk, batch_size=a.batch_size,
-                     shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks, writers=a.writers)
+                     shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks, writers=a.writers,
+                     force_target=a.force_target)
     # one write per line: the ranks of a launch share stdout, and print's separate newline write let two
     # ranks' lines run together (a write under PIPE_BUF bytes is atomic)
     sys.stdout.write(report.line() + "\n")
