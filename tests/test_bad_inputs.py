@@ -1158,6 +1158,65 @@ def _copy_with(folder, dst, drop=(), config_update=None):
     return dst
 
 
+def test_a_fresh_run_over_an_earlier_one_never_mixes_their_checkpoints(tmp_path_factory, tmp_path, capsys):
+    """A run without resume=true in a used out_dir once kept the earlier run's later checkpoints, which a
+    later resume=true then picked. A finished earlier run is replaced; an unfinished one is refused."""
+    import shutil
+
+    from test_train_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import ResumeConfigError, checkpoint_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    tiny = [f"target.path={d['target']}", f"data.prepared={d['data']}"]
+    STEPS = ["logging.every=1", "eval.batches=2"]
+
+    base = [*tiny, *FAST, *STEPS, "checkpoint.every=1"]
+    run(tmp_path, *base, "train.max_steps=3")
+    capsys.readouterr()
+    run(tmp_path, *base, "train.max_steps=2", "train.seed=1")
+    assert "removing the earlier (finished) run's checkpoints step_2, step_3" in capsys.readouterr().out
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_1", "step_2"]
+    assert run(tmp_path, *base, "train.max_steps=3", "train.seed=1", "resume=true")["steps"] == 3  # its own steps
+    shutil.rmtree(tmp_path / "final")  # as if it had crashed after step 3's checkpoint
+    with pytest.raises(ResumeConfigError, match="holds an unfinished run \\(newest checkpoint .*step_3, step 3\\): "
+                                                "resume=true continues it; to start over, delete"):
+        run(tmp_path, *base, "train.max_steps=2")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_3"]  # untouched
+
+
+def test_resume_reads_the_same_rows_from_a_moved_folder_and_refuses_other_rows(tmp_path_factory, tmp_path, capsys):
+    """The checkpoint records the rows' identity: data.prepared may then name a copy of the data (a run folder
+    moved elsewhere), which once was refused as a changed setting, while other rows are refused."""
+    import shutil
+    from pathlib import Path
+
+    from datasets import load_from_disk
+
+    from test_train_run import FAST, losses, run, tiny_input_dirs
+    from train.checkpoint import ResumeConfigError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    tiny = [f"target.path={d['target']}", f"data.prepared={d['data']}"]
+    STEPS = ["logging.every=1", "eval.batches=2"]
+    data = Path(tiny[1].split("=", 1)[1])
+    moved, fewer = tmp_path / "moved-data", tmp_path / "fewer-rows"
+    shutil.copytree(data, moved, copy_function=shutil.copy)
+    ds = load_from_disk(str(data))
+    ds.select(range(len(ds) - 1)).save_to_disk(str(fewer))
+    shutil.copy(data / "draftsmith_data.json", fewer)
+    base = [tiny[0], *FAST, *STEPS, "train.max_steps=2", "checkpoint.every=1"]
+    run(tmp_path / "cut", f"data.prepared={data}", *base)
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_2")  # as if stopped after step 1
+    with pytest.raises(ResumeConfigError, match="prepared rows differ from those the checkpoint .*step_1 trained "
+                                                "on .*data order would change"):
+        run(tmp_path / "cut", f"data.prepared={fewer}", *base, "resume=true")
+    capsys.readouterr()
+    run(tmp_path / "cut", f"data.prepared={moved}", *base, "resume=true")
+    assert f"(harmless): data.prepared: '{data}' -> '{moved}'" in capsys.readouterr().out
+    run(tmp_path / "full", f"data.prepared={data}", *base)
+    assert losses(tmp_path / "cut")[2] == pytest.approx(losses(tmp_path / "full")[2], abs=1e-6)
+
+
 def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     """target.path=./run/tiny_target then run/tiny_target was refused as a changed setting."""
     from train.checkpoint import config_changes

@@ -269,7 +269,8 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     drafter_cfg = resolve_drafter_config(cfg, target, data_token_ids(train_ds), run.mixed_precision, run.log)
     # Checkpoints and final/drafter name their target, so the loops warn when run with another one.
     provenance = provenance_of_run(cfg.to_dict(), run.out_dir)
-    provenance["data"] = data_provenance(meta) or provenance.get("data")  # the rows read, not the recipe's keys
+    if data_provenance(meta):  # the rows read (data.prepared is used as it is), not the recipe's data keys
+        provenance["data"] = data_provenance(meta)
     drafter_cfg = drafter_cfg.replace(draftsmith=provenance)
     feats, eval_feats = make_features(cfg, target, drafter_cfg.target_layer_ids, train_ds, eval_ds, run.device)
     sched = make_schedule(cfg, len(train_ds), run.world, run.rank)
