@@ -184,7 +184,7 @@ def ensure_prepared(target: str, source: str | None, out: str | Path, *, explici
     ``draftsmith_data.json`` describes it, and a warning names the settings that differ from the
     recipe's. ``kwargs`` are :func:`prepare`'s.
     """
-    from data.reuse import read_json, settings_diff
+    from data.reuse import ROW_SETTINGS, read_json, settings_diff
 
     out = Path(out)
     log = log or (lambda message: print(message, file=sys.stderr))
@@ -202,7 +202,9 @@ def ensure_prepared(target: str, source: str | None, out: str | Path, *, explici
                                     pack=kwargs.get("pack", False), limit=kwargs.get("limit"),
                                     split=kwargs.get("split", "train"), subset=kwargs.get("subset"),
                                     gen_kwargs=gen_kwargs, target_model=kwargs.get("target_model"))
-        diff = settings_diff(meta, wanted)
+        # pack (and a set thinking) that differ are refused when the rows load: not warned about here too
+        refused = ("packed", "thinking") if kwargs.get("thinking") is not None else ("packed",)
+        diff = settings_diff(meta, wanted, keys=[k for k in ROW_SETTINGS if k not in refused])
         if diff:
             log(f"warning: data.prepared={out} was prepared with other settings than the recipe's "
                 f"({'; '.join(diff)}); using it as it is (data.rebuild=true rebuilds it from the recipe)")

@@ -161,7 +161,7 @@ def test_mismatched_store_is_refused_before_training(tiny, store, tmp_path):
         assert not (out / "metrics.jsonl").exists() and not (out / "final").exists(), "refused before training"
 
 
-def test_packed_rows_train_and_learn(tiny, tmp_path):
+def test_packed_rows_train_and_learn(tiny, tmp_path, capsys):
     """data.pack=true rows (several documents per row) train, and held-out simulated tau improves."""
     import json
 
@@ -169,6 +169,8 @@ def test_packed_rows_train_and_learn(tiny, tmp_path):
     assert meta["packed"]
     with pytest.raises(ValueError, match="prepared with pack=True, the recipe says data.pack=False"):
         run(tmp_path / "unflagged", f"target.path={tiny['target']}", f"data.prepared={tiny['packed']}", *FAST)
+    said = "".join(capsys.readouterr())  # training's log goes to stdout (tqdm.write)
+    assert "data.prepared" in said and "pack: True" not in said, "a refused pack is not also warned about"
     run(tmp_path, f"target.path={tiny['target']}", f"data.prepared={tiny['packed']}", "data.pack=true",
         *FAST, "eval.at_start=true", *STEPS, "train.max_steps=12")
     tau = losses(tmp_path, "eval_tau_sim")
