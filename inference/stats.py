@@ -17,7 +17,7 @@ log = logging.getLogger("inference")
 @dataclass
 class GenerationResult:
     tokens: list[int]
-    acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per cycle
+    acceptance_lengths: list[int] = field(default_factory=list)  # committed per cycle: accepted + 1, fewer at a stop
     position_accepts: list[int] = field(default_factory=list)  # cycles in which draft slot k (1..B-1) was accepted
     block_size: int = 0
     prefill_s: float = 0.0
@@ -39,13 +39,17 @@ class GenerationResult:
         """Accept the longest prefix where draft == target token, plus the target's own token.
 
         Returns ``(keep, stop)``: ``keep`` = accepted drafts + 1 block positions now committed (the
-        previous bonus and the accepted drafts), ``stop`` = why generation ends, or None.
+        previous bonus and the accepted drafts), ``stop`` = why generation ends, or None. The cycle's
+        acceptance length is the tokens it committed: a cycle cut by the first EOS (never emitted) or by
+        the token budget counts only what it emitted, so tau x cycles = tokens produced by decoding.
         """
         accepted = leading_matches(drafts, target_tokens)
-        self.acceptance_lengths.append(accepted + 1)
-        for k in range(accepted):
-            self.position_accepts[k] += 1
+        before = len(self.tokens)
         stop = commit_tokens(drafts[:accepted] + [target_tokens[accepted]], self.tokens, eos_ids, max_new_tokens)
+        committed = len(self.tokens) - before
+        self.acceptance_lengths.append(committed)
+        for k in range(min(accepted, committed)):
+            self.position_accepts[k] += 1
         return accepted + 1, stop
 
     def histogram(self) -> dict[int, int]:

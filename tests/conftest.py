@@ -61,7 +61,7 @@ def expected_acceptance(prompt_len: int, max_new: int, block: int, mistakes: set
         acc = 0
         while acc < block - 1 and (pos + 1 + acc) not in mistakes:
             acc += 1
-        lengths.append(acc + 1)
+        lengths.append(min(acc + 1, max_new - produced))  # the last cycle counts only what it emitted
         pos += acc + 1
         produced += acc + 1
     return lengths

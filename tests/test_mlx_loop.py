@@ -136,9 +136,24 @@ def test_perfect_stand_in_accepts_whole_blocks(runs, arch):
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW,
                           eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
-    assert res.acceptance_lengths == [B] * len(res.acceptance_lengths)
+    *full, last = res.acceptance_lengths  # the last cycle is cut by the token budget: it counts what it emitted
+    assert full == [B] * len(full) and last == (NEW - 1) % B == 7 and sum(res.acceptance_lengths) == NEW - 1
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, set())
-    assert res.tau == B and res.position_accepts == [len(res.acceptance_lengths)] * (B - 1)
+    assert res.tau == (NEW - 1) / len(res.acceptance_lengths)
+    assert res.position_accepts == [len(full) + (k < last) for k in range(B - 1)]
+
+
+def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
+    """The first EOS inside an accepted block is never emitted nor counted: tau x cycles = tokens decoded."""
+    target, seq, drafter = runs("qwen3")
+    gen = seq[len(PROMPT):len(PROMPT) + NEW]
+    cut = next(i for i in range(B + 4, NEW) if gen[i] not in gen[:i])  # inside the second block or later
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW,
+                          eos_token_ids=[gen[cut]])
+    assert res.tokens == gen[:cut] and res.stop_reason == "eos"
+    *full, last = res.acceptance_lengths
+    assert full == [B] * len(full) and last == (cut - 1) - B * len(full) < B
+    assert res.tau * len(res.acceptance_lengths) == pytest.approx(cut - 1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
