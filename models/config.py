@@ -11,7 +11,6 @@ The file is written as JSON from this dataclass, never through a transformers co
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -47,8 +46,9 @@ def default_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
             "num_target_layers", L, f"too few target layers for {n} distinct taps in [1, L-3]",
             f"use fewer taps (at most {max(L - 3, 1)}) or pass target_layer_ids explicitly",
         )
-    # floor(x + 0.5) rather than round(): Python rounds halves to even, the rule rounds them up.
-    return [int(math.floor(1 + i * (L - 4) / (n - 1) + 0.5)) for i in range(n)]
+    # Python's round() (halves to even) on this exact float expression, as the reference trainer and the
+    # serving engines compute their defaults: a half-up rule taps another layer at depths such as 30 or 35.
+    return [int(round(1 + (i * (L - 4)) / (n - 1))) for i in range(n)]
 
 
 def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:

@@ -62,6 +62,8 @@ def test_drafter_rope_is_plain_even_for_a_partial_rotary_target():
 @pytest.mark.parametrize("layers,taps,expected", [
     (36, 5, [1, 9, 17, 25, 33]), (32, 5, [1, 8, 15, 22, 29]), (64, 5, [1, 16, 31, 46, 61]),
     (28, 1, [14]), (8, 3, [1, 3, 5]),
+    # halves round to even, as Python's round() in the reference rule: 20.5 -> 20, 16.5 -> 16, 68.5 -> 68
+    (30, 5, [1, 8, 14, 20, 27]), (35, 3, [1, 16, 32]), (94, 5, [1, 24, 46, 68, 91]),
 ])
 def test_default_layer_ids(layers, taps, expected):
     assert default_layer_ids(layers, taps) == expected
