@@ -10,7 +10,8 @@ so a snapshot costs nothing) and record each linear layer's input; after accepta
 the snapshot and replay only the committed steps through that layer's ``linear_attn``
 (O(accepted), not O(context)). A fully accepted block needs no replay.
 
-``check`` asserts after every cycle that every attention cache holds exactly the committed length.
+``check`` asserts after every cycle that every cache holds exactly the committed length (GatedDeltaNet:
+the verified state when the whole block is kept, else the snapshot + a replay of the kept tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class CacheRollback:
         self.linear = target.linear_attention_layers()
         self._inputs: dict[int, mx.array] = {}
         self._snapshots: dict[int, list] = {}
+        # What ``check`` compares a GatedDeltaNet state with (MLX arrays are immutable, so identity says
+        # which state a cache holds): the arrays after the verify pass, and the tokens replayed since.
+        self._verified: dict[int, list] = {}
+        self._replayed: dict[int, int] = {}
+        self._kept: tuple[int, int] | None = None
 
     @contextmanager
     def recording(self, cache: list):
@@ -40,10 +46,13 @@ class CacheRollback:
         with self.target.capture(record_inputs=[i for i, _ in self.linear]) as cap:
             yield
         self._inputs = cap.inputs
+        self._verified = {i: list(cache[i].cache) for i, _ in self.linear}
+        self._replayed, self._kept = {}, None
 
     def commit(self, cache: list, keep: int, block_len: int) -> None:
         """Keep the first ``keep`` positions of the block just verified."""
         drop = block_len - keep
+        self._kept = (keep, block_len)
         if drop == 0:
             self._inputs.clear()
             return
@@ -63,15 +72,18 @@ class CacheRollback:
             state.cache = list(self._snapshots[i])
             x = self._inputs[i][:, :keep]
             layer.linear_attn(layer.input_layernorm(x), None, state)
+            self._replayed[i] = x.shape[1]
         self._inputs.clear()
 
-    @staticmethod
-    def check(cache: list, committed: int) -> None:
-        """Every attention cache must hold exactly the committed tokens (rotating: a consistent window)."""
+    def check(self, cache: list, committed: int) -> None:
+        """Every attention cache must hold exactly the committed tokens (rotating: a consistent window);
+        every GatedDeltaNet state is the verified one (whole block kept) or the snapshot + a replay of
+        exactly the kept tokens."""
         for idx, c in enumerate(cache):
             if isinstance(c, ArraysCache):
                 if c.cache[0] is None or c.cache[1] is None:
                     raise AssertionError(f"target cache layer {idx} (GatedDeltaNet) has no state after a cycle")
+                self._check_state(idx, c)
                 continue
             n = c.offset
             if n != committed:
@@ -85,6 +97,21 @@ class CacheRollback:
             elif isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] < committed:
                 raise AssertionError(f"target cache layer {idx} buffer has {c.keys.shape[2]} rows "
                                      f"< committed {committed}")
+
+
+    def _check_state(self, idx: int, c: ArraysCache) -> None:
+        if self._kept is None or idx not in self._verified:
+            return
+        keep, block_len = self._kept
+        verified = any(a is b for a, b in zip(c.cache, self._verified[idx]))
+        snapshot = any(a is b for a, b in zip(c.cache, self._snapshots[idx]))
+        ok = verified if keep == block_len else not verified and not snapshot and self._replayed.get(idx) == keep
+        if not ok:
+            where = ("the verified block's state" if verified else "the snapshot, not replayed" if snapshot else
+                     f"a replay of {self._replayed.get(idx)} tokens")
+            raise AssertionError(f"target cache layer {idx} (GatedDeltaNet) holds {where}; {keep} of the "
+                                 f"{block_len} verified tokens were committed: its state is not at the "
+                                 "committed length")
 
 
 def trim_rotating(c: RotatingKVCache, n: int) -> None:

@@ -22,6 +22,12 @@ class CacheRollback:
         self.linear = target.linear_attention_modules()
         self._inputs: dict[int, torch.Tensor] = {}
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Tokens each GatedDeltaNet layer folded into its state since the snapshot, counted where they
+        # enter the module (verify pass, then replay): ``check`` wants exactly the committed ones.
+        self._folded: dict[int, int] = {}
+        self._kept: int | None = None
+        self._handles: list = []
+        self._recording = False
 
     @contextmanager
     def recording(self, cache):
@@ -33,40 +39,65 @@ class CacheRollback:
         for i, _ in self.linear:
             layer = cache.layers[i]
             self._snapshots[i] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
-        handles = [m.register_forward_pre_hook(self._recorder(i), with_kwargs=True) for i, m in self.linear]
+        self._release()
+        self._folded, self._kept, self._recording = dict.fromkeys(self._snapshots, 0), None, True
+        # The hooks stay until commit's replay has run through the modules too.
+        self._handles = [m.register_forward_pre_hook(self._recorder(i), with_kwargs=True) for i, m in self.linear]
         try:
             yield
+        except BaseException:
+            self._release()
+            raise
         finally:
-            for h in handles:
-                h.remove()
+            self._recording = False
 
     def _recorder(self, idx: int):
         def hook(_module, args, kwargs):
-            self._inputs[idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            if self._recording:
+                self._inputs[idx] = x
+            self._folded[idx] += x.shape[1]
         return hook
+
+    def _release(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def commit(self, cache, keep: int, block_len: int) -> None:
         """Keep the first ``keep`` positions of the block just verified."""
         drop = block_len - keep
-        if drop == 0:
-            return
-        for layer in cache.layers:
-            if not isinstance(layer, LinearAttentionCacheLayerMixin):
-                layer.crop(-drop)
-        for i, module in self.linear:
-            layer = cache.layers[i]
-            conv, rec = self._snapshots[i]
-            layer.conv_states[0].copy_(conv)
-            layer.recurrent_states[0].copy_(rec)
-            module(hidden_states=self._inputs[i][:, :keep], cache_params=cache, attention_mask=None)
-        self._inputs.clear()
+        self._kept = keep
+        try:
+            if drop == 0:
+                return
+            for layer in cache.layers:
+                if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                    layer.crop(-drop)
+            for i, module in self.linear:
+                layer = cache.layers[i]
+                conv, rec = self._snapshots[i]
+                layer.conv_states[0].copy_(conv)
+                layer.recurrent_states[0].copy_(rec)
+                self._folded[i] = 0  # back at the snapshot; the replay below is counted by the hook
+                module(hidden_states=self._inputs[i][:, :keep], cache_params=cache, attention_mask=None)
+        finally:
+            self._inputs.clear()
+            self._release()
 
-    @staticmethod
-    def check(cache, committed: int) -> None:
-        """Every attention layer must hold exactly the committed tokens."""
+    def check(self, cache, committed: int) -> None:
+        """Every attention layer holds exactly the committed tokens; every GatedDeltaNet state holds its
+        snapshot (taken at the previous committed length) plus exactly the ``keep`` committed tokens."""
         for idx, layer in enumerate(cache.layers):
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 continue
             n = layer.get_seq_length()
             if n != committed:
                 raise AssertionError(f"target cache layer {idx} holds {n} positions, committed length is {committed}")
+        if self._kept is None:
+            return
+        for idx, n in self._folded.items():
+            if n != self._kept:
+                raise AssertionError(f"target cache layer {idx} (GatedDeltaNet) folded {n} tokens of the last "
+                                     f"block into its state, {self._kept} were committed: its state is not "
+                                     "at the committed length")

@@ -6,6 +6,7 @@ the DFlash output is token-exact; no prompt or seed needed special picking.
 """
 
 import json
+import types
 from collections import Counter
 
 import numpy as np
@@ -230,6 +231,30 @@ def test_model_is_unmodified_after_generation(runs, tmp_path):
     assert all(x is y for x, y in zip(target.layers, layers))
     after = dict(tree_flatten(target.model.parameters()))
     assert after.keys() == params.keys() and all(np.array_equal(np.array(after[k]), v) for k, v in params.items())
+
+
+@pytest.mark.parametrize("broken", [None, "no restore", "no replay"])
+def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broken):
+    """Twin of the torch check: a commit that leaves the GatedDeltaNet state at the verified block, or
+    restores the snapshot without replaying the kept tokens, is caught by the per-cycle check."""
+    from inference.rollback_mlx import CacheRollback
+
+    target, seq, _ = runs("qwen3_5")
+    keep = 3
+    cache = target.new_cache()
+    target.forward(mx.array([PROMPT]), cache=cache)
+    rollback = CacheRollback(target)
+    with rollback.recording(cache):
+        target.forward(mx.array([seq[len(PROMPT):len(PROMPT) + B]]), cache=cache)
+    silent = types.SimpleNamespace(input_layernorm=lambda x: x, linear_attn=lambda *a: None)
+    rollback.linear = {None: rollback.linear, "no restore": [],
+                       "no replay": [(i, silent) for i, _ in rollback.linear]}[broken]
+    rollback.commit(cache, keep=keep, block_len=B)
+    if broken is None:
+        rollback.check(cache, len(PROMPT) + keep)
+        return
+    with pytest.raises(AssertionError, match="GatedDeltaNet"):
+        rollback.check(cache, len(PROMPT) + keep)
 
 
 def test_unsupported_model_type_is_refused(tmp_path):

@@ -128,6 +128,33 @@ def test_rollback_restores_exactly_what_the_committed_tokens_give(tiny_targets, 
             assert_close(a.conv_states[0], b.conv_states[0], tol, f"layer {i} conv state")
         else:
             assert a.get_seq_length() == b.get_seq_length() == len(PROMPT) + keep
+    rollback.check(rolled, len(PROMPT) + keep)  # the state holds its snapshot + the keep committed tokens
+
+
+@pytest.mark.parametrize("broken", ["no restore", "no replay", "replays the block"])
+def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(tiny_targets, broken):
+    """The per-cycle check covers GatedDeltaNet states too (it once looked at attention caches only): a
+    commit that crops attention but leaves the recurrent state at the verified block, restores it
+    without replaying, or replays all of the block is caught, not turned into silently other tokens."""
+    from inference.rollback_torch import CacheRollback
+
+    target = tiny_targets("qwen3_5")
+    block, keep = [11, 12, 13, 14, 15, 16, 17, 18], 3
+    cache = target.new_cache()
+    target.forward(torch.tensor([PROMPT]), cache=cache, with_logits=False)
+    rollback = CacheRollback(target)
+    with rollback.recording(cache):
+        target.forward(torch.tensor([block]), cache=cache, with_logits=False)
+    whole = dict(rollback._inputs)
+    rollback.linear = {
+        "no restore": [],  # commit crops the attention caches and skips the GatedDeltaNet layers
+        "no replay": [(i, lambda **kw: None) for i, _ in rollback.linear],
+        "replays the block": [(i, lambda m=m, i=i, **kw: m(**{**kw, "hidden_states": whole[i]}))
+                              for i, m in rollback.linear],
+    }[broken]
+    rollback.commit(cache, keep=keep, block_len=len(block))
+    with pytest.raises(AssertionError, match="GatedDeltaNet"):
+        rollback.check(cache, len(PROMPT) + keep)
 
 
 def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
