@@ -229,9 +229,19 @@ class TargetModel:
         return self.lm_head(hidden)
 
     def new_cache(self):
-        from transformers import DynamicCache
+        """A cache the loops can roll back: sliding-window attention layers get a full layer.
 
-        return DynamicCache(config=self.model.config)
+        transformers' sliding layer drops its oldest positions once the window is full and then refuses
+        ``crop``; a full layer keeps every position and the model's sliding-window mask (built from the
+        config, not from the cache) still limits what each query sees, so outputs are the same.
+        """
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                        for layer in cache.layers]
+        return cache
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layer_ids: list[int] | None = None, *, cache=None,

@@ -215,3 +215,28 @@ def test_mismatched_drafter_and_target_is_refused(runs):
     wrong = DFlashDraftModel(tiny_drafter_config(target, num_target_layers=12, target_layer_ids=[1, 5, 9]))
     with pytest.raises(ValueError, match="num_target_layers=12: the target has 8 decoder layers"):
         DrafterProposer(wrong, target)
+
+
+def test_sliding_window_target_rolls_back_past_a_full_window():
+    """A target with sliding-window layers (window 6 < prompt): its cache keeps full layers so the rollback
+    can crop them once the window is full (transformers' sliding layer refused crop there), and the
+    loop's tokens equal greedy decoding by full forwards without any cache, an independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    from models.target import TargetModel
+    from models.tiny import tiny_config
+
+    cfg = tiny_config("qwen3", 288, 6)
+    cfg.use_sliding_window, cfg.sliding_window, cfg.max_window_layers = True, 6, 0
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 3
+    torch.manual_seed(0)
+    target = TargetModel(AutoModelForCausalLM.from_config(cfg).eval())
+    seq = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(40 + 2 * B):
+            seq.append(int(target.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    res = dflash_generate(target, ReferenceProposer(seq, [1, 3, 5], B, 288, MISTAKES), PROMPT, 40,
+                          eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + 40]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 40, B, MISTAKES)
+    assert target_generate(target, PROMPT, 40, eos_token_ids=[]).tokens == res.tokens
