@@ -186,12 +186,11 @@ def _flat(params):
 def _finish_folder(folder: Path, quantized: bool) -> None:
     """A quantized folder is MLX-only (no ``auto_map``); an unquantized one ships the modeling file."""
     from export.check import modeling_file_name
+    from models.config import mlx_only
 
     if quantized:
         path = folder / "config.json"
-        d = json.loads(path.read_text())
-        d.pop("auto_map", None)
-        path.write_text(json.dumps(d, indent=2) + "\n")
+        path.write_text(json.dumps(mlx_only(json.loads(path.read_text())), indent=2) + "\n")
     else:
         shipped = Path(__file__).resolve().parent.parent / "models" / "hf_dflash.py"
         (folder / modeling_file_name()).write_text(shipped.read_text())

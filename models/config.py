@@ -51,6 +51,12 @@ def default_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
     return [int(round(1 + (i * (L - 4)) / (n - 1))) for i in range(n)]
 
 
+def mlx_only(d: dict[str, Any]) -> dict[str, Any]:
+    """The config of a folder only MLX reads (packed quantized weights): without ``auto_map``, so no
+    transformers loader is pointed at a modeling file that cannot load it."""
+    return {k: v for k, v in d.items() if k != "auto_map"}
+
+
 def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:
     """First embedding row the tokenizer never emits (Qwen3: 151669)."""
     emitted = set(int(i) for i in emitted_ids)
