@@ -1184,6 +1184,40 @@ def test_a_fresh_run_over_an_earlier_one_never_mixes_their_checkpoints(tmp_path_
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_3"]  # untouched
 
 
+@pytest.mark.parametrize("caught_by", ["logged loss", "checkpoint"])
+def test_a_diverged_run_stops_and_saves_nothing_non_finite(tmp_path_factory, tmp_path, monkeypatch, caught_by):
+    """Weights gone NaN once trained on and were saved as checkpoints (keep_last then deleting the good
+    ones) and as a final drafter. The run now stops at the next logged loss or checkpoint, naming the
+    newest checkpoint (finite, kept) and what to change; nothing non-finite is written."""
+    import torch
+
+    import train.loop
+    from test_train_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import checkpoint_dirs
+    from train.loop import TrainingDiverged
+
+    d = tiny_input_dirs(tmp_path_factory)
+    real, steps = train.loop.train_step, []
+
+    def poisoned(run_, model, *args, **kwargs):  # the weights go NaN in the optimizer step of step 3
+        stats = real(run_, model, *args, **kwargs)
+        steps.append(1)
+        if len(steps) == 3:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+        return stats
+
+    monkeypatch.setattr(train.loop, "train_step", poisoned)
+    every = ["logging.every=1", "checkpoint.every=100"] if caught_by == "logged loss" else \
+        ["logging.every=100", "checkpoint.every=2"]
+    with pytest.raises(TrainingDiverged, match="training diverged at step 4: .*Nothing non-finite was saved"):
+        run(tmp_path, f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=6",
+            "eval.batches=1", "checkpoint.keep_last=1", *every)
+    assert not (tmp_path / "final").exists()
+    kept = [p.name for p in checkpoint_dirs(tmp_path)]
+    assert kept == ([] if caught_by == "logged loss" else ["step_2"])  # step 4 not written, step 2 not rotated out
+
+
 def test_resume_reads_the_same_rows_from_a_moved_folder_and_refuses_other_rows(tmp_path_factory, tmp_path, capsys):
     """The checkpoint records the rows' identity: data.prepared may then name a copy of the data (a run folder
     moved elsewhere), which once was refused as a changed setting, while other rows are refused."""
@@ -1236,6 +1270,14 @@ def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     ("train.epochs=0", "train.epochs=0.0: give a positive number of passes"),  # trained 1 step silently
     ("train.epochs=-1", "train.epochs=-1.0: give a positive number of passes"),
     ("train.max_steps=0", "train.max_steps=0 must be >= 1"),
+    ("train.gamma=0", "train.gamma=0.0 must be > 0"),  # trained to NaN and saved a NaN "final drafter"
+    ("train.gamma=-1", "train.gamma=-1.0 must be > 0"),
+    ("train.lr=0", "train.lr=0.0 must be > 0"),
+    ("train.warmup_ratio=1", "train.warmup_ratio=1.0 must be in \\[0, 1\\)"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio=2.0 must be in \\[0, 1\\]"),
+    ("train.clip=-1", "train.clip=-1.0 must be >= 0"),
+    ("train.kl_topk=0", "train.kl_topk=0 must be >= 1"),
+    ("train.betas=[0.9,1.5]", "train.betas=\\[0.9, 1.5\\] must be two numbers in \\[0, 1\\)"),
 ])
 def test_bad_training_values_fail_at_config_time(override, message):
     """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""

@@ -257,6 +257,21 @@ class RunConfig:
             section, name = key.split(".")
             if getattr(getattr(self, section), name) < 1:
                 raise ValueError(f"{key} must be >= 1")
+        # Values that train to NaN or to nothing, without an error, if let through
+        numbers = {"train.gamma": (self.train.gamma, self.train.gamma is None or self.train.gamma > 0, "> 0 (the loss "
+                                   "weight exp(-(k-1)/gamma) divides by it; unset = the paper's value)"),
+                   "train.lr": (self.train.lr, self.train.lr > 0, "> 0"),
+                   "train.min_lr_ratio": (self.train.min_lr_ratio, 0 <= self.train.min_lr_ratio <= 1, "in [0, 1]"),
+                   "train.warmup_ratio": (self.train.warmup_ratio, 0 <= self.train.warmup_ratio < 1, "in [0, 1)"),
+                   "train.clip": (self.train.clip, self.train.clip >= 0, ">= 0 (0 = no clipping)"),
+                   "train.weight_decay": (self.train.weight_decay, self.train.weight_decay >= 0, ">= 0"),
+                   "train.kl_weight": (self.train.kl_weight, self.train.kl_weight >= 0, ">= 0"),
+                   "train.kl_topk": (self.train.kl_topk, self.train.kl_topk >= 1, ">= 1")}
+        for key, (value, ok, rule) in numbers.items():
+            if not ok:
+                raise ValueError(f"{key}={value} must be {rule}")
+        if len(self.train.betas) != 2 or not all(0 <= b < 1 for b in self.train.betas):
+            raise ValueError(f"train.betas={self.train.betas} must be two numbers in [0, 1), e.g. [0.9,0.95]")
         _ = self.gamma
 
     def resolved_out_dir(self) -> Path:

@@ -194,8 +194,8 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
 
     from train.checkpoint import save_checkpoint
     from train.eval import held_out_prompts
-    from train.loop import (Throughput, advance, checkpoint_due, draw_step, eval_due, run_eval, step_row,
-                            train_step)
+    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, nonfinite_weights,
+                            run_eval, step_row, train_step)
     from train.rng import epoch_order
 
     cfg = run.cfg
@@ -218,6 +218,8 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             final = state.step == sched.total_steps
             if state.step % cfg.logging.every == 0 or final:
                 last = step_row(run, state, stats, scheduler, speed, progress)
+                if not math.isfinite(last["loss"]):
+                    raise diverged(run, state.step, f"the loss is {last['loss']}")
                 # No bar (logs, CI): the console still gets every logged step.
                 logger.log(last, echo=None if cfg.logging.progress else "step")
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['tau']:.2f}",
@@ -228,6 +230,8 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             if evaluate:
                 run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger)
             if checkpoint_due(cfg, state.step, final):
+                if nonfinite_weights(run, model):  # never saved: keep_last would delete the good checkpoints
+                    raise diverged(run, state.step, "the drafter's weights hold NaN / inf")
                 state.wandb_run_id = logger.wandb_run_id
                 save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
                                 cfg.checkpoint.keep_last)
@@ -239,7 +243,11 @@ def save_final(run, model) -> Path:
     """``out_dir/final/drafter`` (bf16 when trained in bf16) and the config it was trained with."""
     from train.checkpoint import CheckpointError, latest_checkpoint, save_drafter
 
+    from train.loop import diverged, nonfinite_weights
+
     final = run.out_dir / "final"
+    if nonfinite_weights(run, model):
+        raise diverged(run, None, "the drafter's weights hold NaN / inf")
     try:
         save_drafter(run.accelerator, model, final / "drafter",
                      dtype=torch.bfloat16 if run.mixed_precision == "bf16" else None)

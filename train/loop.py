@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.cli import UserError
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.rng import epoch_order, row_generators
 
@@ -235,6 +236,33 @@ def advance(state: LoopState, sched: Schedule, stats: StepStats) -> None:
     state.tokens_seen += stats.tokens_all
     if state.step_in_epoch >= sched.steps_per_epoch:
         state.epoch, state.step_in_epoch = state.epoch + 1, 0
+
+
+class TrainingDiverged(UserError, RuntimeError):
+    """The loss or the drafter's weights became NaN / inf: stop before anything non-finite is saved."""
+
+
+def nonfinite_weights(run: Run, model) -> bool:
+    """True when any process holds a NaN / inf weight (one collective, so every process agrees: an FSDP
+    shard that went bad on one rank stops all of them)."""
+    bad = torch.zeros((), device=run.device)
+    for p in model.parameters():
+        bad = bad + (~torch.isfinite(p.detach())).any().float()
+    return bool(run.accelerator.reduce(bad, "sum") > 0)
+
+
+def diverged(run: Run, step: int | None, what: str) -> TrainingDiverged:
+    """The error that ends a diverged run: what went non-finite, and what the user can change."""
+    from train.checkpoint import latest_checkpoint
+
+    t = run.cfg.train
+    newest = latest_checkpoint(run.out_dir)
+    kept = f"the newest checkpoint, {newest}, was saved before it" if newest else "no checkpoint was saved"
+    at = "" if step is None else f" at step {step}"
+    return TrainingDiverged(
+        f"training diverged{at}: {what}. Nothing non-finite was saved ({kept}). Lower train.lr "
+        f"(now {t.lr}), raise train.warmup_ratio (now {t.warmup_ratio}) or keep train.clip > 0 (now {t.clip}), "
+        "and start again")
 
 
 # ----------------------------------------------------------------------------- logging
