@@ -1626,6 +1626,7 @@ def test_ablation_budget_larger_than_the_chats_of_the_target(tmp_path):
     target.mkdir()
     (target / STAMP_FILE).write_text("{}")
     (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
+    (target / "prompts.jsonl").write_text('{"messages": []}\n' * 16)
     with pytest.raises(ValueError, match="has 3 conversations, the budget needs 10: use fewer --steps"):
         main(["--grid", "paper", "--steps", "10", "--target", str(target), "--out", str(tmp_path / "abl")])
 
@@ -1639,6 +1640,54 @@ def test_ablation_target_folder_not_from_small_target(tmp_path):
     (target / STAMP_FILE).write_text("{}")
     with pytest.raises(FileNotFoundError, match="chats.jsonl not found: the target folder must come from"):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
+
+
+def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
+    """The table once said "true tau on 16 held-out prompts" when the target had 2."""
+    from train.ablate import main
+    from train.small_target import STAMP_FILE
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / STAMP_FILE).write_text("{}")
+    (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
+    (target / "prompts.jsonl").write_text('{"messages": []}\n' * 2)
+    with pytest.raises(ValueError, match="--prompts 16 but .*prompts.jsonl holds 2 held-out prompts: use --prompts 2"):
+        main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
+
+
+def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
+    """--table-only ("run nothing") once built a missing target (16 min), prepared data and replaced
+    table.md with an empty table when no run matched its flags."""
+    from train.ablate import main
+    from train.small_target import STAMP_FILE
+
+    out = tmp_path / "abl"
+    with pytest.raises(FileNotFoundError, match="--table-only: .*nosuch is not a small target"):
+        main(["--table-only", "--target", str(tmp_path / "nosuch"), "--out", str(out)])
+    assert not (tmp_path / "nosuch").exists() and not out.exists()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / STAMP_FILE).write_text("{}")
+    (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
+    (target / "prompts.jsonl").write_text('{"messages": []}\n' * 16)
+    out.mkdir()
+    (out / "table.md").write_text("the table of earlier runs\n")
+    assert main(["--table-only", "--steps", "9", "--target", str(target), "--out", str(out)])["rows"] == []
+    assert (out / "table.md").read_text() == "the table of earlier runs\n"
+    assert sorted(p.name for p in out.iterdir()) == ["table.md"]  # no data variant, no run folder
+
+
+def test_small_target_refuses_to_build_over_another_folder(tmp_path):
+    """--target / --out naming an existing model folder once had it overwritten by a small target."""
+    from train.small_target import build_small_target
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="my-model exists and is not a small target .*Pick another folder"):
+        build_small_target(folder, steps=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
 
 
 def test_ablation_on_cuda_without_a_gpu(monkeypatch):
@@ -1656,6 +1705,8 @@ def test_ablation_on_cuda_without_a_gpu(monkeypatch):
     (["--hidden", "66"], "--hidden must be a multiple of 4"),
     (["--vocab", "100"], "--vocab must be >= 300"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--seq-len", "3000"], "--seq-len 3000 is longer than the target's 2048 positions"),
+    (["--corpus", str(_DATA_FIX)], "usable .py files"),  # a folder without enough sources: once an IndexError
 ])
 def test_small_target_bad_settings(tmp_path, argv, message):
     from train.small_target import main

@@ -68,23 +68,46 @@ def test_small_target_is_cached(small_target):
     assert stamp["corpus_hash"] and stamp["spec"]["steps"] == SETTINGS["steps"]
 
 
-def test_one_ablation_cell_end_to_end(small_target, tmp_path):
+def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
+    import shutil
+
     from train.ablate import main
 
-    out = main(["--grid", "paper", "--seeds", "1", "--steps", "8", "--anchors", "8", "--prompts", "2",
-                "--max-new-tokens", "16", "--regen-tokens", "24", "--max-length", "160",
-                "--target", str(small_target), "--out", str(tmp_path / "abl")])
+    target = tmp_path / "target"  # a copy: "rebuilt" below
+    shutil.copytree(small_target, target)
+    budget = ["--seeds", "1", "--steps", "8", "--anchors", "8", "--prompts", "2", "--max-new-tokens", "16",
+              "--regen-tokens", "24", "--max-length", "160", "--target", str(target), "--out", str(tmp_path / "abl")]
+    out = main(["--grid", "paper", *budget])
     (row,) = out["rows"]
     assert row["cell"] == "paper" and row["seeds"] == 1
     result = json.loads((tmp_path / "abl" / "paper" / "seed0" / "result.json").read_text())
     assert result["prompts"] == 2 and result["cycles"] >= 2 * 16 // 8  # at most 8 tokens per cycle
-    assert 1.0 <= result["tau_pooled"] <= 8.0 and 1.0 <= result["tau_per_prompt"] <= 8.0
-    assert "| paper |" in (tmp_path / "abl" / "table.md").read_text()
+    assert 0.5 <= result["tau_pooled"] <= 8.0 and 0.5 <= result["tau_per_prompt"] <= 8.0
+    table = (tmp_path / "abl" / "table.md").read_text()
+    assert "| paper |" in table and "(1 seed)" in table and "+/- 0.000" not in table  # no spread from one seed
     # Resumable: a rerun skips the finished run and gives the same table.
-    again = main(["--grid", "paper", "--seeds", "1", "--steps", "8", "--anchors", "8", "--prompts", "2",
-                  "--max-new-tokens", "16", "--regen-tokens", "24", "--max-length", "160",
-                  "--target", str(small_target), "--out", str(tmp_path / "abl")])
-    assert again["rows"][0]["tau_pooled"] == row["tau_pooled"]
+    capsys.readouterr()
+    again = main(["--grid", "paper", *budget])
+    assert again["rows"][0]["tau_pooled"] == row["tau_pooled"] and "1 done, 0 to run" in capsys.readouterr().out
+    # A finished run of another cell, run alone: the table keeps the paper row (a partial --grid once
+    # replaced the whole table). Its result is the paper's, relabelled as that cell's run would write it.
+    from train.ablate import prepare_data, run_argv, variant_folder
+
+    abl, cell = tmp_path / "abl", "lr=2e-3"
+    (abl / cell / "seed0").mkdir(parents=True)
+    argv = run_argv(cell, 0, target=target, prepared=variant_folder("regen", abl, 8), run_dir=abl / cell / "seed0",
+                    steps=8, anchors=8)
+    (abl / cell / "seed0" / "result.json").write_text(json.dumps({**result, "cell": cell, "argv": argv}))
+    assert [r["cell"] for r in main(["--grid", cell, *budget])["rows"]] == ["paper", cell]
+    assert f"| {cell} |" in (abl / "table.md").read_text() and "| paper |" in (abl / "table.md").read_text()
+    # A rebuilt target (its stamp rewritten): the runs of the old build are not reused, nor its data.
+    stamp = target / "small_target.json"
+    stamp.write_text(stamp.read_text() + "\n")
+    assert main(["--table-only", *budget])["rows"] == []
+    assert "| paper |" in (abl / "table.md").read_text()  # left as it was
+    said = []
+    prepare_data("regen", target, abl, rows=8, max_length=160, regen_tokens=24, progress=False, log=said.append)
+    assert any("prepared against another build" in m for m in said)
 
 
 def test_small_recipe_is_the_paper_recipe_at_small_size_with_the_ablation_winner():

@@ -48,6 +48,7 @@ import torch
 
 BUILD_VERSION = 1  # bump when the procedure changes (invalidates cached folders)
 STAMP_FILE = "small_target.json"
+MAX_POSITIONS = 2048  # the target's max_position_embeddings
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -107,13 +108,18 @@ def stdlib_files(held_out_every: int, corpus: str | Path | None = None) -> tuple
                 files.append(p)
     files.sort(key=lambda p: p.relative_to(root).as_posix())
     if not files:
-        raise FileNotFoundError(f"no Python standard-library sources under {root}: the small target needs them "
-                                "(a Python installation with its lib/pythonX.Y folder)")
+        raise FileNotFoundError(f"no usable .py files under {root} (2-80 kB, not tests): the small target needs "
+                                "them (default: this Python's lib/pythonX.Y folder)")
 
     def held(p: Path) -> bool:
         return int(hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest()[:8], 16) % held_out_every == 0
 
-    return root, [p for p in files if not held(p)], [p for p in files if held(p)]
+    train, held_out = [p for p in files if not held(p)], [p for p in files if held(p)]
+    if not train or not held_out:  # the held-out prompts and the training chats both need files
+        raise ValueError(f"{root} has {len(files)} usable .py files (2-80 kB, not tests); split one in "
+                         f"{held_out_every} by path hash they give {len(train)} training and {len(held_out)} held-out "
+                         "files, and both need some: give a larger --corpus folder (dozens of files)")
+    return root, train, held_out
 
 
 def read_texts(files: list[Path], max_bytes: int) -> list[str]:
@@ -179,7 +185,7 @@ def make_model(spec: SmallTargetSpec, vocab_size: int, tok):
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        head_dim=spec.hidden // spec.heads, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        head_dim=spec.hidden // spec.heads, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
         tie_word_embeddings=False, initializer_range=0.02,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -277,6 +283,9 @@ def build_small_target(directory: str | Path, seed: int = 0, log=print, progress
 
     spec = SmallTargetSpec(seed=seed, **settings)
     directory = Path(directory)
+    if directory.exists() and not (directory / STAMP_FILE).is_file() and any(directory.iterdir()):
+        raise FileExistsError(f"{directory} exists and is not a small target (no {STAMP_FILE}): building here would "
+                              "overwrite what it holds. Pick another folder, or empty it first")
     root, train_files, held_files = stdlib_files(spec.held_out_every, corpus)
     train_texts = read_texts(train_files, spec.max_train_bytes)
     held_texts = read_texts(held_files, spec.max_train_bytes // 4)
@@ -330,6 +339,8 @@ def build_small_target(directory: str | Path, seed: int = 0, log=print, progress
                 log(f"  fit step {step}: loss {loss.item():.3f} ({fit_log[-1]['seconds']} s)")
     model.eval()
     fit_seconds = round(time.perf_counter() - t0, 1)
+    if not math.isfinite(loss.item()):
+        raise ValueError(f"the small target's fit diverged (loss {loss.item()}): lower --lr (now {spec.lr})")
 
     # Held-out prompts and the training chats for the drafter; then a greedy check on held-out prompts.
     held = conversations(held_texts, n=spec.prompts, seed=spec.seed + 2)
@@ -351,7 +362,21 @@ def build_small_target(directory: str | Path, seed: int = 0, log=print, progress
             "threads": torch.get_num_threads()}
     marker.write_text(json.dumps(info, indent=1) + "\n")
     log(f"  small target ready in {seconds} s: final loss {fit_log[-1]['loss']}, greedy check {quality}")
+    warn_if_degenerate(directory, log)
     return directory
+
+
+def warn_if_degenerate(directory: Path, log=print) -> str | None:
+    """Say so when the target's greedy check found a loop or prompt-blind output (acceptance on it means
+    little: a loop is trivially predictable); returns the reason, or None."""
+    info = json.loads((Path(directory) / STAMP_FILE).read_text())
+    why = degenerate(info["greedy_check"]) if info.get("greedy_check") else None
+    if why:
+        spec = info.get("spec") or {}
+        log(f"warning: the small target in {directory} does not talk yet ({why}): tau measured against it says "
+            f"little about a drafter. Fit it longer or larger (now --steps {spec.get('steps')}, --hidden "
+            f"{spec.get('hidden')}; the default build talks)")
+    return why
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -366,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
                        help=f"default {getattr(defaults, name)}")
     p.add_argument("--lr", type=float, default=defaults.lr, help=f"default {defaults.lr}")
     p.add_argument("--corpus", default=None, help="folder of .py files (default: this Python's standard library)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto = CUDA when present")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     a = p.parse_args(argv)
     for name in ("hidden", "layers", "intermediate", "vocab", "steps", "batch", "seq_len", "chats", "prompts"):
@@ -374,6 +399,11 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if a.hidden % defaults.heads:
         raise ValueError(f"--hidden must be a multiple of {defaults.heads} (the head count), got {a.hidden}")
+    if a.seq_len > MAX_POSITIONS:
+        raise ValueError(f"--seq-len {a.seq_len} is longer than the target's {MAX_POSITIONS} positions: use at most "
+                         f"{MAX_POSITIONS}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device: use --device cpu (or auto)")
     if a.vocab < 300:
         raise ValueError(f"--vocab must be >= 300 (256 byte symbols + specials + merges), got {a.vocab}")
     settings = {k: getattr(a, k) for k in ("hidden", "layers", "intermediate", "vocab", "steps", "batch", "seq_len",
