@@ -1184,6 +1184,16 @@ def test_a_fresh_run_over_an_earlier_one_never_mixes_their_checkpoints(tmp_path_
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_3"]  # untouched
 
 
+def test_more_held_out_rows_than_the_data_allows_are_said_to_be_capped(tmp_path_factory, tmp_path, capsys):
+    """data.eval_rows=1000 on a few hundred rows was quietly cut to a fifth of them."""
+    from test_train_run import FAST, run, tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    run(tmp_path, f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=1",
+        "eval.batches=1", "data.eval_rows=1000")
+    assert re.search(r"held out \(data.eval_rows=1000 capped at a fifth of the rows\)", capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("caught_by", ["logged loss", "checkpoint"])
 def test_a_diverged_run_stops_and_saves_nothing_non_finite(tmp_path_factory, tmp_path, monkeypatch, caught_by):
     """Weights gone NaN once trained on and were saved as checkpoints (keep_last then deleting the good

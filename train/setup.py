@@ -141,7 +141,9 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     train_ds = ds.select(range(len(ds) - n_eval))
     # datasets refuses an empty range that starts at len(ds); data.eval_rows=0 means "no held-out rows"
     eval_ds = ds.select(range(len(ds) - n_eval, len(ds))) if n_eval else ds.select([])
-    log(f"data: {prepared}: {len(train_ds)} training rows, {len(eval_ds)} held out")
+    capped = (f" (data.eval_rows={cfg.data.eval_rows} capped at a fifth of the rows)"
+              if n_eval < cfg.data.eval_rows else "")
+    log(f"data: {prepared}: {len(train_ds)} training rows, {len(eval_ds)} held out{capped}")
     return train_ds, eval_ds, meta
 
 
