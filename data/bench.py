@@ -1,4 +1,4 @@
-"""Benchmarks for the feature path; one JSON line per result. Never run by the tests.
+"""Benchmarks for the feature path; one JSON line per result (tests run it at toy sizes only).
 
     python -m data.bench                                  # random-weight Qwen3-shaped target, CPU or CUDA
     python -m data.bench --hidden 2048 --layers 24 --rows 64 --seq 1024 --device cuda
@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +49,30 @@ def random_target(hidden: int, layers: int, vocab: int, device: str, dtype: torc
     return TargetModel(model, tokenizer=None, name=f"random-qwen3-h{hidden}-l{layers}")
 
 
-RECIPE_SHAPES = ("qwen3-8b", "qwen35-9b", "llama31-8b", "qwen35-4b")
+RECIPE_SHAPES = ("qwen3-8b", "qwen35-9b", "llama31-8b", "qwen35-4b", "qwen35-27b", "tiny")
+_SHAPE_KINDS = ("qwen3", "llama", "qwen3_5")  # model types with a random-target builder below
+
+
+def recipe_spec(recipe: str) -> dict:
+    """A shipped recipe's YAML, refused in one line when no random target of its shape can be built."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no recipe {recipe!r}: use one of {RECIPE_SHAPES}")
+    spec = yaml.safe_load(path.read_text())
+    t = spec["target"]
+    if not str(t.get("path", "")).startswith("tiny:") and (t.get("model_type") not in _SHAPE_KINDS
+                                                           or "vocab_size" not in t):
+        # small.yaml names a local folder, MoE recipes have no builder here: neither has a shape to build
+        raise ValueError(f"recipe {recipe!r} has no random-target shape (model_type {t.get('model_type')!r}): "
+                         f"use one of {RECIPE_SHAPES}")
+    return spec
+
+
+def recipe_runs_on_cpu(spec: dict) -> bool:
+    """Only the tiny recipe's target fits a CPU run; the others are 4B-27B parameters."""
+    return str(spec["target"]["path"]).startswith("tiny:")
 
 
 def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16, num_layers: int | None = None):
@@ -54,30 +80,54 @@ def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16,
 
     Built directly on ``device``: initialising 8B parameters on the CPU takes minutes. Qwen3.5
     recipes get the hybrid (GatedDeltaNet + attention) text model with transformers' default
-    layer pattern, which is the published 9B/4B one. Speed only: weights are random.
+    layer pattern, which is the published 9B/4B one. ``tiny`` gets the tiny seeded architecture
+    its ``tiny:<arch>`` path names (random weights, not the fitted ones). Speed only: weights are random.
     """
-    import yaml
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
     from models.target import TargetModel
 
-    path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
-    if not path.is_file():
-        raise ValueError(f"no recipe {recipe!r}: use one of {RECIPE_SHAPES}")
-    t = yaml.safe_load(path.read_text())["target"]
+    t = recipe_spec(recipe)["target"]
+    if str(t["path"]).startswith("tiny:"):
+        from models.tiny import tiny_target
+
+        arch = t["path"].split(":", 1)[1] or "qwen3"
+        model = tiny_target(arch, num_layers=num_layers or 6, dtype=dtype)  # 6: as train/tiny.py builds it
+        return TargetModel(model.to(device), tokenizer=None, name=f"random-{recipe}")
     shape = dict(vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
                  num_hidden_layers=num_layers or t["num_layers"], num_attention_heads=t["num_attention_heads"],
                  num_key_value_heads=t["num_key_value_heads"], head_dim=t["head_dim"],
                  max_position_embeddings=min(t["max_position_embeddings"], 32768), tie_word_embeddings=False)
-    kind = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_5": Qwen3_5TextConfig}.get(t["model_type"])
-    if kind is None:
-        raise ValueError(f"recipe {recipe!r}: no random-target shape for model_type {t['model_type']!r}")
+    kind = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_5": Qwen3_5TextConfig}[t["model_type"]]
     if kind is Qwen3_5TextConfig and num_layers:
         shape["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(kind(**shape), dtype=dtype)
     return TargetModel(model.eval(), tokenizer=None, name=f"random-{recipe}")
+
+
+def check_device(p: argparse.ArgumentParser, device: str | None) -> str:
+    """``--device`` up front: a malformed name is an argparse error, CUDA where torch sees none one line
+    (as ``train.ablate``), not torch's "not compiled with CUDA" assertion after the model is built.
+    None: cuda when there is one, else cpu."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        p.error(f"--device {device!r}: use cpu or cuda (cuda:N for another GPU), or leave it out")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but torch sees no CUDA device: use --device cpu (or leave --device out)")
+    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    return device
+
+
+def check_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, **lows: int) -> None:
+    """Integer flags below their smallest useful value end in one argparse line naming the flag and range."""
+    for name, low in lows.items():
+        for v in (getattr(a, name) if isinstance(getattr(a, name), list) else [getattr(a, name)]):
+            if v is not None and v < low:
+                p.error(f"--{name.replace('_', '-')} {v}: use {low} or more")
 
 
 def disk_speed(nbytes: int) -> dict:
@@ -111,9 +161,7 @@ def random_data(rows: int, seq: int, vocab: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.extract import extract
-    from data.store import FeatureStore
-    from models.config import default_layer_ids
+    from data.store import DTYPES
 
     p = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,18 +172,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=512, help="tokens per row (default 512)")
     p.add_argument("--batch-size", type=int, default=4, help="rows per forward (default 4)")
     p.add_argument("--taps", type=int, default=5, help="tapped layers (default 5)")
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], help="store dtypes to measure")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bf16", "fp8"],
+                   help="store dtypes to measure (default: bf16 fp8)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats; the best is reported (default 2)")
     p.add_argument("--shard-rows", type=int, default=4, help="rows per shard (default 4: many shards, so the "
                    "steady state is timed rather than the last shard's write)")
     p.add_argument("--writers", type=int, default=2, help="background shard writers of extraction (default 2)")
+    p.add_argument("--keep-stores", action="store_true",
+                   help="keep the feature stores written (one per dtype; the path is printed) instead of deleting "
+                        "them at the end: a default CUDA run writes tens of GB")
     a = p.parse_args(argv)
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    wdtype = torch.bfloat16
-    target = random_target(a.hidden, a.layers, a.vocab, device, wdtype)
+    check_at_least(p, a, hidden=4, layers=1, vocab=1, rows=1, seq=1, batch_size=1, taps=1, repeats=1,
+                   shard_rows=1, writers=1)
+    if a.hidden < 256 and a.hidden % 4:  # below 256 the random target has 2 heads of hidden / 2: RoPE wants it even
+        p.error(f"--hidden {a.hidden}: use a multiple of 4 below 256")
+    device = check_device(p, a.device)
+    # One folder for every store, removed at the end whatever happens (error, Ctrl-C) unless kept.
+    root = tempfile.mkdtemp(prefix="dsbench-")
+    try:
+        _run(a, device, root)
+    finally:
+        if a.keep_stores:
+            print(f"feature stores kept in {root} (one folder per dtype; delete it when done)", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, device: str, root: str) -> None:
+    from data.extract import extract
+    from data.store import FeatureStore
+    from models.config import default_layer_ids
+
+    layer_ids = default_layer_ids(a.layers, a.taps)  # too many taps for the layers: one line before any build
+    target = random_target(a.hidden, a.layers, a.vocab, device, torch.bfloat16)
     data = random_data(a.rows, a.seq, a.vocab)
-    layer_ids = default_layer_ids(a.layers, a.taps)
     tokens = a.rows * a.seq
     common = {"device": device, "hidden": a.hidden, "layers": a.layers, "taps": layer_ids, "rows": a.rows, "seq": a.seq}
 
@@ -168,15 +239,15 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"bench": "disk", **common, **disk_speed(a.rows * a.seq * len(layer_ids) * a.hidden)}),
           flush=True)
     for dtype in a.dtypes:
-        best, store_dir = float("inf"), None
-        for r in range(a.repeats):
-            tmp = tempfile.mkdtemp(prefix=f"dsbench-{dtype}-")
+        best, store_dir = float("inf"), Path(root) / dtype
+        for _ in range(a.repeats):
+            shutil.rmtree(store_dir, ignore_errors=True)  # the last repeat's store is the one read below
             _sync(device)
             t0 = time.perf_counter()
-            extract(target, data, tmp, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
+            extract(target, data, store_dir, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
                     shard_tokens=a.shard_rows * a.seq, progress=False, writers=a.writers)
             _sync(device)
-            best, store_dir = min(best, time.perf_counter() - t0), tmp
+            best = min(best, time.perf_counter() - t0)
         tps = tokens / best
         print(json.dumps({"bench": "extract", **common, "dtype": dtype, "tokens_per_s": round(tps, 1),
                           "overhead_pct_vs_forward": round((forward_tps / tps - 1) * 100, 1),

@@ -4,6 +4,7 @@
     python -m inference.bench --tiny qwen3_5 --backend torch      # random tiny target + drafter, no download
 
     python -m inference.bench --random-target qwen3-8b --loop static eager --repeat 2   # CUDA, no download
+    python -m inference.bench --random-target tiny --max-new-tokens 32                  # the same plumbing on a CPU
 
 Each line: backend, device, prompt index, tokens, tau, dflash and baseline decode tokens/s, speedup,
 and whether the greedy outputs match (first divergence index otherwise). A warm-up generation
@@ -56,21 +57,26 @@ def tiny_folders(arch: str, root: str) -> tuple[str, str]:
 
 
 def random_models(recipe: str, device: str, seed: int = 0):
-    """A random target of ``recipe``'s shape (bf16 on CUDA) and a random 5-layer drafter for it."""
+    """A random target of ``recipe``'s shape (bf16 on CUDA) and a random drafter of the recipe's shape
+    (paper recipes: 5 layers, 5 taps, block 16)."""
     import torch
 
-    from data.bench import recipe_target
+    from data.bench import recipe_spec, recipe_target
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
 
+    d = recipe_spec(recipe).get("drafter") or {}
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = recipe_target(recipe, device, dtype)
     c = target.config
     cfg = DFlashConfig.for_target(hidden_size=c.hidden_size, vocab_size=target.vocab_size,
-                                  num_target_layers=target.num_layers, max_position_embeddings=32768,
+                                  num_target_layers=target.num_layers,
+                                  max_position_embeddings=min(c.max_position_embeddings, 32768),
                                   num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                                   head_dim=c.head_dim, intermediate_size=c.intermediate_size,
-                                  mask_token_id=target.vocab_size - 1, block_size=16, torch_dtype="bfloat16")
+                                  num_hidden_layers=d.get("num_hidden_layers", 5), num_taps=d.get("num_taps", 5),
+                                  mask_token_id=target.vocab_size - 1, block_size=d.get("block_size", 16),
+                                  torch_dtype="bfloat16")
     torch.manual_seed(seed)
     with torch.device(device):
         drafter = DFlashDraftModel(cfg).to(dtype).eval()
@@ -82,9 +88,14 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
     """Both loops of the torch backend on loaded models: decode lines, cycle cost and per-part times."""
     from inference import static_loop as sl
     from inference import torch_loop as tl
+    from inference.stats import resolve_block_size
 
-    B = block_size or drafter.config.block_size
-    max_len = max(len(p) for p in prompts) + max_new + 2 * B
+    B = resolve_block_size(block_size, drafter.config.block_size)
+    warm = 2 * B  # tokens of the warm-up generation below
+    # The static caches must hold the longest generation the bench runs, the warm-up included, plus a
+    # block of overshoot on each side (as Session sizes them); sizing from --max-new-tokens alone
+    # broke short runs, whose warm-up asks for more.
+    max_len = max(len(p) for p in prompts) + max(max_new, warm) + 2 * B
     for loop in loops:
         if loop in ("static", "compiled"):
             st, proposer = sl.build_static_loop(target, drafter, max_len, B, compile=loop == "compiled")
@@ -94,7 +105,7 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
             proposer = tl.DrafterProposer(drafter, target)
             gen = lambda ids, **kw: tl.dflash_generate(target, proposer, ids, **kw)  # noqa: E731
             base = lambda ids, **kw: tl.target_generate(target, ids, **kw)  # noqa: E731
-        gen(prompts[0], max_new_tokens=2 * B, block_size=B, eos_token_ids=[])  # warm-up: graphs, kernels
+        gen(prompts[0], max_new_tokens=warm, block_size=B, eos_token_ids=[])  # warm-up: graphs, kernels
         base(prompts[0], max_new_tokens=4, eos_token_ids=[])
         for rep in range(repeat):
             for i, ids in enumerate(prompts):
@@ -119,34 +130,59 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
 
 
 def main(argv: list[str] | None = None) -> None:
+    from data.bench import check_at_least, check_device, recipe_runs_on_cpu, recipe_spec
+    from inference.checks import check_dtype, preflight
     from inference.generate import Session, pick_backend, report_of
 
     p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target folder or Hub id")
-    p.add_argument("--draft", help="drafter folder or Hub id")
+    p.add_argument("--target", help="target folder or Hub id (with --draft)")
+    p.add_argument("--draft", help="drafter folder or Hub id (with --target)")
     p.add_argument("--tiny", choices=["qwen3", "llama", "qwen3_5"], help="use a random tiny target + drafter")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "mlx"],
-                   help="torch (CUDA or CPU), mlx (Metal, or CPU on Linux); auto: mlx on Apple Silicon")
-    p.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS, help="chat prompts (default: three built-in)")
+                   help="torch (CUDA or CPU), mlx (Metal, or CPU on Linux); auto: mlx on Apple Silicon (default auto)")
+    p.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS,
+                   help="chat prompts (default: three built-in; --random-target: only their count is used)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
     p.add_argument("--block-size", type=int, default=None,
                    help="draft block size (default: the drafter's trained block size)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when there is one, else cpu)")
+    p.add_argument("--device", default=None,
+                   help="torch device: cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
     p.add_argument("--dtype", default=None,
                    help="compute dtype, e.g. float32 (torch default: bfloat16 on cuda, float32 on cpu; "
                         "mlx: the checkpoint's)")
     p.add_argument("--random-target", metavar="RECIPE", default=None,
-                   help="random target of a recipe's shape (qwen3-8b, llama31-8b, ...) + random drafter, on the device")
+                   help="random target of a recipe's shape (qwen3-8b, llama31-8b, ...: CUDA, or an explicit "
+                        "--device cpu; tiny: anywhere) + random recipe drafter, built on the device")
     p.add_argument("--loop", nargs="+", choices=["eager", "static", "compiled"], default=None,
-                   help="torch loops to time (default: static eager; compiled = static with compiled layers)")
+                   help="torch loops to time, each with cycle cost and a decode_parts line (compiled = static "
+                        "with compiled layers). Default: --random-target times static and eager; otherwise one "
+                        "line per prompt through generate's auto loop (static on CUDA for full-attention "
+                        "targets, else eager; MLX: its own loop)")
     p.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts (default 1)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="--random-target: random prompt length (default 64)")
     args = p.parse_args(argv)
+    # Everything that can be refused is refused here, before a model is built or loaded.
+    check_at_least(p, args, max_new_tokens=1, block_size=2, repeat=1, prompt_tokens=1)
+    check_dtype(args.dtype)
+    if not args.random_target and not args.tiny and not (args.target and args.draft):
+        p.error("give --target and --draft, --tiny ARCH or --random-target RECIPE")
+    if args.backend == "mlx" and (args.loop or args.random_target):
+        p.error(f"{'--loop' if args.loop else '--random-target'} times the torch loops; the MLX backend runs its "
+                "own: drop it, or use --backend torch")
+    explicit_cpu = args.device == "cpu"
+    device = check_device(p, args.device)
+    if args.random_target:
+        spec = recipe_spec(args.random_target)
+        if device == "cpu" and not explicit_cpu and not recipe_runs_on_cpu(spec):
+            raise ValueError(f"--random-target {args.random_target} builds a full-size target: it needs a CUDA GPU "
+                             "(none found). On the CPU use --random-target tiny or --tiny qwen3, or pass --device "
+                             "cpu to build it here anyway (tens of GB of memory, minutes)")
+    elif not args.tiny:
+        preflight(args.target, args.draft, args.block_size)  # a swapped --target/--draft, as generate names it
     if args.random_target or (args.loop and args.backend != "mlx"):
         import torch
 
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if args.random_target:
             target, drafter = random_models(args.random_target, device)
             g = torch.Generator().manual_seed(0)
@@ -161,25 +197,23 @@ def main(argv: list[str] | None = None) -> None:
         torch_runs(target, drafter, prompts, args.loop or ["static", "eager"], args.max_new_tokens, args.block_size,
                    args.repeat)
         return
-    if not args.tiny and not (args.target and args.draft):
-        p.error("give --target and --draft, --tiny ARCH or --random-target RECIPE")
     with tempfile.TemporaryDirectory() as root:
         target, draft = tiny_folders(args.tiny, root) if args.tiny else (args.target, args.draft)
         session = Session(pick_backend(args.backend), target, draft, args.device, args.dtype)
-        tok = session.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-                   for p in args.prompts]
-        prompts = [list(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in prompts]
+        prompts = [_chat_ids(session.tokenizer, x) for x in args.prompts]
         session.run(prompts[0], baseline=True, max_new_tokens=16)  # warm-up: one-time costs are not timed
-        for i, ids in enumerate(prompts):
-            r = report_of(session.backend, *session.run(ids, baseline=True, block_size=args.block_size,
-                                                        max_new_tokens=args.max_new_tokens))
-            print(json.dumps({"bench": "decode", "backend": r["backend"], "prompt": i, "prompt_tokens": len(ids),
-                              "tokens": r["num_tokens"], "tau": round(r["tau"], 3),
-                              "dflash_tok_s": round(r["decode_tokens_per_s"], 2),
-                              "baseline_tok_s": round(r["baseline_decode_tokens_per_s"], 2),
-                              "speedup": round(r["speedup"] or 0.0, 3), "matches_baseline": r["matches_baseline"],
-                              "first_divergence": r["first_divergence"]}), flush=True)
+        for rep in range(args.repeat):
+            for i, ids in enumerate(prompts):
+                r = report_of(session.backend, *session.run(ids, baseline=True, block_size=args.block_size,
+                                                            max_new_tokens=args.max_new_tokens))
+                print(json.dumps({"bench": "decode", "backend": r["backend"], "repeat": rep, "prompt": i,
+                                  "prompt_tokens": len(ids),
+                                  "tokens": r["num_tokens"], "tau": round(r["tau"], 3),
+                                  "dflash_tok_s": round(r["decode_tokens_per_s"], 2),
+                                  "baseline_tok_s": round(r["baseline_decode_tokens_per_s"], 2),
+                                  "speedup": round(r["speedup"] or 0.0, 3), "matches_baseline": r["matches_baseline"],
+                                  "first_divergence": r["first_divergence"]}), flush=True)
+
 
 def _chat_ids(tok, text: str) -> list[int]:
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)

@@ -1,4 +1,4 @@
-"""Training-step speed: one JSON line per configuration (random weights; speed only, never in tests).
+"""Training-step speed: one JSON line per configuration (random weights; speed only, tests run toy sizes).
 
     python -m train.bench                                   # CPU, tiny shape
     python -m train.bench --hidden 4096 --layers 5 --heads 32 --kv-heads 8 --head-dim 128 \\
@@ -7,14 +7,16 @@
     python -m train.bench --e2e qwen3-8b        # whole online step: random Qwen3-8B target + recipe drafter
     python -m train.bench --e2e qwen35-9b --batch 2
     python -m train.bench --e2e qwen3-8b --compile          # as train.compile=true (drafter + target layers)
+    python -m train.bench --e2e tiny            # the same plumbing on the CPU: tiny target, tiny recipe's drafter
 
 Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward,
 AdamW step) on random context features, as in ``train/distill.py`` (flex attention on CUDA, dense
 on CPU; bf16 autocast on CUDA). ``--e2e RECIPE`` times the whole online step instead: a
 random-weight target of the recipe's exact shape (bf16, built on the device) runs the tapped
 forward (``TargetModel.forward``: stops after the deepest tap, no logits) on random rows, and its
-features feed the recipe's drafter (5 layers, 5 taps, block 16; seq 3072 and 512 anchors unless
-given). Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
+features feed the recipe's drafter (paper recipes: 5 layers, 5 taps, block 16, seq 3072, 512
+anchors; each flag given overrides). Full-size recipes need a CUDA GPU; ``tiny`` runs anywhere.
+Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
 Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA model FLOPs
 utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
 timed alone with device syncs (mask build, the generic ``create_block_mask`` for comparison,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -33,38 +36,58 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from data.bench import check_at_least, recipe_runs_on_cpu, recipe_spec
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=64, help="drafter hidden size (and of the random context features)")
-    p.add_argument("--layers", type=int, default=2, help="drafter decoder layers (--e2e: 5 unless given)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
-    p.add_argument("--head-dim", type=int, default=16, help="head dimension")
-    p.add_argument("--intermediate", type=int, default=128, help="MLP intermediate size")
-    p.add_argument("--vocab", type=int, default=288, help="vocabulary (LM head rows)")
-    p.add_argument("--taps", type=int, default=3, help="tapped target layers (--e2e: 5 unless given)")
-    p.add_argument("--seq", type=int, default=256, help="tokens per row (--e2e: 3072 unless given)")
-    p.add_argument("--batch", type=int, default=1, help="rows per step")
+    p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=64,
+                   help="drafter hidden size (and of the random context features) (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="drafter decoder layers (default 2; --e2e: the recipe's)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=16, help="head dimension (default 16)")
+    p.add_argument("--intermediate", type=int, default=128, help="MLP intermediate size (default 128)")
+    p.add_argument("--vocab", type=int, default=288, help="vocabulary (LM head rows) (default 288)")
+    p.add_argument("--taps", type=int, default=3, help="tapped target layers (default 3; --e2e: the recipe's)")
+    p.add_argument("--seq", type=int, default=256,
+                   help="tokens per row (default 256; --e2e: the recipe's data.max_length)")
+    p.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
     p.add_argument("--anchors", type=int, nargs="+", default=[32],
-                   help="anchors per row; several values give one line each (--e2e: 512)")
-    p.add_argument("--block", type=int, default=8, help="block size (--e2e: 16 unless given)")
-    p.add_argument("--ce-chunk", type=int, default=2048, help="LM head + CE chunk (query tokens)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune, allocator)")
+                   help="anchors per row; several values give one line each (default 32; --e2e: the recipe's)")
+    p.add_argument("--block", type=int, default=8, help="block size (default 8; --e2e: the recipe's)")
+    p.add_argument("--ce-chunk", type=int, default=2048, help="LM head + CE chunk (query tokens) (default 2048)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first (compile, autotune, allocator) (default 3)")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
-                   help="flex (CUDA), dense (CPU), auto: flex on CUDA")
+                   help="flex (CUDA only), dense, auto: flex on CUDA, dense on CPU (default auto)")
     p.add_argument("--e2e", metavar="RECIPE", default=None,
-                   help="time the whole online step with a random target of this recipe's shape (qwen3-8b, qwen35-9b)")
+                   help="time the whole online step with a random target of this recipe's shape and its drafter "
+                        "(qwen3-8b, qwen35-9b, ...: CUDA only; tiny runs on the CPU) (default: off)")
     p.add_argument("--compile", nargs="?", const="all", choices=["all", "drafter"], default=None,
                    help="as train.compile=true: compile the drafter's layers and, with --e2e, the target's; "
-                        "'--compile drafter' leaves the target eager")
-    p.add_argument("--target-layers", type=int, default=None, help="--e2e: fewer target layers (smoke tests)")
+                        "'--compile drafter' leaves the target eager (default: off)")
+    p.add_argument("--target-layers", type=int, default=None,
+                   help="--e2e: fewer target layers (smoke tests) (default: the recipe's)")
     a = p.parse_args(argv)
-    target = _e2e_setup(a, argv) if a.e2e else None
-
+    # vocab 2: the last id is the mask token, random ids are drawn below it
+    check_at_least(p, a, hidden=1, layers=1, heads=1, kv_heads=1, head_dim=2, intermediate=1, vocab=2, taps=1,
+                   seq=1, batch=1, anchors=1, block=2, ce_chunk=1, steps=1, warmup=0, target_layers=1)
+    if a.head_dim % 2:
+        p.error(f"--head-dim {a.head_dim}: use an even size (RoPE rotates pairs)")
+    if a.attention == "flex" and not torch.cuda.is_available():
+        raise ValueError("--attention flex needs a CUDA GPU (flex attention has no CPU backward): "
+                         "use --attention dense (or auto) on the CPU")
+    if a.e2e:
+        spec = recipe_spec(a.e2e)  # an unknown recipe or one without a target shape: one line, before any build
+        if not torch.cuda.is_available() and not recipe_runs_on_cpu(spec):
+            size = f"{spec['target']['params_b']}B-parameter" if "params_b" in spec["target"] else "full-size"
+            raise ValueError(f"--e2e {a.e2e} builds its {size} target: it needs a CUDA GPU (none found). On the CPU "
+                             "run --e2e tiny, or leave --e2e out to time the drafter step alone")
+    target = _e2e_setup(a, argv, spec) if a.e2e else None
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     use_flex = a.attention == "flex" or (a.attention == "auto" and cuda)
@@ -170,31 +193,33 @@ def main(argv: list[str] | None = None) -> None:
                                    n_anchors, use_flex, device)}), flush=True)
 
 
-def _e2e_setup(a, argv):
-    """Recipe shapes for ``--e2e``: the drafter's from the target's, defaults of the paper recipe."""
+def _e2e_setup(a, argv, spec: dict):
+    """Recipe shapes for ``--e2e``: the drafter's from the target's, the rest from the recipe (paper
+    recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors) unless a flag gives it."""
     from data.bench import recipe_target
     from models.config import default_layer_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    drafter, data, train = spec.get("drafter") or {}, spec.get("data") or {}, spec.get("train") or {}
+    given = set(x.split("=")[0] for x in (sys.argv[1:] if argv is None else argv) if x.startswith("--"))
+    taps = a.taps if "--taps" in given else drafter.get("num_taps", 5)
+    # checked before the target is built: a CPU tiny build is quick, a CUDA 8B one is not
+    target_layers = a.target_layers or spec["target"].get("num_layers") or 6  # 6: tiny:<arch>
+    layer_ids = default_layer_ids(target_layers, taps)
     target = recipe_target(a.e2e, device, torch.bfloat16 if device == "cuda" else torch.float32,
                            num_layers=a.target_layers)
     c = target.config
-    import sys
-
-    given = set(x.split("=")[0] for x in (sys.argv[1:] if argv is None else argv) if x.startswith("--"))
     a.hidden, a.heads, a.kv_heads = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
     a.head_dim, a.intermediate, a.vocab = c.head_dim, c.intermediate_size, target.vocab_size
+    a.taps, a.layer_ids = taps, layer_ids
     if "--layers" not in given:
-        a.layers = 5
-    if "--taps" not in given:
-        a.taps = 5
-    a.layer_ids = default_layer_ids(target.num_layers, a.taps)
+        a.layers = drafter.get("num_hidden_layers", 5)
     if "--seq" not in given:
-        a.seq = 3072
+        a.seq = data.get("max_length", 3072)
     if "--anchors" not in given:
-        a.anchors = [512]
+        a.anchors = [train.get("anchors", 512)]
     if "--block" not in given:
-        a.block = 16
+        a.block = drafter.get("block_size", 16)
     ran = target.layers[: max(a.layer_ids) + 1]  # the tapped forward stops after the deepest tap
     a.target_params = sum(p.numel() for p in ran.parameters())
     return target
