@@ -247,7 +247,9 @@ def nonfinite_weights(run: Run, model) -> bool:
     shard that went bad on one rank stops all of them)."""
     bad = torch.zeros((), device=run.device)
     for p in model.parameters():
-        bad = bad + (~torch.isfinite(p.detach())).any().float()
+        local = p.detach()
+        local = local.to_local() if hasattr(local, "to_local") else local  # an FSDP2 DTensor: this rank's shard
+        bad = bad + (~torch.isfinite(local)).any().float()
     return bool(run.accelerator.reduce(bad, "sum") > 0)
 
 
