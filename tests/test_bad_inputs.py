@@ -1688,6 +1688,18 @@ def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["table.md"]  # no data variant, no run folder
 
 
+def test_ablation_and_small_target_out_naming_a_file(tmp_path):
+    """--out naming a file once ended in a bare "[Errno 17] File exists"."""
+    from train.ablate import main
+    from train.small_target import build_small_target
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="--out .*f is a file: give a folder"):
+        main(["--grid", "paper", "--out", str(tmp_path / "f"), "--target", str(tmp_path / "t")])
+    with pytest.raises(NotADirectoryError, match="f is a file: the small target needs a folder"):
+        build_small_target(tmp_path / "f", steps=1)
+
+
 def test_small_target_refuses_to_build_over_another_folder(tmp_path):
     """--target / --out naming an existing model folder once had it overwritten by a small target."""
     from train.small_target import build_small_target

@@ -297,6 +297,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device: use --device cpu (or auto)")
     out, target = Path(a.out), Path(a.target)
+    for flag, path in (("--out", out), ("--data", Path(a.data) if a.data else None)):
+        if path is not None and path.exists() and not path.is_dir():
+            raise NotADirectoryError(f"{flag} {path} is a file: give a folder (created if missing)")
     from train.small_target import STAMP_FILE, build_small_target, warn_if_degenerate
 
     if a.table_only:  # reads what is there: builds, prepares and writes nothing before the table

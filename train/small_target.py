@@ -283,6 +283,8 @@ def build_small_target(directory: str | Path, seed: int = 0, log=print, progress
 
     spec = SmallTargetSpec(seed=seed, **settings)
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"{directory} is a file: the small target needs a folder (created if missing)")
     if directory.exists() and not (directory / STAMP_FILE).is_file() and any(directory.iterdir()):
         raise FileExistsError(f"{directory} exists and is not a small target (no {STAMP_FILE}): building here would "
                               "overwrite what it holds. Pick another folder, or empty it first")
