@@ -1621,6 +1621,19 @@ def test_forward_of_a_target_loaded_without_its_layers():
 
 
 # ---------------------------------------------------------------- recipe (train/ablate.py, train/small_target.py)
+def stand_in_small_target(folder, chats: int | None = 3, prompts: int | None = 16):
+    """A folder with the small target's stamp, chats.jsonl and prompts.jsonl (None: left out), no model:
+    enough for the ablation's checks that come before any model is loaded."""
+    from train.small_target import STAMP_FILE
+
+    folder.mkdir()
+    (folder / STAMP_FILE).write_text("{}")
+    for name, n in (("chats.jsonl", chats), ("prompts.jsonl", prompts)):
+        if n is not None:
+            (folder / name).write_text('{"messages": []}\n' * n)
+    return folder
+
+
 def test_ablation_cell_name_that_does_not_exist():
     from train.ablate import main
 
@@ -1630,24 +1643,16 @@ def test_ablation_cell_name_that_does_not_exist():
 
 def test_ablation_budget_larger_than_the_chats_of_the_target(tmp_path):
     from train.ablate import main
-    from train.small_target import STAMP_FILE
 
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / STAMP_FILE).write_text("{}")
-    (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
-    (target / "prompts.jsonl").write_text('{"messages": []}\n' * 16)
+    target = stand_in_small_target(tmp_path / "target")
     with pytest.raises(ValueError, match="has 3 conversations, the budget needs 10: use fewer --steps"):
         main(["--grid", "paper", "--steps", "10", "--target", str(target), "--out", str(tmp_path / "abl")])
 
 
 def test_ablation_target_folder_not_from_small_target(tmp_path):
     from train.ablate import main
-    from train.small_target import STAMP_FILE
 
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / STAMP_FILE).write_text("{}")
+    target = stand_in_small_target(tmp_path / "target", chats=None, prompts=None)
     with pytest.raises(FileNotFoundError, match="chats.jsonl not found: the target folder must come from"):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
@@ -1655,13 +1660,8 @@ def test_ablation_target_folder_not_from_small_target(tmp_path):
 def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
     """The table once said "true tau on 16 held-out prompts" when the target had 2."""
     from train.ablate import main
-    from train.small_target import STAMP_FILE
 
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / STAMP_FILE).write_text("{}")
-    (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
-    (target / "prompts.jsonl").write_text('{"messages": []}\n' * 2)
+    target = stand_in_small_target(tmp_path / "target", prompts=2)
     with pytest.raises(ValueError, match="--prompts 16 but .*prompts.jsonl holds 2 held-out prompts: use --prompts 2"):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
@@ -1670,17 +1670,12 @@ def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
     """--table-only ("run nothing") once built a missing target (16 min), prepared data and replaced
     table.md with an empty table when no run matched its flags."""
     from train.ablate import main
-    from train.small_target import STAMP_FILE
 
     out = tmp_path / "abl"
     with pytest.raises(FileNotFoundError, match="--table-only: .*nosuch is not a small target"):
         main(["--table-only", "--target", str(tmp_path / "nosuch"), "--out", str(out)])
     assert not (tmp_path / "nosuch").exists() and not out.exists()
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / STAMP_FILE).write_text("{}")
-    (target / "chats.jsonl").write_text('{"messages": []}\n' * 3)
-    (target / "prompts.jsonl").write_text('{"messages": []}\n' * 16)
+    target = stand_in_small_target(tmp_path / "target")
     out.mkdir()
     (out / "table.md").write_text("the table of earlier runs\n")
     assert main(["--table-only", "--steps", "9", "--target", str(target), "--out", str(out)])["rows"] == []
