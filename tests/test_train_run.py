@@ -80,11 +80,14 @@ def test_resume_reproduces_uninterrupted_losses(tiny_inputs, tmp_path):
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step_6")
     shutil.rmtree(cut / "final")
-    rows = [line for line in (cut / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
-    (cut / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    # metrics.jsonl keeps the rows of steps 4-6 logged after the checkpoint and a row cut short by the kill:
+    # resume drops them (they once stayed, so steps 4-6 appeared twice).
+    with (cut / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')
     run(cut, *tiny_inputs, *FAST, "train.max_steps=6", "checkpoint.every=3", "logging.every=1", "resume=true")
     resumed = losses(cut)
     assert_close([resumed[k] for k in (4, 5, 6)], [ref[k] for k in (4, 5, 6)], atol=1e-6, what="resumed losses")
+    assert [r["step"] for r in metrics(cut) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
     ckpt = full / "checkpoints" / "step_6"
     assert {p.name for p in ckpt.iterdir()} >= {"drafter", "state", "config.yaml", "trainer_state.json"}
 

@@ -285,7 +285,7 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     drafter = build_drafter(run, drafter_cfg, target)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
     state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
-    logger = open_metrics(cfg, run.out_dir, run.is_main, resuming=state.step > 0, wandb_run_id=state.wandb_run_id,
+    logger = open_metrics(cfg, run.out_dir, run.is_main, resumed_step=state.step, wandb_run_id=state.wandb_run_id,
                           log=run.log)
     run.log(f"training: {len(train_ds)} rows, {sched.steps_per_epoch} steps/epoch, {sched.total_steps} steps, "
             f"{run.world} process(es), {'flex' if run.use_flex else 'dense'} attention, mixed precision "

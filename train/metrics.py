@@ -79,16 +79,31 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-def open_metrics(cfg, out_dir: Path, is_main: bool, resuming: bool, wandb_run_id: str | None,
+def open_metrics(cfg, out_dir: Path, is_main: bool, resumed_step: int, wandb_run_id: str | None,
                  log: Callable[[str], None]) -> MetricsLogger:
-    """The run's logger: a fresh ``metrics.jsonl`` for a new run, appended to on resume."""
+    """The run's logger: a fresh ``metrics.jsonl`` for a new run; on resume from step N, the rows up to N
+    (the steps after the checkpoint are trained, and logged, again: kept, they would appear twice)."""
     if not is_main:
         return MetricsLogger(None)
     path = out_dir / "metrics.jsonl"
+    resuming = resumed_step > 0
     if not resuming:
         path.write_text("")
+    elif path.is_file():
+        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
     run = None
     if cfg.logging.wandb:
         run = start_wandb(cfg.logging.wandb_project, cfg.to_dict(), out_dir, cfg.logging.wandb_mode,
                           wandb_run_id if resuming else None, log)
     return MetricsLogger(path, log, run)
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics row belongs to; a line cut short by a kill sorts past every step (dropped)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
