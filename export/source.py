@@ -81,10 +81,11 @@ def resolve_source(path: str | Path) -> Source:
     if is_drafter_dir(p):
         run_cfg = p.parent / "config.yaml"
         kind = "final" if run_cfg.is_file() and p.parent.name == "final" else "drafter"
-        return Source(p, kind, _from_run(run_cfg if kind == "final" else None, None, p, run_root=p.parent.parent))
+        return Source(p, kind, _from_run(run_cfg if kind == "final" else None, _final_state(p.parent), p,
+                                         run_root=p.parent.parent))
     if is_drafter_dir(p / "final" / "drafter"):
         d = p / "final" / "drafter"
-        return Source(d, "run", _from_run(p / "final" / "config.yaml", None, d, run_root=p))
+        return Source(d, "run", _from_run(p / "final" / "config.yaml", _final_state(p / "final"), d, run_root=p))
     if (p / "checkpoints").is_dir():
         raise NotADrafterError(f"{p} is a run folder without final/drafter (training did not finish): pass one of "
                                f"its checkpoints, e.g. {p}/checkpoints/step_N")
@@ -197,14 +198,23 @@ def target_quantization(target: str | None) -> str | None:
     return "none"
 
 
+def _final_state(final: Path) -> Path | None:
+    """``final/trained.json``: the step count training wrote with ``final/drafter`` (None before it did)."""
+    from train.checkpoint import FINAL_STATE
+
+    return final / FINAL_STATE if (final / FINAL_STATE).is_file() else None
+
+
 def _steps(trainer_state: Path | None, run_config: Path | None) -> int | None:
-    """Optimizer steps: the checkpoint's own count, else the last step logged in the run's metrics."""
+    """Optimizer steps: the drafter's own count (a checkpoint's trainer state, ``final/trained.json``),
+    else, for a final drafter written before it was recorded, the last step in the run's metrics (a
+    resumed run killed later may have logged more steps than ``final/`` holds: hence the own count first)."""
     if trainer_state is not None and trainer_state.is_file():
         try:
             return int(json.loads(trainer_state.read_text())["step"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{trainer_state} is not a valid trainer state (no integer 'step'); the checkpoint is "
-                             "damaged: pass another step_N or the final drafter") from None
+            raise ValueError(f"{trainer_state} holds no integer 'step': the folder is damaged: pass another "
+                             "checkpoint (step_N) or rerun training with resume=true to write final/ again") from None
     if run_config is None:
         return None
     metrics = run_config.parent.parent / "metrics.jsonl"  # final/config.yaml -> runs/NAME/metrics.jsonl

@@ -971,7 +971,8 @@ EXPORT_CASES = {
     "missing folder": "does not exist", "a file": "is a file", "no config.json": "(no config.json)",
     "a target, not a drafter": "config.json is not a DFlash drafter's", "config.json not JSON": "not valid JSON",
     "truncated safetensors": "corrupt or truncated", "unfinished run": "run folder without final/drafter",
-    "damaged trainer state": "not a valid trainer state", "--out holds the user's files": "exists and is not empty",
+    "damaged trainer state": "holds no integer 'step': the folder is damaged",
+    "--out holds the user's files": "exists and is not empty",
     "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
     "a quantized MLX export as the source": "already a quantized MLX export",
     "a mistyped --target folder": "--target ./runs/tiny/tiny_targt: no such folder, and not a Hub id (org/name)",
@@ -1226,6 +1227,47 @@ def test_a_diverged_run_stops_and_saves_nothing_non_finite(tmp_path_factory, tmp
     assert not (tmp_path / "final").exists()
     kept = [p.name for p in checkpoint_dirs(tmp_path)]
     assert kept == ([] if caught_by == "logged loss" else ["step_2"])  # step 4 not written, step 2 not rotated out
+
+
+def test_final_drafter_is_replaced_whole_and_records_its_own_steps(tmp_path_factory, tmp_path, monkeypatch, capsys):
+    """final/ was written in place: a kill could pair a new config.yaml with the old weights, and Ctrl-C
+    there printed no resume command. Export took the steps from metrics.jsonl, which a resumed run
+    killed later had logged past what final/ held. Now final/ is written whole then renamed, with
+    trained.json (its steps), which export reads first."""
+    import json
+
+    import train.checkpoint
+    from export.hf import main as export_hf
+    from test_train_run import FAST, run, tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    base = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "eval.batches=1", "logging.every=1"]
+    run(tmp_path, *base, "train.max_steps=2")
+    final = tmp_path / "final"
+    assert json.loads((final / "trained.json").read_text()) == {"step": 2}
+    weights = (final / "drafter" / "model.safetensors").read_bytes()
+    real = train.checkpoint.save_drafter
+
+    def interrupted(accelerator, model, directory, dtype=None):
+        if directory.parent.name == "final.tmp":
+            raise KeyboardInterrupt
+        return real(accelerator, model, directory, dtype)
+
+    monkeypatch.setattr(train.checkpoint, "save_drafter", interrupted)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, *base, "train.max_steps=3", "resume=true")
+    assert "resume=true" in capsys.readouterr().out  # the resume command, as for Ctrl-C during training
+    assert json.loads((final / "trained.json").read_text()) == {"step": 2}  # the old final/, whole
+    assert (final / "drafter" / "model.safetensors").read_bytes() == weights
+    assert not (tmp_path / "final.tmp").exists()
+    monkeypatch.setattr(train.checkpoint, "save_drafter", real)
+    run(tmp_path, *base, "train.max_steps=3", "resume=true")
+    assert json.loads((final / "trained.json").read_text()) == {"step": 3}
+    with (tmp_path / "metrics.jsonl").open("a") as f:  # as a later resumed run, killed, would have logged
+        f.write(json.dumps({"step": 9, "loss": 1.0}) + "\n")
+    export_hf(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["draftsmith"]["steps"] == 3
 
 
 def test_resume_reads_the_same_rows_from_a_moved_folder_and_refuses_other_rows(tmp_path_factory, tmp_path, capsys):

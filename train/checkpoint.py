@@ -51,6 +51,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+FINAL_STATE = "trained.json"  # in final/: {"step": N}, the optimizer steps of final/drafter
+
+
 def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None = None) -> None:
     """The HF drafter folder, from the full state dict (works under DDP / FSDP / DeepSpeed)."""
     from models.drafter import DFlashDraftModel

@@ -32,7 +32,9 @@ process count. The loss of an optimizer step is normalised by the slot-weight su
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -239,26 +241,43 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
     return last, first_eval
 
 
-def save_final(run, model) -> Path:
-    """``out_dir/final/drafter`` (bf16 when trained in bf16) and the config it was trained with."""
-    from train.checkpoint import CheckpointError, latest_checkpoint, save_drafter
-
+def save_final(run, model, step: int) -> Path:
+    """``out_dir/final/``: ``drafter/`` (bf16 when trained in bf16), the config it was trained with and
+    ``trained.json`` (its optimizer steps). Written as ``final.tmp/`` and renamed when complete, so a kill
+    never leaves a new config beside old weights; the previous ``final/`` goes only then."""
+    from train.checkpoint import FINAL_STATE, CheckpointError, latest_checkpoint, save_drafter
     from train.loop import diverged, nonfinite_weights
 
-    final = run.out_dir / "final"
+    final, tmp, old = (run.out_dir / name for name in ("final", "final.tmp", "final.old"))
     if nonfinite_weights(run, model):
         raise diverged(run, None, "the drafter's weights hold NaN / inf")
+    if run.is_main:
+        for stale in (tmp, old):  # left by a kill during an earlier save: never complete
+            shutil.rmtree(stale, ignore_errors=True)
+    run.accelerator.wait_for_everyone()
     try:
-        save_drafter(run.accelerator, model, final / "drafter",
+        save_drafter(run.accelerator, model, tmp / "drafter",
                      dtype=torch.bfloat16 if run.mixed_precision == "bf16" else None)
         if run.is_main:
-            (final / "config.yaml").write_text(run.config_yaml)
+            (tmp / "config.yaml").write_text(run.config_yaml)
+            (tmp / FINAL_STATE).write_text(json.dumps({"step": step}) + "\n")
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+    except KeyboardInterrupt:
+        if run.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except OSError as e:  # the last step's checkpoint (always written) holds the same weights
+        if run.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         newest = latest_checkpoint(run.out_dir)
         raise CheckpointError(f"could not write the final drafter to {final} ({e.strerror or e}): the checkpoint of "
                               f"the last step, {newest}, holds the same weights: free space and rerun with "
                               f"resume=true (it writes final/ again), or export it (python -m export.hf "
                               f"--checkpoint {newest} --out DIR)") from e
+    run.accelerator.wait_for_everyone()
     run.log(f"final drafter: {final / 'drafter'}")
     return final / "drafter"
 
@@ -293,12 +312,12 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     try:
         last, first_eval = train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_ds, eval_feats,
                                       drafter_cfg, sched, state, logger)
+        final_drafter = save_final(run, model, state.step)  # Ctrl-C here too: resume=true writes final/ again
     except KeyboardInterrupt:
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
         run.log(interrupted_message(run.out_dir, state, args, run.world))
         logger.close()
         raise
-    final_drafter = save_final(run, model)
     logger.close()
     run.accelerator.end_training()
     if run.is_main:  # the drafter is on disk first: an export failure never costs the training
