@@ -258,12 +258,22 @@ class StoreWriter:
 
     def _check_same_store(self, header: dict, plan: list[tuple[int, int]]) -> None:
         for key, value in header.items():
+            if key == "data" and self._same_data(self.index.get(key), value, header.get("data_fingerprint")):
+                continue  # the same rows named another way (relative path, a moved or copied folder)
             if self.index.get(key) != value:
                 raise StoreMismatch(f"{self.path} already holds a store with {key}={self.index.get(key)!r}, "
                                     f"this run asks for {value!r}: use another --out, or delete it to start over")
         if [tuple(p) for p in self.index["plan"]] != [tuple(p) for p in plan]:
             raise StoreMismatch(f"{self.path}: shard plan differs from the existing store's (data or shard size "
                                 "changed): use another --out, or delete it to start over")
+
+    def _same_data(self, old, new, fingerprint) -> bool:
+        if old == new or (fingerprint is not None and self.index.get("data_fingerprint") == fingerprint):
+            return True
+        try:
+            return Path(old).resolve() == Path(new).resolve()
+        except (TypeError, OSError):
+            return False
 
     def _adopt_sidecars(self) -> None:
         """Record every finished shard's sidecar in the index (a shard whose size disagrees is dropped)."""

@@ -145,7 +145,11 @@ def test_killed_extraction_resumes_without_redoing_finished_shards(setup, tmp_pa
     done = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in out.glob("shard-*.safetensors")}
     assert len(done) == 2
     (out / "shard-00002.safetensors.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
-    second = extract(setup["target"], setup["root"] / "plain", out, **kw)
+    # The same rows named another way (here a copy of the folder): resumed, not refused as "another data".
+    import shutil
+
+    copy = shutil.copytree(setup["root"] / "plain", tmp_path / "plain-copy")
+    second = extract(setup["target"], copy, out, **kw)
     assert second.shards_skipped == 2 and second.shards_written == second.shards - 2
     for name, stamp in done.items():
         p = out / name
