@@ -46,6 +46,9 @@ def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
 def staging(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temp folder beside ``out``; on success it replaces ``out``, on any error it is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.*.tmp"):  # a killed export's staging folder: only disk space
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         yield tmp

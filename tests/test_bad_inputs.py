@@ -989,6 +989,17 @@ def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
 
 
+def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path, export_drafter):
+    """A kill mid-export left a hidden .OUT.<random>.tmp folder (a drafter's size) that no rerun removed."""
+    from export.hf import main as export_hf
+
+    stale = tmp_path / ".hf.k1ll3d.tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    export_hf(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "hf"), "--no-remote-code-check"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "hf"]
+
+
 @pytest.mark.parametrize("group, expected", [
     (128, "does not divide the input width of 8 of the drafter's 8 linears .*use --group-size 32"),
     # Only down_proj (width 64) fits: the others were left in bf16 in a folder labelled 4-bit g64.
