@@ -344,7 +344,7 @@ def cli() -> None:
     """The ``draftsmith-extract`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
-    run_cli(main)
+    run_cli(main, interrupted='rerun the same command to resume: finished shards are kept')
 
 
 if __name__ == "__main__":

@@ -400,7 +400,7 @@ def cli() -> None:
     """The ``draftsmith-prepare`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
-    run_cli(main)
+    run_cli(main, interrupted='rerun the same command to resume: regenerated answers are kept, the rest is redone')
 
 
 if __name__ == "__main__":

@@ -347,4 +347,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     from models.cli import run_cli
 
-    run_cli(main)
+    run_cli(main, interrupted='rerun the same command to resume: finished answers are kept')

@@ -161,7 +161,8 @@ def cli() -> None:
     """The ``draftsmith-export-hf`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
-    run_cli(main)
+    run_cli(main, interrupted=("--out is untouched (an export is written aside and moved in when complete): "
+                                    "rerun the command"))
 
 
 if __name__ == "__main__":

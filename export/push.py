@@ -187,7 +187,8 @@ def cli() -> None:
     """The ``draftsmith-push`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.cli import run_cli
 
-    run_cli(main)
+    run_cli(main, interrupted=("no commit was made (the upload commits once, at its end): rerun the "
+                                    "same command"))
 
 
 if __name__ == "__main__":

@@ -41,11 +41,18 @@ def is_user_error(e: BaseException) -> bool:
     return type(e) is OSError and bool(e.args)
 
 
-def run_cli(main: Callable[[], object]) -> None:
-    """Run ``main``; user errors exit with ``error: <message>`` (DRAFTSMITH_TRACEBACK=1 shows the traceback)."""
+def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
+    """Run ``main``; user errors exit with ``error: <message>`` (DRAFTSMITH_TRACEBACK=1 shows the traceback).
+
+    Ctrl-C exits with status 130 after ``interrupted: <what happens on a rerun>`` when the command says
+    (training prints its own resume command)."""
+    import sys
+
     try:
         main()
     except KeyboardInterrupt:
+        if interrupted:
+            print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except Exception as e:
         if not is_user_error(e) or os.environ.get("DRAFTSMITH_TRACEBACK"):

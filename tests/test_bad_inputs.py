@@ -1000,6 +1000,26 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "hf"]
 
 
+@pytest.mark.parametrize("module, said", [
+    ("data.prepare", "regenerated answers are kept"), ("data.extract", "finished shards are kept"),
+    ("export.hf", "--out is untouched"), ("export.mlx", "--out is untouched"), ("export.push", "no commit was made"),
+])
+def test_ctrl_c_says_what_a_rerun_does(module, said, monkeypatch, capsys):
+    """Ctrl-C in these commands once exited 130 without a word (training printed its resume command)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod, "main", interrupted)
+    with pytest.raises(SystemExit) as e:
+        mod.cli()
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.startswith("interrupted: ") and said in err
+
+
 @pytest.mark.parametrize("group, expected", [
     (128, "does not divide the input width of 8 of the drafter's 8 linears .*use --group-size 32"),
     # Only down_proj (width 64) fits: the others were left in bf16 in a folder labelled 4-bit g64.

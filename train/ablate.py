@@ -427,4 +427,5 @@ if __name__ == "__main__":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from models.cli import run_cli
 
-    run_cli(main)
+    run_cli(main, interrupted=("rerun the same command to resume: finished runs are kept, the "
+                                    "interrupted ones start over"))
