@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from collections import Counter
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -250,13 +251,15 @@ def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, th
         model, keys, report = _regenerate(target, convs, out, regenerate, thinking, gen_kwargs, progress,
                                           server_log, engine_timeout, make_room, log, target_model)
         stats["regenerate"] = json.loads(report.line())["regenerate"]
-        regen_stats = ReadStats()
-        convs = _answered(regenerated_conversations(out / REGEN_FILE, keys, regen_stats), regen_stats,
+        regen_stats, answers = ReadStats(), Counter()
+        convs = _answered(regenerated_conversations(out / REGEN_FILE, keys, regen_stats, answers), regen_stats,
                           out / REGEN_FILE)
     counts = tokenize_to_disk(tokenizer, convs, out, out / CACHE_DIR, thinking=thinking, max_length=max_length,
                               pack=pack, num_proc=num_proc, progress=progress)
     if regenerate:
         stats["regenerated_rows"] = regen_stats.as_dict()
+        # "regenerate" is this run's work; these are the answers the rows hold, also those of earlier runs
+        stats["regenerated_answers"] = {k: answers[k] for k in ("rows", "truncated", "turns", "tokens_generated")}
         if counts["retokenized"]:
             log(f"warning: {counts['retokenized']} regenerated answers had no token ids that spell their text; "
                 "they were re-tokenized from the text")
@@ -324,8 +327,11 @@ def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, think
     return model, keys, report
 
 
-def regenerated_conversations(path: Path, keys: list[str], stats) -> Iterator[dict]:
-    """The regenerated conversations in source order, looked up by key; assistant turns keep their token ids."""
+def regenerated_conversations(path: Path, keys: list[str], stats, answers: Counter | None = None) -> Iterator[dict]:
+    """The regenerated conversations in source order, looked up by key; assistant turns keep their token ids.
+
+    ``answers`` counts what the answers used hold (rows, truncated rows, turns, tokens generated), whichever
+    run generated them: a resumed run's own report counts only what it generated."""
     from data.readers import BadRow, to_messages
     from data.regenerate import index_rows
 
@@ -338,6 +344,10 @@ def regenerated_conversations(path: Path, keys: list[str], stats) -> Iterator[di
                 continue
             f.seek(index[key])
             row = json.loads(f.readline())
+            if answers is not None and isinstance(row.get("regen"), dict):
+                regen = row["regen"]
+                answers.update({"rows": 1, "truncated": int("length" in regen.get("finish_reasons", [])),
+                                "turns": regen.get("turns", 0), "tokens_generated": regen.get("tokens", 0)})
             try:  # a target answer can be empty (EOS first): same rules as any source row
                 messages = to_messages(row, "openai")
             except BadRow as why:

@@ -169,6 +169,19 @@ def test_prepare_regenerates_through_the_server(server, target_dir, tmp_path):
           "--no-progress"])
     stats = json.loads((out / "stats.json").read_text())
     assert stats["regenerate"]["done"] == 2 and stats["regenerate"]["turns"] == 3
+    # A run resumed after its answers were all written (killed while tokenizing): this run generated
+    # nothing, but stats.json still says what the rows' answers hold (it once said 0 of everything).
+    from data.reuse import META_FILE, PARTIAL_FILE
+
+    (out / META_FILE).rename(out / PARTIAL_FILE)  # as the folder is before it is finished
+    main(["--target", str(target_dir), "--source", str(FIX / "sharegpt.jsonl"), "--out", str(out),
+          "--regenerate", url, "--model", "tiny", "--thinking", "off", "--max-tokens", str(MAX_TOKENS),
+          "--no-progress"])
+    again = json.loads((out / "stats.json").read_text())
+    assert again["regenerate"]["done"] == 0 and again["regenerate"]["already_done"] == 2
+    assert again["regenerated_answers"] == stats["regenerated_answers"] == {
+        "rows": 2, "truncated": stats["regenerate"]["truncated"], "turns": 3,
+        "tokens_generated": stats["regenerate"]["tokens_generated"]}
     regenerated = read_rows(out / "regenerated.jsonl")
     answers = [m["content"] + "<|im_end|>" for r in regenerated for m in r["messages"] if m["role"] == "assistant"]
     from models.tiny import tiny_tokenizer
