@@ -114,6 +114,22 @@ def test_the_resume_hint_starts_the_run_the_way_it_was_started(monkeypatch, argv
     assert launch_command(world) == expected
 
 
+@pytest.mark.parametrize("env, world, noted", [
+    ({}, 2, False), ({"ACCELERATE_USE_FSDP": "true"}, 2, True), ({"ACCELERATE_USE_DEEPSPEED": "true"}, 8, True),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 16, True), ({"ACCELERATE_USE_FSDP": "true"}, 1, False),
+])
+def test_the_resume_hint_names_launcher_flags_it_cannot_rebuild(monkeypatch, env, world, noted):
+    """An FSDP / DeepSpeed config file or several machines reach the processes only as their effects: the
+    hint printed a bare `accelerate launch --num_processes N`, which would start another kind of run."""
+    from train.loop import launcher_note
+
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert ("--config_file" in launcher_note(world)) == noted
+
+
 def test_resume_refuses_changed_model_settings_and_allows_harmless_ones(tiny, tmp_path, capsys):
     import shutil
 

@@ -382,4 +382,18 @@ def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world:
                  "scratch; run again with")
     else:
         where = f"newest checkpoint: {ckpt}; resume from it with"
-    return f"interrupted at step {state.step}: {where}:\n  {resume_command(args, world)}"
+    return f"interrupted at step {state.step}: {where}:\n  {resume_command(args, world)}{launcher_note(world)}"
+
+
+def launcher_note(world: int) -> str:
+    """What the resume hint cannot rebuild: accelerate's own flags (a config file, several machines) do
+    not reach the processes it starts, only their effects (these environment variables) do."""
+    import os
+
+    env = os.environ
+    custom = any(env.get(k, "").lower() == "true" for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+    nodes = env.get("WORLD_SIZE") not in (None, env.get("LOCAL_WORLD_SIZE"))
+    if world > 1 and (custom or nodes):
+        return ("\n  with the launcher flags the run was started with (--config_file, --num_machines, --machine_rank, "
+                "--main_process_ip ...), on every node")
+    return ""
