@@ -1739,6 +1739,30 @@ def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
 
+def test_ablation_run_of_a_rebuilt_target_is_trained_again(tmp_path, monkeypatch):
+    """A finished training (trained.json, same argv) was reused after the target was rebuilt: its argv
+    names the target's folder, not its build, so the old drafter was evaluated and labelled as new."""
+    import json
+
+    import train.distill
+    from train.ablate import run_one
+
+    class Trained(Exception):
+        pass
+
+    def distill(argv):
+        raise Trained
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    run_dir = tmp_path / "paper" / "seed0"
+    run_dir.mkdir(parents=True)
+    spec = {"run_dir": str(run_dir), "argv": ["train.max_steps=8"], "target_key": "new-build"}
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    (run_dir / "trained.json").write_text(json.dumps({"argv": spec["argv"], "target_key": "old-build"}))
+    with pytest.raises(Trained):
+        run_one(run_dir / "spec.json")
+
+
 def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
     """--table-only ("run nothing") once built a missing target (16 min), prepared data and replaced
     table.md with an empty table when no run matched its flags."""

@@ -108,6 +108,15 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     said = []
     prepare_data("regen", target, abl, rows=8, max_length=160, regen_tokens=24, progress=False, log=said.append)
     assert any("prepared against another build" in m for m in said)
+    # An interrupted preparation of the same build resumes (its answers kept), never deleted as "another build".
+    from data.reuse import META_FILE, PARTIAL_FILE
+
+    folder = variant_folder("regen", abl, 8)
+    (folder / META_FILE).rename(folder / PARTIAL_FILE)
+    answers, said = (folder / "regenerated.jsonl").read_text(), []
+    prepare_data("regen", target, abl, rows=8, max_length=160, regen_tokens=24, progress=False, log=said.append)
+    assert not any("another build" in m for m in said) and (folder / META_FILE).is_file()
+    assert (folder / "regenerated.jsonl").read_text() == answers
 
 
 def test_small_recipe_is_the_paper_recipe_at_small_size_with_the_ablation_winner():

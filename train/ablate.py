@@ -73,7 +73,7 @@ CELLS: dict[str, dict] = {  # in the order they run (most telling first: a cut-s
     "anchors=x2": {"anchors_scale": 2.0},
 }
 SAME_COMPUTE_EXCEPTIONS = {"anchors=x0.5", "anchors=x2", "layers=1", "layers=3"}
-TARGET_FILE = "ablate_target.txt"  # in a data variant folder: the target_key it was prepared against
+TARGET_SUFFIX = ".target"  # beside a data variant folder: the target_key it is prepared against
 
 
 
@@ -95,11 +95,16 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
 
     folder = variant_folder(variant, out, rows)
     n = rows // 2 if variant == "half" else rows
-    made_by = folder / TARGET_FILE  # the target build whose answers and tokens the rows hold
-    if (folder / META_FILE).is_file() and made_by.is_file() and made_by.read_text() == target_key(target):
+    # Beside the folder (data.prepare writes only into folders it recognises): the target build whose
+    # answers and tokens the rows hold, written before preparing, so an interrupted one resumes.
+    made_by = folder.with_name(folder.name + TARGET_SUFFIX)
+    key = target_key(target)
+    same_build = made_by.is_file() and made_by.read_text() == key
+    if same_build and (folder / META_FILE).is_file():
         return folder
-    if folder.exists():
-        log(f"data variant {folder} was prepared against another build of {target}: preparing it again")
+    if folder.exists() and not same_build:
+        log(f"data variant {folder} was prepared against another build of {target} (or before builds were "
+            "recorded): preparing it again")
         shutil.rmtree(folder)
     chats = target / "chats.jsonl"
     if not chats.is_file():
@@ -109,6 +114,7 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
         raise ValueError(f"{chats} has {available} conversations, the budget needs {n}: use fewer --steps or "
                          "rebuild the target with more --chats")
     gen = {"max_tokens": regen_tokens, "batch_size": 64}
+    made_by.write_text(key)
     if variant == "half":
         full = prepare_data("regen", target, out, rows=rows, max_length=max_length, regen_tokens=regen_tokens,
                             progress=progress, log=log)
@@ -116,8 +122,7 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
         shutil.copy(full / "regenerated.jsonl", folder / "regenerated.jsonl")
     log(f"preparing data variant {variant}: first {n} conversations of {chats}")
     prepare(str(target), str(chats), folder, regenerate=None if variant == "original" else "local",
-            max_length=max_length, limit=n, gen_kwargs=gen, progress=progress)
-    made_by.write_text(target_key(target))
+            max_length=max_length, limit=n, gen_kwargs=gen, progress=progress, reuse=True)
     return folder
 
 
@@ -189,15 +194,17 @@ def run_one(spec_file: Path) -> None:
     run_dir = Path(spec["run_dir"])
     t0 = time.perf_counter()
     trained = run_dir / "trained.json"  # a run killed during its evaluation is not trained again
-    if trained.is_file() and json.loads(trained.read_text()).get("argv") == spec["argv"]:
-        summary = json.loads(trained.read_text())
+    before = json.loads(trained.read_text()) if trained.is_file() else {}
+    if before.get("argv") == spec["argv"] and before.get("target_key") == spec["target_key"]:
+        summary = before  # (the argv names the target's folder, not its build: a rebuilt target retrains)
     else:
         from train.distill import main as distill
 
         # a run killed during training starts over (distill refuses to start fresh over an unfinished run)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         summary = distill(spec["argv"])
-        summary = {"argv": spec["argv"], "last": summary.get("last"), "train_seconds": time.perf_counter() - t0}
+        summary = {"argv": spec["argv"], "target_key": spec["target_key"], "last": summary.get("last"),
+                   "train_seconds": time.perf_counter() - t0}
         trained.write_text(json.dumps(summary) + "\n")
     train_s = summary.get("train_seconds")
     t0 = time.perf_counter()
