@@ -46,9 +46,7 @@ def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
 def staging(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temp folder beside ``out``; on success it replaces ``out``, on any error it is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.*.tmp"):  # a killed export's staging folder: only disk space
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_staging(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         yield tmp
@@ -69,3 +67,22 @@ def staging(out: Path, overwrite: bool) -> Iterator[Path]:
             tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+STALE_AFTER_S = 3600  # a staging folder untouched this long belongs to no running export
+
+
+def remove_stale_staging(out: Path) -> None:
+    """Remove the staging folders a killed export to ``out`` left (a drafter's size each): exactly this
+    folder's name and mkdtemp's 8 random characters (``.drafter.x`` is not ``.drafter.mlx-q4.x``), and
+    nothing written for an hour (a concurrent export's staging folder is being written)."""
+    import re
+    import time
+
+    shape = re.compile(rf"\.{re.escape(out.name)}\.[A-Za-z0-9_]{{8}}\.tmp")
+    for p in out.parent.iterdir() if out.parent.is_dir() else []:
+        if not (p.is_dir() and shape.fullmatch(p.name)):
+            continue
+        newest = max([p.stat().st_mtime] + [f.stat().st_mtime for f in p.rglob("*")])
+        if time.time() - newest > STALE_AFTER_S:
+            shutil.rmtree(p, ignore_errors=True)

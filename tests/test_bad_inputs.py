@@ -993,11 +993,23 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     """A kill mid-export left a hidden .OUT.<random>.tmp folder (a drafter's size) that no rerun removed."""
     from export.hf import main as export_hf
 
-    stale = tmp_path / ".hf.k1ll3d.tmp"
-    stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"half")
+    import os
+    import time
+
+    def staging(name: str, hours_ago: float):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+        for p in (folder / "model.safetensors", folder):
+            os.utime(p, (time.time() - hours_ago * 3600,) * 2)
+
+    staging(".hf.k1ll3d_1.tmp", 2)  # killed two hours ago: removed
+    staging(".hf.runn1ng2.tmp", 0)  # being written by a concurrent export to the same --out: kept
+    staging(".hf.mlx-q4.abcdefgh.tmp", 2)  # another export's (--out hf.mlx-q4): not this one's to remove
+    staging(".hf.backup.tmp", 2)  # a user's folder of another shape
     export_hf(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "hf"), "--no-remote-code-check"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".hf.backup.tmp", ".hf.mlx-q4.abcdefgh.tmp", ".hf.runn1ng2.tmp", "drafter", "hf"]
 
 
 @pytest.mark.parametrize("module, said", [
