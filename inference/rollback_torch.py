@@ -23,8 +23,11 @@ class CacheRollback:
         self._inputs: dict[int, torch.Tensor] = {}
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Tokens each GatedDeltaNet layer folded into its state since the snapshot, counted where they
-        # enter the module (verify pass, then replay): ``check`` wants exactly the committed ones.
+        # enter the module (verify pass, then replay): ``check`` wants exactly the committed ones. The
+        # replay's count starts from zero only if the state was written after the verify pass (the
+        # restore): seen from the state's (identity, version), not from commit's own bookkeeping.
         self._folded: dict[int, int] = {}
+        self._verified: dict[int, list[tuple[int, int]]] = {}
         self._kept: int | None = None
         self._handles: list = []
         self._recording = False
@@ -39,30 +42,39 @@ class CacheRollback:
         for i, _ in self.linear:
             layer = cache.layers[i]
             self._snapshots[i] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
-        self._release()
+        self.close()
         self._folded, self._kept, self._recording = dict.fromkeys(self._snapshots, 0), None, True
         # The hooks stay until commit's replay has run through the modules too.
         self._handles = [m.register_forward_pre_hook(self._recorder(i), with_kwargs=True) for i, m in self.linear]
         try:
             yield
         except BaseException:
-            self._release()
+            self.close()
             raise
         finally:
             self._recording = False
+        self._verified = {i: _written(cache.layers[i]) for i, _ in self.linear}
 
     def _recorder(self, idx: int):
         def hook(_module, args, kwargs):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if self._recording:
                 self._inputs[idx] = x
+            else:  # the replay: from zero if the state was restored since the verify pass, else on top of it
+                cache = kwargs.get("cache_params")
+                verified = self._verified.get(idx) or []
+                if cache is not None and all(a != b for a, b in zip(_written(cache.layers[idx]), verified)):
+                    self._folded[idx] = 0  # both states (conv window, recurrent) written since: restored
             self._folded[idx] += x.shape[1]
         return hook
 
-    def _release(self) -> None:
+    def close(self) -> None:
+        """Remove the hooks (commit does; the loop calls this too, so an error between the verify pass
+        and commit never leaves them on the target's modules)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._inputs.clear()
 
     def commit(self, cache, keep: int, block_len: int) -> None:
         """Keep the first ``keep`` positions of the block just verified."""
@@ -79,11 +91,9 @@ class CacheRollback:
                 conv, rec = self._snapshots[i]
                 layer.conv_states[0].copy_(conv)
                 layer.recurrent_states[0].copy_(rec)
-                self._folded[i] = 0  # back at the snapshot; the replay below is counted by the hook
                 module(hidden_states=self._inputs[i][:, :keep], cache_params=cache, attention_mask=None)
         finally:
-            self._inputs.clear()
-            self._release()
+            self.close()
 
     def check(self, cache, committed: int) -> None:
         """Every attention layer holds exactly the committed tokens; every GatedDeltaNet state holds its
@@ -101,3 +111,8 @@ class CacheRollback:
                 raise AssertionError(f"target cache layer {idx} (GatedDeltaNet) folded {n} tokens of the last "
                                      f"block into its state, {self._kept} were committed: its state is not "
                                      "at the committed length")
+
+
+def _written(layer) -> list[tuple[int, int]]:
+    """Which tensors hold a linear-attention layer's states, and how often they were written in place."""
+    return [(id(t), t._version) for t in (layer.conv_states[0], layer.recurrent_states[0])]

@@ -110,29 +110,32 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
 
     clock = Clock(device, parts)
     t1 = time.perf_counter()
-    while stop is None:
-        clock.start()
-        bonus = result.tokens[-1]
-        drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
-        clock.lap("draft")
-        block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
-        positions = torch.arange(committed, committed + B, device=device)[None]
-        with rollback.recording(cache):
-            verify = target.forward(block, proposer.layer_ids, cache=cache, position_ids=positions)
-        clock.lap("verify")
-        both = torch.cat([drafts, sample(verify.logits[0], temperature, gen)]).tolist()  # the one sync per cycle
-        clock.lap("accept")
-        drafts, target_tokens = both[:B - 1], both[B - 1:]
-        check_draft_cache(proposer, committed)
-        keep, stop = result.record_cycle(drafts, target_tokens, eos, max_new_tokens)
-        clock.lap("host")
-        rollback.commit(cache, keep=keep, block_len=B)
-        committed += keep
-        rollback.check(cache, committed)
-        clock.lap("rollback")
-        if on_cycle is not None:
-            on_cycle(cache, committed)
-        new_features = verify.features[:, :keep]
+    try:  # an error between the verify pass and commit must not leave rollback hooks on the target
+        while stop is None:
+            clock.start()
+            bonus = result.tokens[-1]
+            drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+            clock.lap("draft")
+            block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
+            positions = torch.arange(committed, committed + B, device=device)[None]
+            with rollback.recording(cache):
+                verify = target.forward(block, proposer.layer_ids, cache=cache, position_ids=positions)
+            clock.lap("verify")
+            both = torch.cat([drafts, sample(verify.logits[0], temperature, gen)]).tolist()  # the one sync per cycle
+            clock.lap("accept")
+            drafts, target_tokens = both[:B - 1], both[B - 1:]
+            check_draft_cache(proposer, committed)
+            keep, stop = result.record_cycle(drafts, target_tokens, eos, max_new_tokens)
+            clock.lap("host")
+            rollback.commit(cache, keep=keep, block_len=B)
+            committed += keep
+            rollback.check(cache, committed)
+            clock.lap("rollback")
+            if on_cycle is not None:
+                on_cycle(cache, committed)
+            new_features = verify.features[:, :keep]
+    finally:
+        rollback.close()
     _sync(device)
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop

@@ -131,7 +131,7 @@ def test_rollback_restores_exactly_what_the_committed_tokens_give(tiny_targets, 
     rollback.check(rolled, len(PROMPT) + keep)  # the state holds its snapshot + the keep committed tokens
 
 
-@pytest.mark.parametrize("broken", ["no restore", "no replay", "replays the block"])
+@pytest.mark.parametrize("broken", ["no restore", "no replay", "replays the block", "replays without restoring"])
 def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(tiny_targets, broken):
     """The per-cycle check covers GatedDeltaNet states too (it once looked at attention caches only): a
     commit that crops attention but leaves the recurrent state at the verified block, restores it
@@ -146,15 +146,38 @@ def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(tiny_target
     with rollback.recording(cache):
         target.forward(torch.tensor([block]), cache=cache, with_logits=False)
     whole = dict(rollback._inputs)
-    rollback.linear = {
-        "no restore": [],  # commit crops the attention caches and skips the GatedDeltaNet layers
-        "no replay": [(i, lambda **kw: None) for i, _ in rollback.linear],
-        "replays the block": [(i, lambda m=m, i=i, **kw: m(**{**kw, "hidden_states": whole[i]}))
-                              for i, m in rollback.linear],
-    }[broken]
-    rollback.commit(cache, keep=keep, block_len=len(block))
+    if broken == "replays without restoring":  # crops attention, replays the kept tokens on the verified state
+        rollback._kept = keep
+        for layer in cache.layers:
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                layer.crop(-(len(block) - keep))
+        for i, module in rollback.linear:
+            module(hidden_states=whole[i][:, :keep], cache_params=cache, attention_mask=None)
+        rollback.close()
+    else:
+        rollback.linear = {
+            "no restore": [],  # commit crops the attention caches and skips the GatedDeltaNet layers
+            "no replay": [(i, lambda **kw: None) for i, _ in rollback.linear],
+            "replays the block": [(i, lambda m=m, i=i, **kw: m(**{**kw, "hidden_states": whole[i]}))
+                                  for i, m in rollback.linear],
+        }[broken]
+        rollback.commit(cache, keep=keep, block_len=len(block))
     with pytest.raises(AssertionError, match="GatedDeltaNet"):
         rollback.check(cache, len(PROMPT) + keep)
+
+
+def test_an_error_inside_a_cycle_leaves_no_hook_on_the_target(runs):
+    """The rollback's hooks stay from the verify pass through commit; an error in between (a Ctrl-C at
+    the host sync, a proposer out of step) once left them on the target's modules for good."""
+    target, seq, _ = runs("qwen3_5")
+
+    class OutOfStep(ReferenceProposer):
+        def context_length(self) -> int:
+            return 3
+
+    with pytest.raises(RuntimeError, match="draft cache holds 3 positions"):
+        dflash_generate(target, OutOfStep(seq, [1, 3, 5], B, 288), PROMPT, 16, eos_token_ids=[])
+    assert all(not m._forward_pre_hooks for _, m in target.linear_attention_modules())
 
 
 def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
