@@ -203,12 +203,13 @@ def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: 
                               sampler=make_sampler(temp=temperature), prefill_step_size=prefill_step_size)
         t1 = None
         for tok, _ in steps:
-            if t1 is None:
+            first = t1 is None  # the prefill's token: not a decode step
+            if first:
                 t1 = time.perf_counter()
                 result.prefill_s = t1 - t0
-            else:
-                result.acceptance_lengths.append(1)
             stop = commit_tokens([int(tok)], result.tokens, eos, max_new_tokens)
+            if not first:
+                result.acceptance_lengths.append(int(stop != "eos"))  # the EOS step emits nothing
             if stop is not None:
                 break
         steps.close()

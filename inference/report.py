@@ -5,7 +5,8 @@ acceptance numbers come from its first DFlash repeat (greedy repeats are identic
 are the median over ``--repeats``. Groups (a category, or all prompts) pool cycles and times:
 
 - ``tau`` (headline) = committed tokens per verify cycle pooled over all cycles of the group
-  (total accepted+1 / total cycles): what throughput follows. ``tau_per_prompt_mean`` = the mean
+  (total committed / total cycles; a cycle commits accepted + 1, or what it emitted before the first
+  EOS or the token budget, 0 when that was its first token): what throughput follows. ``tau_per_prompt_mean`` = the mean
   of the prompts' own taus, beside it; the two differ when prompts have different lengths.
 - ``acceptance_histogram`` {length: cycles}: sums to ``num_cycles``.
 - ``position_acceptance[k-1]`` = share of cycles whose draft slot k was accepted: in [0, 1] and
@@ -201,7 +202,7 @@ def markdown(report: dict) -> str:
         "post-prefill decode tokens/s (baseline: the target alone through the same loop code, dtype and prompt ids). "
         "cycle cost = seconds per DFlash cycle / seconds per baseline token.", "",
         "## Acceptance", "",
-        "| accepted length | cycles | share |", "|---|---|---|",
+        "| committed per cycle | cycles | share |", "|---|---|---|",
         *[f"| {k} | {v} | {v / total:.1%} |" for k, v in hist.items()], "",
         "Per-position acceptance (share of cycles whose draft slot k was accepted, k = 1..B-1): "
         + ", ".join(f"{x:.2f}" for x in report["position_acceptance"]), "",
@@ -275,10 +276,11 @@ def write_plot(reports: list[dict], labels: list[str], path: str) -> str | None:
                  label=f"{label} (tau {r['tau']:.2f})")
         rates = r["position_acceptance"]
         ax_p.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
-    ax_h.set_xticks(range(1, block + 1))
-    ax_h.set_xlim(0.4, block + 0.6)
+    low = min([int(k) for r in reports for k in r["acceptance_histogram"]] or [1])  # 0: a cycle cut at once
+    ax_h.set_xticks(range(low, block + 1))
+    ax_h.set_xlim(low - 0.6, block + 0.6)
     ax_p.set_xticks(range(1, block))
-    ax_h.set_xlabel("accepted length per cycle (bonus included)")
+    ax_h.set_xlabel("committed tokens per cycle (bonus included)")
     ax_h.set_ylabel("share of cycles")
     ax_h.set_title("Acceptance length")
     ax_p.set_xlabel("draft position k")

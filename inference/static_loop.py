@@ -362,8 +362,8 @@ def static_target_generate(target: StaticTarget, prompt_ids: list[int], max_new_
         _, logits = target.forward(ids, pos)
         pos += 1
         tok = int(sample(logits[0, -1], temperature, gen))
-        result.acceptance_lengths.append(1)
         stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
+        result.acceptance_lengths.append(int(stop != "eos"))  # the EOS step emits nothing
     _sync(device)
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop

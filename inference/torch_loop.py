@@ -162,8 +162,8 @@ def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: 
     while stop is None:
         out = target.forward(torch.tensor([[tok]], device=device), cache=cache)
         tok = int(sample(out.logits[0, -1], temperature, gen))
-        result.acceptance_lengths.append(1)
         stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
+        result.acceptance_lengths.append(int(stop != "eos"))  # the EOS step emits nothing
     _sync(device)
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop

@@ -155,6 +155,8 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     *full, last = res.acceptance_lengths
     assert full == [B] * len(full) and last == (cut - 1) - B * len(full) < B
     assert res.tau * len(res.acceptance_lengths) == pytest.approx(cut - 1)
+    base = target_generate(target, PROMPT, NEW, eos_token_ids=[gen[cut]])  # its steps count the same way
+    assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
