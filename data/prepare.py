@@ -344,15 +344,15 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
                 continue
             f.seek(index[key])
             row = json.loads(f.readline())
-            if answers is not None and isinstance(row.get("regen"), dict):
-                regen = row["regen"]
-                answers.update({"rows": 1, "truncated": int("length" in regen.get("finish_reasons", [])),
-                                "turns": regen.get("turns", 0), "tokens_generated": regen.get("tokens", 0)})
             try:  # a target answer can be empty (EOS first): same rules as any source row
                 messages = to_messages(row, "openai")
             except BadRow as why:
                 stats.skipped[str(why)] += 1
                 continue
+            if answers is not None and isinstance(row.get("regen"), dict):  # rows kept only
+                regen = row["regen"]
+                answers.update({"rows": 1, "truncated": int("length" in regen.get("finish_reasons", [])),
+                                "turns": regen.get("turns", 0), "tokens_generated": regen.get("tokens", 0)})
             generated = [m for m in row["messages"] if m.get("role") == "assistant"]
             for new, raw in zip((m for m in messages if m["role"] == "assistant"), generated):
                 if raw.get("token_ids") is not None:

@@ -1305,6 +1305,22 @@ def test_final_drafter_is_replaced_whole_and_records_its_own_steps(tmp_path_fact
     assert (final / "drafter" / "model.safetensors").read_bytes() == weights
     assert not (tmp_path / "final.tmp").exists()
     monkeypatch.setattr(train.checkpoint, "save_drafter", real)
+    # Cut between its two renames (final -> final.old done, final.tmp -> final not): the old final/ is put back.
+    from pathlib import Path
+
+    rename = Path.rename
+
+    def cut(self, to):
+        if self.name == "final.tmp":
+            raise KeyboardInterrupt
+        return rename(self, to)
+
+    monkeypatch.setattr(Path, "rename", cut)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, *base, "train.max_steps=3", "resume=true")
+    monkeypatch.setattr(Path, "rename", rename)
+    assert json.loads((final / "trained.json").read_text()) == {"step": 2}
+    assert not (tmp_path / "final.old").exists() and not (tmp_path / "final.tmp").exists()
     run(tmp_path, *base, "train.max_steps=3", "resume=true")
     assert json.loads((final / "trained.json").read_text()) == {"step": 3}
     with (tmp_path / "metrics.jsonl").open("a") as f:  # as a later resumed run, killed, would have logged

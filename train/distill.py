@@ -265,13 +265,14 @@ def save_final(run, model, step: int) -> Path:
                 final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, OSError) as e:
         if run.is_main:
+            if old.exists() and not final.exists():  # cut between the two renames: the previous final/ back
+                old.rename(final)
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except OSError as e:  # the last step's checkpoint (always written) holds the same weights
-        if run.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        # the last step's checkpoint (always written) holds the same weights
         newest = latest_checkpoint(run.out_dir)
         raise CheckpointError(f"could not write the final drafter to {final} ({e.strerror or e}): the checkpoint of "
                               f"the last step, {newest}, holds the same weights: free space and rerun with "
@@ -316,9 +317,9 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     except KeyboardInterrupt:
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
         run.log(interrupted_message(run.out_dir, state, args, run.world))
-        logger.close()
         raise
-    logger.close()
+    finally:  # also on an error (a diverged run): the wandb run is closed
+        logger.close()
     run.accelerator.end_training()
     if run.is_main:  # the drafter is on disk first: an export failure never costs the training
         from train.export_stage import run_export_stage
