@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import sys
 
@@ -171,6 +172,14 @@ class Session:
         self.tokenizer = self.target.tokenizer
 
     def run(self, prompt: list[int], baseline: bool = False, block_size: int | None = None, **kw):
+        trained = self.proposer.drafter.config.block_size if self.loop_kind != "eager" else None
+        if block_size not in (None, trained) and self.loop_kind != "eager":
+            # The graphs are captured for one block shape: DFlash would run eager against a static baseline
+            # (a speedup of two different loops), so both run the eager loop, and the report says so.
+            logging.getLogger("inference").warning(
+                "--block-size %d is not the drafter's %d: the %s loop is captured for one block shape, so "
+                "DFlash and the baseline both run the eager loop", block_size, trained, self.loop_kind)
+            self.loop_kind = "eager"
         static = self._static_loop(prompt, kw.get("max_new_tokens", 256), block_size)
         if static is not None:
             from inference.static_loop import static_dflash_generate

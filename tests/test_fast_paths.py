@@ -212,6 +212,12 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     assert runs["static"][0] == "static" and runs["eager"][0] == runs["auto"][0] == "eager"
     assert runs["static"][1:] == runs["eager"][1:] == runs["auto"][1:]
     assert runs["static"][1] == runs["static"][3]  # lossless in fp32
+    # A smaller block than the drafter's: DFlash once ran eager against the static loop's baseline (a
+    # speedup of two different loops, reported as "static"). Both run eager now, and the report says so.
+    session = Session("torch", target, draft, "cpu", "float32", loop="static")
+    result, base = session.run(prompt, baseline=True, block_size=2, max_new_tokens=24, eos_token_ids=[])
+    assert session.describe()["loop"] == "eager" and session._static is None
+    assert result.tokens == base.tokens == runs["eager"][3]
 
 
 def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, caplog):
