@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
+    if args.seed < 0:  # MLX's random key takes no negative seed (a traceback after the models loaded)
+        p.error(f"--seed {args.seed}: use 0 or more")
     if not (args.temperature >= 0 and args.temperature != float("inf")):
         p.error(f"--temperature {args.temperature}: use 0 for greedy (lossless) decoding or a positive value to sample")
     if args.chat and args.prompt is None:
@@ -296,11 +298,14 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         text = tokenizer.decode(result.tokens) if tokenizer is not None else " ".join(map(str, result.tokens))
         print(text)
-        print(f"\n[{backend}] {len(result.tokens)} tokens | tau {result.tau:.2f} | "
-              f"decode {result.decode_tokens_per_s:.1f} tok/s | acceptance histogram {result.histogram()}",
-              file=sys.stderr)
+        # No decode step (one token asked, or the first was EOS): tau and speeds are undefined, not 0
+        tau = f"{result.tau:.2f}" if result.acceptance_lengths else "-"
+        speed = f"{result.decode_tokens_per_s:.1f}" if result.decode_s > 0 and len(result.tokens) > 1 else "-"
+        print(f"\n[{backend}] {len(result.tokens)} tokens | tau {tau} | decode {speed} tok/s | acceptance "
+              f"histogram {result.histogram()}", file=sys.stderr)
         if baseline is not None:
-            print(f"baseline {report['baseline_decode_tokens_per_s']:.1f} tok/s | speedup {report['speedup'] or 0:.2f}x"
+            speedup = f"{report['speedup']:.2f}x" if report["speedup"] else "-"
+            print(f"baseline {report['baseline_decode_tokens_per_s']:.1f} tok/s | speedup {speedup}"
                   f" | matches baseline: {report['matches_baseline']}", file=sys.stderr)
     return report
 

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", nargs="+", metavar="REPORT_JSON",
                    help="compare reports side by side (ratios to the first) and write compare.png to --out")
     args = p.parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # found before any model loads
+        p.error(f"--out {args.out} is a file: give a folder for the report (created if missing)")
     if args.compare:
         if len(args.compare) < 2:
             p.error("--compare needs at least two report.json files")
@@ -114,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--n {args.n}: give at least 1 prompt per category (or leave --n out for all of them)")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
+    if args.seed < 0:  # MLX's random key takes no negative seed (a traceback after the models loaded)
+        p.error(f"--seed {args.seed}: use 0 or more")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args

@@ -1012,6 +1012,35 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
         ".hf.backup.tmp", ".hf.mlx-q4.abcdefgh.tmp", ".hf.runn1ng2.tmp", "drafter", "hf"]
 
 
+@pytest.mark.parametrize("module, argv, said", [
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", "hi", "--seed", "-5"], "--seed -5: use 0 or more"),
+    ("validate", ["--target", "t", "--draft", "d", "--seed", "-5"], "--seed -5: use 0 or more"),
+    ("validate", ["--target", "t", "--draft", "d", "--out", "FILE"], "is a file: give a folder for the report"),
+])
+def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
+    """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
+    a bare "[Errno 17] File exists" after the whole run."""
+    import importlib
+
+    (tmp_path / "FILE").write_text("x")
+    argv = [str(tmp_path / "FILE") if a == "FILE" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"inference.{module}").main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
+    """--max-new-tokens 1 has no decode step: it printed tau 0.00 and speedup 0.00x (the JSON said null)."""
+    from inference.bench import tiny_folders
+    from inference.generate import main
+
+    target, draft = tiny_folders("qwen3", str(tmp_path))
+    main(["--target", target, "--draft", draft, "--prompt-ids", "257,85,82", "--max-new-tokens", "1",
+          "--baseline", "--backend", "torch", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert "tau - | decode - tok/s" in err and "speedup -" in err
+
+
 @pytest.mark.parametrize("module, said", [
     ("data.prepare", "regenerated answers are kept"), ("data.extract", "finished shards are kept"),
     ("export.hf", "--out is untouched"), ("export.mlx", "--out is untouched"), ("export.push", "no commit was made"),
