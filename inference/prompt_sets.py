@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
@@ -70,18 +71,26 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     if n is not None and n < 1:
         raise ValueError(f"--n {n}: give at least 1 prompt per category (or leave --n out for all of them)")
     names = BUILTIN if spec == "all" else (spec,) if spec in BUILTIN else ()
-    if not names and "/" not in spec and not Path(spec).expanduser().exists():  # a mistyped set name
+    local = Path(spec).expanduser()
+    if not names and not local.exists() and (local.suffix in (".jsonl", ".json", ".parquet")
+                                             or spec.startswith(("/", "./", "../", "~"))):
+        # a path, not a Hub id (org/name): asking the Hub for it took retries and a misleading message
+        raise FileNotFoundError(f"--prompts {spec}: no such file or folder")
+    if not names and "/" not in spec and not local.exists():  # a mistyped set name
         raise FileNotFoundError(f"--prompts {spec!r} is not a shipped prompt set ({', '.join(BUILTIN)} or all), a "
                                 "local file or folder, or a Hub data set id org/name")
     sources = [(str(builtin_path(name)), name) for name in names] or [(spec, _source_name(spec))]
     prompts: list[Prompt] = []
     per_category: Counter = Counter()
+    skipped: Counter = Counter()
     for source, default_category in sources:
         for index, row in enumerate(iter_source_rows(source, split=split, subset=subset)):
             if not isinstance(row, dict):
+                skipped["malformed JSON"] += 1
                 continue
             msgs = _row_messages(row)
             if msgs is None:
+                skipped["no user turn"] += 1
                 continue
             category = str(row.get("category") or default_category)
             if n is not None and per_category[category] >= n:
@@ -91,6 +100,9 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     if not prompts:
         raise ValueError(f"--prompts {spec}: no usable prompts (rows need messages/conversations with a user turn, "
                          "or a prompt, question or turns column)")
+    if skipped:  # said, not silently dropped
+        print(f"--prompts {spec}: skipped {sum(skipped.values())} row(s) "
+              f"({', '.join(f'{k}: {v}' for k, v in skipped.items())})", file=sys.stderr)
     return prompts
 
 

@@ -1029,6 +1029,21 @@ def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_validate_prompts_missing_file_and_skipped_rows(tmp_path, capsys):
+    """A missing prompts file was asked of the Hub (24 s of retries, "Couldn't reach ... on the Hub"); rows
+    without a user turn or with broken JSON were dropped without a word."""
+    from inference.prompt_sets import load_prompts
+
+    for spec in ("data/nope.jsonl", str(tmp_path / "nope.jsonl"), "./nope"):
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            load_prompts(spec)
+    rows = tmp_path / "mixed.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{broken\n'
+                    '{"messages": [{"role": "assistant", "content": "only me"}]}\n')
+    assert len(load_prompts(str(rows))) == 1
+    assert "skipped 2 row(s) (malformed JSON: 1, no user turn: 1)" in capsys.readouterr().err
+
+
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
     """--max-new-tokens 1 has no decode step: it printed tau 0.00 and speedup 0.00x (the JSON said null)."""
     from inference.bench import tiny_folders
