@@ -150,6 +150,14 @@ class Session:
             raise ValueError(f"--loop {loop} is a torch loop; the MLX backend runs its own (drop --loop, or use "
                              "--backend torch)")
         check_dtype(dtype)
+        if backend == "mlx" and device is not None:  # was ignored without a word
+            raise ValueError(f"--device {device} is a torch flag; the MLX backend runs on its own device (Metal on "
+                             "a Mac, the CPU on Linux): drop --device, or use --backend torch")
+        if backend != "mlx" and device and device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():  # torch's own "not compiled with CUDA" is a traceback
+                raise ValueError(f"--device {device} but torch sees no CUDA device: use --device cpu (or leave it out)")
         if backend == "mlx":
             try:
                 from inference import mlx_loop as loop

@@ -1044,6 +1044,20 @@ def test_validate_prompts_missing_file_and_skipped_rows(tmp_path, capsys):
     assert "skipped 2 row(s) (malformed JSON: 1, no user turn: 1)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("backend, device, said", [
+    ("mlx", "cuda", "--device cuda is a torch flag"),  # silently ignored before
+    ("torch", "cuda", "--device cuda but torch sees no CUDA device"),  # torch's assertion traceback before
+])
+def test_session_device_that_cannot_be_used(backend, device, said, monkeypatch):
+    import torch
+
+    from inference.generate import Session
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=said):
+        Session(backend, "t", "d", device=device)
+
+
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
     """--max-new-tokens 1 has no decode step: it printed tau 0.00 and speedup 0.00x (the JSON said null)."""
     from inference.bench import tiny_folders
