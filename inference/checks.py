@@ -80,7 +80,10 @@ class TargetFacts:
 
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a {what} folder needs config.json")
+        folder = path.parent
+        inside = [folder / sub for sub in ("drafter", "final/drafter") if (folder / sub / "config.json").is_file()]
+        hint = f" (a training run or checkpoint folder: pass {inside[0]})" if inside else ""
+        raise FileNotFoundError(f"{path} not found: a {what} folder needs config.json{hint}")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

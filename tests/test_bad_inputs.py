@@ -1058,6 +1058,17 @@ def test_session_device_that_cannot_be_used(backend, device, said, monkeypatch):
         Session(backend, "t", "d", device=device)
 
 
+def test_a_run_or_checkpoint_folder_as_draft_names_the_drafter_inside(tmp_path):
+    """--draft runs/NAME/checkpoints/step_N said only "config.json not found"."""
+    from inference.checks import preflight
+
+    (tmp_path / "step_3" / "drafter").mkdir(parents=True)
+    (tmp_path / "step_3" / "drafter" / "config.json").write_text("{}")
+    (tmp_path / "target").mkdir()
+    with pytest.raises(FileNotFoundError, match="a training run or checkpoint folder: pass .*step_3/drafter"):
+        preflight(str(tmp_path / "target"), str(tmp_path / "step_3"), None)
+
+
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
     """--max-new-tokens 1 has no decode step: it printed tau 0.00 and speedup 0.00x (the JSON said null)."""
     from inference.bench import tiny_folders
