@@ -238,6 +238,17 @@ def draft_signature(draft: str) -> dict[str, list[float]]:
     return norm_signature(resolve_model_dir(draft, what="drafter"))
 
 
+def warn_if_too_long(ids: list[list[int]], max_new_tokens: int, positions: int) -> int:
+    """Say how many prompts (+ the tokens to generate) run past the target's positions: the numbers of
+    those prompts measure a target outside what it was trained for. Returns that count."""
+    over = [len(x) for x in ids if len(x) + max_new_tokens > positions]
+    if over:
+        print(f"warning: {len(over)} of {len(ids)} prompts plus --max-new-tokens {max_new_tokens} run past the "
+              f"target's {positions} positions (longest prompt {max(over)} tokens): their tau and speed describe a "
+              "target beyond its context; use a shorter set or --n", file=sys.stderr)
+    return len(over)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from inference.generate import Session, pick_backend
 
@@ -250,6 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)
     session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype, loop=args.loop)
     ids = render_prompts(session.tokenizer, prompts, args.thinking)
+    warn_if_too_long(ids, args.max_new_tokens, session.target.max_position_embeddings)
     print(f"validate: {len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), block size "
           f"{pre.block_size}, {args.repeats} repeat(s), {session.backend} on {session.describe()['device']}",
           file=sys.stderr)

@@ -1069,6 +1069,15 @@ def test_a_run_or_checkpoint_folder_as_draft_names_the_drafter_inside(tmp_path):
         preflight(str(tmp_path / "target"), str(tmp_path / "step_3"), None)
 
 
+def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
+    """The long set (5k-token prompts) ran on a 4096-position target without a word."""
+    from inference.validate import warn_if_too_long
+
+    assert warn_if_too_long([[1] * 5000, [1] * 100], 64, 4096) == 1
+    assert "1 of 2 prompts plus --max-new-tokens 64 run past the target's 4096 positions" in capsys.readouterr().err
+    assert warn_if_too_long([[1] * 100], 64, 4096) == 0 and capsys.readouterr().err == ""
+
+
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
     """--max-new-tokens 1 has no decode step: it printed tau 0.00 and speedup 0.00x (the JSON said null)."""
     from inference.bench import tiny_folders
