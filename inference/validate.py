@@ -114,8 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give --target and --draft (or --compare A.json B.json ...)")
     if args.n is not None and args.n < 1:
         p.error(f"--n {args.n}: give at least 1 prompt per category (or leave --n out for all of them)")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be at least 1")
+    if args.max_new_tokens < 2:  # the first token comes from the prefill: one token has no cycle to measure
+        p.error(f"--max-new-tokens {args.max_new_tokens}: validate needs at least 2 (the first token comes from the "
+                "prefill, so fewer leave no draft-verify cycle to measure)")
     if args.seed < 0:  # MLX's random key takes no negative seed (a traceback after the models loaded)
         p.error(f"--seed {args.seed}: use 0 or more")
     if args.repeats < 1:

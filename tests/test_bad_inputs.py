@@ -1016,6 +1016,8 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     ("generate", ["--target", "t", "--draft", "d", "--prompt", "hi", "--seed", "-5"], "--seed -5: use 0 or more"),
     ("validate", ["--target", "t", "--draft", "d", "--seed", "-5"], "--seed -5: use 0 or more"),
     ("validate", ["--target", "t", "--draft", "d", "--out", "FILE"], "is a file: give a folder for the report"),
+    # one token comes from the prefill: tau and speeds were reported as 0 (undefined)
+    ("validate", ["--target", "t", "--draft", "d", "--max-new-tokens", "1"], "validate needs at least 2"),
 ])
 def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
     """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
