@@ -75,7 +75,8 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     if not names and not local.exists() and (local.suffix in (".jsonl", ".json", ".parquet")
                                              or spec.startswith(("/", "./", "../", "~"))):
         # a path, not a Hub id (org/name): asking the Hub for it took retries and a misleading message
-        raise FileNotFoundError(f"--prompts {spec}: no such file or folder")
+        raise FileNotFoundError(f"--prompts {spec}: no such file or folder (the shipped sets: {', '.join(BUILTIN)} "
+                                "or all)")
     if not names and "/" not in spec and not local.exists():  # a mistyped set name
         raise FileNotFoundError(f"--prompts {spec!r} is not a shipped prompt set ({', '.join(BUILTIN)} or all), a "
                                 "local file or folder, or a Hub data set id org/name")

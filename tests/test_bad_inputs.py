@@ -776,8 +776,8 @@ def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
     empty.write_text(json.dumps({"messages": [{"role": "assistant", "content": "no user turn"}]}) + "\n")
     with pytest.raises(ValueError, match="no usable prompts"):
         _validate(infer_dirs, "--prompts", str(empty))
-    with pytest.raises(FileNotFoundError, match="'nope.jsonl' is not a shipped prompt set \\(code, math, chat, long "
-                                                "or all\\), a local file or folder, or a Hub data set id"):
+    with pytest.raises(FileNotFoundError, match="--prompts nope.jsonl: no such file or folder \\(the shipped sets: "
+                                                "code, math, chat, long or all\\)"):
         _validate(infer_dirs, "--prompts", "nope.jsonl")
     with pytest.raises(FileNotFoundError, match="'cod' is not a shipped prompt set"):  # the names are listed
         _validate(infer_dirs, "--prompts", "cod")
