@@ -27,7 +27,7 @@ def pyproject() -> dict:
 
 
 def test_recipes_resolve_through_the_package():
-    from train.config import recipe_names, recipe_path, recipes_dir
+    from train.overrides import recipe_names, recipe_path, recipes_dir
 
     shipped = Path(str(files("recipes")))
     assert recipes_dir() == shipped

@@ -8,7 +8,8 @@ import torch
 from conftest import assert_close
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
-from train.config import ConfigKeyError, load_config
+from train.config import load_config
+from train.overrides import ConfigKeyError
 from train.objective import (attention_masks, block_loss, dense_mask, drafter_forward, draw_blocks, flex_block_mask,
                              simulated_acceptance, slot_weights)
 

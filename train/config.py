@@ -7,34 +7,22 @@ valid key. Values are parsed as YAML (``3e-4`` -> float, ``true`` -> bool, ``[1,
 
 Drafter config keys are *not* spelled here: ``drafter.*`` holds only the training-time choices
 (layer count, taps, block size, optional shape overrides) that ``models.config.DFlashConfig``
-turns into the canonical drafter config.
+turns into the canonical drafter config. How a recipe and overrides become these dataclasses (key
+checks, type coercion, the closest-key hints): ``train/overrides.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from models.cli import UserError
+from train import overrides
+from train.overrides import build, check_key, flatten, parse_args, parse_value, recipe_path, set_dotted
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # paper values (docs/design.md, "Training objective")
-
-
-class ConfigKeyError(UserError, KeyError):
-    """An override or recipe key that is not a config field."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; we want it readable
-        return self.args[0]
-
-
-class ConfigValueError(UserError, TypeError):
-    """A config value of the wrong type (``train.lr=fast``); a TypeError for callers that catch one."""
 
 
 @dataclass
@@ -279,211 +267,10 @@ class RunConfig:
         return Path(self.out_dir.format(recipe=name))
 
 
-# ----------------------------------------------------------------------------- key handling
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def valid_keys(cls=RunConfig, prefix: str = "") -> list[str]:
-    """Every dotted key of the config tree (sections and leaves)."""
-    keys = []
-    hints = _hints(cls)
-    for f in fields(cls):
-        key = prefix + f.name
-        keys.append(key)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(valid_keys(hints[f.name], key + "."))
-    return keys
-
-
-# What people type from other trainers' configs (HF TrainingArguments, torchtune, axolotl...) -> our key.
-# Spelling distance alone gets these wrong: `learning_rate` is closest to `warmup_ratio`. A tuple
-# lists the key in each section where the word means something (`data.path` -> `data.source`).
-ALIASES: dict[str, str | tuple[str, ...]] = {
-    "learning_rate": "train.lr", "lr": "train.lr", "max_lr": "train.lr",
-    "path": ("target.path", "data.source", "features.store"), "model": "target.path", "model_path": "target.path",
-    "model_name_or_path": "target.path",
-    "target": "target.path", "target_model": "target.path",
-    "dataset": "data.source", "data": "data.source", "dataset_path": "data.source", "data_path": "data.source",
-    "train_file": "data.source", "source": "data.source",
-    "num_epochs": "train.epochs", "num_train_epochs": "train.epochs", "epoch": "train.epochs",
-    "steps": "train.max_steps", "num_steps": "train.max_steps", "total_steps": "train.max_steps",
-    "batch": "train.batch_size", "bs": "train.batch_size", "micro_batch_size": "train.batch_size",
-    "per_device_train_batch_size": "train.batch_size",
-    "gradient_accumulation_steps": "train.grad_accum", "grad_accumulation": "train.grad_accum",
-    "warmup": "train.warmup_ratio", "warmup_steps": "train.warmup_ratio",
-    "max_grad_norm": "train.clip", "grad_clip": "train.clip", "clip_grad_norm": "train.clip",
-    "gradient_checkpointing": "train.grad_checkpointing", "lr_scheduler_type": "train.schedule",
-    "block": "drafter.block_size", "block_len": "drafter.block_size", "num_layers": "drafter.num_hidden_layers",
-    "layers": "drafter.num_hidden_layers", "layer_ids": "drafter.target_layer_ids", "mask_id": "drafter.mask_token_id",
-    "mask_token": "drafter.mask_token_id", "max_seq_length": "data.max_length", "max_seq_len": "data.max_length",
-    "seq_len": "data.max_length", "sequence_len": "data.max_length", "output_dir": "out_dir", "output": "out_dir",
-    "wandb_project": "logging.wandb_project", "project": "logging.wandb_project", "logging_steps": "logging.every",
-    "save_steps": "checkpoint.every", "eval_steps": "eval.every", "resume_from_checkpoint": "resume",
-}
-
-
-def _unknown(key: str) -> ConfigKeyError:
-    keys = valid_keys()
-    sections = {f.name for f in fields(RunConfig) if dataclasses.is_dataclass(_hints(RunConfig)[f.name])}
-    section, _, tail = key.rpartition(".")
-    alias = ALIASES.get(tail.lower().replace("-", "_"), ())
-    alias = (alias,) if isinstance(alias, str) else alias
-    if alias:  # the alias in the section the user named, else its usual home
-        close = [next((a for a in alias if a.startswith(section + ".")), alias[0])] if section else [alias[0]]
-    elif section in sections:  # right section, wrong name: compare names inside the section
-        names = [k.split(".", 1)[1] for k in keys if k.startswith(section + ".")]
-        close = [f"{section}.{n}" for n in difflib.get_close_matches(tail, names, n=1, cutoff=0.0)]
-    else:  # wrong or missing section: a leaf with a close name, else the closest full key
-        leaves = [k for k in keys if k not in sections]
-        by_name = difflib.get_close_matches(tail, [k.rsplit(".", 1)[-1] for k in leaves], n=1, cutoff=0.6)
-        close = [k for k in leaves if k.rsplit(".", 1)[-1] == by_name[0]][:1] if by_name else \
-            difflib.get_close_matches(key, leaves, n=1, cutoff=0.0)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    home = section if section in sections else (close[0].split(".")[0] if close and "." in close[0] else "")
-    if home:
-        listed = f"{home}. keys: " + ", ".join(k.split(".", 1)[1] for k in keys if k.startswith(home + "."))
-    else:
-        listed = "top-level keys: " + ", ".join(k for k in keys if "." not in k)
-    return ConfigKeyError(f"unknown config key {key!r}{hint} ({listed}; `--help` lists every key)")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except (TypeError, ValueError):
-                pass  # try the union's next type; none fits -> one error naming the whole union
-        raise ConfigValueError(f"{key}={value!r}: expected {tp}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigValueError(f"{key} is a section: give keys under it (e.g. {key}.{fields(tp)[0].name}=...)")
-        return _build(tp, value, key + ".")
-    if origin is list:
-        if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigValueError(f"{key}={value!r}: expected a list")
-        return [_coerce(v, args[0], key) for v in value] if args else list(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigValueError(f"{key}={value!r}: expected true or false")
-    if tp in (int, float) and isinstance(value, str):
-        try:  # PyYAML reads 6e-4 (no dot) as a string
-            value = float(value)
-        except ValueError:
-            raise ConfigValueError(f"{key}={value!r}: expected a number") from None
-    if tp is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise ConfigValueError(f"{key}={value!r}: expected an integer")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigValueError(f"{key}={value!r}: expected a number")
-        return float(value)
-    if tp is str:
-        if isinstance(value, bool):  # YAML 1.1 reads no/off/false as False: `train.mixed_precision=no` means "no"
-            return "yes" if value else "no"
-        if isinstance(value, (dict, list)):
-            raise ConfigValueError(f"{key}={value!r}: expected a string")
-        return str(value)
-    return value
-
-
-def _build(cls, values: dict[str, Any], prefix: str = ""):
-    hints = _hints(cls)
-    names = {f.name for f in fields(cls)}
-    for k in values:
-        if k not in names:
-            raise _unknown(prefix + k)
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for p in parts[:-1]:
-        child = node.get(p)
-        if not isinstance(child, dict):
-            child = {}
-            node[p] = child
-        node = child
-    node[parts[-1]] = value
-
-
-def _check_key(key: str) -> None:
-    if key not in valid_keys():
-        raise _unknown(key)
-
-
-def recipes_dir() -> Path:
-    """The shipped recipes: the ``recipes`` package's folder (a checkout, an editable or a plain install)."""
-    from importlib.resources import files
-
-    return Path(str(files("recipes")))
-
-
-def recipe_names() -> list[str]:
-    """Names ``recipe=NAME`` accepts, sorted."""
-    return sorted(x.stem for x in recipes_dir().glob("*.yaml"))
-
-
-def recipe_path(recipe: str) -> Path:
-    """``tiny`` -> the shipped ``recipes/tiny.yaml``; a path to a YAML file is used as is."""
-    p = Path(recipe)
-    if p.suffix in (".yaml", ".yml") or p.is_file():
-        if not p.is_file():
-            raise FileNotFoundError(f"recipe file {p} not found")
-        return p
-    candidate = recipes_dir() / f"{recipe}.yaml"
-    if not candidate.is_file():
-        names = recipe_names()
-        close = difflib.get_close_matches(recipe, names, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise FileNotFoundError(f"unknown recipe {recipe!r} (recipes: {names}){hint}")
-    return candidate
-
-
-def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    """``recipe=NAME`` plus ``key=value`` pairs; ``--dry-run`` / ``--resume`` are flag spellings."""
-    recipe, pairs = None, []
-    for arg in argv:
-        if arg in ("--dry-run", "--dry_run"):
-            pairs.append(("dry_run", "true"))
-            continue
-        if arg == "--resume":
-            pairs.append(("resume", "true"))
-            continue
-        a = arg[2:] if arg.startswith("--") else arg
-        if "=" not in a:
-            raise ValueError(f"argument {arg!r} is not key=value (e.g. recipe=tiny train.lr=3e-4)")
-        k, v = a.split("=", 1)
-        k = k.replace("-", "_") if k in ("dry-run",) else k
-        if k == "recipe":
-            recipe = v
-        else:
-            pairs.append((k, v))
-    return recipe, pairs
-
-
-def _parse_value(text: str) -> Any:
-    """A command-line value as YAML (numbers, booleans, [lists]); a mapping only when written as
-    ``{...}``, so ``target.quantization=mlx:`` stays the text the user typed, not ``{'mlx': None}``."""
-    if text == "":
-        return None
-    value = yaml.safe_load(text)
-    return text if isinstance(value, dict) and not text.lstrip().startswith("{") else value
+# ----------------------------------------------------------------------------- loading
+def valid_keys() -> list[str]:
+    """Every dotted key of the training config (sections and leaves)."""
+    return overrides.valid_keys(RunConfig)
 
 
 def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
@@ -498,26 +285,15 @@ def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
         if not isinstance(raw, dict):
             raise ValueError(f"recipe {recipe} must be a YAML mapping")
         tree = raw
-        for k in _flatten(raw):
-            _check_key(k)
+        for k in flatten(raw, RunConfig):
+            check_key(k, RunConfig)
     for k, v in pairs:
-        _check_key(k)
-        _set_dotted(tree, k, _parse_value(v))
+        check_key(k, RunConfig)
+        set_dotted(tree, k, parse_value(v))
     for k, v in (overrides or {}).items():
-        _check_key(k)
-        _set_dotted(tree, k, v)
+        check_key(k, RunConfig)
+        set_dotted(tree, k, v)
     tree["recipe"] = recipe or tree.get("recipe", "")
-    cfg = _build(RunConfig, tree)
+    cfg = build(RunConfig, tree, RunConfig)
     cfg.validate()
     return cfg
-
-
-def _flatten(tree: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in tree.items():
-        key = prefix + str(k)
-        if isinstance(v, dict) and key in {f.name for f in fields(RunConfig)}:
-            out.extend(_flatten(v, key + "."))
-        else:
-            out.append(key)
-    return out

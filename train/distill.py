@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> dict:
 def print_help() -> None:
     from dataclasses import fields
 
-    from train.config import RunConfig, recipe_path, valid_keys
+    from train.config import RunConfig, valid_keys
+    from train.overrides import recipe_names
 
     print(__doc__)
-    recipes = sorted(p.stem for p in recipe_path("tiny").parent.glob("*.yaml"))
-    print("recipes:", ", ".join(recipes))
+    print("recipes:", ", ".join(recipe_names()))
     print("config keys (README 'Train' explains each):")
     keys = valid_keys()
     print("  " + ", ".join(k for k in keys if "." not in k and not any(o.startswith(k + ".") for o in keys)))
