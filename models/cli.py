@@ -50,12 +50,36 @@ def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
 
     try:
         main()
+        sys.stdout.flush()  # inside the try: a closed pipe shows up here when the output was buffered
     except KeyboardInterrupt:
         if interrupted:
             print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe (a regeneration server's socket): the generic handling below does not apply
+        # `draftsmith-distill --help | head`: the reader has gone. Quiet, as shell tools are; devnull takes
+        # what is still buffered so the interpreter's own flush at exit does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
     except Exception as e:
         if not is_user_error(e) or os.environ.get("DRAFTSMITH_TRACEBACK"):
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise SystemExit(f"error: {message}\n(set DRAFTSMITH_TRACEBACK=1 to see where it came from)") from None
+
+
+def _stdout_closed() -> bool:
+    """True when nobody reads our standard output any more (the far end of its pipe was closed)."""
+    import select
+    import sys
+
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not hasattr(select, "poll"):  # Windows: no way to ask; a broken pipe there is stdout's in practice
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))

@@ -297,7 +297,8 @@ def test_every_project_error_type_is_a_user_error():
     ("train.gradient_accumulation_steps=4", "train.grad_accum"), ("drafter.layers=3", "drafter.num_hidden_layers"),
 ])
 def test_other_trainers_key_names_suggest_ours_and_list_the_section(override, suggestion):
-    from train.config import ConfigKeyError, load_config
+    from train.config import load_config
+    from train.overrides import ConfigKeyError
 
     with pytest.raises(ConfigKeyError, match=f"did you mean '{suggestion}'") as e:
         load_config(["recipe=tiny", override])
@@ -2242,3 +2243,21 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
         run(tmp_path / "out", "test", sweep_bits=(3,), bits=3, target_dir=str(target), log=lambda *_: None)
     assert not list((tmp_path / "out").glob("target-mlx-*"))
 
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    # `python -m train.distill --help | head -3`: the reader leaves first. It printed "error: [Errno 32]
+    # Broken pipe", as if the command had failed on the user's input.
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # nobody reads: the first write fails, every time
+    try:
+        done = subprocess.run([sys.executable, "-m", "train.distill", "--help"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.stderr == ""
+    assert done.returncode == 1  # what Python's own docs advise on EPIPE: not 0, the output was cut
