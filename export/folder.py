@@ -1,6 +1,7 @@
 """Write into a temporary folder next to ``--out``, move it into place only after every check passed.
 
-A failed export leaves ``--out`` exactly as it was (absent, empty, or the user's files). An existing
+A failed export leaves ``--out`` exactly as it was (absent, empty, or the user's files); one killed
+between its two final renames is put right by the next export to the same ``--out``. An existing
 non-empty ``--out`` is replaced only with ``--overwrite`` and only when it is itself a draftsmith
 export (its config.json carries the ``draftsmith`` block or the DFlash architecture): we never
 delete a folder we did not write.
@@ -29,6 +30,7 @@ def _is_export(folder: Path) -> bool:
 
 def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
     """Refuse an ``--out`` we must not replace, before any work is done."""
+    recover_replaced(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file: pass a folder path")
     if source is not None and out.resolve() == source.resolve():
@@ -67,6 +69,25 @@ def staging(out: Path, overwrite: bool) -> Iterator[Path]:
             tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def recover_replaced(out: Path) -> None:
+    """Finish what an ``--overwrite`` export killed between its two renames left (``staging`` moves the
+    previous export to ``.NAME.old``, then the new one to ``NAME``): the previous export goes back to
+    ``out`` when nothing took its place; when the new one is in place, the old copy is removed."""
+    import sys
+
+    old = out.with_name(f".{out.name}.old")
+    if not (old.is_dir() and _is_export(old)):
+        return
+    if out.is_dir() and any(out.iterdir()):
+        shutil.rmtree(old, ignore_errors=True)  # cut after the new export moved in: the old copy is garbage
+        return
+    if out.is_dir():
+        out.rmdir()
+    old.rename(out)
+    print(f"note: put the previous export back at {out} (an --overwrite export to it was cut before it "
+          f"finished, leaving it as {old.name})", file=sys.stderr)
 
 
 STALE_AFTER_S = 3600  # a staging folder untouched this long belongs to no running export

@@ -2261,3 +2261,29 @@ def test_help_into_a_closed_pipe_ends_quietly():
         os.close(write)
     assert done.stderr == ""
     assert done.returncode == 1  # what Python's own docs advise on EPIPE: not 0, the output was cut
+
+
+@pytest.mark.parametrize("new_one_moved_in", [False, True])
+def test_an_overwrite_export_killed_between_its_renames_is_put_right(tmp_path, export_drafter, capsys,
+                                                                     new_one_moved_in):
+    """--overwrite moves the previous export to .NAME.old, then the new one in. A kill between the two
+    left the previous export only as a hidden folder, which no rerun looked at."""
+    import shutil
+
+    from export.hf import main as export_hf
+
+    out = tmp_path / "hf"
+    argv = ["--checkpoint", str(export_drafter), "--out", str(out), "--no-remote-code-check"]
+    export_hf(argv)
+    (out / "marker.txt").write_text("the previous export")
+    if new_one_moved_in:  # killed after the second rename: both copies on disk
+        shutil.copytree(out, tmp_path / ".hf.old")
+        (out / "marker.txt").unlink()
+    else:
+        out.rename(tmp_path / ".hf.old")
+    assert "exists and is not empty" in _export_error("hf", argv)  # the rerun without --overwrite
+    assert not (tmp_path / ".hf.old").exists()
+    assert (out / "marker.txt").exists() != new_one_moved_in  # the previous export back in place, or the new kept
+    assert ("put the previous export back" in capsys.readouterr().err) != new_one_moved_in
+    export_hf(argv + ["--overwrite"])
+    assert not (out / "marker.txt").exists() and (out / "config.json").is_file()
