@@ -63,12 +63,11 @@ from pathlib import Path
 
 from inference import partial
 from inference.checks import check_dtype, check_temperature, preflight
-from inference.generate import TORCH_LOOPS
+from inference.generate import TORCH_LOOPS, WARMUP_TOKENS
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 
-WARMUP_TOKENS = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -77,3 +77,26 @@ def test_command_line_mistakes_print_one_line(folders):
                           "--prompt-ids", "1"], capture_output=True, text=True)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "error: drafter '/no/such/drafter' is neither a local folder nor a Hub id" in out.stderr
+
+
+def test_baseline_comparison_is_timed_after_a_warm_up(folders, monkeypatch, capsys):
+    # The speedup line compared a cold DFlash run (first kernels, first allocations) with a warm baseline.
+    from inference.generate import Session
+
+    calls = []
+    real = Session.run
+
+    def run(self, prompt, **kw):
+        calls.append(kw)
+        return real(self, prompt, **kw)
+
+    monkeypatch.setattr(Session, "run", run)
+    target, draft = folders
+    argv = ["--backend", "torch", "--target", target, "--draft", draft, "--prompt-ids", "257,72,73,198",
+            "--max-new-tokens", "40", "--json"]
+    report = main(argv + ["--baseline"])
+    assert [(c["baseline"], c["max_new_tokens"]) for c in calls] == [(True, 16), (True, 40)]
+    assert len(report["tokens"]) == 40 or report["stop_reason"] == "eos"  # the reported run is the full one
+    calls.clear()
+    main(argv)  # no comparison asked: no warm-up spent
+    assert [(c["baseline"], c["max_new_tokens"]) for c in calls] == [(False, 40)]
