@@ -8,7 +8,8 @@
 ``--backend auto`` (default) picks MLX on Apple Silicon and PyTorch elsewhere. ``--json`` prints one
 JSON object (tokens, acceptance_lengths, tau, decode_tokens_per_s, ...). ``--baseline`` also runs
 the target alone on the same prompt and reports the speedup and whether the outputs match, after a
-short untimed warm-up of both (one-time costs would otherwise fall on DFlash, which runs first).
+short untimed warm-up of both (one-time costs would otherwise fall on DFlash, which runs first); the
+static and compiled loops warm up too (their CUDA graphs are captured on first use).
 
 Before any weights load, the two ``config.json`` files are checked (``inference.checks.preflight``):
 a swapped ``--target``/``--draft``, a drafter for another target, ``--block-size`` above the trained
@@ -301,8 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
     session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)
     tokenizer = session.tokenizer
     prompt = early_ids if early_ids is not None else encode_prompt(args, tokenizer)
-    if args.baseline:  # kernel selection, allocation, graph capture: not timed (validate does the same)
-        session.run(prompt, baseline=True, block_size=args.block_size, temperature=args.temperature,
+    if args.baseline or session.loop_kind != "eager":  # kernel selection, allocation, graph capture (and a
+        # compiled loop's compilation) are not timed: validate does the same
+        session.run(prompt, baseline=args.baseline, block_size=args.block_size, temperature=args.temperature,
                     max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), seed=args.seed)
     result, baseline = session.run(prompt, baseline=args.baseline, block_size=args.block_size,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)

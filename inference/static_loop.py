@@ -42,26 +42,37 @@ class StaticLoopUnsupported(ValueError):
 
 
 class _Graphed:
-    """One function of static buffers, captured as a CUDA graph on first use (eager elsewhere)."""
+    """One function of static buffers, captured as a CUDA graph on first use (eager elsewhere).
 
-    def __init__(self, fn: Callable[[], object], use_graph: bool):
-        self.fn, self.use_graph = fn, use_graph
+    ``mutable``: buffers the function reads *and* rewrites (GatedDeltaNet windows and states: a pass
+    starts from the committed state and overwrites it). The warm-up runs before the capture must not
+    advance them, or the first replay starts from a state two passes ahead.
+    """
+
+    def __init__(self, fn: Callable[[], object], use_graph: bool, mutable: list[torch.Tensor] = ()):
+        self.fn, self.use_graph, self.mutable = fn, use_graph, list(mutable)
         self.graph, self.out = None, None
+
+    def warm_up(self) -> None:
+        """Two untimed runs (cuBLAS handles, lazy inits, compiled kernels) that leave the state as it was.
+        K/V buffers need nothing: the runs write the same K/V the replay writes (inputs are in place)."""
+        saved = [t.clone() for t in self.mutable]
+        for _ in range(2):
+            self.fn()
+            for t, before in zip(self.mutable, saved):
+                t.copy_(before)
 
     def __call__(self):
         if not self.use_graph:
             return self.fn()
         if self.graph is None:
-            # Warm-up on a side stream (cuBLAS handles, lazy inits), then capture. Both write the
-            # same K/V the replay will write (the inputs are already in place): harmless.
-            side = torch.cuda.Stream()
+            side = torch.cuda.Stream()  # warm-up on a side stream, as CUDA graph capture asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.fn()
+                self.warm_up()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph):  # records, runs nothing: the replay below is the one run
                 self.out = self.fn()
         self.graph.replay()
         return self.out
@@ -129,7 +140,8 @@ class StaticTarget:
             layers = [torch.compile(la, dynamic=False) for la in layers]
         # GatedDeltaNet passes: compiled, the token-by-token recurrence fuses into a few kernels per step.
         steps = {i: torch.compile(g.forward, dynamic=False) if compile else g.forward for i, g in self.gdn.items()}
-        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers, steps), self.graphs)
+        mutable = [buf for g in self.gdn.values() for buf in (g.window, g.states)]
+        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers, steps), self.graphs, mutable)
                         for t in self._ids}
 
     def _pass(self, ids: torch.Tensor, layers=None, steps=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,6 +132,40 @@ def test_static_loop_equals_eager_loop(tiny_targets, arch):
         new, start = feats[:, start:start + keep], start + keep
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arch, monkeypatch):
+    """On CUDA a graphed pass runs twice untimed (warm-up) before the capture, then once per replay.
+    GatedDeltaNet passes rewrite the state they start from, so the warm-up advanced it: the first
+    1-token and B-token passes of a Qwen3.5 target started two passes ahead (wrong tokens). Here the
+    capture is emulated on the CPU: the same warm-up, then the pass itself for each replay."""
+    from conftest import tiny_drafter_config
+    from inference import static_loop
+    from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
+                                       static_target_generate)
+    from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
+    from models.drafter import DFlashDraftModel
+
+    def emulated_capture(self):
+        if self.graph is None:
+            self.warm_up()
+            self.graph = "captured"
+        return self.fn()
+
+    monkeypatch.setattr(static_loop._Graphed, "__call__", emulated_capture)
+    target = tiny_targets(arch)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(PROMPT) + NEW + 2 * B, block_size=B,
+                      graphs=True)
+    assert static_target_generate(st, PROMPT, NEW, eos_token_ids=[]).tokens == \
+        target_generate(target, PROMPT, NEW, eos_token_ids=[]).tokens
+    eager = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
+    graphed = static_dflash_generate(st, StaticDrafterProposer(drafter, target, max_len=st.max_len, graphs=True),
+                                     PROMPT, NEW, eos_token_ids=[])
+    assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
+    assert all(p.graph == "captured" for p in st._passes.values())
+
+
 def test_qwen35_on_cuda_without_fla_warns_once_with_the_install_command(monkeypatch, caplog):
     import importlib.util
 

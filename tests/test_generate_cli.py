@@ -100,3 +100,6 @@ def test_baseline_comparison_is_timed_after_a_warm_up(folders, monkeypatch, caps
     calls.clear()
     main(argv)  # no comparison asked: no warm-up spent
     assert [(c["baseline"], c["max_new_tokens"]) for c in calls] == [(False, 40)]
+    calls.clear()
+    main(argv + ["--loop", "static"])  # CUDA graphs are captured on first use: not in the timed run
+    assert [(c["baseline"], c["max_new_tokens"]) for c in calls] == [(False, 16), (False, 40)]
