@@ -172,15 +172,16 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
             if max_shards is not None and n_submitted >= max_shards:
                 break
             a, b = plan[k]
-            rows, quantized = [], []
+            rows, quantized, device = [], [], None
             for i in range(a, b, batch_size):
                 batch = provider.get_batch(range(i, min(i + batch_size, b)))
+                device = batch.features.device
                 for j in range(batch.input_ids.shape[0]):
                     row, q = _to_host(batch, j, dtype, taps)
                     rows.append(row)
                     quantized.append(q)
                 bar.update(int(batch.lengths.sum()))
-            pool.submit(k, rows, quantized if dtype == "fp8" else None)
+            pool.submit(k, rows, quantized if dtype == "fp8" else None, device)
     report.seconds = round(time.time() - start, 3)
     ranks.barrier()  # every process has stopped writing: rank 0 writes the finished index
     if ranks.is_main:
@@ -222,11 +223,13 @@ class ShardWriters:
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shard-writer")
         self.pending = deque()
 
-    def submit(self, k: int, rows: list, quantized: list | None) -> None:
+    def submit(self, k: int, rows: list, quantized: list | None, device: torch.device | None = None) -> None:
         event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # rows may be in-flight GPU copies
+        if device is not None and device.type == "cuda":  # rows may be in-flight copies from this GPU
+            # Recorded on the features' device's stream, where the copies were queued: a bare record()
+            # marks the *current* device's stream (cuda:0 for --device cuda:1), which the copies never used.
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(device))
         while len(self.pending) >= self.threads:
             self.on_written(self.pending.popleft().result())
         self.pending.append(self.pool.submit(self._write, k, rows, quantized, event))

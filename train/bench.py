@@ -32,7 +32,10 @@ import time
 
 import torch
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0, "B200": 2250.0}
+# Dense bf16 tensor-core peaks (no sparsity) by a piece of torch.cuda.get_device_name(); the first piece
+# found wins, so the PCIe and NVL H100s (fewer SMs, lower clocks) come before the SXM "H100".
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
+                    "L40S": 362.0, "4090": 165.0, "B200": 2250.0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             name = torch.cuda.get_device_name()
             peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
             row["mfu"] = round(flops / dt / 1e12 / peak, 4) if peak else None
+            row["peak_tflops"] = peak  # what mfu divides by
         else:
             import resource
 
