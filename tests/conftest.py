@@ -27,7 +27,8 @@ class ReferenceProposer:
     """Proposes the target's own continuation (from a reference run), with planted mistakes.
 
     ``mistakes`` are absolute sequence positions whose drafted token is deliberately wrong, so the
-    acceptance length of every cycle is known in advance.
+    acceptance length of every cycle is known in advance. ``received`` keeps every call's
+    ``(start, new_features)``: the loop must hand over the target's features at the committed positions.
     """
 
     def __init__(self, sequence: list[int], layer_ids: list[int], block_size: int, vocab: int,
@@ -38,11 +39,13 @@ class ReferenceProposer:
         self.vocab = vocab
         self.mistakes = set(mistakes)
         self.seen = 0
+        self.received: list[tuple[int, object]] = []
 
     def reset(self) -> None:
         self.seen = 0
 
     def propose(self, bonus, new_features, start, block_size):
+        self.received.append((start, new_features))
         self.seen += new_features.shape[1]
         out = []
         for pos in range(start + 1, start + block_size):

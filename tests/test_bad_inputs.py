@@ -525,6 +525,20 @@ def test_mask_token_present_in_the_data_is_refused():
     assert resolve_mask_token(288, tok, produced_ids={265}).id == 266
 
 
+def test_a_bos_the_chat_template_never_writes_is_still_not_the_mask():
+    # The tiny tokenizers' BOS is also a template token, so only that rule was ever exercised.
+    from models.config import ConfigError
+    from models.mask_token import resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3", reserved=23)
+    tok.bos_token = "<|reserved_special_token_0|>"  # id 265: a spare special, nowhere in the template
+    assert tok.bos_token_id == 265
+    with pytest.raises(ConfigError, match="bos token"):
+        resolve_mask_token(288, tok, explicit=265)
+    assert resolve_mask_token(288, tok).id == 266  # the automatic choice passes over it
+
+
 def test_no_spare_row_and_no_reserved_token_is_a_clear_error():
     from models.config import ConfigError
     from models.mask_token import resolve_mask_token

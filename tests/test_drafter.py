@@ -149,6 +149,28 @@ def test_cache_holds_committed_context_and_matches_a_full_pass():
     assert_close(step, full, atol=1e-5, what="cached vs full context")
 
 
+def test_draft_cache_keeps_every_position_when_it_grows():
+    """The cache grows in steps of 256 positions: what it held must survive each growth (a prompt and
+    a few cycles stay inside the first step, so the loop tests never grew it)."""
+    g = torch.Generator().manual_seed(0)
+    cache, chunks = DraftCache(1), []
+    for n in (200, 100, 7, 300):  # grows at 300 and at 607 positions
+        k, v = torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g)
+        chunks.append((k, v))
+        keys, values = cache.append(0, k, v)
+    assert cache.lengths() == [607] and cache.keys[0].shape[-2] == 768
+    assert torch.equal(keys, torch.cat([k for k, _ in chunks], dim=-2))
+    assert torch.equal(values, torch.cat([v for _, v in chunks], dim=-2))
+
+    model = random_drafter(make_config())  # and a draft through a grown cache is the uncached draft
+    emb, feats = inputs(c=300, q=8)
+    cache = DraftCache(2)
+    model(emb, feats[:, :250], torch.arange(258)[None], cache=cache)
+    step = model(emb, feats[:, 250:], torch.arange(250, 308)[None], cache=cache)
+    assert cache.lengths() == [300, 300]
+    assert_close(step, model(emb, feats, torch.arange(308)[None]), atol=1e-5, what="grown cache vs full context")
+
+
 @pytest.mark.parametrize("mode", ["bidirectional", "causal"])
 def test_sliding_layers_match_the_reference(mode):
     window = 4

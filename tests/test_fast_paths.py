@@ -53,6 +53,25 @@ def test_direct_block_mask_equals_create_block_mask(s, anchors, block):
     assert documents_contiguous(doc)
     blocks = draw_blocks(ids, lm, doc, pos, anchors, block, 95, torch.Generator().manual_seed(0))
     assert not bool(blocks.valid.all())
+    _same_as_create_block_mask(blocks, doc, block)
+
+
+def test_direct_block_mask_with_anchors_on_tile_edges():
+    """Anchors at 127, 128, 255...: a context interval that ends exactly on a 128-key tile edge (a
+    query tile whose first anchor is 127 sees keys 0..126, tile 0 partial, not full). Random draws
+    almost never put an anchor there."""
+    from train.objective import build_blocks
+
+    s, block = 400, 16
+    ids = torch.randint(0, 90, (1, s), generator=torch.Generator().manual_seed(0))
+    lm, doc, pos = torch.ones(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long), torch.arange(s)[None]
+    anchors = torch.tensor([[127, 128, 129, 130, 131, 132, 133, 134, 255, 256, 257, 1, 0, 383, 384, 126]])
+    blocks = build_blocks(ids, lm, doc, pos, anchors, torch.ones_like(anchors, dtype=torch.bool), block, 95)
+    _same_as_create_block_mask(blocks, doc, block)
+
+
+def _same_as_create_block_mask(blocks, doc, block: int) -> None:
+    b, s = doc.shape
     n = blocks.num_blocks
     q_anchor = blocks.anchors.repeat_interleave(block, 1)
     q_doc = blocks.doc.repeat_interleave(block, 1)
@@ -62,10 +81,10 @@ def test_direct_block_mask_equals_create_block_mask(s, anchors, block):
         ctx = (kv < s) & (kc < q_anchor[bi, q]) & (doc[bi, kc] == q_doc[bi, q])
         return ctx | ((kv >= s) & (torch.clamp(kv - s, min=0) // block == q // block))
 
-    ref = create_block_mask(mask_mod, B=3, H=None, Q_LEN=n * block, KV_LEN=s + n * block, device="cpu")
+    ref = create_block_mask(mask_mod, B=b, H=None, Q_LEN=n * block, KV_LEN=s + n * block, device="cpu")
     fast = direct_block_mask(blocks.anchors, blocks.valid, doc, block, mask_mod)
-    for a, b, what in zip(_tiles(fast), _tiles(ref), ("partial", "full")):
-        assert torch.equal(a, b), f"{what} tiles differ at {(a != b).nonzero()[:5].tolist()}"
+    for a, z, what in zip(_tiles(fast), _tiles(ref), ("partial", "full")):
+        assert torch.equal(a, z), f"{what} tiles differ at {(a != z).nonzero()[:5].tolist()}"
     assert fast.seq_lengths == ref.seq_lengths
     assert torch.equal(fast.to_dense(), ref.to_dense())
 

@@ -162,11 +162,16 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
-    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
-                          PROMPT, NEW, eos_token_ids=[])
+    proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
+    res = dflash_generate(target, proposer, PROMPT, NEW, eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, MISTAKES)
     assert min(res.acceptance_lengths) < B < max(res.acceptance_lengths) + 1
+    # Each draft got the target's features of exactly the positions committed since the last one
+    full = np.array(target.forward(mx.array([seq]), drafter.config.target_layer_ids, cache=target.new_cache()).features)
+    assert [start for start, _ in proposer.received][:2] == [len(PROMPT), len(PROMPT) + res.acceptance_lengths[0]]
+    for start, feats in proposer.received:
+        assert_close(np.array(feats), full[:, start - feats.shape[1]:start], 1e-4, f"features handed over at {start}")
 
 
 def test_quantized_4bit_target_is_lossless(runs, tmp_path):
@@ -192,12 +197,13 @@ def test_captured_features_are_the_torch_hidden_states(folders, arch):
     hf, converted = folders(arch)
     target = TargetModel.from_pretrained(converted)
     ids = PROMPT[:12]
-    out = target.forward(mx.array([ids]), [1, 3, 6], cache=target.new_cache())
+    taps = [6, 1, 3]  # config order, not sorted: the features are joined in the order the drafter was trained on
+    out = target.forward(mx.array([ids]), taps, cache=target.new_cache())
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids]), output_hidden_states=True)
-    expected = torch.cat([ref.hidden_states[i + 1] for i in (1, 3, 6)], dim=-1)  # output of decoder layer i
-    assert_close(np.array(out.features), expected, 1e-4, f"{arch} tapped layers 1, 3, 6")
+    expected = torch.cat([ref.hidden_states[i + 1] for i in taps], dim=-1)  # output of decoder layer i
+    assert_close(np.array(out.features), expected, 1e-4, f"{arch} tapped layers 6, 1, 3")
     assert_close(np.array(out.logits), ref.logits, 1e-4, f"{arch} logits")
 
 
@@ -281,6 +287,30 @@ def biased_drafter(target_hf: TargetModel, token: int, seed: int = 1) -> TorchDr
         e = target_hf.embed_tokens.weight[drafter.config.mask_token_id]
         drafter.norm.weight.copy_(target_hf.lm_head.weight[token] / (e / e.pow(2).mean().sqrt()))
     return drafter
+
+
+def test_mlx_proposer_drafts_what_the_torch_proposer_drafts(folders, runs, tmp_path):
+    """Cycle by cycle with uneven commits, the same features: the same drafts. A random drafter is
+    lossless whatever its positions, and a biased one drafts one token anywhere, so the loop tests
+    alone do not see a draft block placed at the wrong positions."""
+    from inference import torch_loop
+    from models.target import TargetModel as TorchTarget
+
+    target, seq, drafter = runs("qwen3")
+    torch_target = TorchTarget.from_pretrained(folders("qwen3")[0], dtype=torch.float32)
+    taps = drafter.config.target_layer_ids
+    feats = torch_target.forward(torch.tensor([seq]), taps, with_logits=False).features
+    ours = DrafterProposer(mlx_drafter(drafter, tmp_path), target)
+    theirs = torch_loop.DrafterProposer(drafter, torch_target)
+    start, new, differing = len(PROMPT), feats[:, :len(PROMPT)], 0
+    for keep in (3, 1, 8, 2, 5, 7):
+        a = theirs.propose(seq[start], new, start, B).tolist()
+        b = np.array(ours.propose(seq[start], mx.array(new.numpy()), start, B)).tolist()
+        assert a == b, f"drafts at {start}"
+        assert ours.context_length() == theirs.context_length() == start
+        differing += len(set(a)) > 1
+        new, start = feats[:, start:start + keep], start + keep
+    assert differing  # the drafts depend on the positions: not one token repeated
 
 
 @pytest.mark.parametrize("arch,new", [("qwen3", NEW), ("qwen3_5", 24)])

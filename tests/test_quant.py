@@ -75,6 +75,11 @@ def test_dequantize_equals_mx_dequantize_bitwise_on_random_weights(bits, group, 
     ref = to_torch(mx.dequantize(packed, scales, biases, group_size=group, bits=bits))
     ours = dequantize(to_torch(packed), to_torch(scales), to_torch(biases), group, bits)
     assert same_bits(ours, ref), f"max diff {(ours.float() - ref.float()).abs().max().item():.3e}"
+    if dtype != "float32":  # a bf16/fp16 checkpoint dequantized for a float32 run: computed in float32
+        ref = to_torch(mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group,
+                                     bits=bits))
+        ours = dequantize(to_torch(packed), to_torch(scales), to_torch(biases), group, bits, dtype=torch.float32)
+        assert ours.dtype == torch.float32 and same_bits(ours, ref)
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])

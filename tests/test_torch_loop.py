@@ -72,10 +72,16 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
-    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
-                          PROMPT, NEW, eos_token_ids=[])
+    proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
+    res = dflash_generate(target, proposer, PROMPT, NEW, eos_token_ids=[])
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + NEW]
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, MISTAKES)
+    # Each draft got the target's features of exactly the positions committed since the last one
+    # (prompt, then bonus + accepted drafts), as a full forward over the sequence computes them.
+    full = target.forward(torch.tensor([seq]), drafter.config.target_layer_ids, with_logits=False).features
+    assert [start for start, _ in proposer.received][:2] == [len(PROMPT), len(PROMPT) + res.acceptance_lengths[0]]
+    for start, feats in proposer.received:
+        assert_close(feats, full[:, start - feats.shape[1]:start], 1e-4, f"features handed over at {start}")
 
 
 def test_hybrid_state_equals_a_fresh_prefill_after_every_cycle():

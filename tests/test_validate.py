@@ -237,9 +237,12 @@ def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
     long = PromptRun("long", "x", 10, [result([4, 4, 1, 1, 1, 1, 2, 2], 17, 1.6)],
                      [result([1] * 16, 17, 3.2)])
     short = PromptRun("short", "y", 10, [result([4, 4], 9, 0.4, "eos")], [result([1] * 8, 9, 1.6, "eos")])
-    report = build_report([long, short], 4, greedy=False, environment={"temperature": 0.7})
+    # the first token was EOS: no cycle, no tau (not a 0 in the per-prompt mean), nothing else moves
+    instant = PromptRun("instant", "z", 10, [result([], 0, 0.0, "eos")], [result([], 0, 0.0, "eos")])
+    report = build_report([long, short, instant], 4, greedy=False, environment={"temperature": 0.7})
     assert report["tau"] == pytest.approx(24 / 10)  # pooled: committed / cycles
     assert report["tau_per_prompt_mean"] == pytest.approx((16 / 8 + 4) / 2)
+    assert report["num_prompts"] == 3 and report["num_cycles"] == 10
     x = report["per_category"]["x"]
     assert x["tau_first_quarter"] == 4 and x["tau_last_quarter"] == 2
     assert report["acceptance_histogram"] == {"1": 4, "2": 2, "4": 4}
