@@ -32,7 +32,8 @@ written with other settings is set aside, never mixed in).
 report.json (schema ``draftsmith.validate/1``), flat at the top level; every group key is defined
 in ``inference.report``:
 
-- what ran: ``backend``, ``device`` (with the GPU / Apple chip name), ``platform``, ``machine``,
+- what ran: ``schema``, ``backend``, ``loop`` (eager / static / compiled, or the MLX loop), ``device``
+  (with the GPU / Apple chip name), ``platform``, ``machine``,
   ``dtype`` (target compute dtype), ``draft_dtype``, ``target``, ``draft`` (as given),
   ``target_model_type``, ``target_quantization`` (e.g. ``"4-bit affine, group 64"``, from the target
   folder's config; null = not quantized), ``recorded_target``, ``block_size``,

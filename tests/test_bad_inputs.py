@@ -2257,6 +2257,10 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
         run(tmp_path / "out", "test", sweep_bits=(3,), bits=3, target_dir=str(target), log=lambda *_: None)
     assert not list((tmp_path / "out").glob("target-mlx-*"))
 
+    with pytest.raises(FileNotFoundError, match="is not a small-target folder"):  # a path typed wrong
+        run(tmp_path / "out2", "test", target_dir=str(tmp_path / "typo"), log=lambda *_: None)
+    assert not (tmp_path / "out2").exists()  # and no empty experiment folder left behind
+
 
 
 def test_help_into_a_closed_pipe_ends_quietly():

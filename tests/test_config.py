@@ -202,3 +202,18 @@ def test_mask_token_resolution_order():
     explicit = resolve_mask_token(TINY_VOCAB, tiny_tokenizer("llama3", reserved=TINY_VOCAB - 265), explicit=287)
     assert explicit.id == 287 and "explicitly" in explicit.reason
     assert resolve_mask_token(TINY_VOCAB, tiny_tokenizer(), explicit=280).id == 280  # a spare row
+
+
+def test_every_training_key_is_in_the_readme_table():
+    """The README's recipe-keys table is where users look a key up: a key added without a row is
+    a key nobody finds (`--help` lists names only)."""
+    from pathlib import Path
+
+    from train.config import valid_keys
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme[readme.index("Recipe keys ("):readme.index("Modes (each has an end-to-end test")]
+    sections = {k for k in valid_keys() if any(o.startswith(k + ".") for o in valid_keys())}
+    missing = [k for k in valid_keys() if k not in sections and k != "recipe"
+               and f"`{k}`" not in table and f"{k.rpartition('.')[2]}`" not in table]
+    assert not missing, f"keys without a README row: {missing}"

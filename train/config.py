@@ -31,7 +31,7 @@ class TargetConfig:
     path: str = ""
     revision: str | None = None
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    # none | mlx:PATH_OR_ID | mlx-3bit | mlx-4bit | mlx-8bit (-g32/-g64/-g128) | bnb-4bit | fp8 (models/quant.py)
+    # none | mlx:PATH_OR_ID | mlx-Nbit, N in 2 3 4 5 6 8 (-g32/-g64/-g128) | bnb-4bit | fp8 (models/quant.py)
     quantization: str = "none"
     # A target too large for one GPU: spread it over this node's GPUs (auto | balanced | sequential; transformers'
     # device_map), one training process per node, the drafter on the first GPU. max_memory: budget per device,

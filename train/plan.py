@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 TEXT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -37,7 +38,7 @@ def _fetch_config(cfg) -> tuple[dict | None, str]:
         f = hf_hub_download(path, "config.json", revision=cfg.target.revision)
         return json.loads(Path(f).read_text()), f"Hub config.json of {path} (config only, no weights)"
     except Exception as e:  # offline, gated, unknown id: all mean "use the recipe's facts"
-        reason = str(e).splitlines()[0][:160]
+        reason = textwrap.shorten(str(e).splitlines()[0], 160, placeholder=" ...")  # whole words
         return None, (f"could not fetch config.json of {path} ({type(e).__name__}: {reason}); "
                       "using the recipe's shape facts")
 

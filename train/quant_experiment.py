@@ -117,12 +117,12 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
     budget = BUDGETS[budget_name]
     if epochs is not None:  # a copy: the module's budgets stay as documented for later runs in this process
         budget = {**budget, "train": {**budget["train"], "train.epochs": epochs}}
-    out.mkdir(parents=True, exist_ok=True)
     if target_dir:  # an existing small-target folder (e.g. built on a GPU with python -m train.small_target)
         target = Path(target_dir)
         if not (target / "prompts.jsonl").is_file() or not (target / "chats.jsonl").is_file():
             raise FileNotFoundError(f"--target {target} is not a small-target folder (chats.jsonl + prompts.jsonl)")
-    else:
+    out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves no empty --out behind
+    if not target_dir:
         target = build_small_target(out / "target", seed=0, log=log, progress=False, corpus=corpus, **budget["target"])
     stamp = target / "small_target.json"
     check = json.loads(stamp.read_text()).get("greedy_check") if stamp.is_file() else None
