@@ -55,14 +55,13 @@ def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
         if interrupted:
             print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
-    except BrokenPipeError:
-        if not _stdout_closed():
-            raise  # another pipe (a regeneration server's socket): the generic handling below does not apply
-        # `draftsmith-distill --help | head`: the reader has gone. Quiet, as shell tools are; devnull takes
-        # what is still buffered so the interpreter's own flush at exit does not complain either.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(1) from None
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            # `draftsmith-distill --help | head`: the reader has gone. Quiet, as shell tools are; devnull
+            # takes what is still buffered so the interpreter's own flush at exit does not complain either.
+            # (Another broken pipe, a regeneration server's socket, is an error like any other below.)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
         if not is_user_error(e) or os.environ.get("DRAFTSMITH_TRACEBACK"):
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -2280,6 +2280,14 @@ def test_help_into_a_closed_pipe_ends_quietly():
     assert done.stderr == ""
     assert done.returncode == 1  # what Python's own docs advise on EPIPE: not 0, the output was cut
 
+    from models.cli import run_cli
+
+    def server_went_away():  # a broken pipe that is not our output's (a regeneration server's socket)
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(SystemExit, match=r"^error: \[Errno 32\] Broken pipe"):
+        run_cli(server_went_away)
+
 
 @pytest.mark.parametrize("new_one_moved_in", [False, True])
 def test_an_overwrite_export_killed_between_its_renames_is_put_right(tmp_path, export_drafter, capsys,
