@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from train import overrides
 from train.overrides import build, check_key, flatten, parse_args, parse_value, recipe_path, set_dotted
+from train.overrides import valid_keys as keys_of
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # paper values (docs/design.md, "Training objective")
 
@@ -270,7 +270,7 @@ class RunConfig:
 # ----------------------------------------------------------------------------- loading
 def valid_keys() -> list[str]:
     """Every dotted key of the training config (sections and leaves)."""
-    return overrides.valid_keys(RunConfig)
+    return keys_of(RunConfig)
 
 
 def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
