@@ -61,7 +61,11 @@ def staging(out: Path, overwrite: bool) -> Iterator[Path]:
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:  # an error here puts the previous export back; a kill is put right next time
+                old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             if out.is_dir():

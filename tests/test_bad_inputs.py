@@ -1494,6 +1494,23 @@ def test_bad_training_values_fail_at_config_time(override, message):
     assert load_config(["recipe=tiny", "target.dtype=bf16"]).target.dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.batch_size=2.5", "train.batch_size=2.5: expected an integer"),  # never truncated to 2
+    ("train.anchors=true", "train.anchors=True: expected an integer"),
+    ("train.lr=fast", "train.lr='fast': expected a number"),
+    ("data.pack=maybe", "data.pack='maybe': expected true or false"),
+    ("drafter.target_layer_ids=abc", "drafter.target_layer_ids="),
+    ("train=3", "train is a section: give keys under it"),
+])
+def test_values_of_the_wrong_type_are_refused(override, message):
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match=re.escape(message)):
+        load_config(["recipe=tiny", override])
+    assert load_config(["recipe=tiny", "train.batch_size=2.0"]).train.batch_size == 2  # a whole number is fine
+
+
 @pytest.mark.parametrize("value, message", [
     ("gptq", "not a quantization draftsmith knows: use none | mlx:PATH_OR_ID"),
     ("mlx-7bit", "7 bits is not an MLX affine width"),
@@ -2313,3 +2330,29 @@ def test_an_overwrite_export_killed_between_its_renames_is_put_right(tmp_path, e
     assert ("put the previous export back" in capsys.readouterr().err) != new_one_moved_in
     export_hf(argv + ["--overwrite"])
     assert not (out / "marker.txt").exists() and (out / "config.json").is_file()
+
+
+def test_an_overwrite_export_whose_last_rename_fails_keeps_the_previous_one(tmp_path, export_drafter, monkeypatch):
+    """The swap moves the previous export aside, then the new one in: if the second move fails (a full
+    disk), the previous export goes back in place (it was deleted first by no step of the swap)."""
+    from pathlib import Path
+
+    from export.hf import main as export_hf
+
+    out = tmp_path / "hf"
+    argv = ["--checkpoint", str(export_drafter), "--out", str(out), "--no-remote-code-check"]
+    export_hf(argv)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = Path.rename
+
+    def rename(self, target):
+        if Path(target) == out and self.name.endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(argv + ["--overwrite"])
+    monkeypatch.setattr(Path, "rename", real)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # put back at once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "hf"]  # no .hf.old, no staging folder

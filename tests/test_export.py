@@ -281,6 +281,59 @@ def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypa
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_parity_rule_tolerances_and_non_finite_logits():
+    """What the parity gates compare: the largest error relative to the largest reference logit,
+    against the dtype's tolerance; NaN never passes (NaN > tol is False, so it is checked apart)."""
+    from export.check import check_parity, logit_stats
+
+    stats = logit_stats(np.array([[10.0, 0.0]]), np.array([[9.0, 0.0]]))
+    assert stats["rel"] == pytest.approx(0.1) and stats["max_abs"] == pytest.approx(1.0) and stats["top1"] == 1.0
+    check_parity({"max_abs": 0.3, "rel": 0.03, "top1": 1.0}, "bfloat16", "x")  # within 4e-2
+    for rel, dtype in ((0.05, "bfloat16"), (0.02, "float16"), (2e-4, "float32")):
+        with pytest.raises(ExportCheckError, match=f"tolerance .* for {dtype}"):
+            check_parity({"max_abs": rel * 10, "rel": rel, "top1": 1.0}, dtype, "x")
+    with pytest.raises(ExportCheckError, match="logits differ by nan"):
+        check_parity(logit_stats(np.array([[1.0, 0.0]]), np.array([[np.nan, 0.0]])), "float32", "x")
+
+
+@pytest.mark.parametrize("how", ["off by 10%", "NaN"])
+def test_gate_refuses_a_folder_whose_logits_differ(setup, tmp_path, monkeypatch, how):
+    """Weights that read back bit-equal but compute something else (a modeling-file or loader bug) are
+    refused by the logit comparison itself, and the earlier export stays in place."""
+    import export.hf
+
+    _, _, _, ckpt = setup
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, remote_code_check=False, log=quiet)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, calls = export.hf.block_outputs, []
+
+    def reloaded_wrong(model, *args):  # the first call is the reference, the second the reloaded folder
+        calls.append(model)
+        logits = real(model, *args)
+        return logits if len(calls) == 1 else logits * (1.1 if how == "off by 10%" else float("nan"))
+
+    monkeypatch.setattr(export.hf, "block_outputs", reloaded_wrong)
+    with pytest.raises(ExportCheckError, match="reloaded with draftsmith: logits differ"):
+        export_hf(ckpt, out, overwrite=True, remote_code_check=False, log=quiet)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_quantized_mlx_gate_refuses_non_finite_logits(setup, tmp_path, monkeypatch):
+    """A quantized MLX draft is compared by top-1 agreement (warned about, not refused), but logits that
+    are not finite are refused: nothing is written."""
+    pytest.importorskip("mlx.core")
+    import export.mlx
+    from export.mlx import export_mlx
+
+    _, _, _, ckpt = setup
+    real = export.mlx.mlx_logits
+    monkeypatch.setattr(export.mlx, "mlx_logits", lambda model, inputs, head: real(model, inputs, head) * np.nan)
+    with pytest.raises(ExportCheckError, match="not finite"):
+        export_mlx(ckpt, tmp_path / "q4", quantize=4, group_size=32, log=quiet)
+    assert not (tmp_path / "q4").exists()
+
+
 def test_gate_refuses_a_drafter_that_does_not_fit_its_target(setup, tmp_path):
     """Checked against the target folder: a mask id the tokenizer emits, a layer count that differs."""
     from models.tiny import save_tiny_target

@@ -265,3 +265,38 @@ def test_console_rows_keep_small_learning_rates():
 
     row = rounded({"lr": 6e-5, "loss": 4.215631, "grad_norm": 0.0, "tau_hist": [1, 2], "step": 3})
     assert row == {"lr": 6e-5, "loss": 4.2156, "grad_norm": 0.0, "step": 3}
+
+
+def test_held_out_prompts_start_at_their_own_document():
+    """A packed held-out row's prompt is its document's tokens before the first answer, not the whole
+    row before it (that would prepend another conversation to the true-tau prompt)."""
+    from train.eval import held_out_prompts
+
+    ids = list(range(100, 107))
+    rows = [{"input_ids": ids, "doc_ids": [0, 0, 0, 1, 1, 1, 1], "loss_mask": [0, 1, 1, 0, 0, 1, 1]},
+            {"input_ids": ids, "doc_ids": [0, 0, 0, 1, 1, 1, 1], "loss_mask": [0, 0, 0, 0, 0, 1, 1]},
+            {"input_ids": ids, "doc_ids": [0] * 7, "loss_mask": [0] * 7},  # no answer: no prompt
+            {"input_ids": ids, "doc_ids": [0] * 7, "loss_mask": [1] * 7},  # answer from the first token: none
+            {"input_ids": ids, "doc_ids": [0] * 7, "loss_mask": [0, 0, 1, 1, 1, 1, 1]}]
+    assert held_out_prompts(rows, 10) == [[100], [103, 104], [100, 101]]
+    assert held_out_prompts(rows, 2) == [[100], [103, 104]]
+
+
+def test_true_tau_pools_cycles_and_leaves_each_generations_last_cycle_out_of_uncut(monkeypatch):
+    """eval_tau_true = committed tokens / cycles over all prompts; the uncut figure drops each
+    generation's last cycle (cut by EOS or the budget, so shorter than the drafter earned)."""
+    import types
+
+    import inference.torch_loop as loop
+    from train.eval import true_tau
+
+    results = iter([[3, 2, 1], [4, 1]])
+    monkeypatch.setattr(loop, "DrafterProposer", lambda drafter, target: None)
+    monkeypatch.setattr(loop, "dflash_generate",
+                        lambda target, proposer, prompt, max_new_tokens: types.SimpleNamespace(
+                            acceptance_lengths=next(results)))
+    drafter = torch.nn.Linear(2, 2).train()
+    out = true_tau(drafter, None, [[1, 2], [3]], max_new_tokens=8)
+    assert out == {"eval_tau_true": pytest.approx(11 / 5), "eval_true_cycles": 5,
+                   "eval_tau_true_uncut": pytest.approx(3.0), "eval_true_hist": {"1": 2, "2": 1, "3": 1, "4": 1}}
+    assert drafter.training  # put back in training mode

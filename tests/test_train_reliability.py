@@ -207,6 +207,58 @@ def test_resync_lr_gives_the_first_resumed_step_the_new_schedules_rate():
     assert new.optimizer.param_groups[0]["lr"] == new.get_last_lr()[0] == pytest.approx(5e-4)
 
 
+def test_lr_schedule_values_warmup_cosine_and_floor():
+    """The tiny recipe's warmup rounds to 0 steps and its floor is 0, so the runs never showed these:
+    100 steps, 10% warmup from lr/10 (not 0: the first step moves the weights), cosine over the 90
+    steps after it, down to the 0.1 floor."""
+    from train.loop import lr_lambda
+
+    f = lr_lambda(100, 0.1, "cosine", 0.1)
+    assert [f(0), f(4), f(9), f(10)] == [pytest.approx(0.1), pytest.approx(0.5), 1.0, 1.0]
+    assert f(55) == pytest.approx(0.55)  # halfway down the cosine: floor + (1 - floor) / 2
+    assert f(100) == pytest.approx(0.1) and f(130) == pytest.approx(0.1)
+    assert lr_lambda(100, 0.1, "constant", 0.1)(60) == 1.0
+
+
+def test_schedule_counts_a_partial_accumulation_step():
+    """5 micro-batches with accumulation 2 are 3 optimizer steps per epoch (the last one of one
+    micro-batch), not 2 (a row skipped every epoch)."""
+    from train.config import load_config
+    from train.loop import make_schedule
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=1", "train.grad_accum=2", "train.epochs=2"])
+    schedule = make_schedule(cfg, 5, 1, 0)
+    assert (schedule.micro_per_epoch, schedule.steps_per_epoch, schedule.total_steps) == (5, 3, 6)
+    assert make_schedule(cfg, 5, 2, 1).micro_per_epoch == 2  # two processes: 2 rows each, the odd one left out
+
+
+def test_every_epoch_draws_a_new_order_and_new_anchors():
+    """The paper re-draws anchors every epoch; the order of the rows changes too. Both are pure
+    functions of (seed, epoch): the same epoch gives the same draw (what resume relies on)."""
+    import torch
+
+    from train.rng import epoch_order, row_generators
+
+    e0, e1 = epoch_order(100, 0, 0, 0, 1), epoch_order(100, 0, 1, 0, 1)
+    assert sorted(e0) == sorted(e1) == list(range(100)) and e0 != e1
+    assert epoch_order(100, 0, 1, 0, 1) == e1 and epoch_order(100, 1, 0, 0, 1) != e0  # another seed
+    a, b = epoch_order(101, 0, 0, 0, 2), epoch_order(101, 0, 0, 1, 2)
+    assert len(a) == len(b) == 50 and not set(a) & set(b)  # equal, disjoint shares
+    draw = lambda epoch: torch.randint(0, 10**6, (4,), generator=row_generators(0, epoch, [5])[0]).tolist()  # noqa: E731
+    assert draw(0) == draw(0) and draw(0) != draw(1) and draw("eval") == draw("eval") != draw(0)
+
+
+def test_checkpoints_sort_by_step_number_past_step_9(tmp_path):
+    """As strings, step_10 sorts before step_9: resume would pick step_9 and keep_last delete step_10."""
+    from train.checkpoint import checkpoint_dirs, latest_checkpoint
+
+    for step in (2, 10, 9, 100):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_11.tmp").mkdir()  # a checkpoint being written: not one yet
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_9", "step_10", "step_100"]
+    assert latest_checkpoint(tmp_path).name == "step_100"
+
+
 def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tmp_path, monkeypatch):
     calls: dict[str, list] = {"init": []}
 

@@ -254,6 +254,28 @@ def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
     assert "Sampling (temperature > 0)" in markdown(report)
 
 
+def test_repeats_are_reduced_by_their_median_and_a_cut_output_is_not_identical():
+    """--repeats 3: decode time and time to first token are each prompt's median (one slow outlier
+    moves nothing); an output that stops early differs from the baseline at the first missing index."""
+    from inference.report import PromptRun, first_divergence, prompt_numbers
+    from inference.stats import GenerationResult
+
+    def result(decode_s, prefill_s, tokens=9):
+        return GenerationResult(tokens=list(range(tokens)), acceptance_lengths=[4, 4], position_accepts=[2, 2, 2],
+                                block_size=4, prefill_s=prefill_s, decode_s=decode_s, stop_reason="max_new_tokens")
+
+    run = PromptRun("p", "x", 10, [result(1.0, 0.1), result(10.0, 1.0), result(2.0, 0.2)],
+                    [result(4.0, 0.1), result(4.0, 0.1), result(40.0, 3.0)])
+    numbers = prompt_numbers(run, greedy=True)
+    assert numbers["dflash_decode_s"] == 2.0 and numbers["ttft_s"] == pytest.approx(0.2)
+    assert numbers["baseline_decode_s"] == 4.0 and numbers["baseline_ttft_s"] == pytest.approx(0.1)
+    assert numbers["speedup"] == pytest.approx(2.0) and numbers["identical"] is True
+    assert first_divergence([1, 2, 3], [1, 2]) == 2 and first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([1, 2], [1, 2]) is None and first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    cut = PromptRun("p", "x", 10, [result(1.0, 0.1, tokens=5)], [result(1.0, 0.1)])
+    assert prompt_numbers(cut, greedy=True)["identical"] is False
+
+
 def test_target_quantization_is_described():
     from inference.validate import describe_quantization
 
