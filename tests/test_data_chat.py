@@ -137,3 +137,41 @@ def test_parallel_tokenization_gives_the_same_rows_and_scale_keys_exist(tmp_path
     assert one.to_list() == two.to_list() and len(one) == 2
     cfg = load_config(["recipe=tiny", "data.regenerate_batch_size=3", "data.rebuild=true"])
     assert cfg.data.regenerate_batch_size == 3 and cfg.data.rebuild
+
+
+def test_generated_ids_lose_the_trailing_end_of_turn_token():
+    """vLLM keeps the stop token in its output ids; the trailer already holds it, so the answer's ids must drop it
+    (kept, the ids no longer spell the answer and the generated ids are thrown away for a re-tokenization)."""
+    from data.chat import Segment, answer_ids, encode
+
+    tok = tiny_tokenizer("chatml")
+    eot = tok.convert_tokens_to_ids(EOT["chatml"])
+    ids = encode(tok, "hello world") + [eot]
+    assert answer_ids(tok, Segment("hello world", "answer", ids), eot) == ids[:-1]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "hello world", "token_ids": ids}]
+    (row,), dropped = tokenize_conversation(tok, messages, None)
+    assert dropped == 0 and row.retokenized == 0  # the generated ids were used, not the text
+    assert [row.input_ids[a:b] for a, b in loss_spans(row.loss_mask)] == [ids]  # answer + one end-of-turn token
+
+
+def test_answer_ids_keep_the_prefix_the_template_renders_before_them():
+    """A template may render an empty think block before the generated text (Qwen3's last turn): the row must hold
+    that block's tokens and then the generated ids, not the generated ids alone."""
+    from data.chat import Segment, answer_ids, encode
+
+    tok = tiny_tokenizer("chatml")
+    eot = tok.convert_tokens_to_ids(EOT["chatml"])
+    ids = encode(tok, "hello world") + [eot]
+    think = "<think>\n\n</think>\n\n"
+    assert answer_ids(tok, Segment(think + "hello world", "answer", ids), eot) == encode(tok, think) + ids[:-1]
+    # the same through a template that always renders a think block for an assistant turn
+    tok.chat_template = tok.chat_template.replace(
+        "{% if message.reasoning_content is defined and message.reasoning_content %}"
+        "<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}",
+        "<think>\n{{ message.reasoning_content or '' }}\n</think>\n\n")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "hello world", "token_ids": ids}]
+    (row,), _ = tokenize_conversation(tok, messages, None)
+    assert row.retokenized == 0
+    assert [tok.decode(row.input_ids[a:b]) for a, b in loss_spans(row.loss_mask)] == [think + "hello world<|im_end|>"]
+    assert tok.decode(row.input_ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" + think \
+        + "hello world<|im_end|>\n"

@@ -194,3 +194,60 @@ def test_extract_cli(setup, tmp_path, capsys):
     store = FeatureStore(tmp_path / "s")
     assert line["shards_written"] == line["shards"] == 1 and store.layer_ids == [2, 4]
     assert store.index["tokens"] == line["tokens"] and len(store.index["tokenizer_hash"]) == 16
+
+
+def test_fp8_scale_is_per_token_per_tap():
+    """One scale per token per tapped layer: a layer of small activations next to one of huge ones (deep layers'
+    massive activations) keeps its own scale; one scale per token would crush it into e4m3 subnormals."""
+    from data.store import E4M3_MAX, dequantize_fp8
+
+    big = torch.tensor([[8000.0, -6000, 7000, 5000, -4000, 3000, 2000, 1000],
+                        [1000.0, 2000, -3000, 4000, 5000, 6000, -7000, 7500]])
+    small = torch.tensor([[0.1, 0.13, -0.17, 0.2, 0.3, -0.5, 0.7, 1.0],
+                          [1.5, -0.9, 0.11, 0.23, -0.37, 0.41, 0.05, 0.6]])
+    x = torch.cat([big, small], dim=1)  # [T=2, taps=2 x H=8]: tap 0 ~1000s, tap 1 ~0.1..1.5
+    q, scale = quantize_fp8(x, taps=2)
+    assert scale.shape == (2, 2) and scale.dtype == torch.bfloat16
+    assert torch.equal(scale[:, 1], (small.abs().amax(dim=1) / E4M3_MAX).to(torch.bfloat16))  # tap 1's own absmax
+    assert torch.equal(scale[:, 0], (big.abs().amax(dim=1) / E4M3_MAX).to(torch.bfloat16))
+    y = dequantize_fp8(q, scale, torch.float32)
+    rel = (y - x).abs() / x.abs()
+    assert rel[:, 8:].max().item() <= 2 ** -4  # one e4m3 step for tap 1 too (a shared scale gives ~0.31)
+    assert rel[:, :8].max().item() <= 2 ** -4
+
+
+def test_resuming_with_another_shard_plan_is_refused(setup, tmp_path):
+    """The shard plan is fixed when the store is created; resuming with another shard size would mix shards of two
+    plans (rows missing or stored twice), so it is refused and the finished shard is left alone."""
+    out = tmp_path / "store"
+    kw = dict(layer_ids=LAYERS, dtype="bf16", batch_size=BATCH, progress=False)
+    first = extract(setup["target"], setup["root"] / "plain", out, max_shards=1, shard_tokens=SHARD_TOKENS, **kw)
+    assert first.shards_written == 1 < first.shards
+    shard = out / "shard-00000.safetensors"
+    digest = sha256_file(shard)
+    with pytest.raises(StoreMismatch, match="shard plan differs from the existing store's"):
+        extract(setup["target"], setup["root"] / "plain", out, shard_tokens=2 * SHARD_TOKENS, **kw)
+    assert sha256_file(shard) == digest and not (out / "shard-00001.safetensors").exists()
+
+
+def test_shard_plan_has_no_empty_range():
+    """Every shard holds at least one row, also a row longer than the shard budget (an empty range would be an
+    empty shard: nothing to concatenate) and the plan covers every row once, in order."""
+    from data.extract import shard_plan
+
+    assert shard_plan([5, 10, 3], 4) == [(0, 1), (1, 2), (2, 3)]  # every row over budget: one row per shard
+    assert shard_plan([2, 2, 2, 5, 1], 4) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert shard_plan([1, 1, 1], 100) == [(0, 3)]
+    assert shard_plan([], 4) == []
+
+
+def test_prepared_data_of_another_tokenizer_is_refused(setup):
+    """Token ids mean nothing under another vocabulary or template: loading prepared data with another tokenizer
+    fails, naming the tokenizer, instead of training on garbage."""
+    from data.reuse import DataMismatch
+    from models.tiny import tiny_tokenizer
+
+    ds, meta = load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("chatml"))  # the one it was made with
+    assert len(ds) > 0 and len(meta["tokenizer_hash"]) == 16
+    with pytest.raises(DataMismatch, match="was tokenized for target .* not for this tokenizer .*re-run data.prepare"):
+        load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("llama3"))  # same vocabulary, other template
