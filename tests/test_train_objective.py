@@ -300,3 +300,43 @@ def test_true_tau_pools_cycles_and_leaves_each_generations_last_cycle_out_of_unc
     assert out == {"eval_tau_true": pytest.approx(11 / 5), "eval_true_cycles": 5,
                    "eval_tau_true_uncut": pytest.approx(3.0), "eval_true_hist": {"1": 2, "2": 1, "3": 1, "4": 1}}
     assert drafter.training  # put back in training mode
+
+
+def test_simulated_eval_averages_losses_over_batches_and_pools_blocks(monkeypatch):
+    """eval_loss is the mean of the held-out batches' losses; tau and the per-slot figures pool the
+    blocks of all batches; batches past eval.batches are not read. The model parts are stand-ins
+    with known outputs, so the numbers follow from the definitions alone."""
+    import types
+
+    import train.eval as ev
+
+    T, F = True, False
+    outputs = iter([(2.0, [[[T, T, F]]], [[[T, T, T]]], [[T]]),
+                    (4.0, [[[F, T, T], [T, T, T]]], [[[T, T, T], [T, T, F]]], [[T, T]])])
+
+    def loss(*args, **kwargs):
+        value, correct, label_mask, valid = next(outputs)
+        return types.SimpleNamespace(loss=torch.tensor(value), correct=torch.tensor(correct),
+                                     label_mask=torch.tensor(label_mask), valid=torch.tensor(valid))
+
+    for name in ("draw_blocks", "attention_masks", "drafter_forward"):
+        monkeypatch.setattr(ev, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(ev, "block_loss", loss)
+    read = []
+
+    def get_batch(rows):
+        read.append(list(rows))
+        z = torch.zeros(len(rows), 4, dtype=torch.long)
+        return types.SimpleNamespace(input_ids=z, loss_mask=z, doc_ids=z, position_ids=z, features=z.float())
+
+    drafter = torch.nn.Linear(2, 2).train()
+    drafter.config = types.SimpleNamespace(block_size=4, mask_token_id=0)
+    target = types.SimpleNamespace(device=torch.device("cpu"), embed_tokens=None, lm_head=torch.nn.Linear(2, 2))
+    out = ev.evaluate_sim(drafter, target, types.SimpleNamespace(get_batch=get_batch), [10, 11, 12, 13, 14],
+                          batch_size=2, num_anchors=2, gamma=7.0, seed=0, max_batches=2, use_flex=False, ce_chunk=8)
+    assert read == [[10, 11], [12, 13]]  # the third batch (row 14) is past eval.batches
+    assert out["eval_loss"] == pytest.approx(3.0) and out["eval_blocks"] == 3
+    assert out["eval_tau_sim"] == pytest.approx(7 / 3)  # blocks accept 3, 1 and 3
+    assert out["eval_pos_acc"] == [pytest.approx(0.6667), 1.0, 0.5]
+    assert out["eval_pos_accept"] == [pytest.approx(0.6667), pytest.approx(0.6667), 0.0]
+    assert drafter.training  # back in training mode
