@@ -103,3 +103,127 @@ def test_folder_of_jsonl_files(tmp_path):
     convs = list(iter_conversations(tmp_path, stats=stats))
     assert len(convs) == 5 and stats.layouts == {"alpaca": 2, "openai": 3}
     assert len({c["id"] for c in convs}) == 5
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_roles_are_read_case_insensitively(tmp_path):
+    """ShareGPT exports write "Human"/"GPT" and OpenAI-style dumps "User"/"Assistant": every such row was
+    skipped as "unknown role" if roles were compared as written."""
+    src = _write_jsonl(tmp_path / "caps.jsonl", [
+        {"conversations": [{"from": "Human", "value": "Hi"}, {"from": "GPT", "value": "Hello"}]},
+        {"messages": [{"role": "System", "content": "Be brief."}, {"role": "User", "content": "Q"},
+                      {"role": "Assistant", "content": "A"}]}])
+    convs, stats = load_conversations(src)
+    assert [roles(c) for c in convs] == [["user", "assistant"], ["system", "user", "assistant"]]
+    assert stats.skipped.total() == 0
+
+
+def test_system_prompts_of_alpaca_and_prompt_rows_are_kept(tmp_path):
+    """An Alpaca row's ``system`` and a prompts-only row's ``system`` open the conversation: a reader that
+    dropped them trained (or regenerated) without the instruction the data set carries."""
+    src = _write_jsonl(tmp_path / "sys.jsonl", [
+        {"instruction": "Add.", "input": "2 3", "output": "5", "system": "You are a calculator."},
+        {"prompt": "Say hi", "system": "Answer in French."}])
+    convs, _ = load_conversations(src, need_answers=False)
+    assert convs[0]["messages"] == [{"role": "system", "content": "You are a calculator."},
+                                    {"role": "user", "content": "Add.\n\n2 3"}, {"role": "assistant", "content": "5"}]
+    assert convs[1]["messages"] == [{"role": "system", "content": "Answer in French."},
+                                    {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": ""}]
+
+
+def test_nemotron_system_prompt_is_not_added_twice():
+    """``system_prompt`` opens the conversation once; an ``input`` list that already has a system turn keeps
+    only its own."""
+    from data.readers import to_messages
+
+    row = {"input": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}], "output": "a",
+           "system_prompt": "detailed thinking off"}
+    assert roles({"messages": to_messages(row, "nemotron")}) == ["system", "user", "assistant"]
+    assert to_messages(row, "nemotron")[0]["content"] == "own"
+
+
+def test_explicit_reasoning_content_is_kept_beside_its_answer(tmp_path):
+    """A row that already separates ``reasoning_content`` from ``content`` keeps both as given; splitting
+    the content again for a think block dropped the reasoning of every such turn."""
+    src = _write_jsonl(tmp_path / "r.jsonl", [{"messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "two plus two"}]}])
+    convs, _ = load_conversations(src)
+    assert convs[0]["messages"][1] == {"role": "assistant", "content": "4", "reasoning_content": "two plus two"}
+
+
+def test_a_folder_reads_its_sub_folders_and_json_files(tmp_path):
+    """Hub data sets are laid out as data/<split>/*.jsonl: a folder source reads every level, and a .json
+    file holding one conversation (an object, not a list) is one row."""
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "data" / "train" / "part-0.jsonl").write_text((FIX / "openai.jsonl").read_text())
+    one = {"id": "single", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    convs, stats = load_conversations(tmp_path)
+    assert [c["source_id"] for c in convs] == ["oa-1", "oa-2", "oa-3", "single"] and stats.kept == 4
+
+
+def test_a_source_id_of_zero_is_kept(tmp_path):
+    """Integer ids start at 0: the first row's id is kept like the others (not treated as missing)."""
+    src = _write_jsonl(tmp_path / "ids.jsonl", [
+        {"id": i, "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(3)])
+    assert [c["source_id"] for c in load_conversations(src)[0]] == ["0", "1", "2"]
+
+
+def test_trailing_unanswered_turns_are_all_dropped(tmp_path):
+    """A conversation that ends with unanswered turns (a user question, then another) ends at its last
+    answer: nothing after the last assistant turn is trained on as context without a target."""
+    src = _write_jsonl(tmp_path / "tail.jsonl", [{"messages": [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}, {"role": "user", "content": "q3"}]}])
+    assert roles(load_conversations(src)[0][0]) == ["user", "assistant"]
+
+
+def test_an_answer_right_after_the_system_prompt_is_refused(tmp_path):
+    """[system, assistant, ...] has no user turn before the first answer: skipped, like [assistant, ...]."""
+    src = _write_jsonl(tmp_path / "sys_first.jsonl", [
+        {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"},
+                      {"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine"}]}])
+    stats = ReadStats()
+    convs = list(iter_conversations(src, stats=stats))
+    assert [c["messages"][-1]["content"] for c in convs] == ["fine"]
+    assert dict(stats.skipped) == {"assistant turn before any user turn": 1}
+
+
+def test_conversation_key_depends_on_the_prompts_not_the_answers():
+    """Resumed regeneration re-uses an answer by this key: the same prompts with other answers give the same
+    key, another prompt another key."""
+    from data.readers import conversation_key
+
+    a = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old answer"}]
+    b = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
+    c = [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "old answer"}]
+    assert conversation_key(a) == conversation_key(b) != conversation_key(c)
+
+
+def test_an_empty_alpaca_output_is_a_prompt_to_regenerate(tmp_path):
+    """``output: ""`` is no answer: kept as a prompt when answers are regenerated, never trained on as an empty
+    assistant turn (skipped as "no assistant turn" otherwise)."""
+    src = _write_jsonl(tmp_path / "empty_out.jsonl", [{"instruction": "Name a colour.", "output": ""}])
+    convs, _ = load_conversations(src, need_answers=False)
+    assert convs[0]["messages"] == [{"role": "user", "content": "Name a colour."},
+                                    {"role": "assistant", "content": ""}]
+    with pytest.raises(NoUsableRows, match="1 no assistant turn"):
+        load_conversations(src)
+
+
+def test_a_prompt_that_does_not_end_with_the_user_is_not_regenerated(tmp_path):
+    """need_answers=False appends the turn to generate after the user's last message only: a prompts-only row
+    ending with a system turn is skipped (counted as "no user turn"), not answered after the system prompt."""
+    src = _write_jsonl(tmp_path / "ends_system.jsonl", [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]},
+        {"messages": [{"role": "user", "content": "q"}]}])
+    stats = ReadStats()
+    convs = list(iter_conversations(src, stats=stats, need_answers=False))
+    assert [roles(c) for c in convs] == [["user", "assistant"]] and dict(stats.skipped) == {"no user turn": 1}

@@ -275,3 +275,71 @@ def test_push_over_http_to_a_local_hub_uploads_the_folder_and_the_card(folder, r
     assert b"base_model: Qwen/Qwen3-8B" in sent["README.md"] and b"**3.89**" in sent["README.md"]
     assert lines[0]["value"]["summary"] == "Upload DFlash drafter (draftsmith)"
     assert result["url"].endswith("/me/drafter/commit/" + "a" * 40)
+
+
+def test_pushing_to_main_creates_no_branch_and_a_repush_refreshes_the_generated_card(folder, hub):
+    """--revision main (the default) is create_repo + upload_folder only; a README.md draftsmith wrote on an
+    earlier push is rewritten (new license here), not uploaded stale as if the user had written it."""
+    push(folder, "me/x", log=quiet)
+    assert [name for name, _ in hub] == ["create_repo", "upload_folder", "files"]
+    assert "license:" not in (folder / "README.md").read_text()
+    push(folder, "me/x", license="apache-2.0", log=quiet)
+    assert "license: apache-2.0" in (folder / "README.md").read_text()
+
+
+def test_dry_run_lists_the_card_among_the_files_it_would_upload(folder, hub):
+    logged = []
+    push(folder, "me/x", dry_run=True, log=logged.append)
+    assert "  files: ['README.md', 'config.json', 'model.safetensors', 'modeling_dflash.py']" in logged
+    assert not (folder / "README.md").exists() and hub == []
+
+
+@pytest.mark.parametrize("revision", [".hidden", "/main", "dev/", "a..b", "v1.lock", "my branch"])
+def test_branch_names_git_refuses_are_refused_before_anything_is_sent(folder, hub, revision):
+    with pytest.raises(ValueError, match="is not a valid branch name"):
+        push(folder, "me/x", revision=revision, log=quiet)
+    assert hub == []
+
+
+def test_a_report_of_another_mask_token_is_refused(folder, report, hub):
+    """Same block size, other mask id: measured with another drafter, kept off this card."""
+    path, rep = report
+    path.write_text(json.dumps({**rep, "trained_block_size": 16, "mask_token_id": 7}))
+    with pytest.raises(ValueError, match=r"measured with another drafter: mask token id 7 \(this folder: 290\)"):
+        push(folder, "me/x", report=str(path), dry_run=True, log=quiet)
+
+
+def _with_provenance(folder, prov):
+    d = json.loads((folder / "config.json").read_text())
+    if prov is None:
+        d.pop("draftsmith", None)
+    else:
+        d["draftsmith"] = prov
+    (folder / "config.json").write_text(json.dumps(d))
+
+
+def test_card_of_a_local_or_tiny_target_names_no_base_model(folder, hub, tmp_path):
+    """base_model links the card to a Hub model: a local folder (here one that exists) or a tiny:<arch> stand-in
+    is never written there, and tiny:<arch> is not shown as the target either."""
+    local = tmp_path / "Qwen" / "Qwen3-8B"
+    local.mkdir(parents=True)
+    _with_provenance(folder, {"target": str(local)})
+    logged = []
+    card = push(folder, "me/x", dry_run=True, log=logged.append)["card"]
+    assert "base_model" not in card and f"A DFlash drafter for **{local}**" in card
+    assert any("not a Hub id, so the card has no base_model" in line for line in logged)
+    _with_provenance(folder, {"target": "tiny:qwen3"})
+    card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
+    assert "base_model" not in card and "A DFlash drafter for **TARGET**" in card and "tiny:qwen3" not in card.split(
+        "## Training recipe")[0]
+
+
+def test_card_says_how_many_tokens_a_block_drafts_and_when_the_recipe_is_unknown(folder, hub):
+    """A block of 16 drafts 15 tokens after the accepted one (the bonus token is the target's); a folder
+    without the draftsmith block says its recipe is unknown instead of an empty table."""
+    card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
+    assert "the drafter proposes a block of 15 tokens after the last accepted one" in card
+    assert "carries no `draftsmith` provenance block" not in card
+    _with_provenance(folder, None)
+    card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
+    assert "This folder carries no `draftsmith` provenance block" in card

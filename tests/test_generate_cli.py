@@ -103,3 +103,91 @@ def test_baseline_comparison_is_timed_after_a_warm_up(folders, monkeypatch, caps
     calls.clear()
     main(argv + ["--loop", "static"])  # CUDA graphs are captured on first use: not in the timed run
     assert [(c["baseline"], c["max_new_tokens"]) for c in calls] == [(False, 16), (False, 40)]
+
+
+def _draft_variant(draft, out, edit):
+    """A copy of the drafter's config.json (and a README when asked) edited by ``edit``: pre-flight reads no
+    weights."""
+    import shutil
+    from pathlib import Path
+
+    out = Path(out)
+    shutil.copytree(draft, out)
+    d = json.loads((out / "config.json").read_text())
+    edit(d, out)
+    (out / "config.json").write_text(json.dumps(d))
+    return str(out)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(folders, temperature):
+    """nan compares false with everything, so "not below 0" alone let it through to sampling."""
+    from inference.checks import preflight
+
+    target, draft = folders
+    with pytest.raises(ValueError, match="--temperature (nan|inf): use 0 for greedy"):
+        preflight(target, draft, temperature=temperature)
+
+
+def test_a_multimodal_target_is_checked_by_its_text_config(folders, tmp_path):
+    """Qwen3.5 / 3.6 checkpoints keep hidden size, vocabulary and depth under text_config: a drafter for
+    another target is refused there too, a matching one passes with the text tower's facts."""
+    from inference.checks import preflight
+    from models.tiny import tiny_config
+
+    target, draft = folders
+    vl = tmp_path / "vl"
+    vl.mkdir()
+    tiny_config("qwen3_5_vl", 288, 8).to_json_file(vl / "config.json")
+    pre = preflight(str(vl), draft)
+    assert (pre.target.hidden_size, pre.target.vocab_size, pre.target.num_layers) == (64, 288, 8)
+    wide = _draft_variant(draft, tmp_path / "wide", lambda d, _: d.update(hidden_size=96))
+    with pytest.raises(ValueError, match="has hidden_size 96 but the target's is 64"):
+        preflight(str(vl), wide)
+
+
+def test_a_drafter_config_named_by_its_dflash_block_alone_is_a_drafter(folders, tmp_path):
+    """A drafter config.json without ``architectures`` (some exports drop it) is still recognised by its
+    ``dflash_config`` block, so it is neither refused as "not a DFlash drafter" nor taken for a target."""
+    from inference.checks import preflight
+
+    target, draft = folders
+    bare = _draft_variant(draft, tmp_path / "bare", lambda d, _: d.pop("architectures"))
+    assert "dflash_config" in json.loads((tmp_path / "bare" / "config.json").read_text())
+    assert preflight(target, bare).drafter.block_size == 8
+    with pytest.raises(ValueError, match="is a DFlash drafter .* and --draft .* is not: swap them"):
+        preflight(bare, target)
+
+
+def test_the_recorded_target_is_the_config_provenance_before_the_card(folders, tmp_path):
+    """export.hf writes the trained target into config.json's draftsmith block first: neither an older
+    dflash_config.target_model nor a hand-edited card's base_model overrides it."""
+    from inference.checks import preflight
+
+    target, draft = folders
+
+    def edit(d, out):
+        d["draftsmith"] = {"target": "Qwen/Qwen3-8B"}
+        d["dflash_config"]["target_model"] = "Qwen/Qwen3-0.6B"
+        (out / "README.md").write_text("---\nbase_model: 'meta-llama/Llama-3.1-8B'\n---\n# card\n")
+
+    assert preflight(target, _draft_variant(draft, tmp_path / "prov", edit)).recorded_target == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize("given, warns", [("mlx-community/Qwen3-8B-4bit", False), ("Qwen/Qwen3-8B", False),
+                                          ("meta-llama/Llama-3.1-8B-Instruct", True)])
+def test_a_quantized_copy_of_the_recorded_target_gives_no_warning(folders, tmp_path, caplog, given, warns):
+    """A drafter trained for Qwen/Qwen3-8B run against mlx-community/Qwen3-8B-4bit is the same model: no
+    "records its target as" warning; another model warns. Only config files are read (a config-only target)."""
+    import shutil
+
+    from inference.checks import preflight
+
+    target, draft = folders
+    named = tmp_path / given
+    named.mkdir(parents=True)
+    shutil.copy(f"{target}/config.json", named / "config.json")
+    recorded = _draft_variant(draft, tmp_path / "rec", lambda d, _: d.update(draftsmith={"target": "Qwen/Qwen3-8B"}))
+    with caplog.at_level("WARNING", logger="inference"):
+        preflight(str(named), recorded)
+    assert ("records its target as Qwen/Qwen3-8B" in caplog.text) == warns, caplog.text

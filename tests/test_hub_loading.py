@@ -159,3 +159,40 @@ def test_stores_fingerprinted_by_config_before_still_match_their_hub_target(hub,
         else:
             with pytest.raises(StoreMismatch, match="store was extracted from 'org/tiny' .*fingerprint 0123"):
                 fs.check_compatible(target=target)
+
+
+def test_fingerprint_after_borrowing_two_shards_reads_the_rest_by_ranges(hub):
+    """With only the embedding's and head's shards downloaded, the snapshot is not complete: the absent shards
+    are read by ranges at the snapshot's commit, so the fingerprint stays the local copy's (a fingerprint of
+    the two local shards alone would refuse every store extracted from the whole target)."""
+    from data.store import target_identity
+    from models.target import TargetModel
+
+    wm = weight_map(hub.folder)
+    TargetModel.borrowed_parts("org/tiny")
+    local = {wm["model.embed_tokens.weight"], wm["lm_head.weight"]}
+    assert hub.downloaded_weights() == local
+    ident = target_identity("org/tiny")
+    assert ident["target_fingerprint"] == target_identity(hub.folder)["target_fingerprint"]
+    assert set(hub.ranged) == set(wm.values()) - local and ident["target_revision"] == COMMIT
+
+
+def test_a_hub_drafter_downloads_what_a_load_reads_not_every_file_of_its_repo(hub, tmp_path):
+    """A drafter named by Hub id fetches its config, code and safetensors: an optimizer state or a .bin copy
+    beside them in the repo is not downloaded."""
+    from conftest import tiny_drafter_config
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+
+    target = TargetModel.from_pretrained(hub.folder)
+    repo = tmp_path / "remote" / "drafter"
+    torch.manual_seed(0)
+    DFlashDraftModel(tiny_drafter_config(target)).save_pretrained(repo)
+    (repo / "optimizer.bin").write_bytes(b"\0" * 4096)
+    (repo / "pytorch_model.bin").write_bytes(b"\0" * 4096)
+    hub.add("org/drafter", repo)
+    hub.downloaded.clear()
+    drafter = DFlashDraftModel.from_pretrained("org/drafter")
+    assert "model.safetensors" in hub.downloaded and "config.json" in hub.downloaded
+    assert not {"optimizer.bin", "pytorch_model.bin"} & set(hub.downloaded)
+    assert drafter.config.hidden_size == target.hidden_size

@@ -110,3 +110,166 @@ def test_borrowed_parts_follow_tied_embeddings(tmp_path, shards):
     whole = TargetModel.from_pretrained(tmp_path / "tied")
     assert part.lm_head.weight is part.embed_tokens.weight
     assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
+
+
+def test_a_layer_id_past_the_last_layer_is_refused_by_name():
+    """Layer ids run 0..num_layers-1: the id equal to the depth (a drafter config written for hidden_states
+    indices) is refused with the target's depth, not an IndexError from the layer list."""
+    target = TargetModel(tiny_target("qwen3"), tiny_tokenizer())
+    ids = torch.tensor([[1, 2, 3]])
+    assert target.forward(ids, [7], with_logits=False).features.shape == (1, 3, 64)
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match=f"layer id {bad} is outside this target's 8 layers"):
+            target.forward(ids, [1, bad])
+
+
+def _bf16_checkpoint(folder):
+    """A tiny target saved in bfloat16 (as Hub checkpoints are), with its tokenizer."""
+    tiny_target("qwen3", dtype=torch.bfloat16).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_dtype_defaults_to_the_checkpoints_own(tmp_path):
+    """No dtype (or "auto") loads a bf16 checkpoint in bf16, as transformers' dtype="auto" does, for the whole
+    target and for its borrowed embedding and head: a float32 default doubled the memory and changed the
+    features the drafter trains on. An explicit dtype wins."""
+    folder = _bf16_checkpoint(tmp_path / "bf16")
+    assert TargetModel.from_pretrained(folder).dtype == torch.bfloat16
+    assert TargetModel.from_pretrained(folder, dtype="auto").dtype == torch.bfloat16
+    assert TargetModel.borrowed_parts(folder).lm_head.weight.dtype == torch.bfloat16
+    assert TargetModel.from_pretrained(folder, dtype="float32").dtype == torch.float32
+    assert TargetModel.borrowed_parts(folder, dtype=torch.float32).dtype == torch.float32
+
+
+def test_an_untied_checkpoint_missing_its_lm_head_is_refused(tmp_path):
+    """Only a tie_word_embeddings checkpoint may lack lm_head.weight; an untied one without it (an incomplete
+    download) is named, never trained against the embedding as its head."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    shard = folder / "model.safetensors"
+    tensors = load_file(str(shard))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no tensor named lm_head.weight .*incomplete download"):
+        TargetModel.borrowed_parts(folder)
+
+
+@pytest.mark.parametrize("loader", ["from_pretrained", "borrowed_parts"])
+def test_a_truncated_later_shard_of_a_sharded_checkpoint_is_named(tmp_path, loader):
+    """Every shard is checked, not only the first: a sharded target whose shard holding the LM head was cut
+    short is refused with that file's name by both loaders."""
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2, max_shard_size="60KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = folder / index["lm_head.weight"]
+    assert shard.name != sorted(set(index.values()))[0]  # not the first shard
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=f"{shard.name} is corrupt or truncated.*re-download"):
+        getattr(TargetModel, loader)(folder)
+
+
+class _Process:
+    """The parts of an accelerate Accelerator that train.setup.load_target reads: one CPU process."""
+
+    is_main_process, device, distributed_type = True, torch.device("cpu"), "NO"
+
+    def wait_for_everyone(self):
+        pass
+
+
+@pytest.mark.parametrize("features, dtype, whole, loaded", [
+    ("online", "auto", True, torch.float32),  # auto off CUDA: float32, not bf16 (CPU bf16 is slow and lossy)
+    ("offline", "auto", False, torch.float32),  # offline features: embedding and LM head only
+    ("offline", "bfloat16", False, torch.bfloat16),
+])
+def test_training_loads_the_target_in_its_dtype_and_only_the_parts_it_needs(tmp_path, features, dtype, whole,
+                                                                           loaded):
+    from train.config import load_config
+    from train.setup import load_target
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    cfg = load_config(["recipe=tiny", f"target.path={folder}", f"features.mode={features}",
+                       f"features.store={tmp_path / 'store'}", f"target.dtype={dtype}", "eval.true_tau_prompts=0"])
+    target, path = load_target(cfg, tmp_path, _Process(), log=lambda *_: None)
+    assert path == str(folder) and target.has_layers == whole and target.dtype == loaded
+
+
+def test_who_loads_the_whole_target_and_who_borrows_its_embedding_and_head():
+    """Offline features with true tau: the main process generates, and under FSDP every process takes part
+    in the drafter's all-gathers, so each needs the decoder layers; a target spread by device_map is never
+    borrowed (its parts come through the map)."""
+    from train.config import load_config
+    from train.setup import borrows_target, loads_whole_target
+
+    offline = load_config(["recipe=tiny", "features.mode=offline", "features.store=feats", "eval.true_tau_prompts=4"])
+    assert [loads_whole_target(offline, is_main, fsdp) for is_main, fsdp in
+            ((True, False), (False, False), (False, True))] == [True, False, True]
+    assert loads_whole_target(load_config(["recipe=tiny", "features.mode=online"]), False, False)
+    assert borrows_target(offline)
+    assert not borrows_target(load_config(["recipe=tiny", "features.mode=offline", "features.store=feats",
+                                           "target.device_map=auto"]))
+
+
+def test_a_shard_with_bytes_past_its_tensors_is_refused(tmp_path):
+    """A safetensors file longer than its header describes (two downloads appended, a copy written over a
+    bigger file) is as broken as a short one: named, with its sizes."""
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    shard = folder / "model.safetensors"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + b"\0" * 16)
+    with pytest.raises(ValueError, match=f"model.safetensors is corrupt or truncated: {size + 16} bytes, its header "
+                                         f"describes {size}"):
+        TargetModel.from_pretrained(folder)
+
+
+# ------------------------------------------------------------------ MLX-quantized targets (loading side)
+def _quantize(src, out, bits, group_size):
+    pytest.importorskip("mlx_lm")
+    from models.quant import quantize_to_mlx
+
+    return quantize_to_mlx(src, out, bits=bits, group_size=group_size, log=lambda *_: None)
+
+
+def test_an_mlx_quantized_bf16_target_loads_in_bf16_by_default(tmp_path):
+    """Without a dtype the dequantized weights take the scales' dtype (bf16 for a bf16 source, as
+    mlx-community repos are), which is what the Mac computes in; float32 only when asked."""
+    q = _quantize(_bf16_checkpoint(tmp_path / "bf16"), tmp_path / "q", 4, 32)
+    target = TargetModel.from_pretrained(q)
+    assert target.dtype == torch.bfloat16 and target.quantization == "mlx-4bit-g32"
+    assert TargetModel.from_pretrained(q, dtype="float32").dtype == torch.float32
+
+
+def test_quantizing_again_with_other_bits_rebuilds_the_cached_folder(tmp_path):
+    """The cache is keyed on every argument: asking for 8 bits where a 4-bit folder was made rebuilds it,
+    never hands back the 4-bit weights under an 8-bit name."""
+    src = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    out = tmp_path / "q"
+    _quantize(src, out, 4, 32)
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    _quantize(src, out, 8, 32)
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    assert TargetModel.from_pretrained(out).quantization == "mlx-8bit-g32"
+
+
+def test_a_group_size_that_does_not_divide_the_hidden_size_is_refused(tmp_path):
+    """hidden 64 and group 128: mlx_lm would leave every such layer unquantized (a bf16 target named 4-bit);
+    refused with the sizes that fit, before anything is written."""
+    from models.quant import QuantizationError
+
+    src = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    with pytest.raises(QuantizationError, match=r"group size 128 does not divide the target's hidden size 64: .*"
+                                                r"use group size \[32, 64\]"):
+        _quantize(src, tmp_path / "q", 4, 128)
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_mlx_folder_reads_its_model_shards_not_other_safetensors_beside_them(tmp_path):
+    """mlx_lm writes LoRA adapters as adapters.safetensors next to the model: the target's weights are the
+    model*.safetensors files only, so the loaded target is the same with or without them."""
+    from safetensors.torch import save_file
+
+    q = _quantize(save_tiny_target(tmp_path / "t", "qwen3", num_layers=2), tmp_path / "q", 4, 32)
+    before = TargetModel.from_pretrained(q, dtype="float32").embed_tokens.weight.clone()
+    save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.zeros(64, 8),
+               "model.layers.0.self_attn.q_proj.lora_b": torch.zeros(8, 64)}, str(q / "adapters.safetensors"))
+    assert torch.equal(TargetModel.from_pretrained(q, dtype="float32").embed_tokens.weight, before)
