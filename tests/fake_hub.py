@@ -50,6 +50,10 @@ class FakeHub:
                 repo, name = path.rsplit("/", 1)
                 return _Counting(open(hub.repos[repo] / name, "rb"), name, hub.ranged)
 
+        # `datasets` binds huggingface_hub.HfFileSystem when it is first imported: imported here, under the
+        # patch, it would keep the stand-in for the rest of the session (later tests: "no attribute _cache").
+        import datasets  # noqa: F401
+
         monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
         monkeypatch.setattr("huggingface_hub.HfFileSystem", HfFileSystem)
 
