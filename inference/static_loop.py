@@ -32,7 +32,7 @@ import torch
 
 from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
-from inference.torch_loop import Clock, check_draft_cache, sample
+from inference.torch_loop import Clock, check_draft_cache, draft_block, sample
 from models.drafter import DFlashDraftModel, apply_rope, attend, rope_cos_sin
 from models.target import TargetModel, allow_recompiles
 
@@ -331,10 +331,8 @@ def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int]
     t1 = time.perf_counter()
     while stop is None:
         clock.start()
-        bonus = result.tokens[-1]
-        drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+        drafts, block = draft_block(proposer, result.tokens[-1], new_features, committed, B, device)
         clock.lap("draft")
-        block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
         feats, logits = target.forward(block, committed)
         clock.lap("verify")
         both = torch.cat([drafts, sample(logits[0], temperature, gen)]).tolist()  # the one sync per cycle

@@ -113,10 +113,8 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
     try:  # an error between the verify pass and commit must not leave rollback hooks on the target
         while stop is None:
             clock.start()
-            bonus = result.tokens[-1]
-            drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+            drafts, block = draft_block(proposer, result.tokens[-1], new_features, committed, B, device)
             clock.lap("draft")
-            block = torch.cat([torch.tensor([bonus], device=device), drafts])[None]
             positions = torch.arange(committed, committed + B, device=device)[None]
             with rollback.recording(cache):
                 verify = target.forward(block, proposer.layer_ids, cache=cache, position_ids=positions)
@@ -168,6 +166,13 @@ def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: 
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop
     return result
+
+
+def draft_block(proposer: Proposer, bonus: int, new_features, committed: int, B: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cycle's drafts (``B - 1`` tokens) and the block the target verifies, ``[[bonus, *drafts]]``."""
+    drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
+    return drafts, torch.cat([torch.tensor([bonus], device=device), drafts])[None]
 
 
 def check_draft_cache(proposer: Proposer, committed: int) -> None:
