@@ -1646,6 +1646,35 @@ def test_dry_run_of_the_tiny_recipe_plans_the_target_it_builds(monkeypatch):
                             "target.num_layers=N target.hidden_size=N target.vocab_size=N)")
 
 
+def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch, tmp_path):
+    """With no network the dry run sat through ~25 s of the Hub client's connection retries before
+    using the recipe's facts: a host name that does not resolve now means the local cache only."""
+    import socket
+
+    import huggingface_hub
+
+    from train import plan as plan_module
+    from train.config import load_config
+
+    def no_name(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def cache_only(repo_id, filename, revision=None, local_files_only=False):
+        assert local_files_only, "would have tried the network"
+        if repo_id != "org/cached":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
+        (tmp_path / "config.json").write_text('{"num_hidden_layers": 7, "hidden_size": 64, "vocab_size": 320}')
+        return str(tmp_path / "config.json")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_name)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
+    config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b", "target.path=org/cached"]))
+    assert config["num_hidden_layers"] == 7 and source == "Hub config.json of org/cached (config only, no weights)"
+    config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b"]))
+    assert config is None
+    assert "the Hub's host name does not resolve (no network?) and it is not in the local cache" in source
+
+
 @pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x"])
 def test_dry_run_devices_that_are_not_count_x_gib(spec):
     from train.plan import parse_devices

@@ -17,6 +17,21 @@ TEXT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_atten
              "head_dim", "vocab_size", "max_position_embeddings", "model_type")
 
 
+def _hub_resolves() -> bool:
+    """Whether the Hub endpoint's host name resolves (no name means no network: fail in milliseconds)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except (socket.gaierror, UnicodeError):
+        return False
+
+
 def _fetch_config(cfg) -> tuple[dict | None, str]:
     """(config dict, where it came from or why not)."""
     from train.tiny import parse_tiny
@@ -32,13 +47,19 @@ def _fetch_config(cfg) -> tuple[dict | None, str]:
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
         return json.loads(local.read_text()), f"local {local}"
+    offline = False
     try:
         from huggingface_hub import hf_hub_download
 
-        f = hf_hub_download(path, "config.json", revision=cfg.target.revision)
+        # The plan only refines the recipe's facts: when the Hub's host does not even resolve, read
+        # the cache alone instead of sitting through huggingface_hub's ~25 s of connection retries.
+        offline = not _hub_resolves()
+        f = hf_hub_download(path, "config.json", revision=cfg.target.revision, local_files_only=offline)
         return json.loads(Path(f).read_text()), f"Hub config.json of {path} (config only, no weights)"
     except Exception as e:  # offline, gated, unknown id: all mean "use the recipe's facts"
-        reason = textwrap.shorten(str(e).splitlines()[0], 160, placeholder=" ...")  # whole words
+        reason = ("the Hub's host name does not resolve (no network?) and it is not in the local cache"
+                  if offline else str(e).splitlines()[0])
+        reason = textwrap.shorten(reason, 160, placeholder=" ...")  # whole words
         return None, (f"could not fetch config.json of {path} ({type(e).__name__}: {reason}); "
                       "using the recipe's shape facts")
 
