@@ -85,6 +85,11 @@ def resolve_source(path: str | Path) -> Source:
                                          run_root=p.parent.parent))
     if is_drafter_dir(p / "final" / "drafter"):
         d = p / "final" / "drafter"
+        newer = _checkpoint_after_final(p)
+        if newer is not None:  # a finished run resumed to train longer, stopped before its new end
+            raise NotADrafterError(
+                f"{p} holds two drafters: final/drafter ({newer[1]} steps) and the newer {newer[0]} (training "
+                f"was resumed and has not finished): pass {d} for the finished one, or {newer[0]}")
         return Source(d, "run", _from_run(p / "final" / "config.yaml", _final_state(p / "final"), d, run_root=p))
     if (p / "checkpoints").is_dir():
         raise NotADrafterError(f"{p} is a run folder without final/drafter (training did not finish): pass one of "
@@ -196,6 +201,20 @@ def target_quantization(target: str | None) -> str | None:
     if isinstance(qc, dict) and qc.get("quant_method"):
         return str(qc["quant_method"])
     return "none"
+
+
+def _checkpoint_after_final(run: Path) -> tuple[Path, int] | None:
+    """(the newest checkpoint, final/drafter's steps) when that checkpoint is past final/drafter's step."""
+    from train.checkpoint import latest_checkpoint
+
+    state, newest = _final_state(run / "final"), latest_checkpoint(run)
+    if state is None or newest is None:
+        return None
+    try:
+        final_step = int(json.loads(state.read_text())["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable: the provenance reader names it
+    return (newest, final_step) if int(newest.name.split("_")[1]) > final_step else None
 
 
 def _final_state(final: Path) -> Path | None:

@@ -11,6 +11,7 @@ The file is written as JSON from this dataclass, never through a transformers co
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -187,6 +188,12 @@ class DFlashConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(name, v, "must be a positive integer", f"set {name} to a positive integer")
+        if self.head_dim % 2:
+            raise ConfigError("head_dim", self.head_dim, "must be even (RoPE rotates pairs of dimensions)",
+                              "use an even head_dim (the target's, e.g. 128)")
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ConfigError("rope_theta", self.rope_theta, "must be a positive RoPE base frequency",
+                              "use the target's rope_theta (e.g. 1000000)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 "num_key_value_heads", self.num_key_value_heads,

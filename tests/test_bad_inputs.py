@@ -7,6 +7,7 @@ a plain test function (or a parametrized table) named after the mistake it guard
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest  # noqa: F401  (used by the sections below)
 
@@ -959,6 +960,13 @@ def _export_case(case: str, root, drafter) -> list[str]:
     if case == "unfinished run":
         (root / "run" / "checkpoints").mkdir(parents=True)
         return ["--checkpoint", str(root / "run"), "--out", out]
+    if case == "a resumed run that has not finished":  # final/ from step 60, then resumed, killed at step 75
+        (root / "run" / "final").mkdir(parents=True)
+        drafter.rename(root / "run" / "final" / "drafter")
+        (root / "run" / "final" / "trained.json").write_text('{"step": 60}')
+        for step in (50, 75):
+            (root / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        return ["--checkpoint", str(root / "run"), "--out", out]
     if case == "damaged trainer state":
         ckpt = root / "checkpoints" / "step_3"
         ckpt.mkdir(parents=True)
@@ -986,6 +994,7 @@ EXPORT_CASES = {
     "missing folder": "does not exist", "a file": "is a file", "no config.json": "(no config.json)",
     "a target, not a drafter": "config.json is not a DFlash drafter's", "config.json not JSON": "not valid JSON",
     "truncated safetensors": "corrupt or truncated", "unfinished run": "run folder without final/drafter",
+    "a resumed run that has not finished": "holds two drafters: final/drafter (60 steps) and the newer ",
     "damaged trainer state": "holds no integer 'step': the folder is damaged",
     "--out holds the user's files": "exists and is not empty",
     "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
@@ -1002,6 +1011,18 @@ def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_
     if "user's files" in case:
         assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt"]
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
+
+
+def test_a_resumed_unfinished_runs_drafters_are_each_exportable_by_name(tmp_path, export_drafter):
+    """The run folder is ambiguous once a finished run is resumed to train longer (refused above); its
+    final/drafter and the newer checkpoint's folder each still export when named."""
+    from export.source import resolve_source
+
+    _export_case("a resumed run that has not finished", tmp_path, export_drafter)
+    final = tmp_path / "run" / "final" / "drafter"
+    assert resolve_source(final).drafter_dir == final
+    (tmp_path / "run" / "checkpoints" / "step_75").rmdir()  # the resumed run finished: one answer again
+    assert resolve_source(tmp_path / "run").drafter_dir == final
 
 
 def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path, export_drafter):
@@ -1484,6 +1505,20 @@ def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     ("train.clip=-1", "train.clip=-1.0 must be >= 0"),
     ("train.kl_topk=0", "train.kl_topk=0 must be >= 1"),
     ("train.betas=[0.9,1.5]", "train.betas=\\[0.9, 1.5\\] must be two numbers in \\[0, 1\\)"),
+    # each below once failed only after the target and data loaded, or after training (the final eval),
+    # or named no key, or was silently replaced by a default
+    ("eval.true_tau_max_new_tokens=0", "eval.true_tau_max_new_tokens=0 must be >= 1"),  # lost the run
+    ("logging.every=0", "logging.every=0 must be >= 1"),  # ZeroDivisionError at step 1
+    ("data.eval_rows=-1", "data.eval_rows=-1 must be >= 0"),
+    ("data.max_length=-5", "data.max_length=-5 must be >= 1"),  # cut 5 tokens off every row
+    ("train.epochs=.inf", "train.epochs=inf: give a finite number"),
+    ("train.seed=-1", "train.seed=-1 must be in \\[0, 2\\*\\*32\\)"),
+    ("drafter.num_attention_heads=0", "drafter.num_attention_heads=0 must be >= 1"),  # meant the target's
+    ("drafter.intermediate_size=0", "drafter.intermediate_size=0 must be >= 1"),
+    ("drafter.target_layer_ids=[]", "drafter.target_layer_ids=\\[\\] taps no layer"),
+    ("drafter.head_dim=3", "drafter.head_dim=3 must be even"),  # a RoPE shape error at the first step
+    ("drafter.rope_theta=-1", "drafter.rope_theta=-1.0 must be a positive RoPE base"),  # "diverged, lower lr"
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0"),
 ])
 def test_bad_training_values_fail_at_config_time(override, message):
     """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""
@@ -1492,6 +1527,18 @@ def test_bad_training_values_fail_at_config_time(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(["recipe=tiny", override])
     assert load_config(["recipe=tiny", "target.dtype=bf16"]).target.dtype == "bfloat16"
+
+
+def test_online_kl_top_k_larger_than_the_vocabulary():
+    """train.kl_topk=100000 with a 288-token target ended in torch.topk's "selected index k out of range"."""
+    from types import SimpleNamespace
+
+    from train.config import load_config
+    from train.setup import make_features
+
+    cfg = load_config(["recipe=tiny", "train.loss=kl", "train.kl_topk=100000"])
+    with pytest.raises(ValueError, match="train.kl_topk=100000 is more than the target's 288 tokens"):
+        make_features(cfg, SimpleNamespace(vocab_size=288), [1, 2, 3], [], [], "cpu")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -1509,6 +1556,26 @@ def test_values_of_the_wrong_type_are_refused(override, message):
     with pytest.raises(ConfigValueError, match=re.escape(message)):
         load_config(["recipe=tiny", override])
     assert load_config(["recipe=tiny", "train.batch_size=2.0"]).train.batch_size == 2  # a whole number is fine
+
+
+def test_string_keys_keep_the_text_as_typed_and_bad_yaml_is_named(tmp_path):
+    """YAML 1.1 read out_dir=0123 as 83 and out_dir=12:30 as 750; out_dir=.../{name} was a KeyError traceback;
+    an unclosed list or a broken recipe file a yaml traceback; a second recipe= silently won."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    cfg = load_config(["recipe=tiny", "out_dir=0123", "data.subset=off", "target.revision=12:30"])
+    assert (cfg.out_dir, cfg.data.subset, cfg.target.revision) == ("0123", "off", "12:30")
+    assert load_config(["recipe=tiny", "data.subset=null"]).data.subset is None
+    assert load_config(["recipe=tiny", "out_dir=/r/{recipe}-{name}"]).resolved_out_dir() == Path("/r/tiny-{name}")
+    with pytest.raises(ConfigValueError, match=re.escape("drafter.target_layer_ids='[1,2' is not a value")):
+        load_config(["recipe=tiny", "drafter.target_layer_ids=[1,2"])
+    broken = tmp_path / "mine.yaml"
+    broken.write_text("train:\n  lr: [3e-4\n  epochs: 2\n")
+    with pytest.raises(ValueError, match=r"recipe .*mine.yaml is not valid YAML at line \d"):
+        load_config([f"recipe={broken}"])
+    with pytest.raises(ValueError, match=r"recipe given twice \(recipe=tiny and recipe=small\): keep one"):
+        load_config(["recipe=tiny", "recipe=small"])
 
 
 @pytest.mark.parametrize("value, message", [
@@ -2285,6 +2352,15 @@ def test_extract_with_no_writer_threads(capsys):
     with pytest.raises(SystemExit):
         main(["--target", "t", "--data", "d", "--out", "o", "--writers", "0"])
     assert "--writers 0: use 1 or more background shard writers" in capsys.readouterr().err
+
+
+def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, capsys):
+    """--seed -1 was refused by train.seed only after the small target and the first drafter were built."""
+    from train.quant_experiment import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "out"), "--budget", "smoke", "--seed", "-1"])
+    assert "--seed must be in [0, 2**32)" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_quant_experiment_refuses_a_target_that_loops(tmp_path):

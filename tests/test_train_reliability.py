@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_train_run import FAST, losses, run, tiny_input_dirs
 
@@ -91,6 +92,58 @@ def test_ctrl_c_prints_the_newest_checkpoint_and_the_resume_command(tiny, tmp_pa
     run(full, *tiny, *FAST, *STEPS, "train.max_steps=4", "checkpoint.every=2")
     got, ref = losses(tmp_path / "run"), losses(full)
     assert [got[k] for k in (3, 4)] == pytest.approx([ref[k] for k in (3, 4)], abs=1e-6)
+
+
+def test_an_error_in_the_final_eval_leaves_the_last_steps_checkpoint(tiny, tmp_path, monkeypatch):
+    """The final eval ran before the final checkpoint, so an eval that failed (a true-tau generation out
+    of memory) lost every step since the last checkpoint: the checkpoint now comes first, and resume=true
+    writes final/ from it without training again."""
+    import train.loop
+
+    args = [*tiny, *FAST, *STEPS, "train.max_steps=3"]
+    real_eval, real_step = train.loop.run_eval, train.loop.train_step
+
+    def failing_eval(*a, **kw):
+        raise RuntimeError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(train.loop, "run_eval", failing_eval)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(tmp_path / "run", *args)
+    assert (tmp_path / "run" / "checkpoints" / "step_3").is_dir() and not (tmp_path / "run" / "final").exists()
+    monkeypatch.setattr(train.loop, "run_eval", real_eval)
+    monkeypatch.setattr(train.loop, "train_step", lambda *a, **kw: pytest.fail("trained again after resume"))
+    result = run(tmp_path / "run", *args, "resume=true")
+    assert result["steps"] == 3 and (tmp_path / "run" / "final" / "drafter" / "config.json").is_file()
+    monkeypatch.setattr(train.loop, "train_step", real_step)
+
+
+def test_a_warm_start_trains_and_saves_the_folders_drafter_or_is_refused(tiny, tmp_path):
+    """drafter.init_from once kept the folder's config while training on the run's resolved taps and block:
+    the saved drafter read other layers than it learned from. A different tap list, block or layer count is
+    now refused naming the overrides that match; a matching warm start continues from the folder's weights
+    and is saved with this run's provenance."""
+    from safetensors.torch import load_file
+
+    from models.drafter import DFlashDraftModel
+
+    run(tmp_path / "a", *tiny, *FAST, *STEPS, "train.max_steps=1")
+    folder = tmp_path / "a" / "final" / "drafter"
+    with pytest.raises(ValueError, match=r"does not match the drafter this run resolved \(target_layer_ids: "
+                       r"\[1, 2, 3\] in the folder, \[0, 2, 4\] in this run; block_size: 8 in the folder, 16 in "
+                       r"this run\)\. To continue from it, add: drafter.target_layer_ids=\[1,2,3\] "
+                       r"drafter.block_size=8"):
+        run(tmp_path / "b", *tiny, *FAST, *STEPS, "train.max_steps=1", f"drafter.init_from={folder}",
+            "drafter.target_layer_ids=[0,2,4]", "drafter.block_size=16")
+    with pytest.raises(ValueError, match=r"init_from=.*: not a DFlash drafter folder"):
+        run(tmp_path / "c", *tiny, *FAST, "train.max_steps=1", f"drafter.init_from={tiny[0].split('=', 1)[1]}")
+    run(tmp_path / "d", *tiny, *FAST, *STEPS, "train.max_steps=1", f"drafter.init_from={folder}", "train.lr=1e-12")
+    before = DFlashDraftModel.from_pretrained(folder).state_dict()
+    after = load_file(tmp_path / "d" / "final" / "drafter" / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    assert all(torch.allclose(after[k].float(), before[k].float(), atol=1e-6) for k in before)
+    config = json.loads((tmp_path / "d" / "final" / "drafter" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    assert config["draftsmith"]["train"]["lr"] == 1e-12  # this run's provenance
 
 
 @pytest.mark.parametrize("argv0, module, world, expected", [

@@ -13,13 +13,15 @@ checks, type coercion, the closest-key hints): ``train/overrides.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from train.overrides import build, check_key, flatten, parse_args, parse_value, recipe_path, set_dotted
+from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
+                             set_dotted)
 from train.overrides import valid_keys as keys_of
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # paper values (docs/design.md, "Training objective")
@@ -148,7 +150,7 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 1000  # steps (0 = only at the end)
-    keep_last: int = 3
+    keep_last: int = 3  # 0 = keep every checkpoint
 
 
 @dataclass
@@ -260,11 +262,46 @@ class RunConfig:
                 raise ValueError(f"{key}={value} must be {rule}")
         if len(self.train.betas) != 2 or not all(0 <= b < 1 for b in self.train.betas):
             raise ValueError(f"train.betas={self.train.betas} must be two numbers in [0, 1), e.g. [0.9,0.95]")
+        self._check_counts()
         _ = self.gamma
+
+    def _check_counts(self) -> None:
+        """Counts and sizes that otherwise fail late (after the target and data loaded, or after training in
+        the final eval), fail far from their key, or are silently replaced by a default."""
+        if not math.isfinite(self.train.epochs):
+            raise ValueError(f"train.epochs={self.train.epochs}: give a finite number of passes over the data")
+        if not 0 <= self.train.seed < 2**32:
+            raise ValueError(f"train.seed={self.train.seed} must be in [0, 2**32)")
+        d = self.drafter
+        rules = {  # key: (value, minimum); None = unset (a default applies)
+            "logging.every": (self.logging.every, 1), "eval.every": (self.eval.every, 0),
+            "eval.batches": (self.eval.batches, 1), "eval.true_tau_every": (self.eval.true_tau_every, 0),
+            "eval.true_tau_prompts": (self.eval.true_tau_prompts, 0),
+            "eval.true_tau_max_new_tokens": (self.eval.true_tau_max_new_tokens, 1),
+            "checkpoint.every": (self.checkpoint.every, 0), "checkpoint.keep_last": (self.checkpoint.keep_last, 0),
+            "data.max_length": (self.data.max_length, 1), "data.eval_rows": (self.data.eval_rows, 0),
+            "data.limit": (self.data.limit, 1), "data.regenerate_max_tokens": (self.data.regenerate_max_tokens, 1),
+            "data.regenerate_batch_size": (self.data.regenerate_batch_size, 1),
+            "data.tiny_conversations": (self.data.tiny_conversations, 1),
+            "drafter.num_hidden_layers": (d.num_hidden_layers, 1), "drafter.num_taps": (d.num_taps, 1),
+            # the shape overrides: 0 once meant "the target's" without a word
+            "drafter.intermediate_size": (d.intermediate_size, 1),
+            "drafter.num_attention_heads": (d.num_attention_heads, 1),
+            "drafter.num_key_value_heads": (d.num_key_value_heads, 1), "drafter.head_dim": (d.head_dim, 2)}
+        for key, (value, least) in rules.items():
+            if value is not None and value < least:
+                raise ValueError(f"{key}={value} must be >= {least}")
+        if d.head_dim is not None and d.head_dim % 2:
+            raise ValueError(f"drafter.head_dim={d.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        if d.target_layer_ids is not None and not d.target_layer_ids:
+            raise ValueError("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
+                             "default spread (drafter.num_taps of them)")
+        if d.rope_theta is not None and not (math.isfinite(d.rope_theta) and d.rope_theta > 0):
+            raise ValueError(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
 
     def resolved_out_dir(self) -> Path:
         name = Path(self.recipe).stem if self.recipe else "run"
-        return Path(self.out_dir.format(recipe=name))
+        return Path(self.out_dir.replace("{recipe}", name))  # other braces are the folder's own characters
 
 
 # ----------------------------------------------------------------------------- loading
@@ -281,7 +318,13 @@ def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
     recipe = arg_recipe or recipe
     tree: dict[str, Any] = {}
     if recipe:
-        raw = yaml.safe_load(recipe_path(recipe).read_text()) or {}
+        path = recipe_path(recipe)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where is not None else ""
+            raise ValueError(f"recipe {path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"recipe {recipe} must be a YAML mapping")
         tree = raw
@@ -289,7 +332,7 @@ def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
             check_key(k, RunConfig)
     for k, v in pairs:
         check_key(k, RunConfig)
-        set_dotted(tree, k, parse_value(v))
+        set_dotted(tree, k, parse_value(v, leaf_type(k, RunConfig), k))
     for k, v in (overrides or {}).items():
         check_key(k, RunConfig)
         set_dotted(tree, k, v)

@@ -109,10 +109,11 @@ def build_drafter(run, drafter_cfg, target):
     from models.drafter import DFlashDraftModel
 
     torch.manual_seed(run.cfg.train.seed)
+    drafter = DFlashDraftModel(drafter_cfg)  # the run's config (checked against init_from's): what is saved
     if run.cfg.drafter.init_from:
-        drafter = DFlashDraftModel.from_pretrained(run.cfg.drafter.init_from, dtype=torch.float32)
+        drafter.load_state_dict(DFlashDraftModel.from_pretrained(run.cfg.drafter.init_from).state_dict())
     else:
-        drafter = DFlashDraftModel(drafter_cfg).init_weights()
+        drafter.init_weights()
     drafter = drafter.float().to(run.device).train()
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
@@ -228,15 +229,17 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                                 tok_s=f"{last['tokens_per_s']:.0f}")
                 speed.reset()
             bar.update(1)
-            evaluate, with_true = eval_due(cfg, state.step, final)
-            if evaluate:
-                run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger)
+            # Checkpoint before evaluating: an eval that fails (a true-tau generation out of memory) must not
+            # cost the steps since the last checkpoint. Nothing an eval does is in the checkpoint.
             if checkpoint_due(cfg, state.step, final):
                 if nonfinite_weights(run, model):  # never saved: keep_last would delete the good checkpoints
                     raise diverged(run, state.step, "the drafter's weights hold NaN / inf")
                 state.wandb_run_id = logger.wandb_run_id
                 save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
                                 cfg.checkpoint.keep_last)
+            evaluate, with_true = eval_due(cfg, state.step, final)
+            if evaluate:
+                run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger)
     bar.close()
     return last, first_eval
 
@@ -289,7 +292,8 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     from export.source import data_provenance, provenance_of_run
     from train.loop import interrupted_message, make_schedule
     from train.metrics import open_metrics
-    from train.setup import data_token_ids, load_data, load_target, make_features, resolve_drafter_config
+    from train.setup import (data_token_ids, load_data, load_target, make_features, resolve_drafter_config,
+                             warm_start_config)
 
     run = setup_run(cfg)
     target, target_path = load_target(cfg, run.out_dir, run.accelerator, run.log)
@@ -300,6 +304,8 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     if data_provenance(meta):  # the rows read (data.prepared is used as it is), not the recipe's data keys
         provenance["data"] = data_provenance(meta)
     drafter_cfg = drafter_cfg.replace(draftsmith=provenance)
+    if cfg.drafter.init_from:
+        drafter_cfg = warm_start_config(cfg.drafter.init_from, drafter_cfg)
     feats, eval_feats = make_features(cfg, target, drafter_cfg.target_layer_ids, train_ds, eval_ds, run.device)
     sched = make_schedule(cfg, len(train_ds), run.world, run.rank)
     drafter = build_drafter(run, drafter_cfg, target)

@@ -223,18 +223,41 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
         k, v = a.split("=", 1)
         k = k.replace("-", "_") if k in ("dry-run",) else k
         if k == "recipe":
+            if recipe is not None and v != recipe:  # the last one silently won
+                raise ValueError(f"recipe given twice (recipe={recipe} and recipe={v}): keep one, and set "
+                                 "single keys on top of it (e.g. recipe=tiny train.lr=3e-4)")
             recipe = v
         else:
             pairs.append((k, v))
     return recipe, pairs
 
 
-def parse_value(text: str) -> Any:
+def leaf_type(key: str, root) -> Any:
+    """The declared type of a dotted leaf key (``train.lr`` -> float)."""
+    cls, parts = root, key.split(".")
+    for part in parts[:-1]:
+        cls = _hints(cls)[part]
+    return _hints(cls)[parts[-1]]
+
+
+def parse_value(text: str, tp: Any = None, key: str = "value") -> Any:
     """A command-line value as YAML (numbers, booleans, [lists]); a mapping only when written as
-    ``{...}``, so ``target.quantization=mlx:`` stays the text the user typed, not ``{'mlx': None}``."""
+    ``{...}``, so ``target.quantization=mlx:`` stays the text the user typed, not ``{'mlx': None}``.
+
+    A string key (``tp`` str or ``str | None``) keeps the text as typed: YAML 1.1 would turn
+    ``out_dir=0123`` into 83, ``out_dir=12:30`` into 750 and ``data.subset=off`` into False."""
     if text == "":
         return None
-    value = yaml.safe_load(text)
+    if tp is str:
+        return text
+    if tp == (str | None) or tp == typing.Optional[str]:
+        return None if text in ("null", "~", "None") else text
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigValueError(f"{key}={text!r} is not a value ({problem}): write numbers as 3e-4, lists as "
+                               "[1,2,3], booleans as true / false") from None
     return text if isinstance(value, dict) and not text.lstrip().startswith("{") else value
 
 

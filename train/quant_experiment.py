@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.epochs is not None:
         if a.epochs < 1:
             p.error("--epochs must be at least 1")
+    if not 0 <= a.seed < 2**32:  # else train.seed refuses it after the target and drafter A are built
+        p.error("--seed must be in [0, 2**32)")
     from models.quant import check_bits_group
 
     for b in a.sweep + ([a.bits] if a.bits else []):

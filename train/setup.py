@@ -8,6 +8,7 @@ tokenization, loss masks, regeneration and packing to ``data.prepare``, features
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -166,6 +167,9 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
         from data.features import OnlineFeatures
 
         topk = cfg.train.kl_topk if cfg.train.loss != "ce" else 0
+        if topk > target.vocab_size:  # torch.topk's "selected index k out of range" at the first step
+            raise ValueError(f"train.kl_topk={topk} is more than the target's {target.vocab_size} tokens: keep "
+                             "fewer (default 32)")
         return (OnlineFeatures(target, layer_ids, data=train_ds, topk=topk),
                 OnlineFeatures(target, layer_ids, data=eval_ds, topk=0))
     from data.store import FeatureStore
@@ -236,3 +240,46 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
         f"{drafter_cfg.block_size}, RoPE base {drafter_cfg.rope_theta:g}, "
         f"{drafter_cfg.num_parameters() / 1e6:.2f}M parameters")
     return drafter_cfg
+
+
+# A warm start keeps its folder's weights, so it must have the shape the run resolved and take what training
+# feeds it (taps, block, mask): a difference is refused, never silently kept (a drafter once trained on the
+# run's taps and was saved with the folder's). Layer kinds and norm eps, which no key sets, are the folder's.
+WARM_START_TARGET = ("hidden_size", "vocab_size", "num_target_layers")
+WARM_START_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                   "target_layer_ids", "block_size", "mask_token_id", "rope_theta")
+WARM_START_KEPT = ("rms_norm_eps", "layer_types", "sliding_window", "sliding_block_attention")
+
+
+def warm_start_config(init_from: str, drafter_cfg):
+    """The run's drafter config for ``drafter.init_from``: checked against the folder's, with the folder's
+    layer kinds and norm eps."""
+    from models.config import ConfigError, DFlashConfig
+    from models.hub import resolve_model_dir
+
+    directory = resolve_model_dir(init_from, what="drafter.init_from")
+    try:
+        loaded = DFlashConfig.load(directory)
+    except ConfigError as e:
+        raise ValueError(f"drafter.init_from={init_from}: not a DFlash drafter folder ({e}); give a drafter's "
+                         "folder (a run's final/drafter, checkpoints/step_N/drafter or an HF export)") from None
+    if loaded.quantization:
+        raise ValueError(f"drafter.init_from={init_from} is a quantized MLX export: warm-start from the "
+                         "full-precision drafter (its HF export or the run's final/drafter)")
+
+    def differing(names):
+        return [(n, getattr(loaded, n), getattr(drafter_cfg, n)) for n in names
+                if getattr(loaded, n) != getattr(drafter_cfg, n)]
+
+    def listed(rows):
+        return "; ".join(f"{n}: {have!r} in the folder, {want!r} in this run" for n, have, want in rows)
+
+    if differing(WARM_START_TARGET):
+        raise ValueError(f"drafter.init_from={init_from} was trained for another target "
+                         f"({listed(differing(WARM_START_TARGET))}): warm-start from a drafter of this target")
+    rows = differing(WARM_START_KEYS)
+    if rows:
+        fix = " ".join(f"drafter.{n}={json.dumps(have).replace(' ', '')}" for n, have, _ in rows)
+        raise ValueError(f"drafter.init_from={init_from} does not match the drafter this run resolved "
+                         f"({listed(rows)}). To continue from it, add: {fix}")
+    return drafter_cfg.replace(**{n: getattr(loaded, n) for n in WARM_START_KEPT})
