@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 import tempfile
@@ -108,18 +107,18 @@ def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16,
 
 
 def check_device(p: argparse.ArgumentParser, device: str | None) -> str:
-    """``--device`` up front: a malformed name is an argparse error, CUDA where torch sees none one line
-    (as ``train.ablate``), not torch's "not compiled with CUDA" assertion after the model is built.
-    None: cuda when there is one, else cpu."""
+    """``--device`` up front (``models.cli.check_device``, cpu or cuda only): a malformed name is an argparse
+    error, CUDA where torch sees none one line (as ``train.ablate``), not torch's "not compiled with CUDA"
+    assertion after the model is built. None: cuda when there is one, else cpu."""
+    from models.cli import DeviceNameError
+    from models.cli import check_device as check
+
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        p.error(f"--device {device!r}: use cpu or cuda (cuda:N for another GPU), or leave it out")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} but torch sees no CUDA device: use --device cpu (or leave --device out)")
-    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    return device
+    try:
+        return check(device, kinds=("cpu", "cuda"))
+    except DeviceNameError as e:
+        p.error(str(e))
 
 
 def check_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, **lows: int) -> None:

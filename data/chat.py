@@ -173,6 +173,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
     A row that truncation leaves without loss tokens is dropped (counted), never kept: it would
     cost a target forward and teach nothing.
     """
+    if max_length is not None and max_length < 1:  # ids[:-5] kept all but the last 5 tokens, silently
+        raise ValueError(f"max_length={max_length}: use 1 or more tokens, or None for no truncation")
     rows, dropped = [], 0
     for segs in conversation_segments(tokenizer, messages, thinking):
         ids, mask, retokenized = tokenize_segments(tokenizer, segs)

@@ -118,8 +118,13 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {DTYPES}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size}: use 1 or more rows per target forward")
     if isinstance(target, (str, Path)):
         target = TargetModel.from_pretrained(target)
+    if not 0 <= topk <= target.vocab_size:  # torch's "selected index k out of range" came mid-extraction
+        raise ValueError(f"--topk {topk}: use 0 (off) up to the target's vocabulary size {target.vocab_size} "
+                         "(e.g. 32)")
     meta = {}
     if isinstance(data, (str, Path)):
         # answers another target regenerated: training refuses their store, so refuse before hours of extraction
@@ -315,15 +320,28 @@ def main(argv: list[str] | None = None) -> None:
                         "run one process per node")
     p.add_argument("--max-memory", default=None, metavar="0=70GiB,1=70GiB,cpu=200GiB",
                    help="per-device budget for --device-map (default: what transformers finds free)")
-    p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default bfloat16)")
+    p.add_argument("--target-dtype", default="bfloat16",
+                   help="target weights dtype: bfloat16 (bf16), float32 (fp32), float16 (fp16) or auto (the "
+                        "checkpoint's; default bfloat16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     p.add_argument("--force-target", action="store_true",
                    help="extract even though another target (or quantization) regenerated the data's answers")
     a = p.parse_args(argv)
     if a.writers < 1:
         p.error(f"--writers {a.writers}: use 1 or more background shard writers")
+    # Before anything is loaded or written: these crashed mid-extraction (--topk -1, --batch-size 0), or
+    # silently wrote one-row shards (--shard-mb 0).
+    if a.topk < 0:
+        p.error(f"--topk {a.topk}: use 0 (off) or the number of top next-token log-probs to store, e.g. 32")
+    if a.batch_size < 1:
+        p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
+    if not a.shard_mb > 0:  # nan too
+        p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
+    from models.cli import check_device, parse_dtype
     from models.target import TargetModel, parse_max_memory
 
+    a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
+    a.device = check_device(a.device)
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
     ranks, rank_device = init_ranks()
     if a.device_map:

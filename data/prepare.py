@@ -54,11 +54,14 @@ SERVER_LOG = "regenerate-server.log"
 
 
 def load_tokenizer(target: str):
-    from transformers import AutoTokenizer
-
+    from models.config import read_json_file, refuse_drafter_as_target
     from models.hub import SMALL_FILES, resolve_model_dir
+    from models.target import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES))
+    directory = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
+    if (directory / "config.json").is_file():  # a drafter's tokenizer has no chat template: "no row has loss tokens"
+        refuse_drafter_as_target(target, read_json_file(directory / "config.json"))
+    return load(directory)
 
 
 def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = False, fix: str | None = None):
@@ -132,6 +135,9 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     """
     from data.reuse import claim_folder, clean_failed, read_json, reusable
 
+    if max_length is not None and max_length < 1:  # training's data.max_length comes here too
+        raise ValueError(f"max length {max_length}: use 1 or more tokens (the row budget), or leave it unset for "
+                         "no truncation")
     if pack and not max_length:
         raise ValueError("--pack needs --max-length (the packed row budget)")
     out = Path(out)
@@ -362,7 +368,7 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.regenerate import add_generation_args, load_local_target, parse_thinking
+    from data.regenerate import add_generation_args, check_counts, load_local_target, parse_thinking
 
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -392,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_generation_args(p)
     a = p.parse_args(argv)
+    check_counts(p, a)
     if a.quantization != "none" and a.regenerate != "local":
         p.error("--quantization applies to --regenerate local (a server generates with the weights it serves)")
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,

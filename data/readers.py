@@ -23,8 +23,8 @@ Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder written by
 ``datasets.save_to_disk``, a folder of such files, or a Hub data set id (``org/name``, read with
 ``datasets.load_dataset`` with ``split`` / ``subset`` / ``streaming``).
 
-Bad rows (malformed JSON, no assistant turn, empty content, unknown roles, unknown layout) are
-skipped and counted by reason; :class:`ReadStats` prints the summary. A source with no usable
+Bad rows (malformed JSON, a line that is not UTF-8, no assistant turn, empty content, unknown roles,
+unknown layout) are skipped and counted by reason; :class:`ReadStats` prints the summary. A source with no usable
 row raises :class:`NoUsableRows`, so a wrong column layout cannot silently train on nothing.
 """
 
@@ -48,7 +48,14 @@ ID_COLUMNS = ("id", "uuid", "conversation_id", "idx")
 
 
 class BadRow(ValueError):
-    """A row that cannot become a conversation; the message is the reason counted in the summary."""
+    """A row that cannot become a conversation; the message is the reason counted in the summary.
+
+    ``where`` (``"FILE line N"``), when set, is named in the summary for the first row of its reason, so a
+    row the reader could not even decode can be found and fixed."""
+
+    def __init__(self, reason: str, where: str | None = None):
+        super().__init__(reason)
+        self.where = where
 
 
 class NoUsableRows(UserError, ValueError):
@@ -68,14 +75,22 @@ class ReadStats:
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
     layouts: Counter = field(default_factory=Counter)
+    first_at: dict = field(default_factory=dict)  # reason -> where its first row is (reasons that say where)
+
+    def skip(self, why: BadRow | str) -> None:
+        self.skipped[str(why)] += 1
+        if getattr(why, "where", None):
+            self.first_at.setdefault(str(why), why.where)
 
     def summary(self) -> str:
-        reasons = ", ".join(f"{n} {why}" for why, n in self.skipped.most_common()) or "none"
+        reasons = ", ".join(f"{n} {why}" + (f" (first: {self.first_at[why]})" if why in self.first_at else "")
+                            for why, n in self.skipped.most_common()) or "none"
         layouts = ", ".join(f"{k}={v}" for k, v in self.layouts.most_common()) or "-"
         return f"read {self.seen} rows: kept {self.kept} (layouts {layouts}); skipped {self.skipped.total()}: {reasons}"
 
     def as_dict(self) -> dict:
-        return {"seen": self.seen, "kept": self.kept, "skipped": dict(self.skipped), "layouts": dict(self.layouts)}
+        out = {"seen": self.seen, "kept": self.kept, "skipped": dict(self.skipped), "layouts": dict(self.layouts)}
+        return {**out, "first_at": dict(self.first_at)} if self.first_at else out
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -186,13 +201,24 @@ def to_messages(row: dict, layout: str, need_answers: bool = True) -> list[dict]
 
 # ----------------------------------------------------------------------------- sources
 def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
+    if path.suffix == ".json":  # one document: a bad byte or bracket anywhere spoils all of it
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not a UTF-8 JSON document ({e}); a .jsonl file (one row a line) skips "
+                             "bad rows instead") from None
         yield from (data if isinstance(data, list) else [data])
         return
-    with path.open() as f:
-        for line in f:
+    # Decoded line by line: one Latin-1 row among millions aborted the whole read with "'utf-8' codec
+    # can't decode byte 0xe9", naming no file. surrogateescape keeps the bad bytes visible per line.
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
+        for number, line in enumerate(f, 1):
             if not line.strip():
+                continue
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                yield BadRow("not UTF-8 text", where=f"{path} line {number}")
                 continue
             try:
                 row = json.loads(line)
@@ -277,7 +303,7 @@ def iter_conversations(source: str | Path, *, split: str = "train", subset: str 
             kind = detect_layout(row) if layout == "auto" else layout
             messages = to_messages(row, kind, need_answers)
         except BadRow as why:
-            stats.skipped[str(why)] += 1
+            stats.skip(why)
             continue
         except (KeyError, TypeError, AttributeError):
             stats.skipped["malformed turns"] += 1

@@ -273,8 +273,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (default 1)")
     g.add_argument("--device", default="auto",
                    help="in-process generation: cuda, cpu, mps... (default auto: cuda when available, else cpu)")
-    g.add_argument("--dtype", default="auto", help="in-process generation: bfloat16, float32... (default: the "
-                                                    "checkpoint's; float32 on cpu)")
+    g.add_argument("--dtype", default="auto", help="in-process generation: bfloat16 (bf16), float32 (fp32) or "
+                                                    "float16 (fp16) (default: the checkpoint's; float32 on cpu)")
     g.add_argument("--device-map", default=None,
                    help="in-process generation of a target larger than one GPU: auto | balanced | sequential")
     g.add_argument("--max-memory", default=None, help="with --device-map: budget per device, e.g. 0=70GiB,1=70GiB")
@@ -284,14 +284,29 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                         "folder beside the output)")
 
 
+def check_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Counts below 1 read nothing: --limit 0 / --batch-size 0 ended in "no usable conversations, read 0 rows"
+    without naming the flag (and --max-length -5 silently cut the last 5 tokens of every row)."""
+    fixes = {"limit": "use 1 or more conversations, or leave it out for all of them",
+             "batch_size": "use 1 or more conversations per in-process batch (default 8)",
+             "max_length": "use 1 or more tokens, or leave it out for no truncation"}
+    for flag, fix in fixes.items():
+        value = getattr(a, flag, None)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} {value}: {fix}")
+
+
 def load_local_target(a: argparse.Namespace, path: str):
     """The in-process generator's target, placed as the flags say: on a GPU when there is one (a
     second CPU-only copy made local regeneration of a real data set hours slower than needed)."""
     import torch
 
+    from models.cli import check_device, parse_dtype
     from models.quant import resolve_target
     from models.target import TargetModel
 
+    # Flags first: a quantization below may take minutes, and torch's own errors come after the weights load.
+    a.dtype, a.device = parse_dtype(a.dtype, auto=True), check_device(a.device, auto=True)
     # The answers must come from the weights training will use (data provenance is checked there).
     out = getattr(a, "out", None)  # mlx-Nbit: the quantized folder goes beside the output
     path, tq = resolve_target(path, a.quantization, Path(out).resolve().parent if out else Path.cwd())
@@ -320,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     add_generation_args(p)
     a = p.parse_args(argv)
+    check_counts(p, a)
     if not a.server and not a.target:
         p.error("give --server URL (OpenAI-compatible) or --target (in-process generation)")
     if a.server and a.quantization != "none":

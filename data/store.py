@@ -241,7 +241,7 @@ class StoreWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         for tmp in self.path.glob("*.tmp"):  # leftovers of a killed write
             tmp.unlink()
-        if (self.path / INDEX).is_file():
+        if (self.path / INDEX).is_file() and not self._holds_nothing():
             self.index = read_index(self.path)
             self._check_same_store(header, plan)
             self._adopt_sidecars()  # shards finished by any process of a run that did not finalise
@@ -255,6 +255,13 @@ class StoreWriter:
             self.index = {"format": FORMAT, "version": VERSION, **header, "plan": [list(p) for p in plan],
                           "shards": {}, "complete": False}
         self.flush_index()
+
+    def _holds_nothing(self) -> bool:
+        """An index with no shard recorded and no shard file (finished, or a sidecar of one) beside it: a run that
+        failed before its first shard. Its settings are no reason to refuse the corrected rerun (it was refused,
+        "already holds a store with topk=-1 ... delete it"), so it is started over."""
+        index = read_index(self.path)  # a foreign or damaged index.json is still refused by the reader
+        return not index.get("shards") and not any(self.path.glob("shard-*"))
 
     def _check_same_store(self, header: dict, plan: list[tuple[int, int]]) -> None:
         for key, value in header.items():

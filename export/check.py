@@ -17,14 +17,14 @@ message listing every problem, so nothing wrong is exported quietly.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from models.config import ARCHITECTURE, MODELING_FILE, ConfigError, DFlashConfig, tokenizer_emitted_ids
+from models.config import (ARCHITECTURE, MODELING_FILE, ConfigError, DFlashConfig, is_drafter_config, read_json_file,
+                           tokenizer_emitted_ids)
 from models.weights import STRAY_KEY, weight_files
 
 # Top-level keys of the flat layout (docs/design.md, "config.json"; written by DFlashConfig.to_dict).
@@ -142,7 +142,11 @@ def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[li
         folder = Path(target)
     else:
         return [], "target not checked (neither a local folder with config.json nor a Hub id)"
-    t = json.loads((folder / "config.json").read_text())
+    t = read_json_file(folder / "config.json")
+    if is_drafter_config(t):  # its own layer count made this "the target has 2 decoder layers"
+        raise ExportCheckError(f"the target {target} is a DFlash drafter ({folder / 'config.json'} names "
+                               f"{ARCHITECTURE} / has dflash_config), not a target model: pass --target with the "
+                               "target the drafter is for (its folder or Hub id). Nothing was exported")
     text = t.get("text_config") or t
     problems = []
     try:

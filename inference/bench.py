@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     # Everything that can be refused is refused here, before a model is built or loaded.
     check_at_least(p, args, max_new_tokens=1, block_size=2, repeat=1, prompt_tokens=1)
-    check_dtype(args.dtype)
+    args.dtype = check_dtype(args.dtype)
     if not args.random_target and not args.tiny and not (args.target and args.draft):
         p.error("give --target and --draft, --tiny ARCH or --random-target RECIPE")
     if args.backend == "mlx" and (args.loop or args.random_target):

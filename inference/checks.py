@@ -10,7 +10,6 @@ minutes later.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable
@@ -18,19 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.config import ARCHITECTURE, DFlashConfig
+from models.config import ARCHITECTURE, DFlashConfig, is_drafter_config, read_json_file
 
 log = logging.getLogger("inference")
 
-# The one dtype map: the names both backends accept (torch: getattr(torch, name), MLX: getattr(mx, name)).
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def check_dtype(name: str | None) -> str | None:
-    """A ``--dtype`` name both backends understand (None: the backend's default)."""
-    if name is not None and name not in DTYPES:
-        raise ValueError(f"--dtype {name!r} is not a compute dtype draftsmith runs in: use one of {', '.join(DTYPES)}")
-    return name
+    """A ``--dtype`` name as both backends spell it, for ``getattr(torch, name)`` / ``getattr(mx, name)``
+    (``bf16`` -> ``bfloat16``: ``models.cli.DTYPE_NAMES``; None: the backend's default)."""
+    from models.cli import parse_dtype
+
+    return parse_dtype(name)
 
 
 # ------------------------------------------------------------------ loop checks
@@ -84,14 +80,7 @@ def _read_json(path: Path, what: str) -> dict:
         inside = [folder / sub for sub in ("drafter", "final/drafter") if (folder / sub / "config.json").is_file()]
         hint = f" (a training run or checkpoint folder: pass {inside[0]})" if inside else ""
         raise FileNotFoundError(f"{path} not found: a {what} folder needs config.json{hint}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-
-
-def is_drafter_config(d: dict) -> bool:
-    return ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d
+    return read_json_file(path)
 
 
 def read_target_facts(directory: str | Path, name: str = "") -> TargetFacts:
@@ -192,7 +181,7 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     ddir = resolve_model_dir(draft, what="drafter", allow_patterns=small)
     tpath, dpath = tdir / "config.json", ddir / "config.json"
     if tpath.is_file() and dpath.is_file():
-        t_raw, d_raw = json.loads(tpath.read_text()), json.loads(dpath.read_text())
+        t_raw, d_raw = _read_json(tpath, "target"), _read_json(dpath, "drafter")  # a truncated file is named
         if is_drafter_config(t_raw) and not is_drafter_config(d_raw):
             raise ValueError(f"--target {target} is a DFlash drafter ({tpath} names {ARCHITECTURE}) and --draft "
                              f"{draft} is not: swap them (--target {draft} --draft {target})")

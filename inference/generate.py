@@ -25,6 +25,7 @@ import platform
 import sys
 
 from inference.checks import check_dtype, check_prompt_ids, preflight
+from models.cli import check_device
 
 WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
 
@@ -64,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--seed {args.seed}: use 0 or more")
     if not (args.temperature >= 0 and args.temperature != float("inf")):
         p.error(f"--temperature {args.temperature}: use 0 for greedy (lossless) decoding or a positive value to sample")
+    if args.prompt is not None:
+        try:  # bytes the terminal's encoding could not decode reach us as surrogates: the tokenizer's TypeError
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            p.error(f"--prompt is not UTF-8 text (an undecodable byte at character {e.start}: "
+                    f"{args.prompt[max(e.start - 10, 0):e.start + 10]!r}): set the terminal to UTF-8 (e.g. "
+                    "LANG=C.UTF-8), or pass --prompt-ids")
     if args.chat and args.prompt is None:
         p.error("--chat needs --prompt (text); --prompt-ids are used as given")
     if args.thinking is not None and not args.chat:  # was ignored: the prompt went in raw
@@ -153,15 +161,12 @@ class Session:
         if backend == "mlx" and loop not in ("auto", "eager"):
             raise ValueError(f"--loop {loop} is a torch loop; the MLX backend runs its own (drop --loop, or use "
                              "--backend torch)")
-        check_dtype(dtype)
+        dtype = check_dtype(dtype)
         if backend == "mlx" and device is not None:  # was ignored without a word
             raise ValueError(f"--device {device} is a torch flag; the MLX backend runs on its own device (Metal on "
                              "a Mac, the CPU on Linux): drop --device, or use --backend torch")
-        if backend != "mlx" and device and device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():  # torch's own "not compiled with CUDA" is a traceback
-                raise ValueError(f"--device {device} but torch sees no CUDA device: use --device cpu (or leave it out)")
+        if backend != "mlx":  # torch's own errors ("not compiled with CUDA", "Expected one of cpu, cuda...") are
+            check_device(device)  # tracebacks after the target loaded
         if backend == "mlx":
             try:
                 from inference import mlx_loop as loop
@@ -295,7 +300,7 @@ def report_of(backend: str, result, baseline) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    check_dtype(args.dtype)
+    args.dtype = check_dtype(args.dtype)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
     backend = pick_backend(args.backend)

@@ -66,7 +66,7 @@ def _source_name(source: str) -> str:
 
 def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: str | None = None) -> list[Prompt]:
     """The prompts ``--prompts spec`` names, the first ``n`` per category; empty is an error."""
-    from data.readers import iter_source_rows
+    from data.readers import BadRow, iter_source_rows
 
     if n is not None and n < 1:
         raise ValueError(f"--n {n}: give at least 1 prompt per category (or leave --n out for all of them)")
@@ -84,10 +84,14 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     prompts: list[Prompt] = []
     per_category: Counter = Counter()
     skipped: Counter = Counter()
+    first_at: dict[str, str] = {}  # where the first row of a reason is, for reasons the reader locates
     for source, default_category in sources:
         for index, row in enumerate(iter_source_rows(source, split=split, subset=subset)):
             if not isinstance(row, dict):
-                skipped["malformed JSON"] += 1
+                why = str(row) if isinstance(row, BadRow) else "malformed JSON"
+                skipped[why] += 1
+                if getattr(row, "where", None):
+                    first_at.setdefault(why, row.where)
                 continue
             msgs = _row_messages(row)
             if msgs is None:
@@ -98,12 +102,12 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
                 continue
             per_category[category] += 1
             prompts.append(Prompt(str(row.get("id", f"{default_category}-{index}")), category, msgs))
+    said = ", ".join(f"{k}: {v}" + (f", first at {first_at[k]}" if k in first_at else "") for k, v in skipped.items())
     if not prompts:
         raise ValueError(f"--prompts {spec}: no usable prompts (rows need messages/conversations with a user turn, "
-                         "or a prompt, question or turns column)")
+                         "or a prompt, question or turns column)" + (f"; skipped {said}" if skipped else ""))
     if skipped:  # said, not silently dropped
-        print(f"--prompts {spec}: skipped {sum(skipped.values())} row(s) "
-              f"({', '.join(f'{k}: {v}' for k, v in skipped.items())})", file=sys.stderr)
+        print(f"--prompts {spec}: skipped {sum(skipped.values())} row(s) ({said})", file=sys.stderr)
     return prompts
 
 

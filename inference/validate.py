@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default ./validate-report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs="+", metavar="REPORT_JSON",
-                   help="compare reports side by side (ratios to the first) and write compare.png to --out")
+                   help="compare reports side by side (ratios to the first) and write compare.png to --out; a "
+                        "validate --out folder stands for its report.json")
     args = p.parse_args(argv)
     if Path(args.out).exists() and not Path(args.out).is_dir():  # found before any model loads
         p.error(f"--out {args.out} is a file: give a folder for the report (created if missing)")
@@ -207,13 +208,18 @@ def run_compare(files: list[str], out: str | Path) -> dict:
     reports, labels = [], []
     for f in files:
         path = Path(f)
+        if path.is_dir():  # validate's --out folder: the report.json it wrote there
+            if not (path / "report.json").is_file():
+                raise FileNotFoundError(f"--compare {f} is a folder without report.json: give the report.json files "
+                                        "(or --out folders) written by python -m inference.validate")
+            path = path / "report.json"
         if not path.is_file():
             raise FileNotFoundError(f"--compare {f}: no such file (give report.json files written by validate)")
         try:
-            r = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            r = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"--compare {f} is not valid JSON ({e})") from None
-        if not str(r.get("schema", "")).startswith("draftsmith.validate/"):
+        if not isinstance(r, dict) or not str(r.get("schema", "")).startswith("draftsmith.validate/"):
             raise ValueError(f"--compare {f} is not a report.json written by python -m inference.validate")
         reports.append(r)
         labels.append(path.parent.name or path.stem)
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.compare:
         return run_compare(args.compare, args.out)
-    check_dtype(args.dtype)
+    args.dtype = check_dtype(args.dtype)
     check_temperature(args.temperature)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)

@@ -41,6 +41,53 @@ def is_user_error(e: BaseException) -> bool:
     return type(e) is OSError and bool(e.args)
 
 
+# The dtype names every command takes: torch's and MLX's own (float32, bfloat16, float16) and the short
+# ones training's keys and the exports spell (fp32, bf16, fp16). One table, so `--dtype bf16` works
+# wherever `target.dtype=bf16` does (it was getattr(torch, "bf16"): an AttributeError traceback).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def parse_dtype(name: str | None, flag: str = "--dtype", auto: bool = False) -> str | None:
+    """A dtype flag's value as torch and MLX name it (``bf16`` -> ``bfloat16``); None stays None, and
+    ``auto`` too where the command has it (``auto=True``)."""
+    if name is None or (auto and name == "auto"):
+        return name
+    canonical = DTYPE_NAMES.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"{flag} {name!r} is not a compute dtype draftsmith runs in: use one of float32, bfloat16, "
+                         f"float16 (or fp32, bf16, fp16){' or auto' if auto else ''}")
+    return canonical
+
+
+class DeviceNameError(UserError, ValueError):
+    """A ``--device`` value that names no device at all (a typo), as opposed to one this machine lacks."""
+
+
+def check_device(device: str | None, flag: str = "--device", kinds: tuple[str, ...] = ("cpu", "cuda", "mps"),
+                 auto: bool = False) -> str | None:
+    """A torch ``--device`` checked before any weights load: a malformed name (:class:`DeviceNameError`), CUDA or
+    MPS that torch does not see, or a GPU index past the last one is one line, not torch's RuntimeError
+    traceback after the target loaded. None stays None (the command's default), and ``auto`` where the
+    command has it."""
+    if device is None or (auto and device == "auto"):
+        return device
+    kind, colon, index = str(device).partition(":")
+    if kind not in kinds or (colon and not (kind == "cuda" and index.isdigit())):
+        names = [k + (" (cuda:N for another GPU)" if k == "cuda" else "") for k in kinds] + (["auto"] if auto else [])
+        choices = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise DeviceNameError(f"{flag} {device!r}: use {choices}, or leave it out")
+    import torch
+
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {device} but torch sees no CUDA device: use {flag} cpu (or leave {flag} out)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"{flag} {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{flag} mps but torch sees no MPS (Apple GPU) device: use {flag} cpu (or leave {flag} out)")
+    return device
+
+
 def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
     """Run ``main``; user errors exit with ``error: <message>`` (DRAFTSMITH_TRACEBACK=1 shows the traceback).
 

@@ -22,6 +22,29 @@ SLIDING_BLOCK_MODES = ("bidirectional", "causal")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def read_json_file(path: str | Path) -> Any:
+    """A JSON file's content; a truncated or non-UTF-8 file is one line naming it (a bare json error said
+    "Expecting value: line 6 column 23 (char 100)", no file)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def is_drafter_config(d: Any) -> bool:
+    """A ``config.json`` of a DFlash drafter (our architecture name, or z-lab's nested ``dflash_config``)."""
+    return isinstance(d, dict) and (ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d)
+
+
+def refuse_drafter_as_target(directory: str | Path, d: Any, flag: str = "--target") -> None:
+    """A drafter folder given where a target belongs: its own layer count and tokenizer made the error
+    further on misleading ("the target has 2 decoder layers", "no row has loss tokens")."""
+    if is_drafter_config(d):
+        raise ValueError(f"{flag} {directory} is a DFlash drafter ({Path(directory) / 'config.json'} names "
+                         f"{ARCHITECTURE} / has dflash_config), not a target model: pass the target the drafter is "
+                         "for (its folder or Hub id)")
+
+
 class ConfigError(ValueError):
     """A drafter config value is wrong. The message names the field, the value and the fix."""
 

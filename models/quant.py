@@ -315,9 +315,9 @@ def load_mlx_target(path_or_id: str | Path, dtype: torch.dtype | None = None, de
         model = model.to(device)
     tokenizer = None
     if any(directory.glob("tokenizer*")):
-        from transformers import AutoTokenizer
+        from models.target import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = load_tokenizer(directory)
     target = TargetModel(model, tokenizer=tokenizer, name=str(path_or_id))
     target.quantization = describe_mlx(config)
     return target

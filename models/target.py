@@ -9,13 +9,13 @@ cache is being filled, the forward stops right after the deepest tapped layer.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from models.config import read_json_file, refuse_drafter_as_target
 from models.hub import SMALL_FILES, fetch_files, fetch_model, is_hub_id, resolve_model_dir
 
 # model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
@@ -79,13 +79,27 @@ def read_target_config(path_or_id: str | Path, revision: str | None = None,
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a {what} folder needs config.json")
-    config = json.loads(config_path.read_text())
+    config = read_json_file(config_path)
+    refuse_drafter_as_target(path_or_id, config, what)
     check_supported(config.get("model_type", "<missing model_type>"))
     if weights:  # a truncated shard: one line naming it, not a loader's traceback after minutes of loading
         from models.weights import check_folder_weights
 
         check_folder_weights(directory)
     return directory, config
+
+
+def load_tokenizer(directory: str | Path):
+    """``AutoTokenizer.from_pretrained(directory)``; a truncated tokenizer file is named (transformers raised a
+    bare "Unterminated string starting at: line 11 column 7")."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except ValueError as e:  # json.JSONDecodeError is one
+        for f in sorted(Path(directory).glob("*.json")):
+            read_json_file(f)  # the first file that does not parse says so, with its path
+        raise ValueError(f"the tokenizer in {directory} does not load ({e})") from e
 
 
 class _StopForward(Exception):
@@ -302,7 +316,7 @@ class TargetModel:
         (``models.quant.load_mlx_target``), so every consumer runs the weights the Mac runs.
         ``quantization`` = ``bnb-4bit`` / ``fp8`` loads through transformers' quantizers.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         from models.quant import is_mlx_quantized, load_mlx_target, transformers_quantization_config
 
@@ -338,7 +352,7 @@ class TargetModel:
             model = model.to(device)
         tokenizer = None
         if any(directory.glob("tokenizer*")):
-            tokenizer = AutoTokenizer.from_pretrained(directory)
+            tokenizer = load_tokenizer(directory)
         target = cls(model, tokenizer=tokenizer, name=str(path_or_id))
         if quant_config is not None:
             target.quantization = quantization
@@ -352,7 +366,7 @@ class TargetModel:
         (shapes and config only), so Qwen3.5-27B costs its ~5 GB of embedding and head per GPU
         instead of 55 GB. ``forward`` refuses. Only the two tensors are read from the safetensors shards.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         from models.quant import is_mlx_quantized
 
@@ -378,7 +392,7 @@ class TargetModel:
                        else nn.Parameter(head_weight.to(dtype), requires_grad=False))
         if (directory / "generation_config.json").is_file():  # eos ids, as from_pretrained reads them
             model.generation_config = GenerationConfig.from_pretrained(directory)
-        tokenizer = AutoTokenizer.from_pretrained(directory) if any(directory.glob("tokenizer*")) else None
+        tokenizer = load_tokenizer(directory) if any(directory.glob("tokenizer*")) else None
         target = cls(model, tokenizer=tokenizer, name=str(path_or_id))
         target.has_layers = False
         return target

@@ -209,6 +209,90 @@ def test_failed_prepare_leaves_no_empty_out_folder(data_target, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("module, argv, said", [
+    ("prepare", ["--max-length", "-5"], "--max-length -5: use 1 or more tokens"),  # cut the last 5 tokens of every row
+    ("prepare", ["--max-length", "0", "--pack"], "--max-length 0: use 1 or more tokens"),  # "--pack needs --max-length"
+    ("prepare", ["--limit", "0"], "--limit 0: use 1 or more conversations"),  # "no usable conversations"
+    ("regenerate", ["--limit", "-1"], "--limit -1: use 1 or more conversations"),
+    ("regenerate", ["--batch-size", "0"], "--batch-size 0: use 1 or more conversations"),  # "read 0 rows"
+])
+def test_prepare_and_regenerate_counts_below_one_name_the_flag(module, argv, said, tmp_path, capsys):
+    import importlib
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"data.{module}").main(["--target", "t", "--source", "s.jsonl", "--out", str(out),
+                                                        *argv])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_max_length_below_one_is_refused_not_counted_from_the_end(data_target, tmp_path):
+    """ids[:-5] kept all but the last 5 tokens of every row, without a word."""
+    from data.chat import tokenize_conversation
+    from data.prepare import prepare
+    from models.tiny import tiny_tokenizer
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(ValueError, match="max_length=-5: use 1 or more tokens"):
+        tokenize_conversation(tiny_tokenizer("chatml"), chat, max_length=-5)
+    with pytest.raises(ValueError, match="max length 0: use 1 or more tokens"):  # training's data.max_length too
+        prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", max_length=0, progress=False)
+    assert not (tmp_path / "data").exists()
+
+
+def test_local_regeneration_takes_training_dtype_names_and_checks_the_device_first(data_target):
+    """--dtype bf16 was getattr(torch, "bf16") (AttributeError), --device foo torch's RuntimeError after the
+    weights loaded: data.prepare --regenerate local and data.regenerate both load through here."""
+    import argparse
+
+    import torch
+
+    from data.regenerate import load_local_target
+
+    flags = dict(quantization="none", device_map=None, max_memory=None, out=None)
+    target = load_local_target(argparse.Namespace(**flags, dtype="bf16", device="cpu"), str(data_target))
+    assert target.dtype == torch.bfloat16
+    for dtype, device, said in (("auto", "foo", r"--device 'foo': use cpu, cuda \(cuda:N for another GPU\), mps or "
+                                                r"auto"),
+                                ("float64", "auto", "--dtype 'float64' is not a compute dtype draftsmith runs in")):
+        with pytest.raises(ValueError, match=said):  # before the (missing) target is looked for
+            load_local_target(argparse.Namespace(**flags, dtype=dtype, device=device), "no-such-target")
+
+
+def test_a_row_that_is_not_utf8_is_skipped_counted_and_located(tmp_path):
+    """One Latin-1 row aborted the whole read ("'utf-8' codec can't decode byte 0xe9 in position 4384", no
+    file named), where a malformed JSON row is skipped and counted."""
+    from data.readers import ReadStats, iter_conversations
+
+    good = (_DATA_FIX / "openai.jsonl").read_bytes()
+    src = tmp_path / "mixed.jsonl"
+    src.write_bytes(good + '{"messages": [{"role": "user", "content": "café"}, {"role": "assistant", "content": '
+                           '"oui"}]}\n'.encode("latin-1"))
+    stats = ReadStats()
+    kept = list(iter_conversations(str(src), stats=stats))
+    assert len(kept) == len(good.splitlines()) and stats.skipped == {"not UTF-8 text": 1}
+    assert f"1 not UTF-8 text (first: {src} line {len(good.splitlines()) + 1})" in stats.summary()
+    doc = tmp_path / "doc.json"  # one document: nothing to skip, so it is named
+    doc.write_bytes('[{"prompt": "café"}]'.encode("latin-1"))
+    with pytest.raises(ValueError, match="doc.json is not a UTF-8 JSON document"):
+        list(iter_conversations(str(doc)))
+
+
+def test_a_drafter_folder_as_the_data_target_is_named(tmp_path):
+    """Its tokenizer has no chat template, so this surfaced as "no row has loss tokens after tokenization"."""
+    import json
+
+    from data.prepare import prepare
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}))
+    with pytest.raises(ValueError, match="--target .*drafter is a DFlash drafter .*not a target model"):
+        prepare(str(drafter), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", progress=False)
+    assert not (tmp_path / "data").exists()
+
+
 def _closed_port() -> int:
     import socket
 
@@ -903,6 +987,98 @@ def test_mlx_rollback_of_an_unsupported_cache_is_a_user_error():
     assert is_user_error(err.value)
 
 
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_device_that_is_no_device_before_any_weights_load(infer_dirs, run):
+    """torch's "Expected one of cpu, cuda, ... device type at start of device string: foo" traceback came after
+    the target loaded (the target here has no weights: a later check would fail differently)."""
+    extra = ("--prompt-ids", "1") if run is _generate else ()
+    with pytest.raises(ValueError, match=r"--device 'foo': use cpu, cuda \(cuda:N for another GPU\) or mps, or "
+                                         "leave it out"):
+        run(infer_dirs, *extra, "--device", "foo")
+
+
+def test_short_dtype_names_are_the_ones_training_takes(infer_dirs):
+    import torch
+
+    from inference.generate import Session
+    from models.cli import parse_dtype
+
+    assert [parse_dtype(n) for n in ("bf16", "fp16", "half", "fp32", "BFloat16")] == \
+        ["bfloat16", "float16", "float16", "float32", "bfloat16"]
+    session = Session("torch", infer_dirs["full_dir"], infer_dirs["draft"], device="cpu", dtype="bf16")
+    assert session.target.dtype == torch.bfloat16
+
+
+def test_generate_prompt_that_is_not_utf8(infer_dirs, capsys):
+    """$'caf\\xe9' in a UTF-8 shell reaches Python surrogate-escaped: the tokenizer raised a TypeError."""
+    with pytest.raises(SystemExit):
+        _generate(infer_dirs, "--prompt", "caf\udce9")
+    assert "--prompt is not UTF-8 text (an undecodable byte at character 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_a_truncated_config_json_is_named(infer_dirs, tmp_path, which):
+    """It said "error: Expecting value: line 6 column 23 (char 100)": no file."""
+    import shutil
+
+    folder = shutil.copytree(infer_dirs[which], tmp_path / which)
+    config = folder / "config.json"
+    config.write_text(config.read_text()[:100])
+    with pytest.raises(ValueError, match=f"{re.escape(str(config))} is not valid JSON"):
+        _generate(infer_dirs, "--prompt-ids", "1", **{which: str(folder)})
+
+
+def test_a_truncated_tokenizer_json_is_named(infer_dirs, tmp_path):
+    import shutil
+
+    from data.prepare import prepare
+    from models.target import TargetModel
+
+    folder = shutil.copytree(infer_dirs["full_dir"], tmp_path / "target")
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:200])
+    said = f"{re.escape(str(tokenizer))} is not valid JSON"
+    with pytest.raises(ValueError, match=said):  # generate, validate, extract, training
+        TargetModel.from_pretrained(folder)
+    with pytest.raises(ValueError, match=said):
+        prepare(str(folder), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", progress=False)
+
+
+def test_validate_prompts_that_are_not_utf8_name_the_file_and_line(tmp_path, capsys):
+    from inference.prompt_sets import load_prompts
+
+    rows = tmp_path / "latin1.jsonl"
+    rows.write_bytes('{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"no usable prompts .*; skipped not UTF-8 text: 1, first at {rows} line 1"):
+        load_prompts(str(rows))
+    with rows.open("a") as f:
+        f.write('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert len(load_prompts(str(rows))) == 1
+    assert f"skipped 1 row(s) (not UTF-8 text: 1, first at {rows} line 1)" in capsys.readouterr().err
+
+
+def test_compare_given_a_json_list_or_a_report_folder(tmp_path, monkeypatch, capsys):
+    """A JSON list was an AttributeError traceback; validate's --out folder said "no such file"."""
+    import json
+
+    import inference.validate
+    from inference.validate import main
+
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="list.json is not a report.json written by python -m inference.validate"):
+        main(["--compare", str(listed), str(listed), "--out", str(tmp_path / "cmp")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty is a folder without report.json"):
+        main(["--compare", str(tmp_path / "empty"), str(listed), "--out", str(tmp_path / "cmp")])
+    for name in ("bf16", "q4"):  # what validate --out writes: the folder stands for its report.json
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps({"schema": "draftsmith.validate/1", "tau": 4.0}))
+    monkeypatch.setattr(inference.validate, "write_plot", lambda *a: None)
+    rows = main(["--compare", str(tmp_path / "bf16"), str(tmp_path / "q4"), "--out", str(tmp_path / "cmp")])["rows"]
+    assert rows[0] == ["metric", "bf16", "q4", "q4/bf16"]
+
+
 # ---------------------------------------------------------------- export and push (export/)
 @pytest.fixture
 def export_drafter(tmp_path):
@@ -987,6 +1163,8 @@ def _export_case(case: str, root, drafter) -> list[str]:
         return ["--checkpoint", str(root / "q4"), "--out", out]
     if case == "a mistyped --target folder":  # was recorded as the target, its check reported as skipped
         return ["--checkpoint", str(drafter), "--out", out, "--target", "./runs/tiny/tiny_targt"]
+    if case == "a drafter as --target":  # its own depth: "num_target_layers=8: the target has 1 decoder layers"
+        return ["--checkpoint", str(drafter), "--out", out, "--target", str(drafter)]
     raise AssertionError(case)
 
 
@@ -1000,6 +1178,7 @@ EXPORT_CASES = {
     "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
     "a quantized MLX export as the source": "already a quantized MLX export",
     "a mistyped --target folder": "--target ./runs/tiny/tiny_targt: no such folder, and not a Hub id (org/name)",
+    "a drafter as --target": "drafter is a DFlash drafter (",
 }
 
 
@@ -1966,6 +2145,21 @@ def test_ablation_target_folder_not_from_small_target(tmp_path):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
 
+def test_ablation_target_that_does_not_exist_is_not_built(tmp_path, monkeypatch):
+    """A mistyped --target started a ~45-minute build of a new small target there; as train.quant_experiment,
+    only the default folder is built when missing."""
+    import train.small_target
+    from train.ablate import main
+
+    def build(*a, **k):
+        raise AssertionError("built a small target")
+
+    monkeypatch.setattr(train.small_target, "build_small_target", build)
+    with pytest.raises(FileNotFoundError, match="--target .*typo is not a small target .*leave --target out"):
+        main(["--grid", "paper", "--target", str(tmp_path / "typo"), "--out", str(tmp_path / "abl")])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
     """The table once said "true tau on 16 held-out prompts" when the target had 2."""
     from train.ablate import main
@@ -2361,6 +2555,59 @@ def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, caps
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "out"), "--budget", "smoke", "--seed", "-1"])
     assert "--seed must be in [0, 2**32)" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--topk", "-1"], "--topk -1: use 0 (off)"),  # a TypeError traceback mid-extraction
+    (["--batch-size", "0"], "--batch-size 0: use 1 or more"),  # "range() arg 3 must not be zero"
+    (["--shard-mb", "0"], "--shard-mb 0.0: use a positive shard size"),  # one-row shards, silently
+    (["--shard-mb", "-2"], "--shard-mb -2.0: use a positive shard size"),
+])
+def test_extract_numeric_flags_out_of_range(tmp_path, capsys, argv, said):
+    from data.extract import main
+
+    with pytest.raises(SystemExit):
+        main(["--target", "t", "--data", "d", "--out", str(tmp_path / "o"), *argv])
+    assert said in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_path, tiny_targets, monkeypatch):
+    """--target-dtype bf16 was getattr(torch, "bf16"), --device foo torch's RuntimeError after the weights
+    loaded, and --topk past the vocabulary "selected index k out of range" mid-extraction."""
+    import data.extract
+    import models.target
+
+    loaded = {}
+
+    def load(path, **kwargs):
+        loaded.update(kwargs)
+        raise KeyboardInterrupt  # stop here: the flags got through
+
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", load)
+    argv = ["--target", "t", "--data", "d", "--out", str(tmp_path / "o")]
+    with pytest.raises(KeyboardInterrupt):
+        data.extract.main([*argv, "--target-dtype", "bf16", "--device", "cpu"])
+    assert loaded["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="--device 'foo': use cpu, cuda"):
+        data.extract.main([*argv, "--device", "foo"])
+    target = tiny_targets("qwen3")
+    with pytest.raises(ValueError, match=f"--topk 100000: use 0 \\(off\\) up to the target's vocabulary size "
+                                         f"{target.vocab_size}"):
+        data.extract.extract(target, "no-data", tmp_path / "o", topk=100000)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tmp_path):
+    """A crash in the first shard left index.json with the bad settings: the rerun was refused ("already holds a
+    store with topk=-1 ... delete it"). A store with a shard on disk is still never mixed with other settings."""
+    from data.store import StoreMismatch, StoreWriter
+
+    out = tmp_path / "feats"
+    StoreWriter(out, {"topk": -1}, [(0, 1)])  # the failed run: its index, no shard
+    assert StoreWriter(out, {"topk": 0}, [(0, 2)]).index["topk"] == 0
+    (out / "shard-00000.safetensors").write_bytes(b"x")
+    with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
+        StoreWriter(out, {"topk": 4}, [(0, 2)])
 
 
 def test_quant_experiment_refuses_a_target_that_loops(tmp_path):

@@ -73,6 +73,7 @@ CELLS: dict[str, dict] = {  # in the order they run (most telling first: a cut-s
     "anchors=x2": {"anchors_scale": 2.0},
 }
 SAME_COMPUTE_EXCEPTIONS = {"anchors=x0.5", "anchors=x2", "layers=1", "layers=3"}
+DEFAULT_TARGET = "runs/small-target"  # the one --target that is built when missing
 TARGET_SUFFIX = ".target"  # beside a data variant folder: the target_key it is prepared against
 
 
@@ -257,8 +258,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--steps", type=int, default=200,
                    help="optimizer steps of every run, 1 row each, every row seen once (default 200)")
     p.add_argument("--anchors", type=int, default=64, help="anchors per row (default 64)")
-    p.add_argument("--target", default="runs/small-target",
-                   help="small target folder (built with train.small_target's defaults if missing)")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"small target folder (default {DEFAULT_TARGET}: built there with train.small_target's "
+                        "defaults if missing; another folder must already be one)")
     p.add_argument("--out", default="runs/ablate", help="results folder (default runs/ablate)")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts for true tau (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
@@ -314,6 +316,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise FileNotFoundError(f"--table-only: {target} is not a small target (no {STAMP_FILE}): pass the "
                                     "--target the runs were trained against")
     else:
+        if not (target / STAMP_FILE).is_file() and a.target != DEFAULT_TARGET:
+            # Built only at the default place (as train.quant_experiment): a mistyped --target started a
+            # ~45-minute build of a new small target there instead of an error.
+            raise FileNotFoundError(f"--target {target} is not a small target (no {STAMP_FILE}): pass a folder built "
+                                    f"by python -m train.small_target, or leave --target out to use {DEFAULT_TARGET} "
+                                    "(built there if missing)")
         out.mkdir(parents=True, exist_ok=True)
         if not (target / STAMP_FILE).is_file():  # an existing small target is used with whatever settings built it
             target = build_small_target(target)
