@@ -21,6 +21,7 @@ from models.config import ARCHITECTURE, DFlashConfig, is_drafter_config, read_js
 
 log = logging.getLogger("inference")
 
+
 def check_dtype(name: str | None) -> str | None:
     """A ``--dtype`` name as both backends spell it, for ``getattr(torch, name)`` / ``getattr(mx, name)``
     (``bf16`` -> ``bfloat16``: ``models.cli.DTYPE_NAMES``; None: the backend's default)."""
