@@ -59,6 +59,13 @@ class Recorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.is_file():
             self.path.write_text(json.dumps({"settings": key}) + "\n")
+        else:  # a row cut short by the kill: end its line, or the next row is glued to it and lost too
+            with open(self.path, "rb+") as f:
+                size = f.seek(0, 2)
+                if size:
+                    f.seek(size - 1)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
 
     def __call__(self, index: int, run: PromptRun, peaks: dict) -> None:
         row = {"index": index, "id": run.id, "category": run.category, "prompt_tokens": run.prompt_tokens,

@@ -681,6 +681,82 @@ def test_validate_partial_file_of_other_settings_or_cut_short(tmp_path):
     assert json.loads((tmp_path / "partial.jsonl.old").read_text().splitlines()[0]) == {"settings": "key-a"}
 
 
+def _partial_run(i: int):
+    from inference.report import PromptRun
+    from inference.stats import GenerationResult
+
+    return PromptRun(f"code-{i:02d}", "code", 12, [GenerationResult([1, 2, i], [2, 1], [1], 8, 0.1, 0.2)],
+                     [GenerationResult([1, 2, i], [1, 1], [0], 1, 0.1, 0.3)])
+
+
+def test_validate_partial_file_keeps_every_complete_row_by_its_position(tmp_path):
+    """partial.jsonl maps each row to its prompt's position (not to its line number), keeps its peak memory,
+    keeps the complete rows after a cut one, and a second Recorder (the resumed run) appends, never
+    truncating what the first one measured."""
+    from inference import partial
+
+    peaks = {"peak_memory_bytes": 123, "baseline_peak_memory_bytes": 45}
+    partial.Recorder(tmp_path, "key-a")(2, _partial_run(2), peaks)
+    with open(tmp_path / partial.PARTIAL, "a") as f:
+        f.write('{"index": 1, "id": "code-01", "categ\n')  # a line cut short, then a complete one
+    rec = partial.Recorder(tmp_path, "key-a")  # the resumed run
+    rec(0, _partial_run(0), dict.fromkeys(peaks))
+    done = partial.load(tmp_path, "key-a", print)
+    assert sorted(done) == [0, 2] and done[2] == (_partial_run(2), peaks)
+    assert done[0] == (_partial_run(0), dict.fromkeys(peaks))
+
+
+def test_validate_partial_row_written_after_a_cut_line_is_kept(tmp_path):
+    """BUG (fails on the current code): a run killed mid-write leaves partial.jsonl without its final newline;
+    the resumed run's first row is appended onto that fragment, so it never parses and that prompt's
+    measurement is lost again at the next resume."""
+    from inference import partial
+
+    peaks = {"peak_memory_bytes": None, "baseline_peak_memory_bytes": None}
+    partial.Recorder(tmp_path, "key-a")(0, _partial_run(0), peaks)
+    with open(tmp_path / partial.PARTIAL, "a") as f:
+        f.write('{"index": 1, "id": "code-01", "categ')  # the first run stopped while writing this line
+    assert sorted(partial.load(tmp_path, "key-a", print)) == [0]
+    rec = partial.Recorder(tmp_path, "key-a")  # the resumed run measures prompts 1 and 2, then stops again
+    rec(1, _partial_run(1), peaks)
+    rec(2, _partial_run(2), peaks)
+    done = partial.load(tmp_path, "key-a", print)
+    assert sorted(done) == [0, 1, 2] and done[1][0] == _partial_run(1)
+
+
+@pytest.mark.parametrize("requested", [0, 1, 9])
+def test_block_size_outside_two_to_trained_is_refused(requested):
+    """0 is not "the trained size", and 1 leaves no draft slot: both are refused like a size above the trained one."""
+    from inference.stats import resolve_block_size
+
+    with pytest.raises(ValueError, match=f"--block-size {requested} must be between 2 and the drafter's trained"):
+        resolve_block_size(requested, 8)
+    assert resolve_block_size(2, 8) == 2 and resolve_block_size(None, 8) == 8
+
+
+def test_recorded_target_prefers_the_provenance_block_and_unquotes_the_card(tmp_path):
+    """export.hf's ``draftsmith.target`` wins over a ``base_model`` key; a model card's quoted ``base_model``
+    is read without its quotes (else every pre-flight warned about a target that matches)."""
+    from inference.checks import recorded_target
+
+    raw = {"draftsmith": {"target": "Qwen/Qwen3-8B"}, "base_model": "Qwen/Qwen3-8B-Base"}
+    assert recorded_target(tmp_path, raw) == "Qwen/Qwen3-8B"
+    (tmp_path / "README.md").write_text("---\nlicense: mit\nbase_model: \"Qwen/Qwen3-4B\"\n---\n# card\n")
+    assert recorded_target(tmp_path, {}) == "Qwen/Qwen3-4B"
+
+
+def test_draft_cache_ahead_of_the_target_is_an_error_too():
+    """The drafter must have seen exactly the committed context: one position too many is as wrong as one
+    too few (-1: a proposer that does not track it)."""
+    from inference.checks import check_draft_context
+
+    for held in (11, 13):
+        with pytest.raises(RuntimeError, match=f"draft cache holds {held} positions but 12 are committed"):
+            check_draft_context(held, 12)
+    check_draft_context(12, 12)
+    check_draft_context(-1, 12)
+
+
 # Every case here ends before any weights load: the target folders below hold config.json and the
 # tokenizer only, so a check that ran after loading would fail differently.
 
@@ -789,6 +865,7 @@ def test_draft_that_is_a_target_names_the_file(infer_dirs):
     ({"vocab_size": 512, "mask_token_id": 300}, "has vocab_size 512 but the target's is 288"),
     ({"num_target_layers": 60, "target_layer_ids": [1, 5, 50]}, r"taps target layers \[50\] but the target has only 8"),
     ({"num_target_layers": 12, "target_layer_ids": [1, 3, 5]}, "trained on a 12-layer target; this target has 8"),
+    ({"num_target_layers": 12, "target_layer_ids": [1, 5, 8]}, r"taps target layers \[8\] but the target has only 8"),
 ])
 def test_drafter_for_another_target(infer_dirs, changes, message):
     draft = _drafter_variant(infer_dirs, "variant-" + "-".join(changes), **changes)
@@ -1657,6 +1734,15 @@ def test_resume_reads_the_same_rows_from_a_moved_folder_and_refuses_other_rows(t
     assert losses(tmp_path / "cut")[2] == pytest.approx(losses(tmp_path / "full")[2], abs=1e-6)
 
 
+def test_resume_counts_a_key_the_checkpoint_predates_as_its_default():
+    """A checkpoint written before a setting existed is resumable when the run keeps that setting's default."""
+    from train.checkpoint import config_changes
+
+    saved, defaults = {"train": {"lr": 1e-4}}, {"train": {"lr": 3e-4, "new_knob": 3}}
+    assert config_changes(saved, {"train": {"lr": 1e-4, "new_knob": 3}}, defaults) == ([], [])
+    assert config_changes(saved, {"train": {"lr": 1e-4, "new_knob": 4}}, defaults)[0] == ["train.new_knob: 3 -> 4"]
+
+
 def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     """target.path=./run/tiny_target then run/tiny_target was refused as a changed setting."""
     from train.checkpoint import config_changes
@@ -1821,6 +1907,29 @@ def test_config_bits_that_do_not_match_the_weights_are_refused(mlx_q4_folder, tm
     bad = _copy_with(mlx_q4_folder[1], tmp_path / "bad", config_update={"bits": 8})
     with pytest.raises(QuantizationError, match="do not fit 8 bits at group size 32.*does not match the weights"):
         load_mlx_target(bad)
+
+
+def test_dequantize_refuses_scales_and_biases_of_other_shapes():
+    """Biases with fewer groups than the scales must not broadcast (every group would get the first bias)."""
+    import torch
+
+    from models.quant import QuantizationError, dequantize
+
+    packed, scales, biases = torch.zeros(4, 8, dtype=torch.uint32), torch.ones(4, 2), torch.zeros(4, 2)
+    assert dequantize(packed, scales, biases, 32, 4).shape == (4, 64)  # 4 rows of 64 4-bit values
+    for s, b in ((scales, torch.zeros(4, 1)), (torch.ones(3, 2), torch.zeros(3, 2))):
+        with pytest.raises(QuantizationError, match="wrong bits \\(4\\) or group size"):
+            dequantize(packed, s, b, 32, 4)
+
+
+def test_scales_without_their_weight_are_refused():
+    import torch
+
+    from models.quant import QuantizationError, dequantize_weights
+
+    weights = {"a.weight": torch.ones(2, 2), "b.scales": torch.ones(2, 1), "b.biases": torch.zeros(2, 1)}
+    with pytest.raises(QuantizationError, match="b.scales has no matching .weight"):
+        dequantize_weights(weights, {"quantization": {"bits": 4, "group_size": 32}}, torch.float32)
 
 
 def test_mlx_path_that_is_not_quantized_is_refused(mlx_q4_folder, tmp_path):

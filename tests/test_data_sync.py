@@ -17,10 +17,12 @@ dist.init_process_group("gloo")
 def prepare():
     if sys.argv[1] == "fail":
         raise ValueError("data.source=missing.jsonl does not exist")
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt("ctrl-c")
     return "prepared"
 try:
     print("result", run_on_main(prepare, what="data preparation"), flush=True)
-except Exception as e:
+except BaseException as e:
     print(f"raised {type(e).__name__}: {e}", flush=True)
     sys.exit(1)
 finally:
@@ -54,3 +56,12 @@ def test_main_process_failure_reaches_every_process():
     assert "raised ValueError: data.source=missing.jsonl does not exist" in main.stdout
     assert ("raised MainProcessFailed: data preparation failed on the main process (ValueError: data.source="
             "missing.jsonl does not exist)") in other.stdout
+
+
+def test_ctrl_c_on_the_main_process_reaches_every_process():
+    """A KeyboardInterrupt is not an Exception: the main process must still reach the collective with it."""
+    main, other = _run_two("interrupt")
+    assert main.returncode == other.returncode == 1
+    assert "raised KeyboardInterrupt: ctrl-c" in main.stdout
+    assert ("raised MainProcessFailed: data preparation failed on the main process (KeyboardInterrupt: "
+            "ctrl-c)") in other.stdout

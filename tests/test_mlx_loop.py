@@ -241,10 +241,11 @@ def test_model_is_unmodified_after_generation(runs, tmp_path):
     assert after.keys() == params.keys() and all(np.array_equal(np.array(after[k]), v) for k, v in params.items())
 
 
-@pytest.mark.parametrize("broken", [None, "no restore", "no replay"])
+@pytest.mark.parametrize("broken", [None, "no restore", "no replay", "replays too few"])
 def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broken):
-    """Twin of the torch check: a commit that leaves the GatedDeltaNet state at the verified block, or
-    restores the snapshot without replaying the kept tokens, is caught by the per-cycle check."""
+    """Twin of the torch check: a commit that leaves the GatedDeltaNet state at the verified block,
+    restores the snapshot without replaying the kept tokens, or replays fewer than it keeps is caught by
+    the per-cycle check."""
     from inference.rollback_mlx import CacheRollback
 
     target, seq, _ = runs("qwen3_5")
@@ -255,8 +256,10 @@ def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broke
     with rollback.recording(cache):
         target.forward(mx.array([seq[len(PROMPT):len(PROMPT) + B]]), cache=cache)
     silent = types.SimpleNamespace(input_layernorm=lambda x: x, linear_attn=lambda *a: None)
-    rollback.linear = {None: rollback.linear, "no restore": [],
+    rollback.linear = {None: rollback.linear, "no restore": [], "replays too few": rollback.linear,
                        "no replay": [(i, silent) for i, _ in rollback.linear]}[broken]
+    if broken == "replays too few":  # the recorded inputs lost the last kept token
+        rollback._inputs = {i: x[:, :keep - 1] for i, x in rollback._inputs.items()}
     rollback.commit(cache, keep=keep, block_len=B)
     if broken is None:
         rollback.check(cache, len(PROMPT) + keep)
@@ -388,6 +391,51 @@ def test_rotating_sliding_window_caches_roll_back(folders):
     rollback.check(cache, len(PROMPT) + 3)
 
 
+def test_check_sees_attention_buffers_that_lost_committed_rows(folders):
+    """The per-cycle check looks at the buffers, not only at the offsets: a trim that cut more rows than it
+    moved the offset by (plain or rotating cache) is caught, not read as stale keys next cycle."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.utils import load
+
+    path = folders("llama")[1]
+    model, tok = load(str(path), model_config={"layer_types": ["sliding_attention", "full_attention"] * 4,
+                                               "sliding_window": 64})
+    target = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
+    for kind in (RotatingKVCache, KVCache):
+        cache = target.new_cache()
+        target.forward(mx.array([PROMPT]), cache=cache)
+        rollback = CacheRollback(target)
+        with rollback.recording(cache):
+            target.forward(mx.array([PROMPT[:B]]), cache=cache)
+        rollback.commit(cache, keep=3, block_len=B)
+        committed = len(PROMPT) + 3
+        rollback.check(cache, committed)
+        c = next(c for c in cache if type(c) is kind)
+        c.keys, c.values = c.keys[..., :committed - 2, :], c.values[..., :committed - 2, :]
+        if kind is RotatingKVCache:
+            c._idx = committed - 2  # write index and buffer agree: only the row count is wrong
+        with pytest.raises(AssertionError, match="rows"):
+            rollback.check(cache, committed)
+
+
+def test_trim_rotating_refuses_a_cache_not_in_temporal_order():
+    """After single-token updates a full rotating buffer is circular: cutting its tail would drop the wrong
+    rows, so trimming it is refused."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from inference.rollback_mlx import trim_rotating
+
+    c = RotatingKVCache(max_size=4)
+    block = mx.zeros((1, 1, 6, 2))
+    c.update_and_fetch(block, block)
+    trim_rotating(c, 2)  # right after a multi-token update: exact
+    assert c.offset == 4 and c._idx == 4 and c.keys.shape[2] == 4
+    one = mx.ones((1, 1, 1, 2))
+    c.update_and_fetch(one, one)  # wraps around: the buffer is no longer in temporal order
+    with pytest.raises(AssertionError, match="not in temporal order"):
+        trim_rotating(c, 1)
+
+
 # ------------------------------------------------------------------------------- stop rules & knobs
 def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
     target, seq, drafter = runs("qwen3")
@@ -421,6 +469,46 @@ def test_chunked_prefill_memory_limit_and_smaller_block(runs):
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + 30]
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 30, 4, MISTAKES)
     assert mx.set_memory_limit(limit) == limit  # restored after the call
+
+
+def test_prefill_step_that_divides_the_prompt_exactly(runs):
+    """A prompt that is a whole number of prefill chunks: the last chunk still gives the first token's logits."""
+    target, seq, drafter = runs("qwen3")
+    for step in (5, len(PROMPT)):
+        res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES),
+                              PROMPT, 12, eos_token_ids=[], prefill_step_size=step)
+        assert res.tokens == seq[len(PROMPT):len(PROMPT) + 12]
+        assert res.prefill_s > 0 and res.decode_s > 0  # both timers are set (report: ttft_s, tok/s)
+
+
+def test_the_targets_own_eos_ends_generation_when_none_is_given(runs, monkeypatch):
+    """eos_token_ids=None: the target's EOS ids stop both loops (what ``generate`` relies on)."""
+    target, seq, drafter = runs("qwen3")
+    gen = seq[len(PROMPT):]
+    eos = gen[9]
+    monkeypatch.setattr(target, "eos_token_ids", lambda: [eos])
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, NEW)
+    assert res.tokens == gen[:gen.index(eos)] and res.stop_reason == "eos"
+    base = target_generate(target, PROMPT, NEW)
+    assert base.tokens == res.tokens and base.stop_reason == "eos"
+
+
+def test_baseline_sampling_follows_the_seed(runs):
+    target, _, _ = runs("qwen3")
+    a, b, c = (target_generate(target, PROMPT, 20, temperature=0.8, seed=s, eos_token_ids=[]).tokens
+               for s in (5, 5, 6))
+    assert a == b and a != c and len(a) == len(c) == 20
+
+
+def test_sampling_follows_the_tempered_softmax():
+    from inference.mlx_loop import sample
+
+    logits = mx.array([2.0, 1.0, 0.0, -1.0])
+    draws = np.array(sample(mx.broadcast_to(logits, (40000, 4)), 0.7, mx.random.key(0)))
+    freq = np.bincount(draws, minlength=4) / 40000
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0], dtype=torch.float64) / 0.7, 0)
+    assert_close(freq, expected, atol=0.01, what="sample frequencies")
+    assert np.array(sample(logits, 0.0)).item() == 0  # greedy
 
 
 def test_temperature_sampling_is_seeded_and_exact_in_length(runs, tmp_path):

@@ -82,6 +82,19 @@ def test_dequantize_equals_mx_dequantize_bitwise_on_random_weights(bits, group, 
         assert ours.dtype == torch.float32 and same_bits(ours, ref)
 
 
+def test_dequantize_of_a_matrix_larger_than_one_chunk_is_bitwise_too():
+    """Real matrices (an embedding, an MLP) are dequantized in chunks of rows (2**24 values at a time): each
+    chunk must take its own rows' scales and biases. The tiny models fit in one chunk."""
+    rng = np.random.default_rng(0)
+    rows, n, bits, group = 257, 1 << 16, 4, 64  # 256 rows per chunk: a full chunk and a one-row one
+    packed = rng.integers(0, 2**32, (rows, n * bits // 32), dtype=np.uint32)
+    scales = rng.standard_normal((rows, n // group), dtype=np.float32)
+    biases = rng.standard_normal((rows, n // group), dtype=np.float32)
+    ref = to_torch(mx.dequantize(mx.array(packed), mx.array(scales), mx.array(biases), group_size=group, bits=bits))
+    ours = dequantize(torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(biases), group, bits)
+    assert same_bits(ours, ref), f"rows differing: {(ours != ref).any(-1).nonzero().flatten()[:5].tolist()}"
+
+
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_tiny_model_quantized_by_mlx_lm_dequantizes_bitwise(sources, tmp_path, bits, group):

@@ -139,7 +139,8 @@ def test_rollback_restores_exactly_what_the_committed_tokens_give(tiny_targets, 
     rollback.check(rolled, len(PROMPT) + keep)  # the state holds its snapshot + the keep committed tokens
 
 
-@pytest.mark.parametrize("broken", ["no restore", "no replay", "replays the block", "replays without restoring"])
+@pytest.mark.parametrize("broken", ["no restore", "no replay", "replays the block", "replays without restoring",
+                                    "replays too few"])
 def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(tiny_targets, broken):
     """The per-cycle check covers GatedDeltaNet states too (it once looked at attention caches only): a
     commit that crops attention but leaves the recurrent state at the verified block, restores it
@@ -168,7 +169,10 @@ def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(tiny_target
             "no replay": [(i, lambda **kw: None) for i, _ in rollback.linear],
             "replays the block": [(i, lambda m=m, i=i, **kw: m(**{**kw, "hidden_states": whole[i]}))
                                   for i, m in rollback.linear],
+            "replays too few": rollback.linear,  # the recorded inputs lost the last kept token
         }[broken]
+        if broken == "replays too few":
+            rollback._inputs = {i: x[:, :keep - 1] for i, x in whole.items()}
         rollback.commit(cache, keep=keep, block_len=len(block))
     with pytest.raises(AssertionError, match="GatedDeltaNet"):
         rollback.check(cache, len(PROMPT) + keep)

@@ -292,3 +292,53 @@ def test_thinking_switch_changes_the_rendered_prompt(setup):
     tok = tiny_tokenizer("chatml")
     on, off = render_prompts(tok, prompts, "on"), render_prompts(tok, prompts, "off")
     assert on != off and prompt_set_hash(prompts, "on") != prompt_set_hash(prompts, "off")
+
+
+def test_report_numbers_each_side_and_each_prompt_on_its_own():
+    """Hand-made results where DFlash and the baseline differ: per-prompt drift quarters (a quarter rounded
+    down, at least one cycle), the baseline's own token count and truncation, the median TTFT over prompts,
+    the earliest divergence, histograms in length order, and the markdown shares and compare ratios."""
+    from inference.report import PromptRun, compare_rows, markdown
+    from inference.stats import GenerationResult
+
+    def result(tokens, lengths, prefill_s, stop="max_new_tokens"):
+        pos = [sum(1 for a in lengths if a - 1 > k) for k in range(3)]
+        return GenerationResult(tokens=list(tokens), acceptance_lengths=list(lengths), position_accepts=pos,
+                                block_size=4, prefill_s=prefill_s, decode_s=1.0, stop_reason=stop)
+
+    cut = PromptRun("cut", "x", 10, [result(range(9), [2, 1, 1, 1, 1, 1, 1], 0.1, "eos")],  # 7 cycles
+                    [result(range(12), [1] * 11, 0.1)])
+    wrong = PromptRun("wrong", "x", 10, [result([0, 1, 2, 7, 4, 5, 6, 7, 8], [4, 4], 0.3)],
+                      [result(range(9), [1] * 8, 0.3)])
+    same = PromptRun("same", "y", 10, [result(range(9), [4, 4], 1.0)], [result(range(9), [1] * 8, 1.0)])
+    report = build_report([cut, wrong, same], 4, greedy=True, environment={"temperature": 0.0})
+    p = report["per_prompt"][0]
+    assert p["tau_first_quarter"] == 2 and p["tau_last_quarter"] == 1  # 7 // 4 = 1 cycle each
+    assert list(p["acceptance_histogram"]) == ["1", "2"]  # sorted by length, not by first occurrence
+    assert p["decode_tokens"] == 8 and p["baseline_decode_tokens"] == 11
+    assert p["truncated"] is False and p["baseline_truncated"] is True and p["first_divergence"] == 9
+    assert report["baseline_tok_s"] == pytest.approx((11 + 8 + 8) / 3.0)
+    assert report["truncated"] == 2 and report["baseline_truncated"] == 3
+    assert report["ttft_s"] == pytest.approx(0.3) and report["baseline_ttft_s"] == pytest.approx(0.3)  # medians
+    assert report["first_divergence_min"] == 3 and report["identical_share"] == pytest.approx(1 / 3)
+    assert report["acceptance_histogram"] == {"1": 6, "2": 1, "4": 4}
+    assert "| 4 | 4 | 36.4% |" in markdown(report)  # share of the 11 cycles
+    assert list(GenerationResult([], acceptance_lengths=[3, 1, 3, 2]).histogram().items()) == [(1, 1), (2, 1), (3, 2)]
+    rows = compare_rows([report, {**report, "tau": 2 * report["tau"]}], ["a", "b"])
+    assert next(r for r in rows if r[0] == "tau")[-1] == "2.000"  # later report / first one
+
+
+def test_target_quantization_is_read_from_either_config_key(tmp_path):
+    """MLX folders say ``quantization``, transformers-quantized ones ``quantization_config``: the report's
+    target_quantization comes from whichever is there."""
+    from inference.checks import read_target_facts
+    from inference.validate import describe_quantization
+
+    for key, value, said in (("quantization", {"bits": 4, "group_size": 64}, "4-bit affine, group 64"),
+                             ("quantization_config", {"quant_method": "fp8"}, "fp8"), (None, None, None)):
+        folder = tmp_path / str(key)
+        folder.mkdir()
+        config = {"model_type": "qwen3", "hidden_size": 64, "vocab_size": 288, "num_hidden_layers": 8}
+        (folder / "config.json").write_text(json.dumps({**config, **({key: value} if key else {})}))
+        facts = read_target_facts(folder)
+        assert facts.quantization == value and describe_quantization(facts.quantization) == said
