@@ -8,7 +8,9 @@ Checks the folder first (a DFlash drafter passing the engine schema, weights rea
 ``README.md`` (``export/card.py``: YAML metadata with ``base_model``, usage for vLLM / SGLang /
 transformers / MLX, the training recipe, and the ``inference.validate`` report's numbers with
 ``--report``), then ``HfApi.create_repo`` (+ ``create_branch`` for a ``--revision`` other than
-main) and ``HfApi.upload_folder``. A README.md that draftsmith did not write is uploaded as it is.
+main) and ``HfApi.upload_folder`` of the export's files only (``EXPORT_FILES``; any other file is refused),
+deleting in the same commit the weights an earlier push left (``STALE``). A README.md that draftsmith did
+not write is uploaded as it is.
 
 The token comes from the usual places (``HF_TOKEN``, ``hf auth login``); it is never printed or
 written into the folder. ``--dry-run`` prints the operations and the card and uploads nothing
@@ -26,9 +28,18 @@ from typing import Any, Callable
 from export.card import MARKER, is_hub_id, render_card
 from export.check import raise_if, schema_problems, weight_problems
 from export.source import NotADrafterError, is_drafter_dir, training_output
-from models.config import DFlashConfig
+from models.config import MODELING_FILE, DFlashConfig
+from models.weights import INDEX
 
 IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
+# What export.hf / export.mlx (and the card) write: all a push uploads. Any other file in the folder is refused,
+# never uploaded: notes, reports or data kept beside the weights would go public with them.
+EXPORT_FILES = ["config.json", "model.safetensors", "model-*-of-*.safetensors", INDEX, f"{MODELING_FILE}.py",
+                "README.md"]
+# An earlier push's weights, index or modeling file that this export does not replace are deleted in the same
+# commit: a single-file export pushed over a sharded one left the old index, which loaders follow to the old
+# shards (the repo served the old weights under the new config).
+STALE = ["*.safetensors", "*.safetensors.index.json", f"{MODELING_FILE}.py"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +100,26 @@ def check_folder(folder: Path) -> DFlashConfig:
     return config
 
 
+def export_files(folder: Path) -> list[str]:
+    """The files a push uploads (relative paths), after refusing any file an export does not write."""
+    import fnmatch
+
+    files, other = [], []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts) or not path.is_file() \
+                or path.name.endswith(".tmp"):
+            continue  # IGNORE's files: never uploaded
+        ok = len(rel.parts) == 1 and any(fnmatch.fnmatch(rel.name, pattern) for pattern in EXPORT_FILES)
+        (files if ok else other).append(rel.as_posix())
+    if other:
+        shown = ", ".join(other[:8]) + (f" (+{len(other) - 8} more)" if len(other) > 8 else "")
+        raise ValueError(f"--folder {folder} holds files an export does not write: {shown}. A push uploads the "
+                         f"export only ({', '.join(EXPORT_FILES)}): move the others out of the folder. Nothing "
+                         "was uploaded")
+    return files
+
+
 def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str | Path,
                          folder: Path | None = None) -> None:
     """A report measured with another drafter (other block size, mask id or weights) must not go on this card.
@@ -118,7 +149,8 @@ def plan(folder: Path, repo: str, private: bool, revision: str, message: str) ->
         ops.append({"op": "create_branch", "repo_id": repo, "branch": revision, "repo_type": "model",
                     "exist_ok": True})
     ops.append({"op": "upload_folder", "repo_id": repo, "folder_path": str(folder), "repo_type": "model",
-                "revision": revision, "commit_message": message, "ignore_patterns": IGNORE})
+                "revision": revision, "commit_message": message, "allow_patterns": EXPORT_FILES,
+                "ignore_patterns": IGNORE, "delete_patterns": STALE})
     return ops
 
 
@@ -132,6 +164,7 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
     check_repo_id(repo)
     check_revision(revision)
     config = check_folder(folder)
+    files = export_files(folder)
     loaded = load_report(report) if report else None
     if loaded is not None:
         check_report_matches(loaded, config, report, Path(folder))
@@ -143,12 +176,12 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
     readme = folder / "README.md"
     ours = not readme.is_file() or MARKER in readme.read_text(errors="replace")
     ops = plan(folder, repo, private, revision, commit_message or "Upload DFlash drafter (draftsmith)")
-    files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     if dry_run:
         log("dry run: nothing is uploaded. Operations:")
         for op in ops:
             log("  " + json.dumps(op))
         log(f"  files: {sorted(set(files) | {'README.md'})}")
+        log(f"  removed from the repo unless uploaded now (an earlier push's weights): {STALE}")
         log(("README.md (generated):" if ours else "README.md exists and was not written by draftsmith; it would be "
              "uploaded as it is. The card draftsmith would write:") + "\n" + card)
         return {"ops": ops, "card": card, "uploaded": False}

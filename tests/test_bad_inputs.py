@@ -1269,6 +1269,27 @@ def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
 
 
+def test_push_refuses_files_an_export_does_not_write(tmp_path, export_drafter, capsys):
+    """Files in sub-folders (or beside the weights) were uploaded with the export, although the dry run listed
+    only the top-level export files: a user's chats kept in the folder would have gone public."""
+    from export.hf import main as export_hf
+    from export.push import push
+
+    out = tmp_path / "export"
+    export_hf(["--checkpoint", str(export_drafter), "--out", str(out), "--no-remote-code-check"])
+    (out / "data").mkdir()
+    (out / "data" / "private_chats.jsonl").write_text("{}\n")
+    (out / "notes.txt").write_text("mine")
+    (out / ".cache").mkdir()  # hidden: never uploaded, not refused
+    (out / ".cache" / "x").write_text("")
+    with pytest.raises(ValueError, match=r"holds files an export does not write: data/private_chats.jsonl, "
+                                         r"notes.txt\. A push uploads the export only"):
+        push(out, "me/x", dry_run=True, log=lambda *_: None)
+    (out / "notes.txt").unlink()
+    (out / "data" / "private_chats.jsonl").unlink()
+    assert push(out, "me/x", dry_run=True, log=lambda *_: None)["uploaded"] is False
+
+
 def test_a_resumed_unfinished_runs_drafters_are_each_exportable_by_name(tmp_path, export_drafter):
     """The run folder is ambiguous once a finished run is resumed to train longer (refused above); its
     final/drafter and the newer checkpoint's folder each still export when named."""

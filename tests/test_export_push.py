@@ -91,7 +91,10 @@ def test_push_sends_the_exact_operations_and_never_writes_the_token(folder, repo
         ("create_branch", {"repo_id": "me/Qwen3-8B-DFlash", "branch": "dev", "repo_type": "model", "exist_ok": True}),
         ("upload_folder", {"repo_id": "me/Qwen3-8B-DFlash", "folder_path": str(folder), "repo_type": "model",
                            "revision": "dev", "commit_message": "Upload DFlash drafter (draftsmith)",
-                           "ignore_patterns": [".*", "**/.*", "__pycache__/*", "*.tmp"]}),
+                           "allow_patterns": ["config.json", "model.safetensors", "model-*-of-*.safetensors",
+                                              "model.safetensors.index.json", "modeling_dflash.py", "README.md"],
+                           "ignore_patterns": [".*", "**/.*", "__pycache__/*", "*.tmp"],
+                           "delete_patterns": ["*.safetensors", "*.safetensors.index.json", "modeling_dflash.py"]}),
         ("files", ["README.md", "config.json", "model.safetensors", "modeling_dflash.py"]),
     ]
     assert result["uploaded"] and result["url"] == "http://127.0.0.1/commit/1"
@@ -102,6 +105,23 @@ def test_push_sends_the_exact_operations_and_never_writes_the_token(folder, repo
     again = main(["--folder", str(folder), "--repo", "me/Qwen3-8B-DFlash", "--report", str(report[0].parent),
                   "--dry-run"])
     assert again["card"] == result["card"]
+
+
+def test_a_push_over_an_earlier_one_leaves_only_this_exports_files(folder, hub):
+    """Pushed over a sharded export (or an HF one over an MLX 4-bit one), the old index and shards stayed in the
+    repo: loaders follow the index, so the repo served the old weights under the new config. The Hub deletes
+    the files ``delete_patterns`` match, except those the same commit uploads (huggingface_hub's
+    upload_folder): emulated here on what an earlier sharded push left."""
+    import fnmatch
+
+    push(folder, "me/x", log=quiet)
+    kwargs = dict(hub)["upload_folder"]
+    uploaded = set(dict(hub)["files"])
+    earlier = {"README.md", "config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+               "model-00002-of-00002.safetensors", "modeling_dflash.py", ".gitattributes"}
+    kept = {f for f in earlier if f == ".gitattributes" or f in uploaded
+            or not any(fnmatch.fnmatch(f, p) for p in kwargs["delete_patterns"])}
+    assert kept | uploaded == uploaded | {".gitattributes"}  # nothing of the earlier export outlives this push
 
 
 def test_card_renders_metadata_usage_recipe_and_the_reports_numbers(folder, report, hub):
@@ -227,7 +247,12 @@ def local_hub(monkeypatch):
 
         def do_GET(self):
             requests.append(("GET", self.path, self.headers.get("authorization"), b""))
-            self._reply({"error": "not found"}, 404)
+            if "/tree/" in self.path:  # what an earlier push of a sharded export left, and the user's notes
+                self._reply([{"type": "file", "oid": "b" * 40, "size": 1, "path": name} for name in
+                             ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                              "notes.md", ".gitattributes")])
+            else:
+                self._reply({"error": "not found"}, 404)
 
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -262,16 +287,20 @@ def test_push_over_http_to_a_local_hub_uploads_the_folder_and_the_card(folder, r
     result = push(folder, "me/drafter", private=True, revision="dev", report=str(report[0]), log=quiet)
     routes = [(m, path) for m, path, _, _ in local_hub]
     assert routes == [("POST", "/api/repos/create"), ("POST", "/api/models/me/drafter/branch/dev"),
+                      ("GET", "/api/models/me/drafter/tree/dev?recursive=true&expand=false"),
                       ("POST", "/api/validate-yaml"), ("POST", "/api/models/me/drafter/preupload/dev"),
                       ("POST", "/api/models/me/drafter/commit/dev")]
     assert json.loads(local_hub[0][3]) == {"name": "drafter", "organization": "me", "visibility": "private",
                                            "type": "model"}
-    assert "base_model: Qwen/Qwen3-8B" in json.loads(local_hub[2][3])["content"]
+    assert "base_model: Qwen/Qwen3-8B" in json.loads(local_hub[3][3])["content"]
     assert all(auth == f"Bearer {TOKEN}" for _, _, auth, _ in local_hub)
     assert all(TOKEN.encode() not in body for *_, body in local_hub)
-    lines = [json.loads(x) for x in local_hub[4][3].decode().splitlines()]
+    lines = [json.loads(x) for x in local_hub[5][3].decode().splitlines()]
     sent = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
     assert sent == {p.name: p.read_bytes() for p in folder.iterdir()}
+    # the earlier push's index and shard go in the same commit; its config is replaced, the user's notes stay
+    deleted = sorted(x["value"]["path"] for x in lines if x["key"] == "deletedFile")
+    assert deleted == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
     assert b"base_model: Qwen/Qwen3-8B" in sent["README.md"] and b"**3.89**" in sent["README.md"]
     assert lines[0]["value"]["summary"] == "Upload DFlash drafter (draftsmith)"
     assert result["url"].endswith("/me/drafter/commit/" + "a" * 40)
