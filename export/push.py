@@ -133,6 +133,12 @@ def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str
     ours = {"block size": config.block_size, "mask token id": config.mask_token_id}
     wrong = [f"{k} {theirs[k]} (this folder: {ours[k]})" for k in ours
              if theirs[k] is not None and theirs[k] != ours[k]]
+    if "draft_quantization" in report:  # reports that predate it skip this: the signature agrees across formats
+        from inference.validate import describe_quantization
+
+        if report["draft_quantization"] != describe_quantization(config.quantization):
+            wrong.append(f"drafter quantization {report['draft_quantization'] or 'none'} (this folder: "
+                         f"{describe_quantization(config.quantization) or 'none'})")
     signature = report.get("draft_signature")
     if folder is not None and isinstance(signature, dict) and not same_signature(signature, norm_signature(folder)):
         wrong.append(f"other weights (its drafter {report.get('draft')!r} has other norm weights than this folder)")

@@ -62,6 +62,11 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return f"{v:.{digits}f}" if _num(v) else ("-" if v is None else str(v))
 
 
+def _quantized(report: dict[str, Any]) -> str:
+    q = report.get("draft_quantization")
+    return f", {q}" if q else ""
+
+
 def render_report(report: dict[str, Any]) -> list[str]:
     """Markdown lines: headline tau (both means), speedup, losslessness, per-category table, hardware."""
     quant = report.get("target_quantization") or "not quantized"
@@ -78,7 +83,7 @@ def render_report(report: dict[str, Any]) -> list[str]:
     if isinstance(report.get("position_acceptance"), list) and report["position_acceptance"]:
         out.append("- acceptance by draft position: " + ", ".join(_fmt(v) for v in report["position_acceptance"]))
     out.append(f"- backend `{report['backend']}`, device `{report['device']}`, dtype `{report['dtype']}` "
-               f"(draft `{report.get('draft_dtype', '-')}`), target `{report['target']}` ({quant})")
+               f"(draft `{report.get('draft_dtype', '-')}`{_quantized(report)}), target `{report['target']}` ({quant})")
     cats = report.get("per_category") or {}
     if cats:
         out += ["", "| category | prompts | tau (pooled) | tau (per-prompt mean) | speedup |", "|---|---|---|---|---|"]

@@ -187,7 +187,8 @@ def markdown_table(rows: list[list[str]]) -> str:
 
 
 def markdown(report: dict) -> str:
-    env_keys = ["backend", "device", "dtype", "draft_dtype", "target", "draft", "target_quantization", "block_size",
+    env_keys = ["backend", "device", "dtype", "draft_dtype", "draft_quantization", "target", "draft",
+                "target_quantization", "block_size",
                 "trained_block_size", "temperature", "thinking", "max_new_tokens", "repeats", "prompts",
                 "prompt_set_hash", "prompt_tokens_total", "peak_memory_bytes", "baseline_peak_memory_bytes",
                 "platform", "python_version", "torch_version", "transformers_version", "mlx_version", "mlx_lm_version",

@@ -37,7 +37,8 @@ in ``inference.report``:
   ``dtype`` (target compute dtype), ``draft_dtype``, ``target``, ``draft`` (as given),
   ``target_model_type``, ``target_quantization`` (e.g. ``"4-bit affine, group 64"``, from the target
   folder's config; null = not quantized), ``recorded_target``, ``block_size``,
-  ``trained_block_size``, ``mask_token_id``, ``draft_signature`` (first values of the drafter's norm
+  ``trained_block_size``, ``mask_token_id``, ``draft_quantization`` (None for full precision),
+  ``draft_signature`` (first values of the drafter's norm
   weights: what ``export.push`` matches the report to its folder by), ``temperature``, ``thinking``,
   ``max_new_tokens``, ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``, ``created``,
   ``python_version``, ``torch_version``, ``transformers_version``, ``mlx_version``,
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target_quantization": describe_quantization(pre.target.quantization), "recorded_target": pre.recorded_target,
         "block_size": pre.block_size, "trained_block_size": pre.drafter.block_size,
         "mask_token_id": pre.drafter.mask_token_id, "draft_signature": draft_signature(args.draft),
+        "draft_quantization": describe_quantization(pre.drafter.quantization),  # a 4-bit export's own figures
         "temperature": args.temperature, "thinking": args.thinking,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed, "prompts": args.prompts,
         "prompt_set_hash": prompt_set_hash(prompts, args.thinking), "prompt_tokens_total": sum(map(len, ids)),

@@ -210,6 +210,21 @@ def test_report_goes_only_on_the_drafter_it_measured_in_any_export_format(report
             with pytest.raises(ValueError, match=f"measured with another drafter: other weights \\(its drafter "
                                                  f"'{other}' has other norm weights than this folder\\)"):
                 push(pushed, "me/d", report=str(path), dry_run=True, log=quiet)
+    # Reports that record the drafter's quantization (validate does now): a 4-bit folder's card shows the
+    # 4-bit drafter's figures, not those measured with its bf16 weights (the same signature), and back.
+    from inference.validate import describe_quantization
+
+    for measured, pushed, ok in ((mlx4, mlx4, True), (bf16, bf16, True), (mlx4, bf16, False), (bf16, mlx4, False)):
+        quant = describe_quantization(DFlashConfig.load(measured).quantization)
+        path.write_text(json.dumps({**rep, "trained_block_size": 16, "mask_token_id": 290, "draft": str(measured),
+                                    "draft_signature": norm_signature(measured), "draft_quantization": quant}))
+        if ok:
+            push(pushed, "me/d", report=str(path), dry_run=True, log=quiet)
+        else:
+            with pytest.raises(ValueError, match=r"measured with another drafter: drafter quantization "
+                                                 r"(4-bit affine, group 32 \(this folder: none|none \(this folder: "
+                                                 r"4-bit affine, group 32)\)"):
+                push(pushed, "me/d", report=str(path), dry_run=True, log=quiet)
     assert hub == []
 
 

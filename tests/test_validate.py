@@ -87,6 +87,7 @@ def test_torch_report_matches_the_loop_and_is_lossless(setup, torch_report):
     assert signature == norm_signature(Path(setup["draft"])) and len(signature) == 2 * 4 + 2  # 2 layers
     assert json.loads((Path(setup["root"]) / "torch" / "report.json").read_text())["draft_signature"] == signature
     assert report["thinking"] == "off" and len(report["prompt_set_hash"]) == 16 and report["torch_version"]
+    assert report["draft_quantization"] is None  # a full-precision drafter (export.push matches it to the folder)
     # The report's per-prompt numbers are the loop's own: rerun the same prompt ids through the loop.
     session = Session("torch", setup["target"], setup["draft"])
     ids = render_prompts(session.tokenizer, load_prompts(setup["prompts"]), "off")
