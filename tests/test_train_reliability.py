@@ -285,6 +285,33 @@ def test_schedule_counts_a_partial_accumulation_step():
     assert make_schedule(cfg, 5, 2, 1).micro_per_epoch == 2  # two processes: 2 rows each, the odd one left out
 
 
+@pytest.mark.parametrize("before, now, steps_done", [(1, 2, 5), (2, 1, 3), (2, 3, 4), (3, 2, 1), (4, 4, 2)])
+def test_a_resume_with_another_process_count_skips_no_row_and_repeats_less_than_a_step(before, now, steps_done):
+    """The step number was kept: 2 -> 1 processes trained 16 rows again, 1 -> 2 skipped 16. The rows the
+    checkpoint's processes trained on plus those the new ones train on from the converted step are the
+    whole epoch, and the overlap is what reshard_position reports."""
+    from train.loop import reshard_position
+    from train.rng import epoch_order
+
+    n, batch, accum = 97, 2, 2
+    per_step = batch * accum
+
+    def rows(world, first_step, last_step=None):
+        out = []
+        for rank in range(world):
+            order = epoch_order(n, 0, 3, rank, world)
+            out += order[first_step * per_step:None if last_step is None else last_step * per_step]
+        return out
+
+    trained = rows(before, 0, steps_done)
+    step, again = reshard_position(steps_done, per_step * before, per_step * now)
+    after = rows(now, step)
+    assert len(set(trained)) == len(trained) == steps_done * per_step * before
+    assert len(set(trained) & set(after)) == again < per_step * now  # trained again: less than one step
+    lost = set(range(n)) - set(trained) - set(after)
+    assert len(lost) < max(before, now)  # only the epoch's tail that does not divide among the processes
+
+
 def test_every_epoch_draws_a_new_order_and_new_anchors():
     """The paper re-draws anchors every epoch; the order of the rows changes too. Both are pure
     functions of (seed, epoch): the same epoch gives the same draw (what resume relies on)."""

@@ -157,7 +157,7 @@ def resume_state(run, sched, scheduler, rows: str):
     ``rows``: the identity of the rows this run loaded, which must be the checkpoint's.
     """
     from train.checkpoint import ResumeConfigError, load_checkpoint
-    from train.loop import LoopState, resync_lr
+    from train.loop import LoopState, reshard_position, resync_lr
 
     if run.resume_from is None:
         return LoopState(world_size=run.world, rows=rows)
@@ -171,15 +171,26 @@ def resume_state(run, sched, scheduler, rows: str):
             f"(identity {state.rows} -> {rows}), so the data order would change: point data.prepared at the data "
             "it trained on, or start a new run with another out_dir")
     state.rows = rows
+    resharded = ""
+    if state.world_size != run.world:
+        tr = run.cfg.train
+        per_step = tr.batch_size * tr.grad_accum
+        state.step_in_epoch, again = reshard_position(state.step_in_epoch, per_step * state.world_size,
+                                                      per_step * run.world)
+        if state.step_in_epoch >= sched.steps_per_epoch:  # the old size's last rows: the next epoch
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        resharded = (f"; with {run.world} process(es) an epoch is {sched.steps_per_epoch} steps, not the "
+                     f"{state.world_size} process(es) of the checkpoint: resume with {state.world_size}, or")
+        run.log(f"warning: the checkpoint was written by {state.world_size} process(es), this run has {run.world}: "
+                f"epoch {state.epoch} goes on at step {state.step_in_epoch} of {sched.steps_per_epoch}, after the "
+                f"rows already trained on ({again} trained again); optimizer steps go on from {state.step}")
+        state.world_size = run.world
     if state.step > sched.total_steps:
         raise ResumeConfigError(
             f"resume=true, but the checkpoint {run.resume_from} is at step {state.step}, past this run's "
             f"{sched.total_steps} steps (train.epochs={run.cfg.train.epochs}, train.max_steps="
-            f"{run.cfg.train.max_steps}): raise them to train longer, or export that checkpoint as it is")
-    if state.world_size != run.world:
-        run.log(f"warning: the checkpoint was written by {state.world_size} process(es), this run has {run.world}: "
-                "each process's share of the data order changes from here on")
-        state.world_size = run.world
+            f"{run.cfg.train.max_steps}){resharded or ':'} raise them to train longer, or export that checkpoint as "
+            "it is")
     before, after = resync_lr(scheduler)
     if not math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12):
         run.log(f"resume: the schedule now spans {sched.total_steps} steps: learning rate at step {state.step} "

@@ -229,6 +229,18 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     return stats
 
 
+def reshard_position(step_in_epoch: int, rows_per_step_before: int, rows_per_step_now: int) -> tuple[int, int]:
+    """(step in epoch, rows trained again) for a run resumed with another process count.
+
+    ``epoch_order`` deals one permutation out rank by rank, so after k steps the processes together have
+    trained on its first ``k x rows_per_step`` rows, whatever their number: the resumed run starts at the
+    step of the new size that covers no more than those (the rest of the last one, fewer rows than one
+    step, is trained again; none is skipped). Keeping the step number instead repeated or skipped rows."""
+    done = step_in_epoch * rows_per_step_before
+    step = done // rows_per_step_now
+    return step, done - step * rows_per_step_now
+
+
 def advance(state: LoopState, sched: Schedule, stats: StepStats) -> None:
     """One optimizer step taken; an epoch's end moves to the next epoch's first step."""
     state.step += 1
