@@ -32,6 +32,7 @@ import bisect
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -200,11 +201,39 @@ def read_index(path: str | Path) -> dict:
     path = Path(path)
     if not (path / INDEX).is_file():
         raise FileNotFoundError(f"{path} is not a feature store (no {INDEX}); create one with python -m data.extract")
-    index = json.loads((path / INDEX).read_text())
+    try:
+        index = json.loads((path / INDEX).read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # cut short (a full disk, a copy stopped) or overwritten
+        raise StoreCorrupt(f"{path / INDEX}: damaged, not readable as JSON ({e}): it records the store's settings, "
+                           "shard plan and checksums, without which no shard can be trusted or resumed: delete the "
+                           f"folder {path} and re-run the same data.extract command (extraction starts over)") from None
+    if not isinstance(index, dict):
+        raise StoreCorrupt(f"{path / INDEX}: not a feature store index (a JSON {type(index).__name__}): delete the "
+                           f"folder {path} and re-run the same data.extract command (extraction starts over)")
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise StoreError(f"{path}/{INDEX}: format {index.get('format')} v{index.get('version')}, "
                          f"this reader reads {FORMAT} v{VERSION}")
     return index
+
+
+def prepared_fingerprint(ds) -> str | None:
+    """The fingerprint ``data.extract`` records (``data_fingerprint``) of the prepared folder that ``ds`` (the
+    loaded folder, or a ``select`` of it such as the training split) was read from; None when not from a folder.
+
+    ``datasets`` gives a selection a fingerprint of its own, so the folder is loaded again (memory-mapped:
+    no rows are read) for the fingerprint of the whole, which does not depend on where the folder lies."""
+    files = getattr(ds, "cache_files", None) or []
+    if not files:
+        return None
+    folder = Path(files[0]["filename"]).parent
+    if not (folder / "state.json").is_file():
+        return None
+    from datasets import load_from_disk
+
+    try:
+        return load_from_disk(str(folder))._fingerprint
+    except Exception:  # noqa: BLE001  (not a whole saved data set: no fingerprint to compare)
+        return None
 
 
 def shard_name(k: int) -> str:
@@ -285,10 +314,19 @@ class StoreWriter:
     def _adopt_sidecars(self) -> None:
         """Record every finished shard's sidecar in the index (a shard whose size disagrees is dropped)."""
         for side in sorted(self.path.glob("shard-*.safetensors.json")):
-            info = json.loads(side.read_text())
-            f = self.path / info["file"]
-            if f.is_file() and f.stat().st_size == info["bytes"]:
-                self.index["shards"][info["file"]] = info
+            try:
+                info = json.loads(side.read_text())
+                f = self.path / info["file"]
+                ok = f.is_file() and f.stat().st_size == info["bytes"] and side.name == info["file"] + ".json"
+            except (ValueError, UnicodeDecodeError, TypeError, KeyError, OSError):  # cut short by a kill or a full disk
+                ok = False
+            if not ok:  # its shard is not recorded, so it is computed again (and the sidecar rewritten)
+                if side.name.removesuffix(".json") in self.index["shards"]:
+                    continue  # recorded already (the index was written after it)
+                print(f"note: {side}: damaged or does not match its shard: that shard is computed again",
+                      file=sys.stderr)
+                continue
+            self.index["shards"][info["file"]] = info
 
     def done(self, k: int) -> bool:
         return shard_name(k) in self.index["shards"]
@@ -411,11 +449,18 @@ class FeatureStore:
     def __len__(self) -> int:
         return int(self.index["rows"])
 
-    def check_compatible(self, *, target=None, layer_ids: Sequence[int] | None = None, tokenizer=None) -> None:
-        """Raise :class:`StoreMismatch` unless the store matches this target, these layers and tokenizer."""
+    def check_compatible(self, *, target=None, layer_ids: Sequence[int] | None = None, tokenizer=None,
+                         data_fingerprint: str | None = None) -> None:
+        """Raise :class:`StoreMismatch` unless the store matches this target, these layers and tokenizer, and
+        (``data_fingerprint``, from :func:`prepared_fingerprint`) the prepared data it was extracted from."""
         from data.chat import tokenizer_fingerprint
 
         problems = []
+        recorded = self.index.get("data_fingerprint")
+        if data_fingerprint is not None and recorded is not None and recorded != data_fingerprint:
+            # same row count, other rows: the step-0 eval ran on them before the first batch's check refused them
+            problems.append(f"prepared data: store was extracted from {self.index.get('data')!r} (fingerprint "
+                            f"{recorded}), training uses prepared data with fingerprint {data_fingerprint}")
         if layer_ids is not None and list(layer_ids) != self.layer_ids:
             problems.append(f"layer ids: store {self.layer_ids}, training asks {list(layer_ids)}")
         if target is not None:

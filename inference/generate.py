@@ -199,6 +199,7 @@ class Session:
                 "--block-size %d is not the drafter's %d: the %s loop is captured for one block shape, so "
                 "DFlash and the baseline both run the eager loop", block_size, trained, self.loop_kind)
             self.loop_kind = "eager"
+        kw = self._static_budget(prompt, kw, block_size)
         static = self._static_loop(prompt, kw.get("max_new_tokens", 256), block_size)
         if static is not None:
             from inference.static_loop import static_dflash_generate
@@ -211,12 +212,44 @@ class Session:
 
     def baseline(self, prompt: list[int], **kw):
         """The target alone through the same loop kind: same dtype, stop rules, timers and cache treatment."""
+        kw = self._static_budget(prompt, kw, None)
         static = self._static_loop(prompt, kw.get("max_new_tokens", 256), None)
         if static is not None:
             from inference.static_loop import static_target_generate
 
             return static_target_generate(static[0], prompt, **kw)
         return self.loop.target_generate(self.target, prompt, **kw)
+
+    def _static_budget(self, prompt: list[int], kw: dict, block_size: int | None) -> dict:
+        """``kw`` with ``max_new_tokens`` capped at the target's positions when the static loop runs.
+
+        Its K/V buffers are preallocated for prompt + max_new_tokens (+ block slack): ``--max-new-tokens
+        1000000000`` asked the allocator for 128 GB (a CUDA OOM on a GPU). The target addresses
+        ``max_position_embeddings`` positions; like the eager loop past them (a warning, and it runs), the
+        static loop then generates up to them with a note saying so, the buffers sized for that.
+        """
+        if self.loop_kind == "eager" or block_size not in (None, self.proposer.drafter.config.block_size):
+            return kw
+        asked = kw.get("max_new_tokens", 256)
+        positions = int(self.target.max_position_embeddings)
+        room = max(positions - len(prompt), 1)  # a prompt past them already: one token (eager warns and runs too)
+        if asked <= room:
+            return kw
+        logging.getLogger("inference").warning(
+            "--max-new-tokens %d with a %d-token prompt runs past the target's %d positions "
+            "(max_position_embeddings): the %s loop preallocates its caches, so it generates at most %d new tokens "
+            "(about %.1f GiB of buffers otherwise); --loop eager generates past the target's positions",
+            asked, len(prompt), positions, self.loop_kind, room, self._static_bytes(len(prompt) + asked) / 2**30)
+        return {**kw, "max_new_tokens": room}
+
+    def _static_bytes(self, positions: int) -> int:
+        """Bytes of the static loop's K/V buffers (target and drafter) for ``positions`` positions."""
+        c, d = self.target.config, self.proposer.drafter.config
+        size = torch_element_size(self.target.dtype)
+        head = lambda cfg: getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # noqa: E731
+        kv = lambda cfg: getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # noqa: E731
+        per = 2 * (c.num_hidden_layers * kv(c) * head(c) + d.num_hidden_layers * kv(d) * head(d)) * size
+        return per * positions
 
     def _static_loop(self, prompt: list[int], max_new_tokens: int, block_size: int | None):
         """(StaticTarget, StaticDrafterProposer) when this session runs the static loop, else None.
@@ -282,6 +315,12 @@ class Session:
             ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
         return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
                 "loop": self.loop_kind, "platform": pf.platform(), "machine": pf.machine()}
+
+
+def torch_element_size(dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
 
 
 def report_of(backend: str, result, baseline) -> dict:

@@ -3,8 +3,10 @@
 A validate run of many prompts and repeats takes a while on a laptop; when it is interrupted (Ctrl-C,
 a closed lid, a crash), the same command measures only the prompts that are missing. The file's
 first line records a hash of every setting that changes the numbers (target, drafter and its
-weights, backend, dtype, block size, prompts, tokens, temperature, repeats, seed, versions); a file
-written with other settings is set aside, never mixed in. The finished report replaces the file.
+weights, backend, dtype, block size, prompts, tokens, temperature, repeats, seed, versions) and the
+settings themselves; a file written with other settings is set aside as ``partial.jsonl.old`` (earlier
+ones shifted to ``.old.1`` ...), never mixed in, and the note names the settings that differ. The
+finished report replaces the file.
 """
 
 from __future__ import annotations
@@ -25,8 +27,34 @@ def settings_key(environment: dict) -> str:
     return hashlib.sha256(json.dumps(environment, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load(out: str | Path, key: str, log) -> dict[int, tuple[PromptRun, dict]]:
-    """Prompts measured earlier with these settings: position in the prompt set -> (run, its peak memory)."""
+KEEP_OLD = 5  # set-aside files kept: partial.jsonl.old (the newest), .old.1, ... .old.4 (the oldest)
+
+
+def set_aside(path: Path) -> Path:
+    """Move ``path`` to ``<name>.old``, first shifting earlier ones to ``.old.1``, ``.old.2``, ...: an earlier
+    set-aside file (hours of measurements, maybe) is never overwritten; only the oldest beyond ``KEEP_OLD`` goes."""
+    olds = [path.with_name(f"{path.name}.old" + (f".{i}" if i else "")) for i in range(KEEP_OLD)]
+    olds[-1].unlink(missing_ok=True)
+    for newer, older in zip(reversed(olds[:-1]), reversed(olds[1:])):
+        if newer.is_file():
+            newer.replace(older)
+    path.replace(olds[0])
+    return olds[0]
+
+
+def differing(old: dict | None, new: dict | None) -> list[str]:
+    """Names of the settings that differ between two recorded environments (sorted)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return []
+    norm = lambda v: json.dumps(v, sort_keys=True, default=str)  # noqa: E731  (as settings_key hashes them)
+    return sorted(k for k in old.keys() | new.keys() if norm(old.get(k)) != norm(new.get(k)))
+
+
+def load(out: str | Path, key: str, log, settings: dict | None = None) -> dict[int, tuple[PromptRun, dict]]:
+    """Prompts measured earlier with these settings: position in the prompt set -> (run, its peak memory).
+
+    ``settings``: the environment ``key`` hashes; a file written with other settings is set aside, and the
+    note names the settings that differ (files of earlier versions recorded only the hash)."""
     path = Path(out) / PARTIAL
     if not path.is_file():
         return {}
@@ -35,9 +63,13 @@ def load(out: str | Path, key: str, log) -> dict[int, tuple[PromptRun, dict]]:
         head = json.loads(lines[0]) if lines else {}
     except ValueError:
         head = {}
+    if not isinstance(head, dict):
+        head = {}
     if head.get("settings") != key:
-        path.replace(path.with_name(PARTIAL + ".old"))
-        log(f"note: {path} was measured with other settings: set aside as {PARTIAL}.old, starting over")
+        old = set_aside(path)
+        keys = differing(head.get("environment"), settings)
+        what = f"other settings ({', '.join(keys)} differ)" if keys else "other settings"
+        log(f"note: {path} was measured with {what}: set aside as {old.name}, starting over")
         return {}
     done = {}
     for line in lines[1:]:
@@ -54,11 +86,12 @@ def load(out: str | Path, key: str, log) -> dict[int, tuple[PromptRun, dict]]:
 class Recorder:
     """Appends each finished prompt (and creates the file with its settings line first)."""
 
-    def __init__(self, out: str | Path, key: str):
+    def __init__(self, out: str | Path, key: str, settings: dict | None = None):
         self.path = Path(out) / PARTIAL
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.is_file():
-            self.path.write_text(json.dumps({"settings": key}) + "\n")
+        if not self.path.is_file():  # the settings beside their hash: a later run names those that differ
+            head = {"settings": key} if settings is None else {"settings": key, "environment": settings}
+            self.path.write_text(json.dumps(head, sort_keys=True, default=str) + "\n")
         else:  # a row cut short by the kill: end its line, or the next row is glued to it and lost too
             with open(self.path, "rb+") as f:
                 size = f.seek(0, 2)

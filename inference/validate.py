@@ -257,6 +257,20 @@ def warn_if_too_long(ids: list[list[int]], max_new_tokens: int, positions: int) 
     return len(over)
 
 
+def resume_settings(environment: dict) -> dict:
+    """The environment an interrupted run is resumed by, local paths resolved: ``--target T`` and then
+    ``--target T/`` or ``./T`` (the same folder) were other settings, and the measured prompts were set aside.
+    A Hub id (no such local path) stays as given."""
+    settings = dict(environment)
+    for key in ("target", "draft", "prompts"):
+        value = settings.get(key)
+        if isinstance(value, str) and value:
+            local = Path(value).expanduser()
+            if local.exists():
+                settings[key] = str(local.resolve())
+    return settings
+
+
 def main(argv: list[str] | None = None) -> dict:
     from inference.generate import Session, pick_backend
 
@@ -284,12 +298,13 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_set_hash": prompt_set_hash(prompts, args.thinking), "prompt_tokens_total": sum(map(len, ids)),
         **_versions(),
     }
-    key = partial.settings_key(environment)  # an interrupted run with these settings resumes
-    done = partial.load(args.out, key, lambda m: print(m, file=sys.stderr))
+    settings = resume_settings(environment)
+    key = partial.settings_key(settings)  # an interrupted run with these settings resumes
+    done = partial.load(args.out, key, lambda m: print(m, file=sys.stderr), settings)
     if done:
         print(f"validate: resuming: {len(done)} of {len(ids)} prompts measured by an interrupted run with the same "
               f"settings ({Path(args.out) / partial.PARTIAL})", file=sys.stderr)
-    recorder = partial.Recorder(args.out, key)
+    recorder = partial.Recorder(args.out, key, settings)
     runs, peaks = measure(session, ids, prompts, repeats=args.repeats, block_size=pre.block_size,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           progress=not args.no_progress, done=done, record=recorder)

@@ -2838,3 +2838,92 @@ def test_an_overwrite_export_whose_last_rename_fails_keeps_the_previous_one(tmp_
     monkeypatch.setattr(Path, "rename", real)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # put back at once
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "hf"]  # no .hf.old, no staging folder
+
+
+# ----------------------------------------------------------------------------- store, data fingerprint, validate
+# resume and static-loop buffers (one block, kept at the end of the file)
+def _tiny_store_rows(n: int = 2):
+    from data.features import FeatureRow
+
+    return [FeatureRow(torch.arange(3), torch.ones(3, dtype=torch.int8), torch.zeros(3, dtype=torch.int32),
+                       torch.arange(3, dtype=torch.int32), torch.randn(3, 4)) for _ in range(n)]
+
+
+def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
+    """A cut index.json gave "Unterminated string starting at: line 17 column 20" naming no file, and extraction
+    could not repair it; a cut sidecar stopped the rerun the same way instead of computing its shard again."""
+    from data.store import FeatureStore, StoreCorrupt, StoreWriter
+
+    out = tmp_path / "feats"
+    header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}
+    w = StoreWriter(out, header, [(0, 2), (2, 4)])
+    w.write_shard(0, _tiny_store_rows())
+    w.write_shard(1, _tiny_store_rows())
+    side = out / "shard-00001.safetensors.json"
+    side.write_text(side.read_text()[:40])
+    w.index["shards"].pop("shard-00001.safetensors")  # as if killed before the index took it in
+    w.flush_index()
+    again = StoreWriter(out, header, [(0, 2), (2, 4)])  # the rerun: shard 1 is computed again
+    assert again.done(0) and not again.done(1)
+    assert f"{side}: damaged or does not match its shard: that shard is computed again" in capsys.readouterr().err
+    again.write_shard(1, _tiny_store_rows())
+    assert again.finalise()
+    index = out / "index.json"
+    index.write_text(index.read_text()[:300])
+    for opener in (lambda: FeatureStore(out), lambda: StoreWriter(out, header, [(0, 2), (2, 4)])):
+        with pytest.raises(StoreCorrupt, match=f"{index}: damaged, not readable as JSON .*delete the folder {out} "
+                                               "and re-run the same data.extract command"):
+            opener()
+
+
+def test_a_store_of_other_prepared_data_with_as_many_rows_is_refused_before_training(tmp_path):
+    """check_compatible compared target, taps and tokenizer only: a store extracted from other prepared data with the
+    same row count passed, and the step-0 eval ran on the wrong rows before the first batch's check refused them."""
+    from datasets import Dataset, load_from_disk
+
+    from data.store import FeatureStore, StoreMismatch, StoreWriter, prepared_fingerprint
+
+    for name, first in (("a", 1), ("b", 2)):
+        Dataset.from_dict({"input_ids": [[first, 5], [7, 8, 9]]}).save_to_disk(str(tmp_path / name))
+    a, b = load_from_disk(str(tmp_path / "a")), load_from_disk(str(tmp_path / "b"))
+    assert prepared_fingerprint(a.select(range(1))) == a._fingerprint != prepared_fingerprint(b.select(range(1)))
+    assert prepared_fingerprint(Dataset.from_dict({"x": [1]})) is None  # in memory: nothing to compare
+    out = tmp_path / "feats"
+    w = StoreWriter(out, {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 2, "data": str(tmp_path / "a"),
+                          "data_fingerprint": a._fingerprint}, [(0, 2)])
+    w.write_shard(0, _tiny_store_rows())
+    w.finalise()
+    store = FeatureStore(out, verify=False)
+    store.check_compatible(data_fingerprint=prepared_fingerprint(a.select(range(1))))  # the same rows: fine
+    with pytest.raises(StoreMismatch, match=f"prepared data: store was extracted from '{tmp_path / 'a'}' "
+                                            f"\\(fingerprint {a._fingerprint}\\), training uses prepared data with "
+                                            f"fingerprint {b._fingerprint}"):
+        store.check_compatible(data_fingerprint=prepared_fingerprint(b.select(range(1))))
+
+
+def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_what_differs(tmp_path, monkeypatch):
+    """--target T then --target T/ (the same folder) was "measured with other settings: set aside ... starting over"
+    (the key hashed the raw strings); the note did not say which setting differed, and a second set-aside file
+    overwrote the first partial.jsonl.old."""
+    from inference import partial
+    from inference.validate import resume_settings
+
+    (tmp_path / "target").mkdir()
+    monkeypatch.chdir(tmp_path)
+    env = {"target": "target", "draft": "org/drafter", "temperature": 0.0, "seed": 0}
+    same = [resume_settings({**env, "target": t}) for t in ("target", "target/", str(tmp_path / "target"), "./target")]
+    assert {partial.settings_key(s) for s in same} == {partial.settings_key(same[0])}
+    assert same[0]["draft"] == "org/drafter"  # a Hub id stays as given
+    out = tmp_path / "val"
+    partial.Recorder(out, partial.settings_key(same[0]), same[0])(0, _partial_run(0), {})
+    assert set(partial.load(out, partial.settings_key(same[1]), print, same[1])) == {0}  # resumed, not set aside
+    notes, olds = [], []
+    for seed in (1, 2, 3):
+        new = {**same[0], "seed": seed, "temperature": 0.5}
+        partial.load(out, partial.settings_key(new), notes.append, new)
+        olds.append((out / "partial.jsonl.old").read_text())
+        partial.Recorder(out, partial.settings_key(new), new)
+    assert notes[0] == (f"note: {out / partial.PARTIAL} was measured with other settings (seed, temperature "
+                        "differ): set aside as partial.jsonl.old, starting over")
+    assert (out / "partial.jsonl.old.2").read_text() == olds[0]  # the measured rows of the first run, kept
+    assert (out / "partial.jsonl.old.1").read_text() == olds[1] and (out / "partial.jsonl.old").read_text() == olds[2]

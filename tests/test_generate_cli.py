@@ -191,3 +191,36 @@ def test_a_quantized_copy_of_the_recorded_target_gives_no_warning(folders, tmp_p
     with caplog.at_level("WARNING", logger="inference"):
         preflight(str(named), recorded)
     assert ("records its target as Qwen/Qwen3-8B" in caplog.text) == warns, caplog.text
+
+
+def test_static_loop_buffers_stop_at_the_targets_positions(folders, tmp_path, caplog):
+    """--loop static --max-new-tokens 1000000000 preallocated K/V buffers for a billion positions ("DefaultCPUAllocator:
+    can't allocate memory: you tried to allocate 128000065536 bytes"; a CUDA OOM on a GPU): it generates up to the
+    target's max_position_embeddings, says so, and sizes the buffers for that."""
+    import logging
+    import shutil
+    from pathlib import Path
+
+    from inference.generate import Session
+
+    target, draft = folders
+    short = shutil.copytree(target, tmp_path / "target")
+    config = json.loads((Path(short) / "config.json").read_text())
+    (Path(short) / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    sizes = []
+    real = Session._static_loop
+
+    def spy(self, *a):
+        loop = real(self, *a)
+        sizes.append(loop[0].max_len)
+        return loop
+
+    with caplog.at_level(logging.WARNING, logger="inference"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Session, "_static_loop", spy)
+        report = main(["--backend", "torch", "--target", str(short), "--draft", draft, "--prompt-ids", "257,72,73,198",
+                       "--max-new-tokens", "1000000000", "--json", "--loop", "static", "--device", "cpu"])
+    assert len(report["tokens"]) == 36 or report["stop_reason"] == "eos"
+    assert max(sizes) <= 4096
+    assert ("--max-new-tokens 1000000000 with a 4-token prompt runs past the target's 40 positions "
+            "(max_position_embeddings): the static loop preallocates its caches, so it generates at most 36 new "
+            "tokens (about ") in caplog.text and "--loop eager generates past" in caplog.text

@@ -172,10 +172,11 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
                              "fewer (default 32)")
         return (OnlineFeatures(target, layer_ids, data=train_ds, topk=topk),
                 OnlineFeatures(target, layer_ids, data=eval_ds, topk=0))
-    from data.store import FeatureStore
+    from data.store import FeatureStore, prepared_fingerprint
 
     store = FeatureStore(cfg.features.store, dtype=target.dtype, device=device)
-    store.check_compatible(target=target, layer_ids=layer_ids, tokenizer=target.tokenizer)
+    store.check_compatible(target=target, layer_ids=layer_ids, tokenizer=target.tokenizer,
+                           data_fingerprint=prepared_fingerprint(train_ds))
     if len(store) != len(train_ds) + len(eval_ds):
         raise ValueError(f"feature store {cfg.features.store} has {len(store)} rows but the prepared data has "
                          f"{len(train_ds) + len(eval_ds)}: extract features from the same prepared data set")
