@@ -449,18 +449,11 @@ class FeatureStore:
     def __len__(self) -> int:
         return int(self.index["rows"])
 
-    def check_compatible(self, *, target=None, layer_ids: Sequence[int] | None = None, tokenizer=None,
-                         data_fingerprint: str | None = None) -> None:
-        """Raise :class:`StoreMismatch` unless the store matches this target, these layers and tokenizer, and
-        (``data_fingerprint``, from :func:`prepared_fingerprint`) the prepared data it was extracted from."""
+    def check_compatible(self, *, target=None, layer_ids: Sequence[int] | None = None, tokenizer=None) -> None:
+        """Raise :class:`StoreMismatch` unless the store matches this target, these layers and tokenizer."""
         from data.chat import tokenizer_fingerprint
 
         problems = []
-        recorded = self.index.get("data_fingerprint")
-        if data_fingerprint is not None and recorded is not None and recorded != data_fingerprint:
-            # same row count, other rows: the step-0 eval ran on them before the first batch's check refused them
-            problems.append(f"prepared data: store was extracted from {self.index.get('data')!r} (fingerprint "
-                            f"{recorded}), training uses prepared data with fingerprint {data_fingerprint}")
         if layer_ids is not None and list(layer_ids) != self.layer_ids:
             problems.append(f"layer ids: store {self.layer_ids}, training asks {list(layer_ids)}")
         if target is not None:

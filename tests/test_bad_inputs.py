@@ -2876,29 +2876,18 @@ def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
             opener()
 
 
-def test_a_store_of_other_prepared_data_with_as_many_rows_is_refused_before_training(tmp_path):
-    """check_compatible compared target, taps and tokenizer only: a store extracted from other prepared data with the
-    same row count passed, and the step-0 eval ran on the wrong rows before the first batch's check refused them."""
+def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_path):
+    """The training split is a selection with a fingerprint of its own: the store records the folder's, so the
+    folder's is what make_features compares before it compares rows (tests/test_train_modes.py)."""
     from datasets import Dataset, load_from_disk
 
-    from data.store import FeatureStore, StoreMismatch, StoreWriter, prepared_fingerprint
+    from data.store import prepared_fingerprint
 
     for name, first in (("a", 1), ("b", 2)):
         Dataset.from_dict({"input_ids": [[first, 5], [7, 8, 9]]}).save_to_disk(str(tmp_path / name))
     a, b = load_from_disk(str(tmp_path / "a")), load_from_disk(str(tmp_path / "b"))
     assert prepared_fingerprint(a.select(range(1))) == a._fingerprint != prepared_fingerprint(b.select(range(1)))
     assert prepared_fingerprint(Dataset.from_dict({"x": [1]})) is None  # in memory: nothing to compare
-    out = tmp_path / "feats"
-    w = StoreWriter(out, {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 2, "data": str(tmp_path / "a"),
-                          "data_fingerprint": a._fingerprint}, [(0, 2)])
-    w.write_shard(0, _tiny_store_rows())
-    w.finalise()
-    store = FeatureStore(out, verify=False)
-    store.check_compatible(data_fingerprint=prepared_fingerprint(a.select(range(1))))  # the same rows: fine
-    with pytest.raises(StoreMismatch, match=f"prepared data: store was extracted from '{tmp_path / 'a'}' "
-                                            f"\\(fingerprint {a._fingerprint}\\), training uses prepared data with "
-                                            f"fingerprint {b._fingerprint}"):
-        store.check_compatible(data_fingerprint=prepared_fingerprint(b.select(range(1))))
 
 
 def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_what_differs(tmp_path, monkeypatch):

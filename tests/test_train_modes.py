@@ -161,6 +161,35 @@ def test_mismatched_store_is_refused_before_training(tiny, store, tmp_path):
         assert not (out / "metrics.jsonl").exists() and not (out / "final").exists(), "refused before training"
 
 
+def test_a_store_of_other_rows_is_refused_before_the_first_eval_and_the_same_rows_prepared_again_train(
+        tiny, store, tmp_path):
+    """A store of other prepared data with as many rows passed every check until the first training batch:
+    the step-0 eval had run on the wrong rows. The same rows prepared again have another fingerprint (the
+    tokenize pass gets a new one each time): their rows are compared, and they train."""
+    import json
+    import shutil
+
+    from datasets import load_from_disk
+
+    path, _ = store
+    again = shutil.copytree(tiny["data"], tmp_path / "again")  # same rows, a new fingerprint
+    state = json.loads((again / "state.json").read_text())
+    (again / "state.json").write_text(json.dumps({**state, "_fingerprint": "0123456789abcdef"}))
+    other = shutil.copytree(tiny["data"], tmp_path / "other")  # as many rows, in another order
+    ds = load_from_disk(str(tiny["data"]))
+    ds.select(list(reversed(range(len(ds))))).flatten_indices().save_to_disk(str(tmp_path / "reversed"))
+    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
+        shutil.copy(tmp_path / "reversed" / name, other / name)
+    store_args = ["features.mode=offline", f"features.store={path}", "eval.at_start=true"]
+    with pytest.raises(ValueError, match="holds other tokens than the prepared data"):
+        run(tmp_path / "run_other", f"target.path={tiny['target']}", f"data.prepared={other}", *FAST, *STEPS,
+            "train.max_steps=1", *store_args)
+    assert not (tmp_path / "run_other" / "metrics.jsonl").exists(), "refused before the step-0 eval"
+    result = run(tmp_path / "run_again", f"target.path={tiny['target']}", f"data.prepared={again}", *FAST, *STEPS,
+                 "train.max_steps=1", *store_args)
+    assert result["steps"] == 1
+
+
 def test_packed_rows_train_and_learn(tiny, tmp_path, capsys):
     """data.pack=true rows (several documents per row) train, and held-out simulated tau improves."""
     import json

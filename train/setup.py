@@ -175,11 +175,18 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
     from data.store import FeatureStore, prepared_fingerprint
 
     store = FeatureStore(cfg.features.store, dtype=target.dtype, device=device)
-    store.check_compatible(target=target, layer_ids=layer_ids, tokenizer=target.tokenizer,
-                           data_fingerprint=prepared_fingerprint(train_ds))
+    store.check_compatible(target=target, layer_ids=layer_ids, tokenizer=target.tokenizer)
     if len(store) != len(train_ds) + len(eval_ds):
         raise ValueError(f"feature store {cfg.features.store} has {len(store)} rows but the prepared data has "
                          f"{len(train_ds) + len(eval_ds)}: extract features from the same prepared data set")
+    recorded = store.index.get("data_fingerprint")
+    if recorded and recorded != prepared_fingerprint(train_ds):
+        # Other prepared data, or the same rows prepared again (a new fingerprint each time): compare the first
+        # rows of both splits now, so the step-0 eval never runs on another data set's features; every batch
+        # is still compared as it is read.
+        for ds, first in ((train_ds, 0), (eval_ds, len(train_ds))):
+            if len(ds):
+                check_same_rows(token_batch(ds, [0]), store.get_batch([first]), cfg.features.store)
     if cfg.train.loss != "ce" and not store.index.get("topk"):
         raise ValueError(f"train.loss={cfg.train.loss} needs top-k log-probs in the store: re-extract with --topk")
     return _Subset(store, 0, len(train_ds)), _Subset(store, len(train_ds), len(eval_ds))
