@@ -123,7 +123,7 @@ def answer_ids(tokenizer, seg: Segment, end_of_turn: int | None) -> list[int] | 
     ids = list(seg.token_ids or [])
     if ids and ids[-1] == end_of_turn:  # vLLM includes the stop token; the trailer holds it already
         ids.pop()
-    if not ids:
+    if not ids or any(not isinstance(t, int) or t < 0 for t in ids):  # a negative id is no token (decode overflows)
         return None
     decoded = tokenizer.decode(ids, skip_special_tokens=False)
     if tokenizer.pad_token:

@@ -238,7 +238,9 @@ def _answered(convs: Iterator[dict], regen_stats, path: Path) -> Iterator[dict]:
         raise ValueError(f"no regenerated answer is usable ({regen_stats.summary()}): the target answered every "
                          f"prompt with nothing (or only whitespace). Look at {path}: a target that is barely trained, "
                          "or ends its turn at once under this chat template / thinking setting, cannot teach a "
-                         "drafter; fit it longer, fix the thinking switch, or prepare without regeneration")
+                         "drafter; fit it longer, fix the thinking switch, or prepare without regeneration. Answers "
+                         f"are kept once written: when the server was at fault, delete {path} and rerun the same "
+                         "command to regenerate them")
 
 
 def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, thinking, max_length, pack, limit,
