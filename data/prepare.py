@@ -28,7 +28,8 @@ Output ``DIR`` is a ``datasets`` folder (``datasets.load_from_disk(DIR)``, or
 :func:`load_prepared`) with one row per training sequence and columns:
 
 - ``input_ids``    (int32 list): token ids
-- ``loss_mask``    (int8 list):  1 on assistant tokens (answer + end-of-turn token), else 0
+- ``loss_mask``    (int8 list):  1 on assistant tokens (answer + end-of-turn token, none after an answer cut at
+  max tokens), else 0
 - ``doc_ids``      (int32 list): document index of each token inside the row (all 0 unless packed)
 - ``position_ids`` (int32 list): position of each token inside its document
 - ``num_tokens``, ``num_loss_tokens`` (int32)
@@ -362,9 +363,13 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
                 answers.update({"rows": 1, "truncated": int("length" in regen.get("finish_reasons", [])),
                                 "turns": regen.get("turns", 0), "tokens_generated": regen.get("tokens", 0)})
             generated = [m for m in row["messages"] if m.get("role") == "assistant"]
-            for new, raw in zip((m for m in messages if m["role"] == "assistant"), generated):
+            reasons = list((row.get("regen") or {}).get("finish_reasons") or [])
+            reasons += [None] * (len(generated) - len(reasons))
+            for new, raw, reason in zip((m for m in messages if m["role"] == "assistant"), generated, reasons):
                 if raw.get("token_ids") is not None:
                     new["token_ids"] = raw["token_ids"]
+                if reason == "length":  # cut at max tokens: the template's end-of-turn token is not a label
+                    new["cut"] = True
             stats.kept += 1
             yield {"id": str(pos), "messages": messages}
 

@@ -418,6 +418,33 @@ def test_negative_generated_ids_are_re_tokenized_not_an_overflow(data_target):
     assert dropped == 0 and rows[0].retokenized == 1 and min(rows[0].input_ids) >= 0
 
 
+def test_an_answer_cut_at_max_tokens_does_not_teach_ending_the_turn(data_target, tmp_path):
+    """finish_reason "length": the template's end-of-turn token after the cut answer was a label, so the
+    drafter learned to end turns mid-sentence."""
+    from collections import Counter
+
+    from data.chat import tokenize_conversation
+    from data.prepare import load_tokenizer, regenerated_conversations
+    from data.readers import ReadStats
+
+    path = tmp_path / "regenerated.jsonl"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one two"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "three"}]
+    path.write_text(json.dumps({"id": "0", "key": "k", "messages": msgs,
+                                "regen": {"turns": 2, "tokens": 9, "finish_reasons": ["stop", "length"]}}) + "\n")
+    answers = Counter()
+    [conv] = regenerated_conversations(path, ["k"], ReadStats(), answers)
+    assert [m.get("cut") for m in conv["messages"] if m["role"] == "assistant"] == [None, True]
+    assert answers["truncated"] == 1
+    tok = load_tokenizer(str(data_target))
+    whole = sum(sum(r.loss_mask) for r in tokenize_conversation(tok, msgs, thinking=False)[0])
+    rows, _ = tokenize_conversation(tok, conv["messages"], thinking=False)
+    assert sum(sum(r.loss_mask) for r in rows) == whole - 1  # only the cut turn's end-of-turn token left out
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    last = rows[-1]
+    assert last.input_ids[-2] == eot and last.loss_mask[-2] == 0  # the trailer: <|im_end|> then a newline
+
+
 def test_standalone_regenerate_resumed_with_other_settings_is_refused_naming_each(tmp_path):
     """data.regenerate rerun on the same --out with other settings resumed silently ("already_done"), mixing
     the answers of two settings in one file."""
