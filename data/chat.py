@@ -32,6 +32,11 @@ used for the answer instead of re-tokenizing its text (decode then encode is not
 BPE merges, invalid UTF-8), when the decoded ids are the answer text the template rendered (or
 its end: a template may render an empty think block before the generated text). Otherwise the
 text is re-tokenized and the row counts it in ``TokenizedRow.retokenized``.
+
+A regenerated answer cut at the max-token limit (``"cut": true`` on the message, from finish reason
+``length``) keeps its answer tokens as labels, but not the end-of-turn token the template appends
+after it (its trailer is all context): the target never ended the turn there, and a drafter taught
+to would end turns mid-sentence.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ def conversation_segments(tokenizer, messages: list[dict], thinking: bool | None
             segs, text = [], ""
         segs.append(Segment(prompt[len(text):], "context"))
         segs.append(Segment(answer, "answer", messages[i].get("token_ids")))
-        segs.append(Segment(trailer, "trailer"))
+        segs.append(Segment(trailer, "cut_trailer" if messages[i].get("cut") else "trailer"))  # cut: no label
         text = prompt + answer + trailer
     rows.append(segs)
     return [r for r in rows if r]
@@ -123,7 +128,7 @@ def answer_ids(tokenizer, seg: Segment, end_of_turn: int | None) -> list[int] | 
     ids = list(seg.token_ids or [])
     if ids and ids[-1] == end_of_turn:  # vLLM includes the stop token; the trailer holds it already
         ids.pop()
-    if not ids:
+    if not ids or any(not isinstance(t, int) or t < 0 for t in ids):  # a negative id is no token (decode overflows)
         return None
     decoded = tokenizer.decode(ids, skip_special_tokens=False)
     if tokenizer.pad_token:

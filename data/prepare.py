@@ -28,7 +28,8 @@ Output ``DIR`` is a ``datasets`` folder (``datasets.load_from_disk(DIR)``, or
 :func:`load_prepared`) with one row per training sequence and columns:
 
 - ``input_ids``    (int32 list): token ids
-- ``loss_mask``    (int8 list):  1 on assistant tokens (answer + end-of-turn token), else 0
+- ``loss_mask``    (int8 list):  1 on assistant tokens (answer + end-of-turn token, none after an answer cut at
+  max tokens), else 0
 - ``doc_ids``      (int32 list): document index of each token inside the row (all 0 unless packed)
 - ``position_ids`` (int32 list): position of each token inside its document
 - ``num_tokens``, ``num_loss_tokens`` (int32)
@@ -238,7 +239,9 @@ def _answered(convs: Iterator[dict], regen_stats, path: Path) -> Iterator[dict]:
         raise ValueError(f"no regenerated answer is usable ({regen_stats.summary()}): the target answered every "
                          f"prompt with nothing (or only whitespace). Look at {path}: a target that is barely trained, "
                          "or ends its turn at once under this chat template / thinking setting, cannot teach a "
-                         "drafter; fit it longer, fix the thinking switch, or prepare without regeneration")
+                         "drafter; fit it longer, fix the thinking switch, or prepare without regeneration. Answers "
+                         f"are kept once written: when the server was at fault, delete {path} and rerun the same "
+                         "command to regenerate them")
 
 
 def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, thinking, max_length, pack, limit,
@@ -360,9 +363,13 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
                 answers.update({"rows": 1, "truncated": int("length" in regen.get("finish_reasons", [])),
                                 "turns": regen.get("turns", 0), "tokens_generated": regen.get("tokens", 0)})
             generated = [m for m in row["messages"] if m.get("role") == "assistant"]
-            for new, raw in zip((m for m in messages if m["role"] == "assistant"), generated):
+            reasons = list((row.get("regen") or {}).get("finish_reasons") or [])
+            reasons += [None] * (len(generated) - len(reasons))
+            for new, raw, reason in zip((m for m in messages if m["role"] == "assistant"), generated, reasons):
                 if raw.get("token_ids") is not None:
                     new["token_ids"] = raw["token_ids"]
+                if reason == "length":  # cut at max tokens: the template's end-of-turn token is not a label
+                    new["cut"] = True
             stats.kept += 1
             yield {"id": str(pos), "messages": messages}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
+import threading
 import urllib.error
 import urllib.request
 import warnings
@@ -22,6 +22,16 @@ from typing import Iterable, Iterator
 from data.readers import split_think
 from data.regen_common import (Completion, RegenerationError, ServerUnavailable, _assistant_message, _for_template,
                                _result_row)
+
+
+class BadResponse(Exception):
+    """An HTTP 200 whose body holds no answer (retried like a 5xx)."""
+
+
+def _start(raw: bytes | str, n: int = 300) -> str:
+    """The start of a body, for error messages."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
 def start_command(model: str, port: int = 8000) -> str:
@@ -50,6 +60,7 @@ class HTTPGenerator:
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
         self.ask_token_ids = True  # vLLM's return_token_ids; dropped if the server refuses the field
         self._warned_no_ids = False
+        self._stop = threading.Event()  # set when the run is interrupted: retries stop waiting and give up
 
     @property
     def port(self) -> int:
@@ -69,7 +80,11 @@ class HTTPGenerator:
         req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), headers=self._headers(),
                                      method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read())
+            raw = resp.read()
+        try:
+            return json.loads(raw)
+        except ValueError:  # a cut body, an HTML page from a proxy: retried, and quoted if it stays so
+            raise BadResponse(f"a body that is not JSON: {_start(raw)}") from None
 
     def served_models(self, timeout: float = 10.0) -> list[str]:
         """Model ids from ``GET /v1/models`` (one request, no retry)."""
@@ -125,8 +140,33 @@ class HTTPGenerator:
                           "the target's own ids", stacklevel=2)
         return None
 
+    def _parse(self, body) -> Completion:
+        """One answer from a response body; :class:`BadResponse` when it holds none (retried like a 5xx)."""
+        if not isinstance(body, dict):
+            raise BadResponse(f"a body that is not a JSON object: {_start(json.dumps(body))}")
+        if body.get("error"):
+            raise BadResponse(f"error {_start(json.dumps(body['error'], ensure_ascii=False))}")
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
+                or not isinstance(choices[0].get("message"), dict):
+            raise BadResponse(f"no choices[0].message in {_start(json.dumps(body, ensure_ascii=False))}")
+        choice = choices[0]
+        msg = choice["message"]
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if msg.get("content") is None and not reasoning:  # not an empty answer: no answer at all
+            raise BadResponse(f"no answer (content null, no reasoning) in {_start(json.dumps(body))}")
+        content = msg.get("content") or ""
+        if not isinstance(content, str):
+            raise BadResponse(f"content that is not text in {_start(json.dumps(body))}")
+        if reasoning is None:
+            reasoning, content = split_think(content)
+        tokens = (body.get("usage") or {}).get("completion_tokens", 0)
+        return Completion(content, reasoning, choice.get("finish_reason") or "stop", tokens, self._token_ids(choice))
+
     def complete(self, messages: list[dict]) -> Completion:
-        """One answer, retried on connection errors, timeouts, 429 and 5xx with exponential backoff."""
+        """One answer, retried on connection errors, timeouts, 429, 5xx and 200 responses that hold no
+        answer (a cut or non-JSON body, no choices, an ``error`` object, null content) with exponential
+        backoff; gives up at once when the run is interrupted (:meth:`stop`)."""
         payload = {"model": self.model or "default",
                    "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
                    "temperature": self.temperature, "max_tokens": self.max_tokens}
@@ -137,17 +177,14 @@ class HTTPGenerator:
                 payload["return_token_ids"] = True
             else:
                 payload.pop("return_token_ids", None)
+            if self._stop.is_set():
+                raise RegenerationError("regeneration was interrupted")
             try:
-                body = self._post(payload)
-                choice = body["choices"][0]
-                msg = choice["message"]
-                reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-                content = msg.get("content") or ""
-                if reasoning is None:
-                    reasoning, content = split_think(content)
-                tokens = (body.get("usage") or {}).get("completion_tokens", 0)
-                return Completion(content, reasoning, choice.get("finish_reason") or "stop", tokens,
-                                  self._token_ids(choice))
+                return self._parse(self._post(payload))
+            except BadResponse as e:
+                if attempt == self.retries:
+                    raise RegenerationError(f"{self.url} answered HTTP 200 without a usable answer "
+                                            f"{self.retries + 1} times; last: {e}") from None
             except urllib.error.HTTPError as e:
                 detail = e.read()[:300]
                 if e.code == 400 and self.ask_token_ids and b"return_token_ids" in detail:
@@ -158,8 +195,13 @@ class HTTPGenerator:
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 if attempt == self.retries:
                     raise RegenerationError(f"{self.url} unreachable after {self.retries + 1} tries: {e}") from e
-            time.sleep(self.backoff * 2 ** attempt * (0.5 + random.random()))
+            if self._stop.wait(self.backoff * 2 ** attempt * (0.5 + random.random())):
+                raise RegenerationError("regeneration was interrupted")
         raise AssertionError("unreachable")
+
+    def stop(self) -> None:
+        """Interrupted: requests not started are not sent, and retries give up instead of waiting."""
+        self._stop.set()
 
     def regenerate_one(self, conv: dict) -> dict:
         messages: list[dict] = []
@@ -176,7 +218,10 @@ class HTTPGenerator:
     def run(self, convs: Iterable[dict]) -> Iterator[tuple[dict, dict | Exception]]:
         """Results as they finish; at most ``2 x concurrency`` conversations read ahead (streamed sources)."""
         convs = iter(convs)
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+        self._stop.clear()
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        finished_normally = False
+        try:
             futures: dict = {}
             exhausted = False
             while True:
@@ -187,6 +232,7 @@ class HTTPGenerator:
                     else:
                         futures[pool.submit(self.regenerate_one, conv)] = conv
                 if not futures:
+                    finished_normally = True
                     return
                 finished, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for fut in finished:
@@ -195,3 +241,7 @@ class HTTPGenerator:
                         yield conv, fut.result()
                     except Exception as e:  # one bad conversation must not stop the run
                         yield conv, e
+        finally:
+            if not finished_normally:  # Ctrl-C, or the consumer stopped: do not wait for queued or retrying rows
+                self.stop()
+            pool.shutdown(wait=finished_normally, cancel_futures=not finished_normally)

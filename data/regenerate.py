@@ -238,6 +238,35 @@ def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: b
     return report
 
 
+def settings_path(out: str | Path) -> Path:
+    """``<out>.settings.json``: the generation settings the answers in ``out`` were made with."""
+    out = Path(out)
+    return out.with_name(out.name + ".settings.json")
+
+
+def check_settings(out: str | Path, settings: dict) -> None:
+    """Refuse to resume ``out`` when its answers were generated with other ``settings``, naming each
+    change; record ``settings`` next to it otherwise (a resumed file never mixes two settings' answers).
+
+    An output without recorded settings (written before they were) is resumed as it is."""
+    out, path = Path(out), settings_path(out)
+    recorded = None
+    if path.is_file():
+        try:
+            recorded = json.loads(path.read_text())
+        except ValueError:
+            recorded = None
+    if out.is_file() and out.stat().st_size and isinstance(recorded, dict):
+        diff = [f"{k}: {recorded[k]!r} -> {v!r}" for k, v in settings.items() if k in recorded and recorded[k] != v]
+        if diff:
+            raise RegenerationError(
+                f"{out} holds answers regenerated with other settings ({'; '.join(diff)}): resuming would mix "
+                f"the answers of both. Write to a new --out, or delete {out} and {path} to regenerate every "
+                "answer with these settings (or rerun with the recorded settings to resume it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
 def make_generator(spec: str, *, model: str | None = None, target=None, thinking: bool | None = None,
                    temperature: float = 0.0, max_tokens: int = 512, concurrency: int = 8, batch_size: int = 8,
                    retries: int = 5, backoff: float = 1.0, preflight: bool = True):
@@ -350,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
     gen = make_generator(a.server or "local", model=a.model or a.target, target=target,
                          thinking=parse_thinking(a.thinking), temperature=a.temperature, max_tokens=a.max_tokens,
                          concurrency=a.concurrency, batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
+    model = gen.model if a.server else str(a.target)  # the server's name for it, after the preflight
+    check_settings(a.out, {"model": model, "quantization": a.quantization, "thinking": parse_thinking(a.thinking),
+                           "max_tokens": a.max_tokens, "temperature": a.temperature})
     report = regenerate(convs, a.out, gen, progress=not a.no_progress)
     print(stats.summary(), file=sys.stderr)
     if stats.kept == 0:

@@ -329,6 +329,169 @@ def test_regeneration_server_serving_another_model_is_refused(data_target):
         srv.shutdown()
 
 
+# regeneration against a server that misbehaves, and resume with other settings (data/regen_http.py,
+# data/regenerate.py, data/chat.py, data/prepare.py)
+_GOOD = {"choices": [{"message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop",
+                      "token_ids": [1, 2]}], "usage": {"completion_tokens": 2}}
+
+
+def _fake_server(replies):
+    """An OpenAI-compatible server answering /v1/models with model "m" and each chat request with the next
+    of ``replies`` (an int: that HTTP error; bytes or a JSON value: a 200 with that body; the last one repeats);
+    returns (server, url, requests list)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, body: bytes):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(json.dumps({"data": [{"id": "m"}]}).encode())
+
+        def do_POST(self):
+            requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            reply = replies[min(len(requests), len(replies)) - 1]
+            if isinstance(reply, int):
+                return self.send_error(reply)
+            self._send(reply if isinstance(reply, bytes) else json.dumps(reply).encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}/v1", requests
+
+
+_ONE_CONV = [{"id": "0", "key": "k0", "messages": [{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "content": "old"}]}]
+
+
+@pytest.mark.parametrize("garbage, quoted", [
+    (b'{"choices": [{"message": {"content": "cut', "not JSON: '{\"choices"),
+    (b"<html><body>502 Bad Gateway</body></html>", "502 Bad Gateway"),
+    ({"choices": []}, "no choices"),
+    ({"error": {"message": "model overloaded", "code": 503}}, "model overloaded"),
+    ({"choices": [{"message": {"role": "assistant", "content": None}, "finish_reason": "stop"}]}, "content null"),
+])
+def test_a_200_without_an_answer_is_retried_and_the_server_message_quoted(garbage, quoted, tmp_path):
+    """A cut body, an HTML page, no choices or an error object once failed at the first try with a bare
+    JSONDecodeError / IndexError / KeyError; null content was stored as a finished empty answer, never retried."""
+    from data.regenerate import HTTPGenerator, regenerate
+
+    srv, url, requests = _fake_server([garbage, _GOOD])
+    try:
+        out = tmp_path / "rg.jsonl"
+        report = regenerate(_ONE_CONV, out, HTTPGenerator(url, "m", retries=2, backoff=0.01), progress=False)
+        assert report.done == 1 and report.failed == 0 and len(requests) == 2  # retried like a 5xx
+        assert '"fine"' in out.read_text()
+        srv2, url2, _ = _fake_server([garbage])
+        try:
+            report = regenerate(_ONE_CONV, tmp_path / "bad.jsonl", HTTPGenerator(url2, "m", retries=1, backoff=0.01),
+                                progress=False)
+        finally:
+            srv2.shutdown()
+        assert report.failed == 1 and (tmp_path / "bad.jsonl").read_text() == ""  # not stored: a rerun retries it
+        assert quoted in report.errors["RegenerationError"]["first"] and "2 times" in report.errors[
+            "RegenerationError"]["first"]
+    finally:
+        srv.shutdown()
+
+
+def test_negative_generated_ids_are_re_tokenized_not_an_overflow(data_target):
+    """Ids above the vocabulary were re-tokenized from the text; negative ones crashed data.prepare with
+    "OverflowError: number too small to fit in target type"."""
+    from data.chat import tokenize_conversation
+    from data.prepare import load_tokenizer
+
+    tok = load_tokenizer(str(data_target))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "token_ids": [-3, 5]}]
+    rows, dropped = tokenize_conversation(tok, messages, thinking=False)
+    assert dropped == 0 and rows[0].retokenized == 1 and min(rows[0].input_ids) >= 0
+
+
+def test_an_answer_cut_at_max_tokens_does_not_teach_ending_the_turn(data_target, tmp_path):
+    """finish_reason "length": the template's end-of-turn token after the cut answer was a label, so the
+    drafter learned to end turns mid-sentence."""
+    from collections import Counter
+
+    from data.chat import tokenize_conversation
+    from data.prepare import load_tokenizer, regenerated_conversations
+    from data.readers import ReadStats
+
+    path = tmp_path / "regenerated.jsonl"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one two"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "three"}]
+    path.write_text(json.dumps({"id": "0", "key": "k", "messages": msgs,
+                                "regen": {"turns": 2, "tokens": 9, "finish_reasons": ["stop", "length"]}}) + "\n")
+    answers = Counter()
+    [conv] = regenerated_conversations(path, ["k"], ReadStats(), answers)
+    assert [m.get("cut") for m in conv["messages"] if m["role"] == "assistant"] == [None, True]
+    assert answers["truncated"] == 1
+    tok = load_tokenizer(str(data_target))
+    whole = sum(sum(r.loss_mask) for r in tokenize_conversation(tok, msgs, thinking=False)[0])
+    rows, _ = tokenize_conversation(tok, conv["messages"], thinking=False)
+    assert sum(sum(r.loss_mask) for r in rows) == whole - 1  # only the cut turn's end-of-turn token left out
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    last = rows[-1]
+    assert last.input_ids[-2] == eot and last.loss_mask[-2] == 0  # the trailer: <|im_end|> then a newline
+
+
+def test_standalone_regenerate_resumed_with_other_settings_is_refused_naming_each(tmp_path):
+    """data.regenerate rerun on the same --out with other settings resumed silently ("already_done"), mixing
+    the answers of two settings in one file."""
+    from data.regenerate import RegenerationError, main, settings_path
+
+    srv, url, requests = _fake_server([_GOOD])
+    try:
+        out = tmp_path / "rg.jsonl"
+        base = ["--source", str(_DATA_FIX / "openai.jsonl"), "--out", str(out), "--server", url, "--model", "m",
+                "--no-progress"]
+        main(base + ["--thinking", "off", "--max-tokens", "64"])
+        sent = len(requests)
+        assert sent > 0 and json.loads(settings_path(out).read_text())["max_tokens"] == 64
+        main(base + ["--thinking", "off", "--max-tokens", "64"])  # the same settings: resumed, nothing asked
+        assert len(requests) == sent
+        with pytest.raises(RegenerationError, match=r"other settings \(thinking: False -> True; max_tokens: 64 -> "
+                                                    r"4096; temperature: 0.0 -> 0.7\).* new --out, or delete "):
+            main(base + ["--thinking", "on", "--max-tokens", "4096", "--temperature", "0.7"])
+        assert len(requests) == sent
+    finally:
+        srv.shutdown()
+
+
+def test_interrupted_http_regeneration_does_not_wait_for_retries(tmp_path):
+    """Ctrl-C with a failing server waited for every running row's retries (up to 6 x 600 s each): the
+    pool's shutdown waited for them."""
+    import time
+
+    from data.regenerate import HTTPGenerator
+
+    srv, url, requests = _fake_server([503])
+    gen = HTTPGenerator(url, "m", retries=3, backoff=4.0, concurrency=2)
+
+    def convs():
+        yield _ONE_CONV[0]
+        time.sleep(0.3)  # the row's first request fails and waits to retry
+        raise KeyboardInterrupt
+
+    try:
+        start = time.time()
+        with pytest.raises(KeyboardInterrupt):
+            list(gen.run(convs()))
+        assert time.time() - start < 1.5 and len(requests) == 1
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("error, one_line", [
     (KeyError("input_ids"), False), (TypeError("forward() got an unexpected keyword"), False),
     (IndexError("list index out of range"), False), (AttributeError("x"), False),
