@@ -55,7 +55,7 @@ class TemplateError(ValueError):
 @dataclass
 class Segment:
     text: str
-    kind: str  # "context" | "answer" (all loss) | "trailer" (first token loss: end-of-turn)
+    kind: str  # "context" | "answer" (all loss) | "trailer" (first token loss: end-of-turn) | "cut_trailer" (no loss)
     token_ids: list[int] | None = None  # answer only: the ids the target generated, when known
 
 
