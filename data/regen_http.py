@@ -24,7 +24,7 @@ from data.regen_common import (Completion, RegenerationError, ServerUnavailable,
                                _result_row)
 
 
-class BadResponse(Exception):
+class _BadResponse(Exception):
     """An HTTP 200 whose body holds no answer (retried like a 5xx)."""
 
 
@@ -84,7 +84,7 @@ class HTTPGenerator:
         try:
             return json.loads(raw)
         except ValueError:  # a cut body, an HTML page from a proxy: retried, and quoted if it stays so
-            raise BadResponse(f"a body that is not JSON: {_start(raw)}") from None
+            raise _BadResponse(f"a body that is not JSON: {_start(raw)}") from None
 
     def served_models(self, timeout: float = 10.0) -> list[str]:
         """Model ids from ``GET /v1/models`` (one request, no retry)."""
@@ -141,23 +141,23 @@ class HTTPGenerator:
         return None
 
     def _parse(self, body) -> Completion:
-        """One answer from a response body; :class:`BadResponse` when it holds none (retried like a 5xx)."""
+        """One answer from a response body; :class:`_BadResponse` when it holds none (retried like a 5xx)."""
         if not isinstance(body, dict):
-            raise BadResponse(f"a body that is not a JSON object: {_start(json.dumps(body))}")
+            raise _BadResponse(f"a body that is not a JSON object: {_start(json.dumps(body))}")
         if body.get("error"):
-            raise BadResponse(f"error {_start(json.dumps(body['error'], ensure_ascii=False))}")
+            raise _BadResponse(f"error {_start(json.dumps(body['error'], ensure_ascii=False))}")
         choices = body.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
                 or not isinstance(choices[0].get("message"), dict):
-            raise BadResponse(f"no choices[0].message in {_start(json.dumps(body, ensure_ascii=False))}")
+            raise _BadResponse(f"no choices[0].message in {_start(json.dumps(body, ensure_ascii=False))}")
         choice = choices[0]
         msg = choice["message"]
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if msg.get("content") is None and not reasoning:  # not an empty answer: no answer at all
-            raise BadResponse(f"no answer (content null, no reasoning) in {_start(json.dumps(body))}")
+            raise _BadResponse(f"no answer (content null, no reasoning) in {_start(json.dumps(body))}")
         content = msg.get("content") or ""
         if not isinstance(content, str):
-            raise BadResponse(f"content that is not text in {_start(json.dumps(body))}")
+            raise _BadResponse(f"content that is not text in {_start(json.dumps(body))}")
         if reasoning is None:
             reasoning, content = split_think(content)
         tokens = (body.get("usage") or {}).get("completion_tokens", 0)
@@ -181,7 +181,7 @@ class HTTPGenerator:
                 raise RegenerationError("regeneration was interrupted")
             try:
                 return self._parse(self._post(payload))
-            except BadResponse as e:
+            except _BadResponse as e:
                 if attempt == self.retries:
                     raise RegenerationError(f"{self.url} answered HTTP 200 without a usable answer "
                                             f"{self.retries + 1} times; last: {e}") from None
