@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
@@ -50,18 +52,11 @@ def _run_two(mode: str) -> list[subprocess.CompletedProcess]:
     return out
 
 
-def test_main_process_failure_reaches_every_process():
-    main, other = _run_two("fail")
+@pytest.mark.parametrize("mode, error", [("fail", "ValueError: data.source=missing.jsonl does not exist"),
+                                         # not an Exception: the main process must still reach the collective
+                                         ("interrupt", "KeyboardInterrupt: ctrl-c")])
+def test_main_process_failure_or_ctrl_c_reaches_every_process(mode, error):
+    main, other = _run_two(mode)
     assert main.returncode == other.returncode == 1
-    assert "raised ValueError: data.source=missing.jsonl does not exist" in main.stdout
-    assert ("raised MainProcessFailed: data preparation failed on the main process (ValueError: data.source="
-            "missing.jsonl does not exist)") in other.stdout
-
-
-def test_ctrl_c_on_the_main_process_reaches_every_process():
-    """A KeyboardInterrupt is not an Exception: the main process must still reach the collective with it."""
-    main, other = _run_two("interrupt")
-    assert main.returncode == other.returncode == 1
-    assert "raised KeyboardInterrupt: ctrl-c" in main.stdout
-    assert ("raised MainProcessFailed: data preparation failed on the main process (KeyboardInterrupt: "
-            "ctrl-c)") in other.stdout
+    assert f"raised {error}" in main.stdout
+    assert f"raised MainProcessFailed: data preparation failed on the main process ({error})" in other.stdout
