@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.quantization != "none" and a.regenerate != "local":
         p.error("--quantization applies to --regenerate local (a server generates with the weights it serves)")
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,
-                      batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
+                      batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
+                      request_timeout=a.request_timeout)
     target_model = load_local_target(a, a.target) if a.regenerate == "local" else None
     stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
                     max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,

@@ -269,7 +269,7 @@ def check_settings(out: str | Path, settings: dict) -> None:
 
 def make_generator(spec: str, *, model: str | None = None, target=None, thinking: bool | None = None,
                    temperature: float = 0.0, max_tokens: int = 512, concurrency: int = 8, batch_size: int = 8,
-                   retries: int = 5, backoff: float = 1.0, preflight: bool = True):
+                   retries: int = 5, backoff: float = 1.0, request_timeout: float = 600.0, preflight: bool = True):
     """``spec`` is ``local`` (uses ``target``) or a server base URL (uses ``model``; checked first with
     :meth:`HTTPGenerator.preflight` unless ``preflight=False``)."""
     if spec == "local":
@@ -281,7 +281,7 @@ def make_generator(spec: str, *, model: str | None = None, target=None, thinking
         raise ValueError(f"--regenerate {spec!r}: use 'local', 'vllm', 'sglang' or a server base URL like "
                          "http://127.0.0.1:8000/v1")
     gen = HTTPGenerator(spec, model or "", temperature=temperature, max_tokens=max_tokens, thinking=thinking,
-                        concurrency=concurrency, retries=retries, backoff=backoff)
+                        concurrency=concurrency, retries=retries, backoff=backoff, timeout=request_timeout)
     if preflight:
         gen.preflight()
     return gen
@@ -300,6 +300,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=8, help="conversations per batch in-process (default 8)")
     g.add_argument("--retries", type=int, default=5, help="retries per request, exponential backoff (default 5)")
     g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (default 1)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one server request may take before it is retried (default 600; a request in "
+                        "flight also ends only then after Ctrl-C)")
     g.add_argument("--device", default="auto",
                    help="in-process generation: cuda, cpu, mps... (default auto: cuda when available, else cpu)")
     g.add_argument("--dtype", default="auto", help="in-process generation: bfloat16 (bf16), float32 (fp32) or "
@@ -323,6 +326,8 @@ def check_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         value = getattr(a, flag, None)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: {fix}")
+    if not getattr(a, "request_timeout", 1) > 0:  # nan too: urllib's timeout would never or always fire
+        p.error(f"--request-timeout {a.request_timeout}: use a positive number of seconds (default 600)")
 
 
 def load_local_target(a: argparse.Namespace, path: str):
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         target = load_local_target(a, a.target)
     gen = make_generator(a.server or "local", model=a.model or a.target, target=target,
                          thinking=parse_thinking(a.thinking), temperature=a.temperature, max_tokens=a.max_tokens,
-                         concurrency=a.concurrency, batch_size=a.batch_size, retries=a.retries, backoff=a.backoff)
+                         concurrency=a.concurrency, batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
+                         request_timeout=a.request_timeout)
     model = gen.model if a.server else str(a.target)  # the server's name for it, after the preflight
     check_settings(a.out, {"model": model, "quantization": a.quantization, "thinking": parse_thinking(a.thinking),
                            "max_tokens": a.max_tokens, "temperature": a.temperature})

@@ -468,6 +468,29 @@ def test_standalone_regenerate_resumed_with_other_settings_is_refused_naming_eac
         srv.shutdown()
 
 
+def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
+    """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
+    sets it, and a value that is not a positive number of seconds is refused."""
+    import socket
+
+    from data.regen_common import RegenerationError
+    from data.regenerate import main, make_generator
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()  # connections queue and are never answered
+    try:
+        gen = make_generator(f"http://127.0.0.1:{hung.getsockname()[1]}/v1", model="m", retries=0,
+                             request_timeout=0.3, preflight=False)
+        with pytest.raises(RegenerationError, match="unreachable after 1 tries: .*timed out"):
+            gen.complete([{"role": "user", "content": "hi"}])
+    finally:
+        hung.close()
+    with pytest.raises(SystemExit):
+        main(["--source", "s.jsonl", "--out", "o.jsonl", "--server", "http://x/v1", "--request-timeout", "0"])
+    assert "--request-timeout 0.0: use a positive number of seconds" in capsys.readouterr().err
+
+
 def test_interrupted_http_regeneration_does_not_wait_for_retries(tmp_path):
     """Ctrl-C with a failing server waited for every running row's retries (up to 6 x 600 s each): the
     pool's shutdown waited for them."""
