@@ -101,17 +101,15 @@ def check_folder(folder: Path) -> DFlashConfig:
 
 
 def export_files(folder: Path) -> list[str]:
-    """The files a push uploads (relative paths), after refusing any file an export does not write."""
-    import fnmatch
+    """The files a push uploads (relative paths), after refusing any file an export does not write. Both lists
+    come from huggingface_hub's own filter with the patterns ``upload_folder`` gets, so the dry run lists exactly
+    what the upload sends."""
+    from huggingface_hub import utils
 
-    files, other = [], []
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts) or not path.is_file() \
-                or path.name.endswith(".tmp"):
-            continue  # IGNORE's files: never uploaded
-        ok = len(rel.parts) == 1 and any(fnmatch.fnmatch(rel.name, pattern) for pattern in EXPORT_FILES)
-        (files if ok else other).append(rel.as_posix())
+    every = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    seen = list(utils.filter_repo_objects(every, ignore_patterns=IGNORE + list(utils.DEFAULT_IGNORE_PATTERNS)))
+    files = list(utils.filter_repo_objects(seen, allow_patterns=EXPORT_FILES))
+    other = [f for f in seen if f not in files]
     if other:
         shown = ", ".join(other[:8]) + (f" (+{len(other) - 8} more)" if len(other) > 8 else "")
         raise ValueError(f"--folder {folder} holds files an export does not write: {shown}. A push uploads the "

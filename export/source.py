@@ -205,7 +205,7 @@ def target_quantization(target: str | None) -> str | None:
 
 def _checkpoint_after_final(run: Path) -> tuple[Path, int] | None:
     """(the newest checkpoint, final/drafter's steps) when that checkpoint is past final/drafter's step."""
-    from train.checkpoint import latest_checkpoint
+    from train.checkpoint import STEP_DIR, latest_checkpoint
 
     state, newest = _final_state(run / "final"), latest_checkpoint(run)
     if state is None or newest is None:
@@ -214,7 +214,7 @@ def _checkpoint_after_final(run: Path) -> tuple[Path, int] | None:
         final_step = int(json.loads(state.read_text())["step"])
     except (ValueError, KeyError, TypeError):
         return None  # unreadable: the provenance reader names it
-    return (newest, final_step) if int(newest.name.split("_")[1]) > final_step else None
+    return (newest, final_step) if int(STEP_DIR.match(newest.name).group(1)) > final_step else None
 
 
 def _final_state(final: Path) -> Path | None:

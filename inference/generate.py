@@ -245,7 +245,7 @@ class Session:
     def _static_bytes(self, positions: int) -> int:
         """Bytes of the static loop's K/V buffers (target and drafter) for ``positions`` positions."""
         c, d = self.target.config, self.proposer.drafter.config
-        size = torch_element_size(self.target.dtype)
+        size = getattr(self.target.dtype, "itemsize", 2)  # torch.dtype.itemsize; 2 bytes for anything else
         head = lambda cfg: getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # noqa: E731
         kv = lambda cfg: getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # noqa: E731
         per = 2 * (c.num_hidden_layers * kv(c) * head(c) + d.num_hidden_layers * kv(d) * head(d)) * size
@@ -315,12 +315,6 @@ class Session:
             ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
         return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
                 "loop": self.loop_kind, "platform": pf.platform(), "machine": pf.machine()}
-
-
-def torch_element_size(dtype) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
 
 
 def report_of(backend: str, result, baseline) -> dict:

@@ -214,12 +214,12 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def validate(self) -> None:
+        from models.cli import DTYPE_NAMES
         from models.quant import parse_quantization
 
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
         # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
-        self.target.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.target.dtype,
-                                                                                           self.target.dtype)
+        self.target.dtype = DTYPE_NAMES.get(self.target.dtype, self.target.dtype)
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),
                    "features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
