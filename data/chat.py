@@ -46,6 +46,11 @@ import json
 from dataclasses import dataclass
 
 SENTINEL = "\u2063DRAFTSMITH\u2063"  # invisible separator: never produced by a template
+# Version of the rules above that turn a conversation into labels. Every prepared folder records it, so a
+# folder labelled by older rules is rebuilt (its regenerated answers kept) instead of trained as if current.
+# 1: a cut answer's end-of-turn token was labelled. 2: it is context.
+LABEL_RULES = 2
+LABEL_RULES_BEFORE_RECORDED = 1  # folders prepared before the version was recorded
 
 
 class TemplateError(ValueError):

@@ -26,6 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
+from data.chat import LABEL_RULES, LABEL_RULES_BEFORE_RECORDED
 from models.cli import UserError
 
 META_FILE = "draftsmith_data.json"
@@ -35,7 +36,7 @@ REGEN_FILE = "regenerated.jsonl"
 CACHE_DIR = ".prepare-cache"
 # Settings that change the prepared rows, compared on re-use (in this order in messages).
 ROW_SETTINGS = ("source", "source_fingerprint", "split", "subset", "limit", "regenerate", "answers_by", "generation",
-                "thinking", "max_length", "packed", "tokenizer_hash")
+                "thinking", "max_length", "packed", "tokenizer_hash", "label_rules")
 # Settings that change the regenerated answers themselves (answers_by: the local regenerating target).
 REGEN_SETTINGS = ("regenerate", "answers_by", "generation", "thinking", "tokenizer_hash")
 FIX = ("rebuild it with the new settings (data.rebuild=true, or --rebuild for python -m data.prepare), or choose "
@@ -113,7 +114,8 @@ def row_settings(*, source: str, split: str, subset: str | None, limit: int | No
                   if mode else None)
     return {"source": str(source), "source_fingerprint": source_fingerprint(str(source)), "split": split,
             "subset": subset, "limit": limit, "regenerate": mode, "generation": generation, "thinking": thinking,
-            "max_length": max_length, "packed": bool(pack), "tokenizer_hash": tokenizer_hash}
+            "max_length": max_length, "packed": bool(pack), "tokenizer_hash": tokenizer_hash,
+            "label_rules": LABEL_RULES}
 
 
 def same_source(recorded: dict, wanted: dict) -> bool:
@@ -129,9 +131,17 @@ def same_source(recorded: dict, wanted: dict) -> bool:
 
 def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
     """``key: old -> new`` for every setting that differs. Keys a folder did not record are not compared
-    (folders prepared before they were recorded)."""
+    (folders prepared before they were recorded), except the labelling rules: a folder that did not record
+    them was labelled by the first ones."""
     diff = []
     for key in keys:
+        if key == "label_rules" and key in wanted:
+            rules = recorded.get(key, LABEL_RULES_BEFORE_RECORDED)
+            if rules != wanted[key]:
+                diff.append(f"labelling rules: version {rules} -> {wanted[key]} (prepared by "
+                            f"{'an older' if rules < wanted[key] else 'a newer'} draftsmith, whose loss labels "
+                            "differ; a rebuild keeps the regenerated answers)")
+            continue
         if key not in recorded or recorded[key] == wanted.get(key):
             continue
         if key in ("source", "source_fingerprint"):

@@ -129,6 +129,35 @@ def test_answers_regenerated_by_another_target_are_not_reused_under_its_name(dat
     assert meta["regenerated_by"] == str(other)
 
 
+def test_data_labelled_by_an_older_draftsmith_is_relabelled_not_reused(data_target, tmp_path):
+    """A folder prepared before a labelling rule changed (a cut answer's end-of-turn was labelled then) matched
+    every recorded setting and trained on the old labels. Now it is refused naming the rules' version, and a
+    rebuild relabels it from the answers it holds (none regenerated)."""
+    import json
+
+    from data.prepare import ensure_prepared, prepare
+    from data.reuse import DataMismatch
+
+    out = tmp_path / "run" / "data"
+    kwargs = {"regenerate": "local", "gen_kwargs": {"max_tokens": 4}, "progress": False}
+    first = prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, **kwargs)
+    meta_file = out / "draftsmith_data.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["label_rules"] == 2
+    meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "label_rules"}))  # as older ones wrote
+    with pytest.raises(DataMismatch, match=r"labelling rules: version 1 -> 2 \(prepared by an older draftsmith.*"
+                                           r"keeps the regenerated answers\).*data.rebuild=true"):
+        ensure_prepared(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, log=lambda *_: None, **kwargs)
+    warned = []  # a folder the user named is used as it is, with the difference named
+    ensure_prepared(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, explicit=True, log=warned.append,
+                    **kwargs)
+    assert "labelling rules: version 1 -> 2" in warned[0] and "using it as it is" in warned[0]
+    stats = prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, reuse=True, rebuild=True, **kwargs)
+    done = first["regenerate"]["done"]
+    assert done > 0 and stats["regenerate"]["already_done"] == done and stats["regenerate"]["done"] == 0
+    assert json.loads(meta_file.read_text())["label_rules"] == 2
+
+
 def test_extracting_with_another_target_than_the_one_that_answered_is_refused(data_target, tmp_path):
     """Training refuses such a store, but only after the hours of extraction; data.extract now says so first."""
     from data.extract import extract

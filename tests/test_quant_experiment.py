@@ -58,3 +58,32 @@ def test_epochs_flag_changes_this_run_only(monkeypatch, tmp_path):
     monkeypatch.setattr(qe, "run", lambda *args, **kwargs: seen.update(kwargs))
     qe.main(["--out", str(tmp_path), "--budget", "smoke", "--epochs", "2"])
     assert seen["epochs"] == 2 and qe.BUDGETS == before
+
+
+def test_a_cached_drafter_trained_on_data_of_older_labelling_rules_is_trained_again(monkeypatch, tmp_path):
+    """The experiment reused any finished drafter in --out: one trained before a labelling rule changed gave
+    figures of the old rules under the new code. It is trained again from the start, its answers kept."""
+    import json
+
+    import train.distill
+    from train.quant_experiment import train_drafter
+
+    calls, said = [], []
+    monkeypatch.setattr(train.distill, "main", lambda argv: calls.append(argv))
+    run = tmp_path / "drafter-unquantized-e3-s0"
+    (run / "final" / "drafter").mkdir(parents=True)
+    (run / "final" / "drafter" / "config.json").write_text("{}")
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    (run / "data").mkdir()
+    (run / "data" / "regenerated.jsonl").write_text("{}\n")
+    meta = run / "data" / "draftsmith_data.json"
+    budget = {"train": {"train.epochs": 3}}
+    meta.write_text(json.dumps({"label_rules": 2}))
+    assert train_drafter(run, tmp_path / "t", "none", budget, 0, said.append) == run / "final" / "drafter"
+    assert calls == [] and said == []  # current rules: reused as it is
+    meta.write_text(json.dumps({"limit": 8}))  # prepared before the rules' version was recorded: version 1
+    train_drafter(run, tmp_path / "t", "none", budget, 0, said.append)
+    assert len(calls) == 1 and "data.rebuild=True" in calls[0] and "resume=True" in calls[0]
+    assert "labelled by rules version 1 (now 2)" in said[0]
+    assert sorted(p.name for p in run.iterdir()) == ["data"]  # no checkpoint of the old labels to resume from
+    assert (run / "data" / "regenerated.jsonl").is_file()

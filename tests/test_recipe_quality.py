@@ -89,6 +89,22 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     capsys.readouterr()
     again = main(["--grid", "paper", *budget])
     assert again["rows"][0]["tau_pooled"] == row["tau_pooled"] and "1 done, 0 to run" in capsys.readouterr().out
+    # Data labelled by an older draftsmith (no labelling-rules version recorded): once reused as it was, with
+    # its finished runs. Now it is relabelled (answers kept, nothing regenerated) and the run trains again.
+    from data.reuse import META_FILE, PARTIAL_FILE
+
+    data = tmp_path / "abl" / "data-regen-8"
+    meta = json.loads((data / META_FILE).read_text())
+    answers = (data / "regenerated.jsonl").read_text()
+    (data / META_FILE).write_text(json.dumps({k: v for k, v in meta.items() if k != "label_rules"}))
+    for name in ("result.json", "trained.json"):  # nor did its runs record which preparation they trained on
+        path = tmp_path / "abl" / "paper" / "seed0" / name
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "data_key"}))
+    main(["--grid", "paper", *budget])
+    assert "0 done, 1 to run" in capsys.readouterr().out
+    assert json.loads((data / META_FILE).read_text())["label_rules"] == meta["label_rules"] == 2
+    assert (data / "regenerated.jsonl").read_text() == answers
+    result = json.loads((tmp_path / "abl" / "paper" / "seed0" / "result.json").read_text())
     # A finished run of another cell, run alone: the table keeps the paper row (a partial --grid once
     # replaced the whole table). Its result is the paper's, relabelled as that cell's run would write it.
     from train.ablate import prepare_data, run_argv, variant_folder
@@ -109,8 +125,6 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     prepare_data("regen", target, abl, rows=8, max_length=160, regen_tokens=24, progress=False, log=said.append)
     assert any("prepared against another build" in m for m in said)
     # An interrupted preparation of the same build resumes (its answers kept), never deleted as "another build".
-    from data.reuse import META_FILE, PARTIAL_FILE
-
     folder = variant_folder("regen", abl, 8)
     (folder / META_FILE).rename(folder / PARTIAL_FILE)
     answers, said = (folder / "regenerated.jsonl").read_text(), []

@@ -166,20 +166,25 @@ def test_a_store_of_other_rows_is_refused_before_the_first_eval_and_the_same_row
     """A store of other prepared data with as many rows passed every check until the first training batch:
     the step-0 eval had run on the wrong rows. The same rows prepared again have another fingerprint (the
     tokenize pass gets a new one each time): their rows are compared, and they train."""
-    import json
     import shutil
 
     from datasets import load_from_disk
 
     path, _ = store
-    again = shutil.copytree(tiny["data"], tmp_path / "again")  # same rows, a new fingerprint
-    state = json.loads((again / "state.json").read_text())
-    (again / "state.json").write_text(json.dumps({**state, "_fingerprint": "0123456789abcdef"}))
-    other = shutil.copytree(tiny["data"], tmp_path / "other")  # as many rows, in another order
     ds = load_from_disk(str(tiny["data"]))
-    ds.select(list(reversed(range(len(ds))))).flatten_indices().save_to_disk(str(tmp_path / "reversed"))
-    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
-        shutil.copy(tmp_path / "reversed" / name, other / name)
+
+    def replace_rows(folder, rows):  # the prepared folder's rows replaced, its draftsmith_data.json kept
+        rows.save_to_disk(str(tmp_path / "rows"))
+        for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
+            shutil.copy(tmp_path / "rows" / name, folder / name)
+        shutil.rmtree(tmp_path / "rows")
+
+    # Same rows prepared again (a new fingerprint), relabelled as newer labelling rules may: every first label
+    # of a row moved to context. The features cover every token, so the store stays valid for them.
+    again = shutil.copytree(tiny["data"], tmp_path / "again")
+    replace_rows(again, ds.map(lambda r: {"loss_mask": [0] + list(r["loss_mask"][1:])}))
+    other = shutil.copytree(tiny["data"], tmp_path / "other")  # as many rows, in another order
+    replace_rows(other, ds.select(list(reversed(range(len(ds))))).flatten_indices())
     store_args = ["features.mode=offline", f"features.store={path}", "eval.at_start=true"]
     with pytest.raises(ValueError, match="holds other tokens than the prepared data"):
         run(tmp_path / "run_other", f"target.path={tiny['target']}", f"data.prepared={other}", *FAST, *STEPS,
@@ -188,6 +193,32 @@ def test_a_store_of_other_rows_is_refused_before_the_first_eval_and_the_same_row
     result = run(tmp_path / "run_again", f"target.path={tiny['target']}", f"data.prepared={again}", *FAST, *STEPS,
                  "train.max_steps=1", *store_args)
     assert result["steps"] == 1
+
+
+def test_a_store_provider_gives_the_prepared_rows_labels_and_refuses_other_tokens(tiny, store):
+    """Training drew its anchors from the prepared rows' labels but the held-out eval read the store's: a store
+    extracted before the rows were relabelled evaluated on the old labels. Every batch now carries the prepared
+    rows' labels, and any batch (not only the first) of other tokens is refused."""
+    import torch
+    from datasets import load_from_disk
+
+    from data.store import FeatureStore
+    from train.setup import _Subset
+
+    path, _ = store
+    ds = load_from_disk(str(tiny["data"]))
+    relabelled = ds.map(lambda r, i: {"loss_mask": [0] * len(r["loss_mask"]) if i == 1 else r["loss_mask"]},
+                        with_indices=True)
+    feats = FeatureStore(path, dtype=torch.float32)
+    raw = feats.get_batch([0, 1])
+    got = _Subset(feats, 0, relabelled, str(path)).get_batch([0, 1])
+    assert int(raw.loss_mask[1].sum()) > 0 and int(got.loss_mask[1].sum()) == 0  # row 1's labels: the prepared ones
+    assert torch.equal(got.loss_mask[0], raw.loss_mask[0]) and torch.equal(got.features, raw.features)
+    shifted = ds.map(lambda r, i: {"input_ids": [(t + 1) % 64 for t in r["input_ids"]] if i == 3 else r["input_ids"]},
+                     with_indices=True)
+    _Subset(feats, 0, shifted, str(path)).get_batch([0, 1])  # rows 0 and 1 are the same tokens
+    with pytest.raises(ValueError, match="holds other tokens than the prepared data"):
+        _Subset(feats, 0, shifted, str(path)).get_batch([2, 3])
 
 
 def test_packed_rows_train_and_learn(tiny, tmp_path, capsys):

@@ -86,13 +86,15 @@ class AblationFailed(UserError, RuntimeError):
 # ----------------------------------------------------------------------------- data
 def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length: int, regen_tokens: int,
                  progress: bool, log=print) -> Path:
-    """The prepared data folder of a variant (prepared once; reused while its meta file exists).
+    """The prepared data folder of a variant (prepared once; reused while its settings stay the same).
 
     ``regen`` and ``original`` hold the first ``rows`` conversations of ``chats.jsonl`` (one row each,
     so a run of ``rows`` steps x 1 row sees every row once); ``half`` the first ``rows // 2``
-    regenerated ones, seen twice in the same steps.
+    regenerated ones, seen twice in the same steps. A folder prepared with another ``max_length`` or
+    ``regen_tokens``, or labelled by an older draftsmith, is rebuilt (``data.prepare`` keeps its
+    answers when the regeneration settings are the same).
     """
-    from data.prepare import META_FILE, prepare
+    from data.prepare import prepare
 
     folder = variant_folder(variant, out, rows)
     n = rows // 2 if variant == "half" else rows
@@ -101,8 +103,6 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
     made_by = folder.with_name(folder.name + TARGET_SUFFIX)
     key = target_key(target)
     same_build = made_by.is_file() and made_by.read_text() == key
-    if same_build and (folder / META_FILE).is_file():
-        return folder
     if folder.exists() and not same_build:
         log(f"data variant {folder} was prepared against another build of {target} (or before builds were "
             "recorded): preparing it again")
@@ -120,11 +120,24 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
         full = prepare_data("regen", target, out, rows=rows, max_length=max_length, regen_tokens=regen_tokens,
                             progress=progress, log=log)
         folder.mkdir(parents=True, exist_ok=True)  # the regenerated answers are reused, not generated again
-        shutil.copy(full / "regenerated.jsonl", folder / "regenerated.jsonl")
-    log(f"preparing data variant {variant}: first {n} conversations of {chats}")
-    prepare(str(target), str(chats), folder, regenerate=None if variant == "original" else "local",
-            max_length=max_length, limit=n, gen_kwargs=gen, progress=progress, reuse=True)
+        if not (folder / "regenerated.jsonl").is_file():
+            shutil.copy(full / "regenerated.jsonl", folder / "regenerated.jsonl")
+    stats = prepare(str(target), str(chats), folder, regenerate=None if variant == "original" else "local",
+                    max_length=max_length, limit=n, gen_kwargs=gen, progress=progress, reuse=True, rebuild=True,
+                    log=log)
+    log(f"data variant {variant}: {stats.get('rows', '?')} rows from the first {n} conversations of {chats}")
     return folder
+
+
+def data_key(folder: Path) -> str | None:
+    """Which preparation of a data variant a result was trained on: a hash of its ``draftsmith_data.json``
+    (settings, labelling rules, sources), rewritten by every rebuild; None before it is prepared."""
+    import hashlib
+
+    from data.prepare import META_FILE
+
+    meta = folder / META_FILE
+    return hashlib.sha256(meta.read_bytes()).hexdigest()[:16] if meta.is_file() else None
 
 
 def variant_folder(variant: str, out: Path, rows: int) -> Path:
@@ -196,15 +209,16 @@ def run_one(spec_file: Path) -> None:
     t0 = time.perf_counter()
     trained = run_dir / "trained.json"  # a run killed during its evaluation is not trained again
     before = json.loads(trained.read_text()) if trained.is_file() else {}
-    if before.get("argv") == spec["argv"] and before.get("target_key") == spec["target_key"]:
-        summary = before  # (the argv names the target's folder, not its build: a rebuilt target retrains)
+    if all(before.get(k) == spec.get(k) for k in ("argv", "target_key", "data_key")):
+        summary = before  # (the argv names the folders, not their builds: a rebuilt target or data retrains)
     else:
         from train.distill import main as distill
 
         # a run killed during training starts over (distill refuses to start fresh over an unfinished run)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         summary = distill(spec["argv"])
-        summary = {"argv": spec["argv"], "target_key": spec["target_key"], "last": summary.get("last"),
+        summary = {"argv": spec["argv"], "target_key": spec["target_key"], "data_key": spec.get("data_key"),
+                   "last": summary.get("last"),
                    "train_seconds": time.perf_counter() - t0}
         trained.write_text(json.dumps(summary) + "\n")
     train_s = summary.get("train_seconds")
@@ -212,7 +226,7 @@ def run_one(spec_file: Path) -> None:
     report = true_tau_report(run_dir / "final" / "drafter", Path(spec["target"]), spec["prompts"],
                              spec["max_new_tokens"])
     report.update({"cell": spec["cell"], "seed": spec["seed"], "max_new_tokens": spec["max_new_tokens"],
-                   "target_key": spec["target_key"],
+                   "target_key": spec["target_key"], "data_key": spec.get("data_key"),
                    "train_seconds": None if train_s is None else round(train_s, 1),
                    "eval_seconds": round(time.perf_counter() - t0, 1),
                    "final_loss": (summary.get("last") or {}).get("loss"), "argv": spec["argv"]})
@@ -350,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_dir = out / cell / f"seed{seed}"
         prepared = variant_folder(CELLS[cell].get("data", "regen"), data_dir, a.steps)
         return {"cell": cell, "seed": seed, "run_dir": str(run_dir), "target": str(target), "target_key": key,
+                "data_key": data_key(prepared),
                 "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
                 "argv": run_argv(cell, seed, target=target, prepared=prepared, run_dir=run_dir, steps=a.steps,
                                  anchors=a.anchors)}
@@ -393,8 +408,7 @@ def finished(run_dir: Path, spec: dict) -> bool:
     if not path.is_file():
         return False
     r = json.loads(path.read_text())
-    return r.get("argv") == spec["argv"] and r.get("prompts") == spec["prompts"] and \
-        r.get("max_new_tokens") == spec["max_new_tokens"] and r.get("target_key") == spec["target_key"]
+    return all(r.get(k) == spec.get(k) for k in ("argv", "prompts", "max_new_tokens", "target_key", "data_key"))
 
 
 def run_all(todo: list[Path], workers: int, done: int, total: int, device: str = "auto") -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -86,18 +87,37 @@ def measure_tau(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], m
 
 
 def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: dict, seed: int, log) -> Path:
-    """A drafter trained with ``train/distill.py`` (cached: an existing final drafter is reused)."""
+    """A drafter trained with ``train/distill.py`` (cached: an existing final drafter is reused, an interrupted
+    training resumed), unless its data was labelled by an older draftsmith: then it is trained again from the
+    start on the same answers, relabelled."""
     final = out_dir / "final" / "drafter"
-    if (final / "config.json").is_file():
+    stale = stale_labels(out_dir / "data")
+    if (final / "config.json").is_file() and not stale:
         return final
+    if stale:
+        log(f"{out_dir} was trained on data {stale}: training it again from the start on its answers, relabelled")
+        for path in out_dir.iterdir():  # the run's own folder: all but the prepared data (its answers) goes
+            if path.name != "data":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     from train.distill import main as distill
 
     overrides = {**DRAFTER, **budget["train"], "target.path": str(target_dir), "target.quantization": quantization,
                  "data.source": str(target_dir / "chats.jsonl"), "out_dir": str(out_dir), "train.seed": seed,
+                 "data.rebuild": True,  # the experiment's own data: relabelled when older rules prepared it
                  "logging.progress": False, "resume": True}  # an interrupted training goes on (none: from scratch)
     log(f"training drafter against {quantization if quantization != 'none' else 'the unquantized target'} -> {out_dir}")
     distill(["recipe=tiny"] + [f"{k}={v}" for k, v in overrides.items()])
     return final
+
+
+def stale_labels(data: Path) -> str | None:
+    """Why a run's prepared data is not labelled by the current rules (None when it is, or is not there)."""
+    from data.chat import LABEL_RULES, LABEL_RULES_BEFORE_RECORDED
+    from data.reuse import META_FILE, read_json
+
+    meta = read_json(data / META_FILE)
+    rules = None if meta is None else meta.get("label_rules", LABEL_RULES_BEFORE_RECORDED)
+    return None if rules in (None, LABEL_RULES) else f"labelled by rules version {rules} (now {LABEL_RULES})"
 
 
 def pick_bits(sweep: dict[int, float], reference: float, threshold: float) -> int:

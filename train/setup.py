@@ -149,16 +149,27 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
 
 
 class _Subset:
-    """Rows ``offset ..`` of a feature store seen as their own provider (held-out split)."""
+    """Rows ``offset ..`` of a feature store seen as the provider of one split of the prepared rows.
 
-    def __init__(self, store, offset: int, n: int):
-        self.store, self.offset, self.n = store, offset, n
+    Every batch is compared with the prepared rows it stands for (the same tokens), and carries their
+    labels: features and top-k log-probs cover every token, so a store stays valid for rows relabelled
+    since it was extracted (data prepared again under newer labelling rules), and the labels trained and
+    evaluated on are the prepared data's, as online.
+    """
+
+    def __init__(self, store, offset: int, rows, name: str | None):
+        self.store, self.offset, self.rows, self.name = store, offset, rows, name
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.rows)
 
     def get_batch(self, indices):
-        return self.store.get_batch([self.offset + int(i) for i in indices])
+        import dataclasses
+
+        batch = self.store.get_batch([self.offset + int(i) for i in indices])
+        tokens = token_batch(self.rows, indices)
+        check_same_rows(tokens, batch, self.name)
+        return dataclasses.replace(batch, loss_mask=tokens.loss_mask.to(batch.loss_mask.device))
 
 
 def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
@@ -179,17 +190,19 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
     if len(store) != len(train_ds) + len(eval_ds):
         raise ValueError(f"feature store {cfg.features.store} has {len(store)} rows but the prepared data has "
                          f"{len(train_ds) + len(eval_ds)}: extract features from the same prepared data set")
+    if cfg.train.loss != "ce" and not store.index.get("topk"):
+        raise ValueError(f"train.loss={cfg.train.loss} needs top-k log-probs in the store: re-extract with --topk")
+    name = cfg.features.store
+    splits = (_Subset(store, 0, train_ds, name), _Subset(store, len(train_ds), eval_ds, name))
     recorded = store.index.get("data_fingerprint")
     if recorded and recorded != prepared_fingerprint(train_ds):
         # Other prepared data, or the same rows prepared again (a new fingerprint each time): compare the first
         # rows of both splits now, so the step-0 eval never runs on another data set's features; every batch
         # is still compared as it is read.
-        for ds, first in ((train_ds, 0), (eval_ds, len(train_ds))):
-            if len(ds):
-                check_same_rows(token_batch(ds, [0]), store.get_batch([first]), cfg.features.store)
-    if cfg.train.loss != "ce" and not store.index.get("topk"):
-        raise ValueError(f"train.loss={cfg.train.loss} needs top-k log-probs in the store: re-extract with --topk")
-    return _Subset(store, 0, len(train_ds)), _Subset(store, len(train_ds), len(eval_ds))
+        for split in splits:
+            if len(split):
+                split.get_batch([0])
+    return splits
 
 
 def token_batch(ds, indices):
@@ -205,8 +218,7 @@ def check_same_rows(tokens, batch, store: str | None) -> None:
     real = tokens.doc_ids >= 0
     same = (tokens.input_ids.shape == batch.input_ids.shape and torch.equal(batch.doc_ids.cpu() >= 0, real)
             and torch.equal(tokens.input_ids[real], batch.input_ids.cpu()[real])
-            and torch.equal(tokens.loss_mask, batch.loss_mask.cpu())
-            and torch.equal(tokens.doc_ids, batch.doc_ids.cpu()))
+            and torch.equal(tokens.doc_ids, batch.doc_ids.cpu()))  # labels may differ: the prepared rows' are used
     if not same:
         raise ValueError(f"feature store {store} holds other tokens than the prepared data (data.prepared) for the "
                          "same rows: extract features from the same prepared data set")
