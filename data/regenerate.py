@@ -378,16 +378,19 @@ def main(argv: list[str] | None = None) -> None:
     stats = ReadStats()  # the source is streamed: read as regeneration goes
     convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
                                need_answers=False)
+    settings = lambda model: {"model": model, "quantization": a.quantization,  # noqa: E731
+                              "thinking": parse_thinking(a.thinking), "max_tokens": a.max_tokens,
+                              "temperature": a.temperature}
     target = None
-    if not a.server:
+    if not a.server:  # checked before the target loads (minutes for a large one), not after
+        check_settings(a.out, settings(str(a.target)))
         target = load_local_target(a, a.target)
     gen = make_generator(a.server or "local", model=a.model or a.target, target=target,
                          thinking=parse_thinking(a.thinking), temperature=a.temperature, max_tokens=a.max_tokens,
                          concurrency=a.concurrency, batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                          request_timeout=a.request_timeout)
-    model = gen.model if a.server else str(a.target)  # the server's name for it, after the preflight
-    check_settings(a.out, {"model": model, "quantization": a.quantization, "thinking": parse_thinking(a.thinking),
-                           "max_tokens": a.max_tokens, "temperature": a.temperature})
+    if a.server:  # the server's own name for its model, known after the preflight
+        check_settings(a.out, settings(gen.model))
     report = regenerate(convs, a.out, gen, progress=not a.no_progress)
     print(stats.summary(), file=sys.stderr)
     if stats.kept == 0:

@@ -243,12 +243,16 @@ class Session:
         return {**kw, "max_new_tokens": room}
 
     def _static_bytes(self, positions: int) -> int:
-        """Bytes of the static loop's K/V buffers (target and drafter) for ``positions`` positions."""
+        """Bytes of the static loop's K/V buffers (target and drafter) for ``positions`` positions.
+
+        Only the target's attention layers have one: a GatedDeltaNet layer's state does not grow with the
+        positions (three of four Qwen3.5 layers)."""
         c, d = self.target.config, self.proposer.drafter.config
         size = getattr(self.target.dtype, "itemsize", 2)  # torch.dtype.itemsize; 2 bytes for anything else
         head = lambda cfg: getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # noqa: E731
         kv = lambda cfg: getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # noqa: E731
-        per = 2 * (c.num_hidden_layers * kv(c) * head(c) + d.num_hidden_layers * kv(d) * head(d)) * size
+        attention = sum(kind == "full_attention" for kind in self.target.layer_types)
+        per = 2 * (attention * kv(c) * head(c) + d.num_hidden_layers * kv(d) * head(d)) * size
         return per * positions
 
     def _static_loop(self, prompt: list[int], max_new_tokens: int, block_size: int | None):

@@ -497,6 +497,22 @@ def test_standalone_regenerate_resumed_with_other_settings_is_refused_naming_eac
         srv.shutdown()
 
 
+def test_local_regenerate_with_other_settings_is_refused_before_the_target_loads(data_target, tmp_path,
+                                                                                    monkeypatch):
+    """In-process regeneration loaded the target (minutes for a large one) before refusing an --out made with
+    other settings."""
+    import data.regenerate as rg
+
+    out = tmp_path / "rg.jsonl"
+    base = ["--source", str(_DATA_FIX / "openai.jsonl"), "--out", str(out), "--target", str(data_target),
+            "--no-progress", "--limit", "1"]
+    rg.main(base + ["--max-tokens", "2"])
+    assert out.stat().st_size > 0 and json.loads(rg.settings_path(out).read_text())["max_tokens"] == 2
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises(rg.RegenerationError, match=r"other settings \(max_tokens: 2 -> 3\)"):
+        rg.main(base + ["--max-tokens", "3"])
+
+
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
     """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
     sets it, and a value that is not a positive number of seconds is refused."""

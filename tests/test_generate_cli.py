@@ -224,3 +224,27 @@ def test_static_loop_buffers_stop_at_the_targets_positions(folders, tmp_path, ca
     assert ("--max-new-tokens 1000000000 with a 4-token prompt runs past the target's 40 positions "
             "(max_position_embeddings): the static loop preallocates its caches, so it generates at most 36 new "
             "tokens (about ") in caplog.text and "--loop eager generates past" in caplog.text
+
+
+def test_static_buffer_estimate_counts_only_the_layers_with_a_kv_cache():
+    """The estimate in the positions warning counted Qwen3.5's GatedDeltaNet layers (fixed-size state) as
+    attention layers: 4x the K/V bytes of a 3:1 hybrid."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from inference.generate import Session
+
+    target_cfg = SimpleNamespace(num_hidden_layers=8, num_key_value_heads=2, head_dim=64, hidden_size=256,
+                                 num_attention_heads=4)
+    drafter_cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=64, hidden_size=256,
+                                  num_attention_heads=4)
+    session = SimpleNamespace(
+        target=SimpleNamespace(config=target_cfg, dtype=torch.bfloat16,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+                               + ["full_attention"]),
+        proposer=SimpleNamespace(drafter=SimpleNamespace(config=drafter_cfg)))
+    # K and V, (2 target attention layers + 1 drafter layer) x 2 heads x 64 dims, 2 bytes, 1000 positions
+    assert Session._static_bytes(session, 1000) == 2 * (2 + 1) * 2 * 64 * 2 * 1000
+    session.target.layer_types = ["full_attention"] * 8
+    assert Session._static_bytes(session, 1000) == 2 * (8 + 1) * 2 * 64 * 2 * 1000
