@@ -207,10 +207,13 @@ class DFlashConfig:
     def validate(self) -> None:
         """Checks that need only the config itself."""
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers", "max_position_embeddings"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(name, v, "must be a positive integer", f"set {name} to a positive integer")
+        if not self.rms_norm_eps > 0:  # 0 divides by zero on an all-zero row (the padded slots of a block)
+            raise ConfigError("rms_norm_eps", self.rms_norm_eps, "must be positive",
+                              "use the target's rms_norm_eps (e.g. 1e-6)")
         if self.head_dim % 2:
             raise ConfigError("head_dim", self.head_dim, "must be even (RoPE rotates pairs of dimensions)",
                               "use an even head_dim (the target's, e.g. 128)")
@@ -444,6 +447,9 @@ class DFlashConfig:
         and the attention shape defaults to 128-wide heads.
         """
         t = target
+        # ``is not None`` throughout, never ``or``: an explicit 0 (or []) is the caller's value and is refused by
+        # ``validate``, not silently replaced by the target's.
+        pick = lambda given, *fallbacks: next((v for v in (given, *fallbacks) if v is not None), None)  # noqa: E731
 
         def fact(name: str, given: Any, attr: str) -> Any:
             value = given if given is not None else (getattr(t, attr) if t is not None else None)
@@ -453,21 +459,22 @@ class DFlashConfig:
             return value
 
         hidden = fact("hidden_size", hidden_size, "hidden_size")
-        heads = num_attention_heads or (t.num_attention_heads if t else None)
-        head_dim = head_dim or (t.head_dim if t else None) or (hidden // heads if heads else 128)
-        heads = heads or max(hidden // head_dim, 1)
+        heads = pick(num_attention_heads, t.num_attention_heads if t else None)
+        head_dim = pick(head_dim, t.head_dim if t else None, hidden // heads if heads else 128)
+        heads = pick(heads, max(hidden // head_dim, 1) if head_dim else 1)  # head_dim 0: validate names it
         layers = fact("num_target_layers", num_target_layers, "num_layers")
         return cls(
             hidden_size=hidden, vocab_size=fact("vocab_size", vocab_size, "vocab_size"), num_target_layers=layers,
-            max_position_embeddings=max_position_embeddings or (t.max_position_embeddings if t else 40960),
+            max_position_embeddings=pick(max_position_embeddings, t.max_position_embeddings if t else 40960),
             mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
-            num_key_value_heads=num_key_value_heads or (t.num_key_value_heads if t else None) or heads,
+            num_key_value_heads=pick(num_key_value_heads, t.num_key_value_heads if t else None, heads),
             head_dim=head_dim,
-            intermediate_size=intermediate_size or (t.intermediate_size if t else None) or 3 * hidden,
-            rms_norm_eps=rms_norm_eps or (t.rms_norm_eps if t else 1e-6),
+            intermediate_size=pick(intermediate_size, t.intermediate_size if t else None, 3 * hidden),
+            rms_norm_eps=pick(rms_norm_eps, t.rms_norm_eps if t else 1e-6),
             # The target's own base frequency, as SpecForge and z-lab's published drafters do.
-            rope_theta=float(rope_theta or (t.rope_theta if t else None) or 1_000_000.0),
-            target_layer_ids=target_layer_ids or default_layer_ids(layers, num_taps), **kw,
+            rope_theta=float(pick(rope_theta, t.rope_theta if t else None, 1_000_000.0)),
+            target_layer_ids=(default_layer_ids(layers, num_taps) if target_layer_ids is None  # only when needed:
+                              else target_layer_ids), **kw,  # it refuses a target too shallow for num_taps
         )
 
     # ------------------------------------------------------------------ size

@@ -807,6 +807,22 @@ def test_compiled_drafter_layers_off_cuda_are_refused():
         build_drafter(run, tiny_drafter_config(target), target)
 
 
+@pytest.mark.parametrize("key, value", [("num_attention_heads", 0), ("head_dim", 0), ("num_key_value_heads", 0),
+                                        ("intermediate_size", 0), ("rope_theta", 0), ("rms_norm_eps", 0),
+                                        ("target_layer_ids", []), ("max_position_embeddings", 0)])
+def test_drafter_shape_zero_from_code_is_refused_not_replaced_by_the_targets(key, value):
+    """DFlashConfig.for_target read 0 (and []) as "not given": a caller's num_attention_heads=0 silently became
+    the target's. rms_norm_eps 0 and max_position_embeddings 0 were accepted outright."""
+    from models.config import ConfigError, DFlashConfig, TargetShape
+    from models.tiny import tiny_target
+
+    target = TargetShape.from_config(tiny_target("qwen3").config)
+    for shape, facts in ((target, {}), (None, {"hidden_size": 64, "vocab_size": 300, "num_target_layers": 4})):
+        with pytest.raises(ConfigError, match=f"^{key}="):
+            DFlashConfig.for_target(shape, mask_token_id=1, num_taps=1, **facts, **{key: value})
+        DFlashConfig.for_target(shape, mask_token_id=1, num_taps=1, **facts)  # not given: the target's (or default)
+    # explicit taps on a target too shallow for the default 5: the default is not computed (and refused)
+    assert DFlashConfig.for_target(target, mask_token_id=1, target_layer_ids=[1]).target_layer_ids == [1]
 
 
 # ---------------------------------------------------------------- mask token
