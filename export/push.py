@@ -132,7 +132,7 @@ def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str
     wrong = [f"{k} {theirs[k]} (this folder: {ours[k]})" for k in ours
              if theirs[k] is not None and theirs[k] != ours[k]]
     if "draft_quantization" in report:  # reports that predate it skip this: the signature agrees across formats
-        from inference.validate import describe_quantization
+        from models.config import describe_quantization
 
         if report["draft_quantization"] != describe_quantization(config.quantization):
             wrong.append(f"drafter quantization {report['draft_quantization'] or 'none'} (this folder: "

@@ -22,10 +22,10 @@ from typing import Any
 import yaml
 
 from models.config import ARCHITECTURE
-
-# Keys of the run config worth recording: enough to say how the drafter was trained, no paths to caches.
-DATA_KEYS = ("source", "split", "subset", "limit", "regenerate", "thinking", "max_length", "pack")
-TRAIN_KEYS = ("epochs", "max_steps", "batch_size", "grad_accum", "lr", "schedule", "anchors", "loss", "seed")
+# The block's builders and the run folder's layout are shared with train/ (which writes them): models/provenance.py.
+# describe_target_quantization and provenance_from_run are imported from here by export.hf and the tests.
+from models.provenance import (FINAL_STATE, STEP_DIR, describe_target_quantization, latest_checkpoint,  # noqa: F401
+                               provenance_from_run, provenance_of_run)
 
 
 class NotADrafterError(ValueError):
@@ -130,83 +130,8 @@ def _from_run(run_config: Path | None, trainer_state: Path | None, drafter_dir: 
     return prov
 
 
-def provenance_of_run(run: dict[str, Any], run_root: Path | None) -> dict[str, Any]:
-    """:func:`provenance_from_run` with the target as a folder the loops can load: the tiny target training
-    built in the run folder for ``tiny:<arch>``, a local folder by its absolute path (the recorded target is
-    compared with ``--target`` wherever the command runs)."""
-    prov = provenance_from_run(run)
-    target = str(prov.get("target", ""))
-    tiny = run_root / "tiny_target" if run_root is not None else None
-    if target.startswith("tiny:") and tiny is not None and (tiny / "config.json").is_file():
-        prov["target"] = str(tiny.resolve())
-        quant = (run.get("target") or {}).get("quantization")
-        prov["target_quantization"] = describe_target_quantization(prov["target"], quant)
-    elif target and Path(target).expanduser().is_dir():
-        prov["target"] = str(Path(target).expanduser().resolve())
-    return prov
-
-
-def data_provenance(meta: dict[str, Any]) -> dict[str, Any]:
-    """The ``data`` entry of the block from a prepared folder's ``draftsmith_data.json``: what training read."""
-    return {k: meta.get("packed" if k == "pack" else k) for k in DATA_KEYS
-            if meta.get("packed" if k == "pack" else k) is not None}
-
-
-def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
-    """The ``draftsmith`` block from a resolved run config (as training saves it in config.yaml)."""
-    target = run.get("target") or {}
-    data = run.get("data") or {}
-    train = run.get("train") or {}
-    prov: dict[str, Any] = {
-        "target": target.get("path") or None,
-        "target_revision": target.get("revision"),
-        "target_quantization": describe_target_quantization(target.get("path"), target.get("quantization")),
-        "recipe": run.get("recipe") or None,
-        "data": {k: data[k] for k in DATA_KEYS if data.get(k) is not None},
-        "features": (run.get("features") or {}).get("mode"),
-        "train": {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
-    }
-    return {k: v for k, v in prov.items() if v not in (None, {}, "")}
-
-
-def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:
-    """The "trained against" line: ``models.quant.trained_against`` (train's ``target.quantization``, or an
-    MLX-quantized target folder), else a transformers ``quant_method`` the target folder declares."""
-    from models.quant import trained_against
-
-    try:
-        line = trained_against(path or "", quantization)
-    except ValueError:  # a value this version does not parse: record it as written
-        return quantization
-    folder = target_quantization(path)
-    return folder if line.startswith("none") and folder not in (None, "none") else line
-
-
-def target_quantization(target: str | None) -> str | None:
-    """How the target the drafter was trained against is quantized, when its folder is here to read.
-
-    ``mlx-affine-4bit-g64`` for an MLX quantized checkpoint, the ``quant_method`` of a transformers
-    ``quantization_config``, ``none`` for plain weights; None when the target is not a local folder.
-    """
-    if not target or not (Path(target) / "config.json").is_file():
-        return None
-    try:
-        cfg = json.loads((Path(target) / "config.json").read_text())
-    except (json.JSONDecodeError, OSError):
-        return None
-    q = cfg.get("quantization") or (cfg.get("text_config") or {}).get("quantization")
-    if isinstance(q, dict) and "bits" in q:
-        return f"mlx-{q.get('mode', 'affine')}-{q['bits']}bit-g{q.get('group_size', 64)}"
-    qc = cfg.get("quantization_config") or {}
-    if isinstance(qc, dict) and qc.get("quant_method"):
-        return str(qc["quant_method"])
-    return "none"
-
-
 def _checkpoint_after_final(run: Path) -> tuple[Path, int] | None:
     """(the newest checkpoint, final/drafter's steps) when that checkpoint is past final/drafter's step."""
-    from train.checkpoint import STEP_DIR, latest_checkpoint
-
     state, newest = _final_state(run / "final"), latest_checkpoint(run)
     if state is None or newest is None:
         return None
@@ -219,8 +144,6 @@ def _checkpoint_after_final(run: Path) -> tuple[Path, int] | None:
 
 def _final_state(final: Path) -> Path | None:
     """``final/trained.json``: the step count training wrote with ``final/drafter`` (None before it did)."""
-    from train.checkpoint import FINAL_STATE
-
     return final / FINAL_STATE if (final / FINAL_STATE).is_file() else None
 
 

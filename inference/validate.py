@@ -69,7 +69,7 @@ from inference.generate import TORCH_LOOPS, WARMUP_TOKENS
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
-
+from models.config import describe_quantization
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,14 +137,6 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             out[f"{key}_version"] = None
     return out
-
-
-def describe_quantization(q: dict | None) -> str | None:
-    if not q:
-        return None
-    if "bits" in q:
-        return f"{q['bits']}-bit {q.get('mode', 'affine')}, group {q.get('group_size', '?')}"
-    return str(q.get("quant_method") or json.dumps(q, sort_keys=True))
 
 
 def measure(session, ids: list[list[int]], prompts: list, *, repeats: int = 1, block_size: int | None = None,

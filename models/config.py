@@ -81,6 +81,16 @@ def mlx_only(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k != "auto_map"}
 
 
+def describe_quantization(q: dict[str, Any] | None) -> str | None:
+    """A report's words for a config's ``quantization`` entry (``"4-bit affine, group 64"``, or a transformers
+    ``quant_method``); None for full precision. ``inference.validate`` writes them, ``export.push`` compares."""
+    if not q:
+        return None
+    if "bits" in q:
+        return f"{q['bits']}-bit {q.get('mode', 'affine')}, group {q.get('group_size', '?')}"
+    return str(q.get("quant_method") or json.dumps(q, sort_keys=True))
+
+
 def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:
     """First embedding row the tokenizer never emits (Qwen3: 151669)."""
     emitted = set(int(i) for i in emitted_ids)

@@ -21,7 +21,6 @@ new length (:data:`LENGTH_KEYS`) that does not end before the checkpoint's step.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -29,29 +28,12 @@ import torch
 import yaml
 
 from models.cli import UserError
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
+# The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
+from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
 
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be written (a full disk) or read back (damaged after it was written)."""
-
-
-def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(out_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    dirs = checkpoint_dirs(out_dir)
-    return dirs[-1] if dirs else None
-
-
-FINAL_STATE = "trained.json"  # in final/: {"step": N}, the optimizer steps of final/drafter
 
 
 def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None = None) -> None:

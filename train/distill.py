@@ -300,7 +300,7 @@ def save_final(run, model, step: int) -> Path:
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
     from data.rows import rows_identity
-    from export.source import data_provenance, provenance_of_run
+    from models.provenance import data_provenance, provenance_of_run
     from train.loop import interrupted_message, make_schedule
     from train.metrics import open_metrics
     from train.setup import (data_token_ids, load_data, load_target, make_features, resolve_drafter_config,

@@ -236,7 +236,7 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
     """The drafter's canonical config from the target's shape and the ``drafter.*`` keys, and its mask token.
 
     One resolver (``DFlashConfig.for_target``) for training, the dry-run plan and the benches; the
-    mask token follows ``models.config.resolve_mask_token`` and the choice is printed with its reason.
+    mask token follows ``models.mask_token.resolve_mask_token`` and the choice is printed with its reason.
     """
     from models.config import DFlashConfig, TargetShape
     from models.mask_token import resolve_mask_token

@@ -1,0 +1,112 @@
+"""Where a drafter came from: a training run folder's file layout and the ``draftsmith`` provenance block.
+
+Training writes the block into every drafter folder it saves (``train/distill.py``) and exports
+record it (``export/source.py``), so both read it from here: ``train/`` and ``export/`` never import
+each other (docs/design.md, "Import directions"). The run folder, as plain files:
+
+    checkpoints/step_<N>/      a checkpoint (``STEP_DIR``; written by ``train/checkpoint.py``)
+    final/trained.json         ``FINAL_STATE``: {"step": N}, the optimizer steps of ``final/drafter``
+    config.yaml                the resolved run config, read as plain YAML
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+FINAL_STATE = "trained.json"  # in final/: {"step": N}, the optimizer steps of final/drafter
+
+
+def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(out_dir)
+    return dirs[-1] if dirs else None
+
+
+# Keys of the run config worth recording: enough to say how the drafter was trained, no paths to caches.
+DATA_KEYS = ("source", "split", "subset", "limit", "regenerate", "thinking", "max_length", "pack")
+TRAIN_KEYS = ("epochs", "max_steps", "batch_size", "grad_accum", "lr", "schedule", "anchors", "loss", "seed")
+
+
+def provenance_of_run(run: dict[str, Any], run_root: Path | None) -> dict[str, Any]:
+    """:func:`provenance_from_run` with the target as a folder the loops can load: the tiny target training
+    built in the run folder for ``tiny:<arch>``, a local folder by its absolute path (the recorded target is
+    compared with ``--target`` wherever the command runs)."""
+    prov = provenance_from_run(run)
+    target = str(prov.get("target", ""))
+    tiny = run_root / "tiny_target" if run_root is not None else None
+    if target.startswith("tiny:") and tiny is not None and (tiny / "config.json").is_file():
+        prov["target"] = str(tiny.resolve())
+        quant = (run.get("target") or {}).get("quantization")
+        prov["target_quantization"] = describe_target_quantization(prov["target"], quant)
+    elif target and Path(target).expanduser().is_dir():
+        prov["target"] = str(Path(target).expanduser().resolve())
+    return prov
+
+
+def data_provenance(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``data`` entry of the block from a prepared folder's ``draftsmith_data.json``: what training read."""
+    return {k: meta.get("packed" if k == "pack" else k) for k in DATA_KEYS
+            if meta.get("packed" if k == "pack" else k) is not None}
+
+
+def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
+    """The ``draftsmith`` block from a resolved run config (as training saves it in config.yaml)."""
+    target = run.get("target") or {}
+    data = run.get("data") or {}
+    train = run.get("train") or {}
+    prov: dict[str, Any] = {
+        "target": target.get("path") or None,
+        "target_revision": target.get("revision"),
+        "target_quantization": describe_target_quantization(target.get("path"), target.get("quantization")),
+        "recipe": run.get("recipe") or None,
+        "data": {k: data[k] for k in DATA_KEYS if data.get(k) is not None},
+        "features": (run.get("features") or {}).get("mode"),
+        "train": {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
+    }
+    return {k: v for k, v in prov.items() if v not in (None, {}, "")}
+
+
+def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:
+    """The "trained against" line: ``models.quant.trained_against`` (train's ``target.quantization``, or an
+    MLX-quantized target folder), else a transformers ``quant_method`` the target folder declares."""
+    from models.quant import trained_against
+
+    try:
+        line = trained_against(path or "", quantization)
+    except ValueError:  # a value this version does not parse: record it as written
+        return quantization
+    folder = target_quantization(path)
+    return folder if line.startswith("none") and folder not in (None, "none") else line
+
+
+def target_quantization(target: str | None) -> str | None:
+    """How the target the drafter was trained against is quantized, when its folder is here to read.
+
+    ``mlx-affine-4bit-g64`` for an MLX quantized checkpoint, the ``quant_method`` of a transformers
+    ``quantization_config``, ``none`` for plain weights; None when the target is not a local folder.
+    """
+    if not target or not (Path(target) / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((Path(target) / "config.json").read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    q = cfg.get("quantization") or (cfg.get("text_config") or {}).get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        return f"mlx-{q.get('mode', 'affine')}-{q['bits']}bit-g{q.get('group_size', 64)}"
+    qc = cfg.get("quantization_config") or {}
+    if isinstance(qc, dict) and qc.get("quant_method"):
+        return str(qc["quant_method"])
+    return "none"
