@@ -228,3 +228,28 @@ def test_every_training_key_is_in_the_readme_table():
     sections = {k for k in valid_keys() if any(o.startswith(k + ".") for o in valid_keys())}
     missing = [k for k in valid_keys() if k not in sections and k != "recipe" and not has_row(k)]
     assert not missing, f"keys without a README row: {missing}"
+
+
+def test_a_mask_named_special_token_is_found_whatever_its_case():
+    """A special token named ``[MASK]`` (BERT style) that the tokenizer does not declare as its mask
+    token is still its own mask token, ahead of a spare row."""
+    from models.mask_token import resolve_mask_token
+    from models.tiny import TINY_VOCAB, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[MASK]"]})
+    assert tok.mask_token_id is None
+    got = resolve_mask_token(TINY_VOCAB, tok)
+    assert (got.id, got.token, got.reason) == (265, "[MASK]", "the tokenizer's own mask token")
+
+
+def test_every_id_of_a_list_valued_special_is_forbidden_as_the_mask():
+    """A tokenizer may give several EOS ids: each of them is refused, not only the first."""
+    import types
+
+    from models.mask_token import forbidden_mask_ids
+
+    tok = types.SimpleNamespace(eos_token_id=[5, 7], pad_token_id=9, bos_token_id=None, unk_token_id=None,
+                                chat_template=None)
+    assert forbidden_mask_ids(tok, produced_ids=[11]) == {5: "eos token", 7: "eos token", 9: "pad token",
+                                                          11: "present in the training data"}

@@ -175,3 +175,88 @@ def test_answer_ids_keep_the_prefix_the_template_renders_before_them():
     assert [tok.decode(row.input_ids[a:b]) for a, b in loss_spans(row.loss_mask)] == [think + "hello world<|im_end|>"]
     assert tok.decode(row.input_ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" + think \
         + "hello world<|im_end|>\n"
+
+
+def test_generated_ids_may_hold_token_id_0():
+    """Id 0 is a real token ('!' here): generated ids holding it are used as they are, not re-tokenized."""
+    from data.chat import Segment, answer_ids, encode
+
+    tok = tiny_tokenizer("chatml")
+    ids = encode(tok, "Hi!")
+    assert 0 in ids
+    assert answer_ids(tok, Segment("Hi!", "answer", ids), None) == ids
+    messages = [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Hi!", "token_ids": ids}]
+    (row,), _ = tokenize_conversation(tok, messages, None)
+    assert row.retokenized == 0
+
+
+def test_a_row_that_fits_max_length_exactly_is_not_truncated():
+    tok = tiny_tokenizer("chatml")
+    (full,), _ = tokenize_conversation(tok, SINGLE, None)
+    n = len(full.input_ids)
+    (row,), _ = tokenize_conversation(tok, SINGLE, None, max_length=n)
+    assert not row.truncated and row.input_ids == full.input_ids
+    (row,), _ = tokenize_conversation(tok, SINGLE, None, max_length=n - 1)
+    assert row.truncated and row.input_ids == full.input_ids[:-1]
+
+
+def test_an_empty_answer_is_a_template_error_not_a_row():
+    """An empty assistant turn would only teach ending the turn at once: refused like a template the
+    mask derivation cannot follow (counted as a template error by data.prepare)."""
+    from data.chat import TemplateError
+
+    tok = tiny_tokenizer("chatml")
+    with pytest.raises(TemplateError, match="assistant turn 1"):
+        tokenize_conversation(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}], None)
+
+
+def test_the_tokenizer_fingerprint_covers_the_chat_template():
+    from data.chat import tokenizer_fingerprint
+
+    tok = tiny_tokenizer("chatml")
+    before = tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(tiny_tokenizer("chatml")) == before and len(before) == 16
+    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    assert tokenizer_fingerprint(tok) != before
+
+
+def test_a_row_of_exactly_max_length_packs_alone():
+    """A row as long as the budget is allowed (only longer ones are refused); pack_plan groups the
+    rows the way pack_rows does, exact fits included."""
+    from data.rows import pack_plan
+
+    rows = [([1] * 10, [1] * 10), ([2] * 6, [1] * 6), ([3] * 4, [1] * 4), ([4] * 3, [1] * 3)]
+    packed = pack_rows(rows, max_length=10)
+    assert [p["input_ids"] for p in packed] == [[1] * 10, [2] * 6 + [3] * 4, [4] * 3]
+    assert pack_plan([10, 6, 4, 3], 10) == [(0, 1), (1, 3), (3, 4)]
+    with pytest.raises(ValueError, match="row of 11 tokens is longer than max_length 10"):
+        pack_rows([([1] * 11, [1] * 11)], max_length=10)
+    with pytest.raises(ValueError, match="row of 11 tokens is longer than max_length 10"):
+        pack_plan([3, 11], 10)
+
+
+def test_rows_identity_sees_the_last_rows_tokens_and_the_row_order():
+    """Another last row, another order or a middle row of another length is other data: a resume
+    must not take it."""
+    from datasets import Dataset
+
+    from data.rows import rows_identity
+
+    def ds(rows):
+        return Dataset.from_dict({"input_ids": rows, "num_tokens": [len(r) for r in rows],
+                                  "num_loss_tokens": [1] * len(rows)})
+
+    base = rows_identity(ds([[1, 2], [3, 4, 5], [6, 7]]))
+    assert rows_identity(ds([[1, 2], [3, 4, 5], [6, 7]])) == base
+    assert rows_identity(ds([[1, 2], [3, 4, 5], [6, 8]])) != base
+    assert rows_identity(ds([[1, 2], [6, 7], [3, 4, 5]])) != base
+    assert rows_identity(ds([[1, 2], [3, 4], [6, 7]])) != base  # a middle row of another length
+
+
+def test_tokenization_processes_are_capped_at_8(monkeypatch):
+    import data.rows
+
+    monkeypatch.setattr(data.rows.os, "cpu_count", lambda: 64)
+    assert data.rows.auto_num_proc(19_999) is None and data.rows.auto_num_proc(50_000) == 8
+    monkeypatch.setattr(data.rows.os, "cpu_count", lambda: None)
+    assert data.rows.auto_num_proc(50_000) == 1

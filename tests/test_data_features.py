@@ -251,3 +251,66 @@ def test_prepared_data_of_another_tokenizer_is_refused(setup):
     assert len(ds) > 0 and len(meta["tokenizer_hash"]) == 16
     with pytest.raises(DataMismatch, match="was tokenized for target .* not for this tokenizer .*re-run data.prepare"):
         load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("llama3"))  # same vocabulary, other template
+
+
+def test_store_rows_outside_the_store_are_an_index_error(setup):
+    """Row -1 once would have read through the last shard's plan entry instead of failing."""
+    store = FeatureStore(setup["stores"]["plain", "bf16"])
+    for i in (-1, len(store)):
+        with pytest.raises(IndexError, match=f"row {i} outside the store's {len(store)} rows"):
+            store.row(i)
+
+
+def test_a_store_missing_only_its_last_shard_is_not_complete(setup, tmp_path):
+    """Not complete until the last shard; the index counts the rows and tokens written so far, and a
+    writer that reopens the store drops leftover temp files, even when it writes no shard."""
+    import json
+
+    out = tmp_path / "store"
+    kw = dict(layer_ids=LAYERS, dtype="fp8", batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
+    ref = FeatureStore(setup["stores"]["plain", "fp8"]).index
+    total = len(ref["plan"])
+    report = extract(setup["target"], setup["root"] / "plain", out, max_shards=total - 1, **kw)
+    assert report.shards_written == total - 1
+    with pytest.raises(StoreError, match=f"extraction not finished \\({total - 1}/{total} shards\\)"):
+        FeatureStore(out)
+    index = json.loads((out / "index.json").read_text())
+    last = ref["shards"][f"shard-{total - 1:05d}.safetensors"]
+    assert (index["rows_done"], index["tokens_done"]) == (ref["rows"] - last["rows"], ref["tokens"] - last["tokens"])
+    half = out / f"shard-{total - 1:05d}.safetensors.tmp"
+    half.write_bytes(b"half a shard")  # a kill mid-write: hundreds of MB of a real shard
+    extract(setup["target"], setup["root"] / "plain", out, max_shards=0, **kw)
+    assert not half.exists(), "reopening the store drops leftovers of killed writes"
+    extract(setup["target"], setup["root"] / "plain", out, **kw)
+    assert FeatureStore(out).index["rows_done"] == ref["rows"] and not list(out.glob("*.tmp"))
+
+
+def test_shard_headers_are_padded_to_8_bytes(setup):
+    """The safetensors header is padded with spaces to a multiple of 8 bytes, so the tensor data that
+    follows is aligned for readers that map it."""
+    import struct
+
+    for store in setup["stores"].values():
+        for shard in store.glob("shard-*.safetensors"):
+            with open(shard, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                head = f.read(n)
+            assert n % 8 == 0 and head.rstrip(b" ").endswith(b"}"), shard.name
+
+
+def test_collate_pads_every_column_with_its_own_value():
+    """Right padding: pad_id tokens, no loss, document -1, position 0, zero features and a teacher
+    with no mass (log-prob -inf), as the online provider pads."""
+    from data.features import FeatureRow, collate
+
+    def row(n):
+        return FeatureRow(torch.arange(1, n + 1), torch.ones(n, dtype=torch.int8), torch.zeros(n, dtype=torch.int32),
+                          torch.arange(n, dtype=torch.int32), torch.ones(n, 4), torch.ones(n, 2, dtype=torch.int32),
+                          torch.zeros(n, 2))
+
+    b = collate([row(3), row(1)], pad_id=9)
+    assert b.input_ids[1].tolist() == [1, 9, 9] and b.loss_mask[1].tolist() == [1, 0, 0]
+    assert b.doc_ids[1].tolist() == [0, -1, -1] and b.position_ids[1].tolist() == [0, 0, 0]
+    assert b.lengths.tolist() == [3, 1] and b.attention_mask[1].tolist() == [1, 0, 0]
+    assert b.features[1, 1:].eq(0).all() and b.topk_ids[1, 1:].eq(0).all()
+    assert b.topk_logprobs[1, 1:].eq(float("-inf")).all() and b.topk_logprobs[0].eq(0).all()

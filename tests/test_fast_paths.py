@@ -362,3 +362,21 @@ def test_train_compile_compiles_the_target_only_with_online_features(mode, targe
     cfg = load_config(["recipe=tiny", "train.compile=true", f"features.mode={mode}", "features.store=/unused"])
     compile_models(cfg, "cuda", Model("drafter"), Model("target"))
     assert calls == ["drafter", "target"] if target_compiled else calls == ["drafter"]
+
+
+@pytest.mark.parametrize("s,block,anchors", [
+    (128, 4, list(range(1, 100, 3))),  # 33 blocks: the last query tile and the last key tile hold one block
+    (256, 16, [130, 140, 150, 160, 170, 180, 190, 200, 210]),  # 9 blocks: 16 real queries in the last tile
+])
+def test_direct_block_mask_on_ragged_tiles(s, block, anchors):
+    """A ragged last tile (queries or keys past the end) whose real pairs are all visible is still a
+    partial tile for create_block_mask (it pads the mask with False), so the direct mask must not call
+    it full. Both cases have such a tile: the last block against its own keys, and a last query tile
+    whose one block sees all of context tile 0."""
+    from train.objective import build_blocks
+
+    ids = torch.randint(0, 90, (1, s), generator=torch.Generator().manual_seed(0))
+    lm, doc, pos = torch.ones(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long), torch.arange(s)[None]
+    a = torch.tensor([anchors])
+    blocks = build_blocks(ids, lm, doc, pos, a, torch.ones_like(a, dtype=torch.bool), block, 95)
+    _same_as_create_block_mask(blocks, doc, block)

@@ -340,3 +340,142 @@ def test_simulated_eval_averages_losses_over_batches_and_pools_blocks(monkeypatc
     assert out["eval_pos_acc"] == [pytest.approx(0.6667), 1.0, 0.5]
     assert out["eval_pos_accept"] == [pytest.approx(0.6667), pytest.approx(0.6667), 0.0]
     assert drafter.training  # back in training mode
+
+
+def test_padding_positions_are_never_anchors():
+    """A negative document id is padding: no anchor there, even under a set loss mask."""
+    ids = torch.arange(10)[None]
+    lm = torch.ones(1, 10, dtype=torch.long)
+    doc = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1, -1, -1]])
+    blocks = draw_blocks(ids, lm, doc, None, 16, B, MASK, torch.Generator().manual_seed(0))
+    assert blocks.anchors[blocks.valid].tolist() == [0, 1, 2, 3]
+
+
+def test_rows_without_candidates_get_one_padding_block_and_a_zero_loss():
+    """No answer anywhere in the batch: one invalid block per row (the drafter pass keeps a shape),
+    nothing scored, and a zero loss that still reaches the graph."""
+    d, emb, head = _drafter()
+    ids, _, doc, pos = _rows()
+    lm = torch.zeros_like(ids)
+    blocks = draw_blocks(ids, lm, doc, pos, 8, B, MASK, torch.Generator().manual_seed(0))
+    assert blocks.anchors.shape == (2, 1) and not blocks.valid.any() and not blocks.label_mask.any()
+    hidden = drafter_forward(d, emb, blocks, torch.randn(2, ids.shape[1], 2 * H), pos, dense_mask(blocks, doc))
+    out = block_loss(hidden, blocks, head.weight, 4.0)
+    assert out.loss.item() == 0.0 and out.scored == 0 and out.loss.requires_grad
+
+
+def test_per_row_anchors_do_not_depend_on_the_padding_width():
+    """With one generator per row, a row padded to a longer batch keeps the anchors it gets alone
+    (subsampled: 3 of its candidates), so batch_size x grad_accum can be traded."""
+    ids, lm, doc, pos = _rows()
+    row = lambda x, width: torch.nn.functional.pad(x[:1], (0, width))  # noqa: E731
+    alone = draw_blocks(ids[:1], lm[:1], doc[:1], pos[:1], 3, B, MASK, [torch.Generator().manual_seed(5)])
+    for width in (1, 7, 40):
+        padded = draw_blocks(row(ids, width), row(lm, width), row(doc, width), row(pos, width), 3, B, MASK,
+                             [torch.Generator().manual_seed(5)])
+        assert torch.equal(padded.anchors, alone.anchors), width
+
+
+def test_padding_blocks_come_after_the_real_ones():
+    """Chosen anchors are sorted by position with the invalid (padding) blocks last."""
+    ids, lm, doc, pos = _rows()
+    lm[1] = 0
+    lm[1, 30:33] = 1  # row 1 has 2 candidates, row 0 many
+    for seed in range(5):
+        blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(seed))
+        assert blocks.valid[1].tolist() == [True, True, False, False, False, False]
+        assert blocks.anchors[1].tolist() == [30, 31, 0, 0, 0, 0]
+
+
+def test_no_slot_is_scored_past_the_end_of_the_row():
+    """An answer that runs to the last token: the slots past the row's end have no label."""
+    ids = torch.arange(8)[None]
+    lm = torch.ones(1, 8, dtype=torch.long)
+    blocks = draw_blocks(ids, lm, None, None, 16, B, MASK, torch.Generator().manual_seed(0))
+    assert blocks.anchors[0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert blocks.label_mask[0, -3:].tolist() == [[True, True, True], [True, True, False], [True, False, False]]
+
+
+def test_labels_stop_at_a_document_boundary():
+    """Two packed documents whose answers touch: a block anchored near the end of the first one is
+    not scored on the second one's tokens."""
+    ids = torch.arange(10)[None]
+    lm = torch.ones(1, 10, dtype=torch.long)
+    doc = torch.tensor([[0] * 5 + [1] * 5])
+    blocks = draw_blocks(ids, lm, doc, None, 16, B, MASK, torch.Generator().manual_seed(0))
+    assert blocks.anchors[0].tolist() == [0, 1, 2, 3, 5, 6, 7, 8]
+    assert blocks.label_mask[0, 3].tolist() == [True, False, False]  # anchor 3: only token 4 is its document's
+    assert blocks.label_mask[0, 2].tolist() == [True, True, False]
+
+
+def test_kl_teacher_near_the_end_of_the_row():
+    """Blocks anchored near the row's end read the teacher at the last positions (slots past the
+    end are not scored, and their teacher index stays inside the row)."""
+    torch.manual_seed(0)
+    s = 8
+    ids = torch.randint(0, V, (1, s))
+    lm = torch.ones(1, s, dtype=torch.long)
+    blocks = draw_blocks(ids, lm, None, None, 16, B, MASK, torch.Generator().manual_seed(0))
+    assert int(blocks.anchors.max()) == s - 2
+    hidden = torch.randn(1, blocks.num_blocks * B, H)
+    head = torch.randn(V, H)
+    teacher = torch.log_softmax(torch.randn(1, s, V), -1)
+    lp, ti = teacher.topk(V, dim=-1)
+    out = block_loss(hidden, blocks, head, 4.0, mode="kl", topk_ids=ti, topk_logprobs=lp)
+    q = torch.log_softmax(hidden.view(1, -1, B, H)[:, :, 1:] @ head.t(), -1)
+    num = den = 0.0
+    for n, a in enumerate(blocks.anchors[0].tolist()):
+        for k in range(1, B):
+            if a + k < s:
+                t = teacher[0, a + k - 1]
+                w = float(slot_weights(B, 4.0)[k - 1])
+                num, den = num + w * float((t.exp() * (t - q[0, n, k - 1])).sum()), den + w
+    assert_close(out.loss, num / den, atol=1e-5, what="KL with blocks at the row's end")
+
+
+def test_sliding_layers_get_a_causal_block_only_when_configured():
+    """``sliding_block_attention: causal``: sliding layers see earlier slots of their block only;
+    full-attention layers keep the bidirectional block."""
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    d, _, _ = _drafter(["sliding_attention", "full_attention"])
+    for mode, causal in (("causal", True), ("bidirectional", False)):
+        d.config.sliding_block_attention = mode
+        masks = attention_masks(d.config, blocks, doc, pos, use_flex=False)
+        assert torch.equal(masks["sliding_attention"], naive_mask(blocks, doc, 6, causal, pos)), mode
+        assert torch.equal(masks["full_attention"], naive_mask(blocks, doc)), mode
+
+
+@pytest.mark.parametrize("window,causal", [(6, False), (6, True), (None, True)])
+def test_flex_mask_with_window_or_causal_block_equals_naive_reference(window, causal):
+    from torch.nn.attention.flex_attention import create_mask
+
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    bm = flex_block_mask(blocks, doc, window=window, block_causal=causal, position_ids=pos)
+    dense = create_mask(bm.mask_mod, 2, 1, 6 * B, doc.shape[1] + 6 * B, device="cpu")
+    assert torch.equal(dense, naive_mask(blocks, doc, window, causal, pos))
+
+
+def test_loss_and_sums_do_not_depend_on_the_chunk_size():
+    """Every chunk size, down to 1 and past the number of scored slots, gives the same loss, CE
+    and KL sums; ce_sum and kl_sum are unweighted sums over the scored slots."""
+    torch.manual_seed(1)
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 5, B, MASK, torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 5 * B, H, dtype=torch.float64)
+    head = torch.randn(V, H, dtype=torch.float64) / H ** 0.5
+    teacher = torch.log_softmax(torch.randn(2, ids.shape[1], V, dtype=torch.float64), -1)
+    lp, ti = teacher.topk(V, dim=-1)
+    logits = (hidden.view(2, 5, B, H)[:, :, 1:] @ head.t())[blocks.label_mask]
+    ce = torch.nn.functional.cross_entropy(logits, blocks.labels[blocks.label_mask], reduction="none")
+    m = int(blocks.label_mask.sum())
+    ref = block_loss(hidden, blocks, head, 4.0, chunk=10 ** 6, mode="ce+kl", topk_ids=ti, topk_logprobs=lp)
+    assert ref.scored == m and m > 3
+    assert_close(ref.ce_sum, ce.sum(), atol=1e-4, what="unweighted CE sum")  # the loss math runs in fp32
+    assert_close(ref.ce, ce.mean(), atol=1e-5, what="mean CE")
+    for chunk in range(1, m + 2):
+        out = block_loss(hidden, blocks, head, 4.0, chunk=chunk, mode="ce+kl", topk_ids=ti, topk_logprobs=lp)
+        for name in ("loss", "ce_sum", "kl_sum", "weight"):
+            assert_close(getattr(out, name), getattr(ref, name), atol=1e-4, what=f"{name}, chunk {chunk}")
+        assert torch.equal(out.correct, ref.correct)

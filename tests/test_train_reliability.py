@@ -366,3 +366,99 @@ def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tm
     run(tmp_path, *base, "resume=true")
     assert calls["init"][0]["id"] is None and calls["init"][1]["id"] == "run-abc123"
     assert calls["init"][1]["resume"] == "allow"
+
+
+def test_fractional_epochs_round_the_step_count_up():
+    """train.epochs=1.5 of 3 steps per epoch is 5 steps (the half epoch's 1.5 steps become 2)."""
+    from train.config import load_config
+    from train.loop import make_schedule
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=1", "train.grad_accum=2", "train.epochs=1.5"])
+    assert make_schedule(cfg, 6, 1, 0).total_steps == 5
+
+
+def test_lr_schedule_whose_warmup_is_the_whole_run():
+    """warmup_ratio=1: the steps ramp up to lr, and the scheduler's call past the last step gets the
+    top of the (empty) cosine, not a division by zero."""
+    from train.loop import lr_lambda
+
+    f = lr_lambda(4, 1.0, "cosine", 0.1)
+    assert [f(0), f(1), f(3), f(4), f(9)] == [0.25, 0.5, 1.0, 1.0, pytest.approx(0.1)]
+
+
+def test_advance_counts_every_processs_tokens_and_rolls_over_at_the_epochs_end():
+    from train.loop import LoopState, Schedule, StepStats, advance
+
+    zero = torch.zeros(())
+    stats = StepStats(loss=zero, ce_sum=zero, kl_sum=zero, tokens=3, tokens_all=7)  # 7 over all processes
+    state, sched = LoopState(), Schedule(micro_per_epoch=4, steps_per_epoch=2, total_steps=5)
+    seen = []
+    for _ in range(3):
+        advance(state, sched, stats)
+        seen.append((state.step, state.epoch, state.step_in_epoch, state.tokens_seen))
+    assert seen == [(1, 0, 1, 7), (2, 1, 0, 14), (3, 1, 1, 21)]
+
+
+def test_the_last_step_of_an_epoch_takes_only_the_micro_batches_left():
+    """5 one-row micro-batches with accumulation 2: the epoch's third step has one micro-batch, not a
+    second one past the epoch's end."""
+    from train.config import load_config
+    from train.loop import LoopState, draw_step, make_schedule
+    from train.rng import epoch_order
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=1", "train.grad_accum=2", "train.anchors=4"])
+    rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "loss_mask": [0, 1, 1, 1], "doc_ids": [0] * 4,
+             "position_ids": [0, 1, 2, 3]} for i in range(5)]
+    run_ = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
+    sched = make_schedule(cfg, len(rows), 1, 0)
+    order = epoch_order(len(rows), cfg.train.seed, 0, 0, 1)
+    drafter_cfg = types.SimpleNamespace(block_size=4, mask_token_id=0)
+    steps = [draw_step(run_, rows, order, LoopState(step_in_epoch=k), sched, drafter_cfg) for k in range(3)]
+    assert [[m.rows for m in step] for step in steps] == [[order[0:1], order[1:2]], [order[2:3], order[3:4]],
+                                                          [order[4:5]]]
+
+
+def test_true_tau_runs_only_with_an_eval():
+    from train.config import load_config
+    from train.loop import eval_due
+
+    cfg = load_config(["recipe=tiny", "eval.every=4", "eval.true_tau_every=6"])
+    assert [eval_due(cfg, step, False) for step in (4, 6, 8, 12)] == [(True, False), (False, False), (True, False),
+                                                                     (True, True)]
+    assert eval_due(cfg, 7, True) == (True, True)
+
+
+def test_the_resume_command_drops_every_spelling_of_resume(monkeypatch):
+    from train.loop import resume_command
+
+    monkeypatch.setattr(sys, "argv", ["train/distill.py"])
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    got = resume_command(["recipe=tiny", "--resume", "resume=false", "--resume=true", "out_dir=a b"], 1)
+    assert got == "python train/distill.py recipe=tiny 'out_dir=a b' resume=true"
+
+
+def test_streams_of_different_seeds_and_epochs_do_not_coincide():
+    """Seed 1's first epoch is not seed 0's second, and the parts of a stream's name do not run together
+    ((0, 1, 23) and (0, 12, 3) are different rows' streams)."""
+    from train.rng import epoch_order, stream_seed
+
+    assert epoch_order(50, 1, 0, 0, 1) != epoch_order(50, 0, 1, 0, 1)
+    assert stream_seed(0, 1, 23) != stream_seed(0, 12, 3)
+    assert 0 <= stream_seed(2**40, "eval", 7) < 2**63
+
+
+def test_metrics_rows_for_the_console_wandb_and_a_new_run(tmp_path):
+    """Console: small negative values keep their digits. wandb: numbers only (no flags, lists, text),
+    at the row's step. A new run (not a resume) starts metrics.jsonl afresh."""
+    from train.metrics import MetricsLogger, open_metrics, rounded
+
+    assert rounded({"kl": -6e-5, "loss": -1.23456}) == {"kl": -6e-5, "loss": -1.2346}
+    sent = []
+    wandb_run = types.SimpleNamespace(log=lambda numbers, step: sent.append((numbers, step)))
+    MetricsLogger(None, wandb_run=wandb_run).log({"step": 3, "loss": 2.5, "final": True, "hist": [1], "what": "x"})
+    assert sent == [({"step": 3, "loss": 2.5}, 3)]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 9.0}\n{"step": 1, "loss": 9.0}\n')
+    cfg = types.SimpleNamespace(logging=types.SimpleNamespace(wandb=False))
+    logger = open_metrics(cfg, tmp_path, True, 0, None, print)
+    logger.log({"step": 1, "loss": 2.0})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'

@@ -69,7 +69,9 @@ def tile_states(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tenso
 
     seen = overlap(lo_q, hi_q) + overlap(blo_q, bhi_q)  # the two intervals are disjoint (< s and >= s)
     some = (seen > 0) & real[None, :, None]
-    every = (seen == (te - ts)) | ~real[None, :, None]
+    # create_block_mask pads the mask with False past the last query and key, so a ragged tile is
+    # never full, even when all its real pairs are visible.
+    every = (seen == tile) & real[None, :, None]
     some = some.view(b, q_tiles, tile, kv_tiles).any(2)
     every = every.view(b, q_tiles, tile, kv_tiles).all(2)
     return (some & ~every)[:, None], every[:, None]
