@@ -329,6 +329,22 @@ def describe_mlx(config: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- quantizing with mlx_lm
+def weights_digest(folder: Path) -> str:
+    """A hash of the folder's weight files: names, sizes, first and last MiB (``models.hub.weight_file_spans``).
+    Part of the quantized folder's cache key: a target retrained or fine-tuned in place keeps its path and
+    config.json, and its old quantized weights were reused."""
+    import hashlib
+
+    from models.hub import weight_file_spans
+
+    h = hashlib.sha256()
+    for name, size, head, tail in weight_file_spans(Path(folder)):
+        h.update(f"{name}:{size}".encode())
+        h.update(head)
+        h.update(tail)
+    return h.hexdigest()[:16]
+
+
 def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
                     dtype: str | None = None, revision: str | None = None, log=print) -> Path:
     """Write ``out_dir``: the HF target quantized as ``mlx_lm.convert -q --q-bits B --q-group-size G`` does.
@@ -353,7 +369,7 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
     src = fetch_model(hf_path, revision=revision, what="target")
     out = Path(out_dir)
     stamp = {"source": str(hf_path), "revision": revision, "bits": bits, "group_size": group_size, "dtype": dtype,
-             "source_config": json.loads((src / "config.json").read_text())}
+             "source_config": json.loads((src / "config.json").read_text()), "source_weights": weights_digest(src)}
     marker = out / QUANT_MARKER
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return out

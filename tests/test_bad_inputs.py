@@ -1825,6 +1825,29 @@ def mlx_q4_folder(tmp_path_factory):
     return src, quantize_to_mlx(src, root / "q4", bits=4, group_size=32, log=lambda *_: None)
 
 
+def test_a_target_retrained_in_place_is_quantized_again(tmp_path):
+    """The quantized folder's cache key was the target's path, config and the settings: a target retrained or
+    fine-tuned in place (same path, same config.json) trained against its old weights, quantized."""
+    pytest.importorskip("mlx_lm")
+    from safetensors.torch import load_file
+
+    from models.quant import quantize_to_mlx
+    from models.tiny import save_tiny_target
+
+    said = []
+    src = save_tiny_target(tmp_path / "hf", arch="qwen3", num_layers=2, seed=0)
+    first = load_file(str(quantize_to_mlx(src, tmp_path / "q4", bits=4, group_size=32, log=said.append)
+                          / "model.safetensors"))
+    assert quantize_to_mlx(src, tmp_path / "q4", bits=4, group_size=32, log=said.append) == tmp_path / "q4"
+    cached = len(said)  # the same weights: reused, nothing logged
+    save_tiny_target(tmp_path / "hf", arch="qwen3", num_layers=2, seed=1)  # the same config, other weights
+    again = load_file(str(quantize_to_mlx(src, tmp_path / "q4", bits=4, group_size=32, log=said.append)
+                          / "model.safetensors"))
+    assert len(said) > cached
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not (first[name] == again[name]).all()
+
+
 def _copy_with(folder, dst, drop=(), config_update=None):
     """A copy of an MLX folder with some tensors dropped and the config changed."""
     import json
