@@ -426,3 +426,180 @@ def test_mlx_export_bf16_and_4bit_run_lossless_in_the_mlx_loop(setup, tmp_path):
             print(f"{name}: tau {res.tau:.2f} over {len(res.acceptance_lengths)} cycles")
     finally:
         mx.set_default_device(old)
+
+
+# ------------------------------------------------------------------------------------- provenance, folder, gates
+def test_provenance_drops_unset_values_and_records_the_revision_and_a_local_targets_quantization(setup):
+    """``None`` values are not written into config.json; ``--target-revision`` is recorded; a local
+    ``--target`` folder says how it is quantized, while a Hub id keeps what the run recorded."""
+    from export.hf import provenance
+
+    target_dir = setup[0]
+    run = {"target": "Qwen/Qwen3-8B", "target_revision": None, "target_quantization": "mlx-4bit-g64", "steps": 7}
+    assert provenance(run, None, None, quiet) == {"target": "Qwen/Qwen3-8B", "target_quantization": "mlx-4bit-g64",
+                                                  "steps": 7}
+    assert provenance(run, None, "abc123", quiet)["target_revision"] == "abc123"
+    assert provenance(run, "Qwen/Qwen3-8B-Base", None, quiet)["target_quantization"] == "mlx-4bit-g64"
+    local = provenance(run, str(target_dir), None, quiet)
+    assert local["target"] == str(target_dir) and local["target_quantization"] == "none (unquantized weights)"
+
+
+def test_fp16_export_writes_fp16_weights_and_config(setup, tmp_path):
+    _, _, drafter, ckpt = setup
+    export_hf(ckpt, tmp_path / "hf", dtype="fp16", remote_code_check=False, log=quiet)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float16"
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+
+
+def test_gate_refuses_weights_that_change_on_the_way_to_disk(setup, tmp_path, monkeypatch):
+    """One weight one bf16 step off after writing: the logits would still pass the parity rule, the
+    bit-equality of the reloaded weights does not."""
+    from safetensors.torch import load_file, save_file
+
+    _, _, _, ckpt = setup
+    real = DFlashDraftModel.save_pretrained
+
+    def save_then_nudge(self, directory, **kw):
+        real(self, directory, **kw)
+        path = Path(directory) / "model.safetensors"
+        state = load_file(str(path))
+        state["norm.weight"][0] = state["norm.weight"][0] * 1.01
+        save_file(state, str(path), metadata={"format": "pt"})
+        return Path(directory)
+
+    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_then_nudge)
+    with pytest.raises(ExportCheckError, match="norm.weight changed on the way to disk"):
+        export_hf(ckpt, tmp_path / "hf", remote_code_check=False, log=quiet)
+    assert not (tmp_path / "hf").exists()
+
+
+def _write_export(folder: Path, marker: str) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"draftsmith": {}, "marker": marker}))
+
+
+def test_staging_replaces_an_earlier_export_leaves_nothing_beside_it_and_shares_the_files(tmp_path):
+    """Even under a private umask the placed folder is world-readable (mkdtemp makes it 0700), and the
+    previous export, moved aside during the swap, is gone afterwards."""
+    from export.folder import staging
+
+    out = tmp_path / "hf"
+    _write_export(out, "old")
+    umask = os.umask(0o077)
+    try:
+        with staging(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text(json.dumps({"draftsmith": {}, "marker": "new"}))
+            (tmp / "model.safetensors").write_bytes(b"weights")
+    finally:
+        os.umask(umask)
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert json.loads((out / "config.json").read_text())["marker"] == "new"
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"config.json": 0o644,
+                                                                        "model.safetensors": 0o644}
+
+
+def test_a_previous_export_is_put_back_over_an_empty_out_folder(tmp_path):
+    """Killed between the swap's renames, then an empty ``--out`` made (by the user, or a tool): the
+    previous export is put back there, not deleted as if the new one had moved in."""
+    from export.folder import recover_replaced
+
+    out = tmp_path / "hf"
+    _write_export(tmp_path / ".hf.old", "previous")
+    out.mkdir()
+    recover_replaced(out)
+    assert json.loads((out / "config.json").read_text())["marker"] == "previous"
+    assert not (tmp_path / ".hf.old").exists()
+
+
+def test_a_staging_folder_with_a_recent_file_is_kept_however_old_the_folder(tmp_path):
+    """A concurrent export writing into an old staging folder (a folder's time changes only when an
+    entry is added or removed) is still running: its newest file decides."""
+    import time
+
+    from export.folder import remove_stale_staging
+
+    now = time.time()
+    for name, file_age in ((".hf.writing1.tmp", 0), (".hf.abandon1.tmp", 7200)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+        os.utime(folder / "model.safetensors", (now - file_age,) * 2)
+        os.utime(folder, (now - 7200,) * 2)
+    remove_stale_staging(tmp_path / "hf")
+    assert [p.name for p in tmp_path.iterdir()] == [".hf.writing1.tmp"]
+
+
+def _mlx_friendly_drafter(tmp_path) -> Path:
+    """A drafter whose linears all take widths divisible by 64 (fc 192, down_proj 128, the rest 64)."""
+    from models.config import DFlashConfig
+
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=300, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=4, torch_dtype="float32")
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg).save_pretrained(tmp_path / "drafter")
+
+
+def test_mlx_group_size_error_suggests_the_largest_size_that_fits(tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    from export.mlx import check_group_size
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    model = MLXDrafter.from_pretrained(_mlx_friendly_drafter(tmp_path), dtype=mx.float32)
+    check_group_size(model, 64)
+    with pytest.raises(ValueError, match=r"of 7 of the drafter's 8 linears \(e.g. fc: 192\).*use --group-size 64 "):
+        check_group_size(model, 128)
+
+
+@pytest.mark.parametrize("bits, group, top1, advice", [
+    (4, 64, 0.95, None),
+    (4, 64, 0.5, "try --quantize 8 or a smaller --group-size"),
+    (8, 32, 0.5, "or export it unquantized (bf16)"),
+])
+def test_quantized_mlx_gate_warns_below_the_top1_floor_with_what_to_try(tmp_path, monkeypatch, bits, group, top1,
+                                                                         advice):
+    pytest.importorskip("mlx.core")
+    import export.mlx
+
+    real = export.mlx.logit_stats
+    monkeypatch.setattr(export.mlx, "logit_stats", lambda *a: {**real(*a), "top1": top1})
+    lines: list[str] = []
+    export.mlx.export_mlx(_mlx_friendly_drafter(tmp_path), tmp_path / "q", quantize=bits, group_size=group,
+                          log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    if advice is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].endswith(f"expect lower acceptance; {advice}"), warnings
+
+
+def test_mlx_gate_refuses_a_weight_missing_after_reload(setup, tmp_path, monkeypatch):
+    mx = pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    real = MLXDrafter.from_pretrained
+
+    def lose_a_weight(path, dtype=None, revision=None):
+        model = real(path, dtype=dtype, revision=revision)
+        if Path(path).name.endswith(".tmp"):  # the gate's reload of the staging folder
+            del model.hidden_norm["weight"]
+        return model
+
+    monkeypatch.setattr(MLXDrafter, "from_pretrained", staticmethod(lose_a_weight))
+    with mx.stream(mx.cpu), pytest.raises(ExportCheckError, match="hidden_norm.weight changed on the way to disk"):
+        export_mlx(setup[3], tmp_path / "mlx", log=quiet)
+    assert not (tmp_path / "mlx").exists()
+
+
+def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_path):
+    pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+
+    with pytest.raises(ValueError, match="--group-size 16: use 32, 64 or 128"):
+        export_mlx(setup[3], tmp_path / "q", quantize=4, group_size=16, log=quiet)
+    with pytest.raises(ValueError, match="--quantize 3: use 4 or 8"):
+        export_mlx(setup[3], tmp_path / "q", quantize=3, log=quiet)
+    assert not (tmp_path / "q").exists()

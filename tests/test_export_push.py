@@ -387,3 +387,20 @@ def test_card_says_how_many_tokens_a_block_drafts_and_when_the_recipe_is_unknown
     _with_provenance(folder, None)
     card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
     assert "This folder carries no `draftsmith` provenance block" in card
+
+
+def test_norm_signature_and_its_comparison(tmp_path):
+    """The first 8 values of each norm, to 5 decimals; equal within 1e-2 relative to values above 1, and
+    only for the same norms with as many values."""
+    from safetensors.torch import save_file
+
+    from models.weights import norm_signature, same_signature
+
+    norm = [1.0, 1.5, 0.25, 2.0, 3.0, 0.75, 1.125, 0.5, 9.0, 9.0]
+    save_file({"norm.weight": torch.tensor(norm), "layers.0.input_layernorm.weight": torch.full((4,), 1.234567),
+               "fc.weight": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert norm_signature(tmp_path) == {"layers.0.input_layernorm.weight": [1.23457] * 4, "norm.weight": norm[:8]}
+    assert same_signature({"n": [100.0, 1.0]}, {"n": [100.5, 1.005]})
+    assert not same_signature({"n": [1.0, 1.02]}, {"n": [1.0, 1.0]})
+    assert not same_signature({"n": [1.0, 2.0]}, {"n": [1.0]}) and not same_signature({"n": [1.0]}, {"n": [1.0, 2.0]})
+    assert not same_signature({"n": [1.0]}, {"n": [1.0], "m": [1.0]})

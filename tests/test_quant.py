@@ -263,3 +263,53 @@ def test_quantizing_an_already_quantized_folder_is_refused(sources, tmp_path):
     out = quantize_to_mlx(sources("qwen3"), tmp_path / "q", bits=4, group_size=32, log=lambda *_: None)
     with pytest.raises(QuantizationError, match="already quantized.*target.quantization=mlx:"):
         quantize_to_mlx(out, tmp_path / "again", bits=4, group_size=32)
+
+
+# ---------------------------------------------------------------------------- reading an MLX folder: small cases
+def test_layer_params_take_a_layers_own_entry_and_name_the_layer_that_does_not_fit():
+    from models.quant import layer_params
+
+    quant = {"bits": 4, "group_size": 64, "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}}
+    assert layer_params(quant, "model.layers.1.mlp.down_proj", 8, 1) == (4, 64)  # 8 words = 256 bits = 64 x 4
+    assert layer_params(quant, "model.layers.0.mlp.down_proj", 8, 1) == (8, 32)  # 256 bits = 32 x 8
+    with pytest.raises(QuantizationError, match="^model.layers.1.mlp.down_proj: packed width 8 words and 2 scale "
+                                                "groups do not fit 4 bits at group size 64"):
+        layer_params(quant, "model.layers.1.mlp.down_proj", 8, 2)
+    with pytest.raises(QuantizationError, match="mode 'mxfp4' is not supported"):
+        layer_params({**quant, "mode": "mxfp4"}, "model.layers.1.mlp.down_proj", 8, 1)
+
+
+@pytest.mark.parametrize("sanitized", [True, False])
+def test_qwen35_names_layouts_and_norms_come_back_to_transformers(sanitized):
+    """mlx_lm's sanitize moves conv1d to [C, K, 1] and adds 1 to the norms: both are undone, but only for a
+    folder it sanitized (an HF-layout conv1d [C, 1, K] means the norms are still transformers' own)."""
+    from models.quant import to_hf_state_dict
+
+    conv = torch.arange(8.0).reshape(2, 1, 4)
+    weights = {
+        "language_model.model.layers.0.linear_attn.conv1d.weight": conv.transpose(1, 2) if sanitized else conv,
+        "model.language_model.layers.0.input_layernorm.weight": torch.tensor([1.5, 0.25]),
+        "model.language_model.norm.weight": torch.tensor([2.0, 1.0]),
+        "model.language_model.layers.0.linear_attn.A_log": torch.tensor([1.5, 0.25]),
+        "model.visual.blocks.0.attn.qkv.weight": torch.ones(2, 2),
+        "vision_tower.patch_embed.weight": torch.ones(2),
+        "mtp.fc.weight": torch.ones(2, 2),
+        "model.mtp.layers.0.input_layernorm.weight": torch.ones(2),
+    }
+    out = to_hf_state_dict(weights, "qwen3_5_text")
+    shift = 1.0 if sanitized else 0.0
+    assert sorted(out) == ["model.layers.0.input_layernorm.weight", "model.layers.0.linear_attn.A_log",
+                           "model.layers.0.linear_attn.conv1d.weight", "model.norm.weight"]
+    assert torch.equal(out["model.layers.0.linear_attn.conv1d.weight"], conv)
+    assert torch.equal(out["model.layers.0.input_layernorm.weight"], torch.tensor([1.5, 0.25]) - shift)
+    assert torch.equal(out["model.norm.weight"], torch.tensor([2.0, 1.0]) - shift)
+    assert torch.equal(out["model.layers.0.linear_attn.A_log"], torch.tensor([1.5, 0.25]))
+
+
+def test_only_a_config_with_bits_and_group_size_is_an_mlx_quantized_folder(tmp_path):
+    from models.quant import is_mlx_quantized
+
+    assert not is_mlx_quantized(tmp_path)  # no config.json
+    for quantization, expected in (({"bits": 4, "group_size": 64}, True), ({"bits": 4}, False), (None, False)):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization": quantization}))
+        assert is_mlx_quantized(tmp_path) == expected, quantization

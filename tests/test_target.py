@@ -273,3 +273,60 @@ def test_an_mlx_folder_reads_its_model_shards_not_other_safetensors_beside_them(
     save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.zeros(64, 8),
                "model.layers.0.self_attn.q_proj.lora_b": torch.zeros(8, 64)}, str(q / "adapters.safetensors"))
     assert torch.equal(TargetModel.from_pretrained(q, dtype="float32").embed_tokens.weight, before)
+
+
+# ------------------------------------------------------------------ safetensors folders (models/weights.py)
+def test_only_whole_embed_tokens_and_lm_head_names_are_dropped_as_the_targets():
+    from models.weights import drop_stray_keys
+
+    state = {k: torch.zeros(1) for k in ("embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight",
+                                         "fc.weight", "layers.0.my_lm_head.weight")}
+    assert sorted(drop_stray_keys(state, "folder")) == ["fc.weight", "layers.0.my_lm_head.weight"]
+
+
+def test_a_sharded_folder_reads_the_shards_its_index_names_and_names_a_missing_one(tmp_path):
+    """A stale ``model.safetensors`` beside the shards (an earlier unsharded save) is never read; a shard
+    the index lists but the folder lacks is named, by the reader and by the up-front check."""
+    from safetensors.torch import save_file
+
+    from models.weights import INDEX, check_folder_weights, load_state_dict, weight_files
+
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"x": torch.ones(2)}, str(tmp_path / first))
+    save_file({"y": torch.full((2,), 2.0)}, str(tmp_path / second))
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {"x": first, "y": second}}))
+    assert [p.name for p in weight_files(tmp_path)] == [first, second]
+    state = load_state_dict(tmp_path)
+    assert torch.equal(state["x"], torch.ones(2)) and torch.equal(state["y"], torch.full((2,), 2.0))
+    check_folder_weights(tmp_path)
+    (tmp_path / second).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{second} is listed in {INDEX} but missing"):
+        weight_files(tmp_path)
+    for name in (first, "model.safetensors"):  # only the index left: still a folder to check, not one to skip
+        (tmp_path / name).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{first} is listed in {INDEX} but missing"):
+        check_folder_weights(tmp_path)
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', '["model.safetensors"]', '{"weight_map": '])
+def test_an_index_without_a_weight_map_is_named_as_a_broken_index(tmp_path, index):
+    from models.weights import INDEX, shard_index
+
+    (tmp_path / INDEX).write_text(index)
+    with pytest.raises(ValueError, match=f"{INDEX} is not a safetensors shard index"):
+        shard_index(tmp_path)
+
+
+def test_a_safetensors_file_without_tensors_is_complete(tmp_path):
+    """The header may fill the whole file (no tensor data): that is its full size, not a truncation."""
+    from safetensors.torch import save_file
+
+    from models.weights import check_complete
+
+    save_file({}, str(tmp_path / "empty.safetensors"), metadata={"format": "pt"})
+    check_complete(tmp_path / "empty.safetensors")
+    with open(tmp_path / "empty.safetensors", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        check_complete(tmp_path / "empty.safetensors")

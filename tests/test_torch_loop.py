@@ -275,3 +275,83 @@ def test_sliding_window_target_rolls_back_past_a_full_window():
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + 40]
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 40, B, MISTAKES)
     assert target_generate(target, PROMPT, 40, eos_token_ids=[]).tokens == res.tokens
+
+
+# ----------------------------------------------------------------------------- rollback, small cases
+def _verified_block(target, block):
+    """A cache holding PROMPT, and a CacheRollback that has recorded the verify pass of ``block``."""
+    from inference.rollback_torch import CacheRollback
+
+    cache = target.new_cache()
+    target.forward(torch.tensor([PROMPT]), cache=cache, with_logits=False)
+    rollback = CacheRollback(target)
+    with rollback.recording(cache):
+        target.forward(torch.tensor([block]), cache=cache, with_logits=False)
+    return cache, rollback
+
+
+def test_a_fully_accepted_block_runs_no_gated_delta_net_layer_again(tiny_targets):
+    """The verified states already hold every token of the block: no restore, no replay."""
+    target = tiny_targets("qwen3_5")
+    block = [11, 12, 13, 14, 15, 16, 17, 18]
+    cache, rollback = _verified_block(target, block)
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for _, m in rollback.linear]
+    try:
+        rollback.commit(cache, keep=len(block), block_len=len(block))
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [] and rollback.linear
+    rollback.check(cache, len(PROMPT) + len(block))
+
+
+@pytest.mark.parametrize("restored", ["conv window", "recurrent state"])
+def test_check_sees_a_commit_that_restored_only_one_of_the_two_states(tiny_targets, restored):
+    """The replay counts from zero only when both states were written since the verify pass; one of them
+    left at the verified block is a state past the committed length."""
+    target = tiny_targets("qwen3_5")
+    block, keep = [11, 12, 13, 14, 15, 16, 17, 18], 3
+    cache, rollback = _verified_block(target, block)
+    inputs = dict(rollback._inputs)
+    rollback._kept = keep
+    for layer in cache.layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.crop(-(len(block) - keep))
+    for i, module in rollback.linear:
+        conv, rec = rollback._snapshots[i]
+        if restored == "conv window":
+            cache.layers[i].conv_states[0].copy_(conv)
+        else:
+            cache.layers[i].recurrent_states[0].copy_(rec)
+        module(hidden_states=inputs[i][:, :keep], cache_params=cache, attention_mask=None)
+    rollback.close()
+    with pytest.raises(AssertionError, match="GatedDeltaNet"):
+        rollback.check(cache, len(PROMPT) + keep)
+
+
+def test_an_error_in_the_verify_pass_leaves_no_hook_on_the_target(tiny_targets):
+    from inference.rollback_torch import CacheRollback
+
+    target = tiny_targets("qwen3_5")
+    cache = target.new_cache()
+    target.forward(torch.tensor([PROMPT]), cache=cache, with_logits=False)
+    rollback = CacheRollback(target)
+    with pytest.raises(RuntimeError, match="verify pass failed"), rollback.recording(cache):
+        raise RuntimeError("verify pass failed")
+    folded = dict(rollback._folded)
+    target.forward(torch.tensor([[11, 12]]), cache=cache, with_logits=False)
+    assert rollback._folded == folded and all(not m._forward_pre_hooks for _, m in rollback.linear)
+
+
+def test_check_names_an_attention_cache_at_another_length(tiny_targets):
+    from inference.rollback_torch import CacheRollback
+
+    target = tiny_targets("qwen3")
+    cache = target.new_cache()
+    target.forward(torch.tensor([PROMPT]), cache=cache, with_logits=False)
+    rollback = CacheRollback(target)
+    rollback.check(cache, len(PROMPT))
+    with pytest.raises(AssertionError, match=f"layer 0 holds {len(PROMPT)} positions, committed length is "
+                                             f"{len(PROMPT) - 1}"):
+        rollback.check(cache, len(PROMPT) - 1)

@@ -462,3 +462,87 @@ def test_metrics_rows_for_the_console_wandb_and_a_new_run(tmp_path):
     logger = open_metrics(cfg, tmp_path, True, 0, None, print)
     logger.log({"step": 1, "loss": 2.0})
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+# ----------------------------------------------------------------------------- train/checkpoint.py, directly
+class _OneProcess:
+    """The parts of an accelerate Accelerator that save_checkpoint uses: one process, a stand-in state."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def get_state_dict(self, model):
+        return model.state_dict()
+
+    def unwrap_model(self, model):
+        return model
+
+    def save_state(self, path):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"state")
+
+
+def test_a_checkpoint_clears_killed_saves_and_replaces_an_earlier_one_of_its_step(tmp_path):
+    """A ``step_N.tmp`` left by a kill is removed by the next save; a step that already has a checkpoint
+    (an earlier run's, never cleared) gets the new one whole, not an error about a non-empty folder."""
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+    from train.checkpoint import read_trainer_state, save_checkpoint
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=4, torch_dtype="float32")
+    model, root = DFlashDraftModel(cfg), tmp_path / "checkpoints"
+    (root / "step_3.tmp").mkdir(parents=True)
+    (root / "step_3.tmp" / "half.bin").write_bytes(b"cut short")
+    (root / "step_4" / "drafter").mkdir(parents=True)
+    (root / "step_4" / "trainer_state.json").write_text('{"step": 4, "run": "earlier"}')
+    final = save_checkpoint(_OneProcess(), model, tmp_path, 4, {"step": 4, "run": "this"}, "recipe: tiny\n", 2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_4"]
+    assert final == root / "step_4" and read_trainer_state(final) == {"step": 4, "run": "this"}
+    assert (final / "config.yaml").read_text() == "recipe: tiny\n" and (final / "drafter" / "config.json").is_file()
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_newest_one_before_it(tmp_path):
+    from train.checkpoint import _fallback
+
+    for step in (1, 2, 4, 5):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    assert _fallback(tmp_path / "checkpoints" / "step_4").endswith(f"to resume from {tmp_path}/checkpoints/step_2")
+    assert _fallback(tmp_path / "checkpoints" / "step_1").endswith("to start over: it is the only checkpoint")
+
+
+def test_a_final_written_in_the_same_clock_tick_as_the_last_checkpoint_is_a_finished_run(tmp_path):
+    """File times are coarse on some file systems (1-2 s): equal times mean final/ was written after."""
+    import os
+
+    from train.checkpoint import clear_for_fresh_start
+
+    step = tmp_path / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"step": 2}')
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.yaml").write_text("recipe: tiny\n")
+    for path in (step / "trainer_state.json", tmp_path / "final" / "config.yaml"):
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+    clear_for_fresh_start(tmp_path, lambda *_: None, _OneProcess())
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_readers_error_is_cut_to_its_first_sentence_and_200_characters():
+    from train.checkpoint import _reason
+
+    long = "x" * 150 + " y" * 40
+    assert _reason(RuntimeError(long + ". Then more.\nA second line")) == long[:200]
+    assert len(long) == 230 and _reason(RuntimeError(f"{'z' * 120}. rest")) == "z" * 120
+
+
+def test_only_listed_keys_or_sections_are_harmless_on_resume():
+    """A key that merely starts like a harmless one (a setting added later) is refused by default."""
+    from train.checkpoint import is_harmless
+
+    assert is_harmless("train.compile") and is_harmless("logging.every") and is_harmless("recipe")
+    assert not is_harmless("train.compile_mode") and not is_harmless("train.attention_dropout")
+    assert not is_harmless("recipes") and not is_harmless("train.lr")
