@@ -475,12 +475,12 @@ class DFlashConfig:
         layers = fact("num_target_layers", num_target_layers, "num_layers")
         return cls(
             hidden_size=hidden, vocab_size=fact("vocab_size", vocab_size, "vocab_size"), num_target_layers=layers,
-            max_position_embeddings=pick(max_position_embeddings, t.max_position_embeddings if t else 40960),
+            max_position_embeddings=pick(max_position_embeddings, t.max_position_embeddings if t else None, 40960),
             mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
             num_key_value_heads=pick(num_key_value_heads, t.num_key_value_heads if t else None, heads),
             head_dim=head_dim,
             intermediate_size=pick(intermediate_size, t.intermediate_size if t else None, 3 * hidden),
-            rms_norm_eps=pick(rms_norm_eps, t.rms_norm_eps if t else 1e-6),
+            rms_norm_eps=pick(rms_norm_eps, t.rms_norm_eps if t else None, 1e-6),
             # The target's own base frequency, as SpecForge and z-lab's published drafters do.
             rope_theta=float(pick(rope_theta, t.rope_theta if t else None, 1_000_000.0)),
             target_layer_ids=(default_layer_ids(layers, num_taps) if target_layer_ids is None  # only when needed:

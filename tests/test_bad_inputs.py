@@ -823,6 +823,11 @@ def test_drafter_shape_zero_from_code_is_refused_not_replaced_by_the_targets(key
         DFlashConfig.for_target(shape, mask_token_id=1, num_taps=1, **facts)  # not given: the target's (or default)
     # explicit taps on a target too shallow for the default 5: the default is not computed (and refused)
     assert DFlashConfig.for_target(target, mask_token_id=1, target_layer_ids=[1]).target_layer_ids == [1]
+    # a target shape that does not say (None): the defaults, not a refusal
+    unsaid = TargetShape(hidden_size=64, vocab_size=300, num_layers=8, num_attention_heads=4, rms_norm_eps=None,
+                         max_position_embeddings=None)
+    config = DFlashConfig.for_target(unsaid, mask_token_id=1, num_taps=2)
+    assert (config.rms_norm_eps, config.max_position_embeddings) == (1e-6, 40960)
 
 
 # ---------------------------------------------------------------- mask token

@@ -313,3 +313,15 @@ def test_only_a_config_with_bits_and_group_size_is_an_mlx_quantized_folder(tmp_p
     for quantization, expected in (({"bits": 4, "group_size": 64}, True), ({"bits": 4}, False), (None, False)):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization": quantization}))
         assert is_mlx_quantized(tmp_path) == expected, quantization
+
+
+def test_unpack_reads_a_little_endian_bit_stream_and_refuses_a_partial_pack():
+    """3-bit values: every 3 bytes hold 8 values, lowest bits first (built here as one Python integer)."""
+    from models.quant import unpack
+
+    values = [(7 * i + 3) % 8 for i in range(32)]
+    stream = sum(v << (3 * i) for i, v in enumerate(values)).to_bytes(12, "little")
+    words = torch.frombuffer(bytearray(stream), dtype=torch.uint8).view(torch.uint32)
+    assert unpack(words[None], 3).tolist() == [values]
+    with pytest.raises(QuantizationError, match="packed row of 16 bytes is not a whole number of 3-bit packs"):
+        unpack(torch.zeros(2, 4, dtype=torch.uint32), 3)

@@ -276,14 +276,6 @@ def test_an_mlx_folder_reads_its_model_shards_not_other_safetensors_beside_them(
 
 
 # ------------------------------------------------------------------ safetensors folders (models/weights.py)
-def test_only_whole_embed_tokens_and_lm_head_names_are_dropped_as_the_targets():
-    from models.weights import drop_stray_keys
-
-    state = {k: torch.zeros(1) for k in ("embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight",
-                                         "fc.weight", "layers.0.my_lm_head.weight")}
-    assert sorted(drop_stray_keys(state, "folder")) == ["fc.weight", "layers.0.my_lm_head.weight"]
-
-
 def test_a_sharded_folder_reads_the_shards_its_index_names_and_names_a_missing_one(tmp_path):
     """A stale ``model.safetensors`` beside the shards (an earlier unsharded save) is never read; a shard
     the index lists but the folder lacks is named, by the reader and by the up-front check."""
