@@ -136,7 +136,7 @@ def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
     diff = []
     for key in keys:
         if key == "label_rules" and key in wanted:
-            rules = recorded.get(key, LABEL_RULES_BEFORE_RECORDED)
+            rules = label_rules_of(recorded)
             if rules != wanted[key]:
                 diff.append(f"labelling rules: version {rules} -> {wanted[key]} (prepared by "
                             f"{'an older' if rules < wanted[key] else 'a newer'} draftsmith, whose loss labels "
@@ -157,6 +157,11 @@ def settings_diff(recorded: dict, wanted: dict, keys=ROW_SETTINGS) -> list[str]:
         label = {"packed": "pack", "answers_by": "regenerating target"}.get(key, key)
         diff.append(f"{label}: {recorded[key]!r} -> {wanted.get(key)!r}")
     return diff
+
+
+def label_rules_of(meta: dict) -> int:
+    """The labelling rules' version a prepared folder was labelled by (folders that did not record it: the first)."""
+    return meta.get("label_rules", LABEL_RULES_BEFORE_RECORDED)
 
 
 def read_json(path: Path) -> dict | None:

@@ -112,11 +112,11 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
 
 def stale_labels(data: Path) -> str | None:
     """Why a run's prepared data is not labelled by the current rules (None when it is, or is not there)."""
-    from data.chat import LABEL_RULES, LABEL_RULES_BEFORE_RECORDED
-    from data.reuse import META_FILE, read_json
+    from data.chat import LABEL_RULES
+    from data.reuse import META_FILE, label_rules_of, read_json
 
     meta = read_json(data / META_FILE)
-    rules = None if meta is None else meta.get("label_rules", LABEL_RULES_BEFORE_RECORDED)
+    rules = None if meta is None else label_rules_of(meta)
     return None if rules in (None, LABEL_RULES) else f"labelled by rules version {rules} (now {LABEL_RULES})"
 
 
