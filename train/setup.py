@@ -8,6 +8,7 @@ tokenization, loss masks, regeneration and packing to ``data.prepare``, features
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -164,8 +165,6 @@ class _Subset:
         return len(self.rows)
 
     def get_batch(self, indices):
-        import dataclasses
-
         batch = self.store.get_batch([self.offset + int(i) for i in indices])
         tokens = token_batch(self.rows, indices)
         check_same_rows(tokens, batch, self.name)
