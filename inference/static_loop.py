@@ -152,7 +152,7 @@ class StaticTarget:
         h = dec.embed_tokens(ids)
         if self._additive_mask:  # HF's eager attention adds its mask to the scores
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill(~mask, torch.finfo(h.dtype).min)
-        rope = dec.rotary_emb(h, pos[None])
+        rope = self.target.rope(h, pos)
         taps, captured = set(self.layer_ids), {}
         prefill = self.target.new_cache() if self.gdn and T > self.block_size else None  # a long prompt
         for i, layer in enumerate(layers or self.target.layers):

@@ -242,6 +242,19 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's ``(cos, sin)`` for one row at ``positions`` [T], as its layers take them.
+
+        Qwen3.5's text rotary embedding is M-RoPE shaped: it takes one position row per section,
+        ``[3, batch, T]``. transformers 5.17 indexes that shape directly (a ``[1, T]`` row fails
+        with an IndexError), later versions expand a 2-D row themselves; the 3-D form works in both.
+        """
+        rotary = self.decoder.rotary_emb
+        ids = positions[None]
+        if getattr(rotary, "mrope_section", None) is not None:
+            ids = ids[None].expand(3, 1, -1)
+        return rotary(hidden, ids)
+
     def new_cache(self):
         """A cache the loops can roll back: sliding-window attention layers get a full layer.
 

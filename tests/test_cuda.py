@@ -79,6 +79,28 @@ def test_torch_loop_on_cuda(tiny_targets, arch):
             assert first is None and res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
 
 
+def assert_same_loop(static, eager, ref_tokens, hybrid):
+    """The static loop gives target-only decoding's tokens, and the eager loop's tokens and acceptance lengths.
+
+    A hybrid target's eager loop verifies through flash-linear-attention's chunked GatedDeltaNet kernel,
+    whose Triton dots run in TF32 even in fp32, while one-token decoding (fla's recurrent kernel) and the
+    static loop's own GatedDeltaNet steps do not: on a near-tie of the random tiny target the eager
+    loop may depart from target-only decoding (seen on an H100: token 33 of 64). There the static and
+    eager loops are compared over the cycles before that departure.
+    """
+    assert static.tokens == ref_tokens
+    if not hybrid:
+        assert eager.tokens == ref_tokens
+        assert static.acceptance_lengths == eager.acceptance_lengths
+        return
+    first = next((i for i, (a, b) in enumerate(zip(eager.tokens, ref_tokens)) if a != b), len(ref_tokens))
+    done, cycles = 1, 0  # the prefill emits the first token; cycle k emits acceptance_lengths[k]
+    while cycles < len(eager.acceptance_lengths) and done + eager.acceptance_lengths[cycles] <= first:
+        done, cycles = done + eager.acceptance_lengths[cycles], cycles + 1
+    assert cycles >= 8, f"the eager loop departs from target-only decoding at token {first}: too early to compare"
+    assert static.acceptance_lengths[:cycles] == eager.acceptance_lengths[:cycles]
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
 def test_graph_loop_equals_eager_loop_on_cuda(arch):
     """CUDA graph replay of the static loop (decode, verify, drafter block pass) against the eager loop
@@ -107,8 +129,7 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
     eager = dflash_generate(target, DrafterProposer(drafter, target), prompt, 64, eos_token_ids=[])
     proposer = StaticDrafterProposer(drafter, target, st.max_len)
     static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[])
-    assert static.tokens == eager.tokens == ref.tokens[:64]
-    assert static.acceptance_lengths == eager.acceptance_lengths
+    assert_same_loop(static, eager, ref.tokens[:64], target.is_hybrid)
     assert st._passes[1].graph is not None and st._passes[8].graph is not None  # replayed, not eager
     assert proposer._pass.graph is not None
 
@@ -192,11 +213,15 @@ def test_compiled_target_layers_equal_eager_on_cuda(arch):
 
     eager = TargetModel(tiny_target(arch).cuda())
     compiled = TargetModel(tiny_target(arch).cuda()).compile_layers()
+    # fla's chunked GatedDeltaNet kernel rounds its dot inputs to TF32 (10-bit mantissa) even in fp32:
+    # inductor's fused norms and gates move an input by an ulp across a rounding edge, a 2^-11 relative
+    # step (seen on an H100: max 5.0e-4, mean 6.6e-6). A wrong tap or layer differs by O(0.1).
+    atol = 2e-3 if eager.is_hybrid else 1e-4
     for n in (48, 80, 64):
         ids = torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n)).cuda()
         ref = eager.forward(ids, [1, 3, 5], with_logits=False).features
         got = compiled.forward(ids, [1, 3, 5], with_logits=False).features
-        assert_close(got, ref, atol=1e-4, what=f"{arch} compiled target taps, length {n}")
+        assert_close(got, ref, atol=atol, what=f"{arch} compiled target taps, length {n}")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -219,5 +244,4 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
     st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(prompt) + 100, block_size=8, compile=True)
     proposer = StaticDrafterProposer(drafter, target, st.max_len, compile=True)
     static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[])
-    assert static.tokens == eager.tokens == ref.tokens
-    assert static.acceptance_lengths == eager.acceptance_lengths
+    assert_same_loop(static, eager, ref.tokens, target.is_hybrid)

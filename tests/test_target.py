@@ -322,3 +322,19 @@ def test_a_safetensors_file_without_tensors_is_complete(tmp_path):
         f.write(b"\0")
     with pytest.raises(ValueError, match="corrupt or truncated"):
         check_complete(tmp_path / "empty.safetensors")
+
+
+@pytest.mark.parametrize("arch, shape", [("qwen3", (1, 5)), ("llama", (1, 5)), ("qwen3_5", (3, 1, 5))])
+def test_rope_hands_each_decoder_the_position_ids_it_indexes(tiny_targets, monkeypatch, arch, shape):
+    """Qwen3.5's M-RoPE rotary gets one position row per section ([3, 1, T]): transformers 5.17 indexes
+    that shape directly and failed on [1, T] (the static loop's prefill, seen on a GPU node); the cos/sin
+    are those of the decoder's own call."""
+    target = tiny_targets(arch)
+    rotary, seen = target.decoder.rotary_emb, []
+    own = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda x, ids: seen.append(tuple(ids.shape)) or own(x, ids))
+    h, pos = torch.randn(1, 5, target.hidden_size), torch.arange(3, 8)
+    cos, sin = target.rope(h, pos)
+    assert seen == [shape]
+    ref_cos, ref_sin = own(h, pos[None])
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
