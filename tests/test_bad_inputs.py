@@ -984,6 +984,7 @@ def test_block_size_outside_two_to_trained_is_refused(requested):
     with pytest.raises(ValueError, match=f"--block-size {requested} must be between 2 and the drafter's trained"):
         resolve_block_size(requested, 8)
     assert resolve_block_size(2, 8) == 2 and resolve_block_size(None, 8) == 8
+    assert resolve_block_size(8, 8) == 8  # the trained size itself, asked for explicitly
 
 
 def test_recorded_target_prefers_the_provenance_block_and_unquotes_the_card(tmp_path):

@@ -343,3 +343,23 @@ def test_target_quantization_is_read_from_either_config_key(tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, **({key: value} if key else {})}))
         facts = read_target_facts(folder)
         assert facts.quantization == value and describe_quantization(facts.quantization) == said
+
+
+def test_a_cycles_numbers_from_hand_made_drafts():
+    """record_cycle on known drafts: the accepted prefix stops at the first mismatch, a cycle cut by the budget
+    counts what it emitted but still reports the block positions it verified; tau and tok/s of a generation
+    with no cycle, or only the prefill's token, are 0 (not 1, not negative); to_json carries the stop reason."""
+    from inference.stats import GenerationResult, leading_matches
+
+    assert leading_matches([1, 9, 3], [1, 2, 3, 4]) == 1  # a later match after a miss is not accepted
+    r = GenerationResult(tokens=[1], position_accepts=[0, 0, 0], block_size=4)
+    assert r.record_cycle([7, 8, 9], [7, 8, 5, 6], set(), 10) == (3, None)
+    assert r.tokens == [1, 7, 8, 5] and r.acceptance_lengths == [3] and r.position_accepts == [1, 1, 0]
+    assert r.record_cycle([2, 3, 4], [2, 3, 4, 6], set(), 6) == (4, "max_new_tokens")
+    assert r.tokens == [1, 7, 8, 5, 2, 3] and r.acceptance_lengths == [3, 2] and r.position_accepts == [2, 2, 0]
+    r.decode_s, r.stop_reason = 2.0, "max_new_tokens"
+    assert r.tau == 2.5 and r.decode_tokens_per_s == 2.5  # 5 tokens after the prefill's one, in 2 s
+    assert r.to_json()["stop_reason"] == "max_new_tokens" and r.to_json()["decode_tokens_per_s"] == 2.5
+    empty = GenerationResult(tokens=[], decode_s=1.0, stop_reason="eos")
+    assert empty.tau == 0.0 and empty.decode_tokens_per_s == 0.0 and empty.to_json()["stop_reason"] == "eos"
+    assert GenerationResult(tokens=[5], decode_s=0.5).decode_tokens_per_s == 0.0
