@@ -363,3 +363,32 @@ def test_a_cycles_numbers_from_hand_made_drafts():
     empty = GenerationResult(tokens=[], decode_s=1.0, stop_reason="eos")
     assert empty.tau == 0.0 and empty.decode_tokens_per_s == 0.0 and empty.to_json()["stop_reason"] == "eos"
     assert GenerationResult(tokens=[5], decode_s=0.5).decode_tokens_per_s == 0.0
+
+
+def test_a_short_prompts_own_costs_and_the_tables_wording():
+    """A prompt of 3 cycles (a quarter rounds up to one cycle, never to none); its own cycle seconds,
+    baseline seconds per decoded token and their ratio; categories in prompt-set order; "-" for a number that
+    does not apply, "none" when nothing diverged; compare keeps each category's speedup."""
+    from inference.report import PromptRun, compare_rows, markdown, table_rows
+    from inference.stats import GenerationResult
+
+    def result(n_tokens, lengths, decode_s):
+        pos = [sum(1 for a in lengths if a - 1 > k) for k in range(3)]
+        return GenerationResult(tokens=list(range(n_tokens)), acceptance_lengths=lengths, position_accepts=pos,
+                                block_size=4, prefill_s=0.1, decode_s=decode_s)
+
+    short = PromptRun("short", "math", 10, [result(7, [3, 1, 2], 0.6)], [result(7, [1] * 6, 0.9)])
+    other = PromptRun("other", "code", 10, [result(5, [4], 0.4)], [result(5, [1] * 4, 0.8)])
+    report = build_report([short, other], 4, greedy=True, environment={"temperature": 0.0})
+    p = report["per_prompt"][0]
+    assert p["tau_first_quarter"] == 3 and p["tau_last_quarter"] == 2
+    assert p["cycle_s"] == pytest.approx(0.6 / 3) and p["baseline_token_s"] == pytest.approx(0.9 / 6)
+    assert p["cycle_cost"] == pytest.approx((0.6 / 3) / (0.9 / 6))
+    assert list(report["per_category"]) == ["math", "code"]
+    assert [row[0] for row in table_rows(report)[1:]] == ["math", "code", "all"]
+    assert "earliest divergence at token none." in markdown(report)
+    sampled = build_report([short, other], 4, greedy=False, environment={"temperature": 0.7})
+    header, *_, total = table_rows(sampled)
+    assert total[header.index("identical")] == "-"
+    names = [row[0] for row in compare_rows([report, sampled], ["a", "b"])]
+    assert "math: speedup" in names and "code: tau" in names
