@@ -976,6 +976,28 @@ def test_validate_partial_row_written_after_a_cut_line_is_kept(tmp_path):
     assert sorted(done) == [0, 1, 2] and done[1][0] == _partial_run(1)
 
 
+def test_validate_partial_file_empty_or_not_an_object_is_set_aside_and_five_old_ones_kept(tmp_path):
+    """A partial.jsonl left empty (killed while it was created) or whose first line is not an object is set aside
+    with a note, not a traceback; a setting only one side recorded is named; set-aside files shift down to
+    .old.4, and only the one beyond that goes."""
+    from inference import partial
+
+    path = tmp_path / partial.PARTIAL
+    for text in ("", "[1, 2]\n"):
+        path.write_text(text)
+        notes: list[str] = []
+        assert partial.load(tmp_path, "key-a", notes.append) == {}
+        assert len(notes) == 1 and "set aside as partial.jsonl.old" in notes[0] and not path.exists()
+        assert (tmp_path / "partial.jsonl.old").read_text() == text
+    assert partial.differing({"seed": 0}, {"seed": 0, "draftsmith_version": "1"}) == ["draftsmith_version"]
+    assert partial.differing({"seed": 0}, None) == []  # settings not given: nothing to name
+    for i in range(7):
+        path.write_text(f"run {i}\n")
+        partial.set_aside(path)
+    kept = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert kept == {"partial.jsonl.old": "run 6\n", **{f"partial.jsonl.old.{k}": f"run {6 - k}\n" for k in range(1, 5)}}
+
+
 @pytest.mark.parametrize("requested", [0, 1, 9])
 def test_block_size_outside_two_to_trained_is_refused(requested):
     """0 is not "the trained size", and 1 leaves no draft slot: both are refused like a size above the trained one."""
