@@ -1606,6 +1606,7 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     ("validate", ["--target", "t", "--draft", "d", "--out", "FILE"], "is a file: give a folder for the report"),
     # one token comes from the prefill: tau and speeds were reported as 0 (undefined)
     ("validate", ["--target", "t", "--draft", "d", "--max-new-tokens", "1"], "validate needs at least 2"),
+    ("validate", ["--target", "t", "--draft", "d", "--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
     """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
@@ -1666,6 +1667,7 @@ def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     assert warn_if_too_long([[1] * 5000, [1] * 100], 64, 4096) == 1
     assert "1 of 2 prompts plus --max-new-tokens 64 run past the target's 4096 positions" in capsys.readouterr().err
     assert warn_if_too_long([[1] * 100], 64, 4096) == 0 and capsys.readouterr().err == ""
+    assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
 
 
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
@@ -3201,6 +3203,9 @@ def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_wha
     same = [resume_settings({**env, "target": t}) for t in ("target", "target/", str(tmp_path / "target"), "./target")]
     assert {partial.settings_key(s) for s in same} == {partial.settings_key(same[0])}
     assert same[0]["draft"] == "org/drafter"  # a Hub id stays as given
+    (tmp_path / "p.jsonl").write_text("")  # a prompt file, spelled two ways
+    assert resume_settings({"prompts": "p.jsonl"}) == resume_settings({"prompts": "./p.jsonl"})
+    assert resume_settings({"prompts": "all"}) == {"prompts": "all"}  # a shipped set's name stays as given
     out = tmp_path / "val"
     partial.Recorder(out, partial.settings_key(same[0]), same[0])(0, _partial_run(0), {})
     assert set(partial.load(out, partial.settings_key(same[1]), print, same[1])) == {0}  # resumed, not set aside

@@ -392,3 +392,77 @@ def test_a_short_prompts_own_costs_and_the_tables_wording():
     assert total[header.index("identical")] == "-"
     names = [row[0] for row in compare_rows([report, sampled], ["a", "b"])]
     assert "math: speedup" in names and "code: tau" in names
+
+
+class StubSession:
+    """Session.run / baseline / peak memory without a model: each generation uses the next planted peak."""
+
+    def __init__(self, baseline_peaks, dflash_peaks):
+        from inference.stats import GenerationResult
+
+        self.result = lambda: GenerationResult(tokens=[1, 2, 3], acceptance_lengths=[2], position_accepts=[1],
+                                               block_size=2, decode_s=1.0)
+        self.baseline_peaks, self.dflash_peaks = list(baseline_peaks), list(dflash_peaks)
+        self.peak, self.calls = 0, []
+
+    def reset_peak_memory(self):
+        self.peak = 0
+
+    def peak_memory_bytes(self):
+        return self.peak
+
+    def baseline(self, ids, **kw):
+        self.calls.append(("baseline", ids[0], kw["max_new_tokens"]))
+        self.peak = max(self.peak, self.baseline_peaks.pop(0))
+        return self.result()
+
+    def run(self, ids, baseline=False, **kw):
+        if baseline:  # the warm-up
+            self.calls.append(("warm-up", ids[0], kw["max_new_tokens"]))
+            return self.result(), self.result()
+        self.calls.append(("dflash", ids[0], kw["max_new_tokens"]))
+        self.peak = max(self.peak, self.dflash_peaks.pop(0))
+        return self.result(), None
+
+
+def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_missing_prompt():
+    """Peak memory is the largest over prompts and repeats, each mode from its own reset (the baseline's is not
+    the previous DFlash run's); the warm-up is short and runs the first prompt not measured yet; a run that
+    finds every prompt measured generates nothing."""
+    from types import SimpleNamespace
+
+    from inference.generate import WARMUP_TOKENS
+
+    prompts = [SimpleNamespace(id=f"p{i}", category="x") for i in range(3)]
+    ids = [[10], [11], [12]]
+    session = StubSession([10, 30, 20, 5], [100, 300, 200, 50])
+    earlier = measure(StubSession([7], [70]), ids[:1], prompts[:1], progress=False)[0][0]
+    done = {0: (earlier, {"peak_memory_bytes": 70, "baseline_peak_memory_bytes": 7})}
+    recorded = []
+    runs, peaks = measure(session, ids, prompts, repeats=2, max_new_tokens=WARMUP_TOKENS + 8, progress=False,
+                          done=done, record=lambda i, run, its: recorded.append((i, its)))
+    assert peaks == {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}
+    assert recorded == [(1, {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}),
+                        (2, {"peak_memory_bytes": 200, "baseline_peak_memory_bytes": 20})]
+    assert session.calls[0] == ("warm-up", 11, WARMUP_TOKENS)
+    assert [c[0] for c in session.calls[1:]] == ["baseline", "dflash"] * 4 and runs[0] is earlier
+    idle = StubSession([], [])
+    runs, peaks = measure(idle, ids[:1], prompts[:1], progress=False, done=done)
+    assert idle.calls == [] and runs == [earlier] and peaks == done[0][1]
+
+
+def test_compare_labels_reports_of_same_named_folders_and_notes_other_prompt_sets(tmp_path, capsys):
+    """Two runs/*/val/report.json: the columns are told apart (val#1, val#2); reports of different prompt sets
+    get a note, reports of the same set none."""
+    reports = []
+    for name, prompt_hash in (("a", "h1"), ("b", "h2")):
+        (tmp_path / name / "val").mkdir(parents=True)
+        report = {"schema": "draftsmith.validate/1", "tau": 2.0, "prompt_set_hash": prompt_hash,
+                  "acceptance_histogram": {"2": 1}, "position_acceptance": [1.0], "block_size": 2}
+        (tmp_path / name / "val" / "report.json").write_text(json.dumps(report))
+        reports.append(str(tmp_path / name / "val"))
+    out = run_compare(reports, str(tmp_path / "cmp"))
+    assert out["rows"][0] == ["metric", "val#1", "val#2", "val#2/val#1"]
+    assert "different prompt sets" in capsys.readouterr().err
+    run_compare([reports[0], reports[0]], str(tmp_path / "cmp"))
+    assert "different prompt sets" not in capsys.readouterr().err
