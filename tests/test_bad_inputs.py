@@ -2939,6 +2939,44 @@ def test_static_loop_past_its_preallocated_length(tiny_targets):
     st = StaticTarget(tiny_targets("qwen3"), [1, 3], max_len=16, block_size=8)
     with pytest.raises(ValueError, match="static cache holds 16 positions.*raise max_len"):
         st.forward(torch.zeros(1, 8, dtype=torch.long), start=12)
+    st.forward(torch.zeros(1, 8, dtype=torch.long), start=0)
+    assert st.forward(torch.zeros(1, 8, dtype=torch.long), start=8)[1].shape[1] == 8  # the last slot fits
+
+
+def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
+    """An empty prompt, a drafter with sliding-window layers, a target loaded with flash attention (the static
+    mask of stale slots would be ignored), a block of another size and features that do not continue the
+    drafter's cache each get a named error instead of wrong drafts or an opaque traceback."""
+    import torch
+
+    from conftest import tiny_drafter_config
+    from inference.static_loop import (StaticDrafterProposer, StaticLoopUnsupported, StaticTarget,
+                                       static_dflash_generate)
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    target = tiny_targets("qwen3")
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st = StaticTarget(target, drafter.config.target_layer_ids, max_len=64, block_size=8)
+    proposer = StaticDrafterProposer(drafter, target, max_len=64)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        static_dflash_generate(st, proposer, [], 8)
+    sliding = tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                                  sliding_block_attention="causal")
+    with pytest.raises(StaticLoopUnsupported, match="sliding-window layers: use the eager loop"):
+        StaticDrafterProposer(DFlashDraftModel(sliding), target, max_len=64)
+    flash = TargetModel(tiny_target("qwen3", num_layers=2))
+    flash.model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(StaticLoopUnsupported, match="needs attn_implementation 'sdpa' or 'eager'"):
+        StaticTarget(flash, [0], max_len=64, block_size=8)
+    feats = torch.zeros(1, 5, drafter.config.fc_in_features)
+    with pytest.raises(StaticLoopUnsupported, match="built for blocks of 8; got 4"):
+        proposer.propose(1, feats, 5, 4)
+    proposer.propose(1, feats, 5, 8)
+    with pytest.raises(RuntimeError, match="draft cache holds 5 positions but 2 new features end at 9"):
+        proposer.propose(1, feats[:, :2], 9, 8)
 
 
 def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
