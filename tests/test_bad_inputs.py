@@ -976,6 +976,28 @@ def test_validate_partial_row_written_after_a_cut_line_is_kept(tmp_path):
     assert sorted(done) == [0, 1, 2] and done[1][0] == _partial_run(1)
 
 
+def test_validate_partial_file_empty_or_not_an_object_is_set_aside_and_five_old_ones_kept(tmp_path):
+    """A partial.jsonl left empty (killed while it was created) or whose first line is not an object is set aside
+    with a note, not a traceback; a setting only one side recorded is named; set-aside files shift down to
+    .old.4, and only the one beyond that goes."""
+    from inference import partial
+
+    path = tmp_path / partial.PARTIAL
+    for text in ("", "[1, 2]\n"):
+        path.write_text(text)
+        notes: list[str] = []
+        assert partial.load(tmp_path, "key-a", notes.append) == {}
+        assert len(notes) == 1 and "set aside as partial.jsonl.old" in notes[0] and not path.exists()
+        assert (tmp_path / "partial.jsonl.old").read_text() == text
+    assert partial.differing({"seed": 0}, {"seed": 0, "draftsmith_version": "1"}) == ["draftsmith_version"]
+    assert partial.differing({"seed": 0}, None) == []  # settings not given: nothing to name
+    for i in range(7):
+        path.write_text(f"run {i}\n")
+        partial.set_aside(path)
+    kept = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert kept == {"partial.jsonl.old": "run 6\n", **{f"partial.jsonl.old.{k}": f"run {6 - k}\n" for k in range(1, 5)}}
+
+
 @pytest.mark.parametrize("requested", [0, 1, 9])
 def test_block_size_outside_two_to_trained_is_refused(requested):
     """0 is not "the trained size", and 1 leaves no draft slot: both are refused like a size above the trained one."""
@@ -984,6 +1006,7 @@ def test_block_size_outside_two_to_trained_is_refused(requested):
     with pytest.raises(ValueError, match=f"--block-size {requested} must be between 2 and the drafter's trained"):
         resolve_block_size(requested, 8)
     assert resolve_block_size(2, 8) == 2 and resolve_block_size(None, 8) == 8
+    assert resolve_block_size(8, 8) == 8  # the trained size itself, asked for explicitly
 
 
 def test_recorded_target_prefers_the_provenance_block_and_unquotes_the_card(tmp_path):
@@ -1583,6 +1606,7 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     ("validate", ["--target", "t", "--draft", "d", "--out", "FILE"], "is a file: give a folder for the report"),
     # one token comes from the prefill: tau and speeds were reported as 0 (undefined)
     ("validate", ["--target", "t", "--draft", "d", "--max-new-tokens", "1"], "validate needs at least 2"),
+    ("validate", ["--target", "t", "--draft", "d", "--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
     """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
@@ -1643,6 +1667,7 @@ def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     assert warn_if_too_long([[1] * 5000, [1] * 100], 64, 4096) == 1
     assert "1 of 2 prompts plus --max-new-tokens 64 run past the target's 4096 positions" in capsys.readouterr().err
     assert warn_if_too_long([[1] * 100], 64, 4096) == 0 and capsys.readouterr().err == ""
+    assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
 
 
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
@@ -2914,6 +2939,44 @@ def test_static_loop_past_its_preallocated_length(tiny_targets):
     st = StaticTarget(tiny_targets("qwen3"), [1, 3], max_len=16, block_size=8)
     with pytest.raises(ValueError, match="static cache holds 16 positions.*raise max_len"):
         st.forward(torch.zeros(1, 8, dtype=torch.long), start=12)
+    st.forward(torch.zeros(1, 8, dtype=torch.long), start=0)
+    assert st.forward(torch.zeros(1, 8, dtype=torch.long), start=8)[1].shape[1] == 8  # the last slot fits
+
+
+def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
+    """An empty prompt, a drafter with sliding-window layers, a target loaded with flash attention (the static
+    mask of stale slots would be ignored), a block of another size and features that do not continue the
+    drafter's cache each get a named error instead of wrong drafts or an opaque traceback."""
+    import torch
+
+    from conftest import tiny_drafter_config
+    from inference.static_loop import (StaticDrafterProposer, StaticLoopUnsupported, StaticTarget,
+                                       static_dflash_generate)
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    target = tiny_targets("qwen3")
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st = StaticTarget(target, drafter.config.target_layer_ids, max_len=64, block_size=8)
+    proposer = StaticDrafterProposer(drafter, target, max_len=64)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        static_dflash_generate(st, proposer, [], 8)
+    sliding = tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                                  sliding_block_attention="causal")
+    with pytest.raises(StaticLoopUnsupported, match="sliding-window layers: use the eager loop"):
+        StaticDrafterProposer(DFlashDraftModel(sliding), target, max_len=64)
+    flash = TargetModel(tiny_target("qwen3", num_layers=2))
+    flash.model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(StaticLoopUnsupported, match="needs attn_implementation 'sdpa' or 'eager'"):
+        StaticTarget(flash, [0], max_len=64, block_size=8)
+    feats = torch.zeros(1, 5, drafter.config.fc_in_features)
+    with pytest.raises(StaticLoopUnsupported, match="built for blocks of 8; got 4"):
+        proposer.propose(1, feats, 5, 4)
+    proposer.propose(1, feats, 5, 8)
+    with pytest.raises(RuntimeError, match="draft cache holds 5 positions but 2 new features end at 9"):
+        proposer.propose(1, feats[:, :2], 9, 8)
 
 
 def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
@@ -3178,6 +3241,9 @@ def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_wha
     same = [resume_settings({**env, "target": t}) for t in ("target", "target/", str(tmp_path / "target"), "./target")]
     assert {partial.settings_key(s) for s in same} == {partial.settings_key(same[0])}
     assert same[0]["draft"] == "org/drafter"  # a Hub id stays as given
+    (tmp_path / "p.jsonl").write_text("")  # a prompt file, spelled two ways
+    assert resume_settings({"prompts": "p.jsonl"}) == resume_settings({"prompts": "./p.jsonl"})
+    assert resume_settings({"prompts": "all"}) == {"prompts": "all"}  # a shipped set's name stays as given
     out = tmp_path / "val"
     partial.Recorder(out, partial.settings_key(same[0]), same[0])(0, _partial_run(0), {})
     assert set(partial.load(out, partial.settings_key(same[1]), print, same[1])) == {0}  # resumed, not set aside

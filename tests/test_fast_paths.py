@@ -151,6 +151,21 @@ def test_static_loop_equals_eager_loop(tiny_targets, arch):
         new, start = feats[:, start:start + keep], start + keep
 
 
+def test_static_baseline_counts_the_eos_step_as_emitting_nothing(tiny_targets):
+    """The static baseline's steps count as the eager one's: 1 per token, 0 for the step that produced the EOS."""
+    from inference.static_loop import StaticTarget, static_target_generate
+    from inference.torch_loop import target_generate
+
+    target = tiny_targets("qwen3")
+    gen = target_generate(target, PROMPT, NEW, eos_token_ids=[]).tokens
+    cut = next(i for i in range(2, NEW) if gen[i] not in gen[:i])
+    eager = target_generate(target, PROMPT, NEW, eos_token_ids=[gen[cut]])
+    static = static_target_generate(StaticTarget(target, [1, 3], max_len=len(PROMPT) + NEW + B, block_size=B),
+                                    PROMPT, NEW, eos_token_ids=[gen[cut]])
+    assert static.tokens == eager.tokens == gen[:cut] and static.stop_reason == "eos"
+    assert static.acceptance_lengths == eager.acceptance_lengths == [1] * (cut - 1) + [0]
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arch, monkeypatch):
     """On CUDA a graphed pass runs twice untimed (warm-up) before the capture, then once per replay.

@@ -343,3 +343,126 @@ def test_target_quantization_is_read_from_either_config_key(tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, **({key: value} if key else {})}))
         facts = read_target_facts(folder)
         assert facts.quantization == value and describe_quantization(facts.quantization) == said
+
+
+def test_a_cycles_numbers_from_hand_made_drafts():
+    """record_cycle on known drafts: the accepted prefix stops at the first mismatch, a cycle cut by the budget
+    counts what it emitted but still reports the block positions it verified; tau and tok/s of a generation
+    with no cycle, or only the prefill's token, are 0 (not 1, not negative); to_json carries the stop reason."""
+    from inference.stats import GenerationResult, leading_matches
+
+    assert leading_matches([1, 9, 3], [1, 2, 3, 4]) == 1  # a later match after a miss is not accepted
+    r = GenerationResult(tokens=[1], position_accepts=[0, 0, 0], block_size=4)
+    assert r.record_cycle([7, 8, 9], [7, 8, 5, 6], set(), 10) == (3, None)
+    assert r.tokens == [1, 7, 8, 5] and r.acceptance_lengths == [3] and r.position_accepts == [1, 1, 0]
+    assert r.record_cycle([2, 3, 4], [2, 3, 4, 6], set(), 6) == (4, "max_new_tokens")
+    assert r.tokens == [1, 7, 8, 5, 2, 3] and r.acceptance_lengths == [3, 2] and r.position_accepts == [2, 2, 0]
+    r.decode_s, r.stop_reason = 2.0, "max_new_tokens"
+    assert r.tau == 2.5 and r.decode_tokens_per_s == 2.5  # 5 tokens after the prefill's one, in 2 s
+    assert r.to_json()["stop_reason"] == "max_new_tokens" and r.to_json()["decode_tokens_per_s"] == 2.5
+    empty = GenerationResult(tokens=[], decode_s=1.0, stop_reason="eos")
+    assert empty.tau == 0.0 and empty.decode_tokens_per_s == 0.0 and empty.to_json()["stop_reason"] == "eos"
+    assert GenerationResult(tokens=[5], decode_s=0.5).decode_tokens_per_s == 0.0
+
+
+def test_a_short_prompts_own_costs_and_the_tables_wording():
+    """A prompt of 3 cycles (a quarter rounds up to one cycle, never to none); its own cycle seconds,
+    baseline seconds per decoded token and their ratio; categories in prompt-set order; "-" for a number that
+    does not apply, "none" when nothing diverged; compare keeps each category's speedup."""
+    from inference.report import PromptRun, compare_rows, markdown, table_rows
+    from inference.stats import GenerationResult
+
+    def result(n_tokens, lengths, decode_s):
+        pos = [sum(1 for a in lengths if a - 1 > k) for k in range(3)]
+        return GenerationResult(tokens=list(range(n_tokens)), acceptance_lengths=lengths, position_accepts=pos,
+                                block_size=4, prefill_s=0.1, decode_s=decode_s)
+
+    short = PromptRun("short", "math", 10, [result(7, [3, 1, 2], 0.6)], [result(7, [1] * 6, 0.9)])
+    other = PromptRun("other", "code", 10, [result(5, [4], 0.4)], [result(5, [1] * 4, 0.8)])
+    report = build_report([short, other], 4, greedy=True, environment={"temperature": 0.0})
+    p = report["per_prompt"][0]
+    assert p["tau_first_quarter"] == 3 and p["tau_last_quarter"] == 2
+    assert p["cycle_s"] == pytest.approx(0.6 / 3) and p["baseline_token_s"] == pytest.approx(0.9 / 6)
+    assert p["cycle_cost"] == pytest.approx((0.6 / 3) / (0.9 / 6))
+    assert list(report["per_category"]) == ["math", "code"]
+    assert [row[0] for row in table_rows(report)[1:]] == ["math", "code", "all"]
+    assert "earliest divergence at token none." in markdown(report)
+    sampled = build_report([short, other], 4, greedy=False, environment={"temperature": 0.7})
+    header, *_, total = table_rows(sampled)
+    assert total[header.index("identical")] == "-"
+    names = [row[0] for row in compare_rows([report, sampled], ["a", "b"])]
+    assert "math: speedup" in names and "code: tau" in names
+
+
+class StubSession:
+    """Session.run / baseline / peak memory without a model: each generation uses the next planted peak."""
+
+    def __init__(self, baseline_peaks, dflash_peaks):
+        from inference.stats import GenerationResult
+
+        self.result = lambda: GenerationResult(tokens=[1, 2, 3], acceptance_lengths=[2], position_accepts=[1],
+                                               block_size=2, decode_s=1.0)
+        self.baseline_peaks, self.dflash_peaks = list(baseline_peaks), list(dflash_peaks)
+        self.peak, self.calls = 0, []
+
+    def reset_peak_memory(self):
+        self.peak = 0
+
+    def peak_memory_bytes(self):
+        return self.peak
+
+    def baseline(self, ids, **kw):
+        self.calls.append(("baseline", ids[0], kw["max_new_tokens"]))
+        self.peak = max(self.peak, self.baseline_peaks.pop(0))
+        return self.result()
+
+    def run(self, ids, baseline=False, **kw):
+        if baseline:  # the warm-up
+            self.calls.append(("warm-up", ids[0], kw["max_new_tokens"]))
+            return self.result(), self.result()
+        self.calls.append(("dflash", ids[0], kw["max_new_tokens"]))
+        self.peak = max(self.peak, self.dflash_peaks.pop(0))
+        return self.result(), None
+
+
+def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_missing_prompt():
+    """Peak memory is the largest over prompts and repeats, each mode from its own reset (the baseline's is not
+    the previous DFlash run's); the warm-up is short and runs the first prompt not measured yet; a run that
+    finds every prompt measured generates nothing."""
+    from types import SimpleNamespace
+
+    from inference.generate import WARMUP_TOKENS
+
+    prompts = [SimpleNamespace(id=f"p{i}", category="x") for i in range(3)]
+    ids = [[10], [11], [12]]
+    session = StubSession([10, 30, 20, 5], [100, 300, 200, 50])
+    earlier = measure(StubSession([7], [70]), ids[:1], prompts[:1], progress=False)[0][0]
+    done = {0: (earlier, {"peak_memory_bytes": 70, "baseline_peak_memory_bytes": 7})}
+    recorded = []
+    runs, peaks = measure(session, ids, prompts, repeats=2, max_new_tokens=WARMUP_TOKENS + 8, progress=False,
+                          done=done, record=lambda i, run, its: recorded.append((i, its)))
+    assert peaks == {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}
+    assert recorded == [(1, {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}),
+                        (2, {"peak_memory_bytes": 200, "baseline_peak_memory_bytes": 20})]
+    assert session.calls[0] == ("warm-up", 11, WARMUP_TOKENS)
+    assert [c[0] for c in session.calls[1:]] == ["baseline", "dflash"] * 4 and runs[0] is earlier
+    idle = StubSession([], [])
+    runs, peaks = measure(idle, ids[:1], prompts[:1], progress=False, done=done)
+    assert idle.calls == [] and runs == [earlier] and peaks == done[0][1]
+
+
+def test_compare_labels_reports_of_same_named_folders_and_notes_other_prompt_sets(tmp_path, capsys):
+    """Two runs/*/val/report.json: the columns are told apart (val#1, val#2); reports of different prompt sets
+    get a note, reports of the same set none."""
+    reports = []
+    for name, prompt_hash in (("a", "h1"), ("b", "h2")):
+        (tmp_path / name / "val").mkdir(parents=True)
+        report = {"schema": "draftsmith.validate/1", "tau": 2.0, "prompt_set_hash": prompt_hash,
+                  "acceptance_histogram": {"2": 1}, "position_acceptance": [1.0], "block_size": 2}
+        (tmp_path / name / "val" / "report.json").write_text(json.dumps(report))
+        reports.append(str(tmp_path / name / "val"))
+    out = run_compare(reports, str(tmp_path / "cmp"))
+    assert out["rows"][0] == ["metric", "val#1", "val#2", "val#2/val#1"]
+    assert "different prompt sets" in capsys.readouterr().err
+    run_compare([reports[0], reports[0]], str(tmp_path / "cmp"))
+    assert "different prompt sets" not in capsys.readouterr().err
