@@ -1542,6 +1542,17 @@ def test_push_refuses_files_an_export_does_not_write(tmp_path, export_drafter, c
     assert push(out, "me/x", dry_run=True, log=lambda *_: None)["uploaded"] is False
 
 
+def test_push_names_the_first_eight_stray_files_and_counts_the_rest(tmp_path):
+    """A folder full of other files is refused with a short message that still says how many it holds."""
+    from export.push import export_files
+
+    (tmp_path / "config.json").write_text("{}")
+    for i in range(9):
+        (tmp_path / f"chat{i}.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"write: chat0.jsonl, .*, chat7.jsonl \(\+1 more\)\. A push uploads"):
+        export_files(tmp_path)
+
+
 def test_a_resumed_unfinished_runs_drafters_are_each_exportable_by_name(tmp_path, export_drafter):
     """The run folder is ambiguous once a finished run is resumed to train longer (refused above); its
     final/drafter and the newer checkpoint's folder each still export when named."""
