@@ -2416,7 +2416,7 @@ def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch
     assert "the Hub's host name does not resolve (no network?) and it is not in the local cache" in source
 
 
-@pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x"])
+@pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x", "8x0", "8x-80"])
 def test_dry_run_devices_that_are_not_count_x_gib(spec):
     from train.plan import parse_devices
 
