@@ -3089,6 +3089,8 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
     with pytest.raises(ValueError, match=f"--topk 100000: use 0 \\(off\\) up to the target's vocabulary size "
                                          f"{target.vocab_size}"):
         data.extract.extract(target, "no-data", tmp_path / "o", topk=100000)
+    with pytest.raises(ValueError, match="--batch-size 0: use 1 or more rows per target forward"):
+        data.extract.extract(target, "no-data", tmp_path / "o", batch_size=0)
     assert not (tmp_path / "o").exists()
 
 
