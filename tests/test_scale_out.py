@@ -330,6 +330,17 @@ def test_dry_run_plans_from_a_local_config_and_the_prepared_data(tmp_path):
     assert math.isclose(ckpt["drafter_activations_gib"], mem["drafter_activations_gib"] / 4, abs_tol=0.01)
 
 
+def test_devices_default_to_this_machines_gpus(monkeypatch):
+    """No devices= plans for every GPU of this machine, at the first one's memory; a spec may say GB or GiB."""
+    from train.plan import parse_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 1024 ** 3}))
+    assert parse_devices("") == (4, 80.0)
+    assert parse_devices("8x141GB") == parse_devices("8x141gib") == (8, 141.0)
+
+
 def test_which_processes_load_the_whole_target():
     """Online: every process. Offline: only the one(s) that generate for true tau (main; all under FSDP)."""
     from train.config import load_config
