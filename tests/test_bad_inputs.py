@@ -364,10 +364,10 @@ _GOOD = {"choices": [{"message": {"role": "assistant", "content": "fine"}, "fini
                       "token_ids": [1, 2]}], "usage": {"completion_tokens": 2}}
 
 
-def _fake_server(replies):
-    """An OpenAI-compatible server answering /v1/models with model "m" and each chat request with the next
-    of ``replies`` (an int: that HTTP error; bytes or a JSON value: a 200 with that body; the last one repeats);
-    returns (server, url, requests list)."""
+def _fake_server(replies, models=None):
+    """An OpenAI-compatible server answering /v1/models with ``models`` (default: model "m") and each chat
+    request with the next of ``replies`` (an int: that HTTP error; bytes or a JSON value: a 200 with that body;
+    the last one repeats); returns (server, url, requests list)."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -386,7 +386,7 @@ def _fake_server(replies):
             self.wfile.write(body)
 
         def do_GET(self):
-            self._send(json.dumps({"data": [{"id": "m"}]}).encode())
+            self._send(json.dumps({"data": [{"id": "m"}]} if models is None else models).encode())
 
         def do_POST(self):
             requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -410,6 +410,7 @@ _ONE_CONV = [{"id": "0", "key": "k0", "messages": [{"role": "user", "content": "
     ({"choices": []}, "no choices"),
     ({"error": {"message": "model overloaded", "code": 503}}, "model overloaded"),
     ({"choices": [{"message": {"role": "assistant", "content": None}, "finish_reason": "stop"}]}, "content null"),
+    ({"choices": [{"message": {"role": "assistant", "content": [{"type": "text"}]}}]}, "content that is not text"),
 ])
 def test_a_200_without_an_answer_is_retried_and_the_server_message_quoted(garbage, quoted, tmp_path):
     """A cut body, an HTML page, no choices or an error object once failed at the first try with a bare
@@ -433,6 +434,84 @@ def test_a_200_without_an_answer_is_retried_and_the_server_message_quoted(garbag
             "RegenerationError"]["first"]
     finally:
         srv.shutdown()
+
+
+def test_a_long_body_is_quoted_cut_with_an_ellipsis():
+    from data.regen_http import _start
+
+    assert _start(b"x" * 400) == repr("x" * 300 + "...") and _start("short") == "'short'"
+
+
+def test_rate_limits_are_retried_and_other_client_errors_are_not(tmp_path):
+    """HTTP 429 (too many requests) is retried like a 5xx; a 404 fails the row at once, quoting the code."""
+    from data.regenerate import HTTPGenerator, regenerate
+
+    for code, done, sent in ((429, 1, 2), (404, 0, 1)):
+        srv, url, requests = _fake_server([code, _GOOD])
+        try:
+            report = regenerate(_ONE_CONV, tmp_path / f"{code}.jsonl", HTTPGenerator(url, "m", retries=2,
+                                                                                      backoff=0.01), progress=False)
+        finally:
+            srv.shutdown()
+        assert (report.done, report.failed, len(requests)) == (done, 1 - done, sent)
+    assert f"HTTP 404 from {url}/chat/completions" in report.errors["RegenerationError"]["first"]
+
+
+def test_a_server_that_refuses_the_token_ids_field_is_asked_again_without_it(monkeypatch):
+    """A strict OpenAI-compatible server answers 400 to vLLM's return_token_ids: the same request goes again
+    without it (not counted as a retry), and later requests leave it out."""
+    import io
+    import urllib.error
+
+    from data.regenerate import HTTPGenerator
+
+    gen = HTTPGenerator("http://h", "m", retries=0)
+    sent = []
+
+    def post(payload):
+        sent.append(dict(payload))
+        if "return_token_ids" in payload:
+            raise urllib.error.HTTPError(gen.url, 400, "Bad Request", {},
+                                         io.BytesIO(b'{"error": "extra field return_token_ids not permitted"}'))
+        return _GOOD
+
+    monkeypatch.setattr(gen, "_post", post)
+    assert gen.complete([{"role": "user", "content": "hi"}]).content == "fine"
+    gen.complete([{"role": "user", "content": "again"}])
+    assert ["return_token_ids" in p for p in sent] == [True, False, False] and gen.ask_token_ids is False
+
+
+def test_generated_ids_that_are_not_integers_are_dropped_with_one_warning():
+    import warnings
+
+    from data.regenerate import HTTPGenerator
+
+    gen = HTTPGenerator("http://h", "m")
+    bad = {"choices": [{"message": {"content": "ok"}, "token_ids": [1, "2"]}]}
+    with pytest.warns(UserWarning, match="does not return generated token ids"):
+        assert gen._parse(bad).token_ids is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per run, not once per answer
+        assert gen._parse(bad).token_ids is None
+
+
+@pytest.mark.parametrize("models, served", [({"object": "list", "data": None}, []), ({"object": "list"}, []),
+                                            ({"data": [{"id": "/a/Qwen3-8B"}, {"id": "/b/Qwen3-8B"}]},
+                                             ["/a/Qwen3-8B", "/b/Qwen3-8B"])])
+def test_a_server_listing_no_model_or_two_of_the_targets_name_is_refused(models, served):
+    """No model list (or an empty one) is "serves [], not the target", not a TypeError; two models that both
+    end in the target's name are ambiguous: neither is taken to be the target."""
+    from data.regenerate import HTTPGenerator, ServerUnavailable
+
+    srv, url, requests = _fake_server([_GOOD], models=models)
+    try:
+        gen = HTTPGenerator(url, "Qwen/Qwen3-8B")
+        with pytest.raises(ServerUnavailable, match=f"serves {re.escape(str(served))}, not the target "
+                                                    "'Qwen/Qwen3-8B'"):
+            gen.preflight()
+    finally:
+        srv.shutdown()
+    assert gen.model == "Qwen/Qwen3-8B" and requests == []
 
 
 def test_negative_generated_ids_are_re_tokenized_not_an_overflow(data_target):
@@ -1565,6 +1644,17 @@ def test_push_refuses_files_an_export_does_not_write(tmp_path, export_drafter, c
     assert push(out, "me/x", dry_run=True, log=lambda *_: None)["uploaded"] is False
 
 
+def test_push_names_the_first_eight_stray_files_and_counts_the_rest(tmp_path):
+    """A folder full of other files is refused with a short message that still says how many it holds."""
+    from export.push import export_files
+
+    (tmp_path / "config.json").write_text("{}")
+    for i in range(9):
+        (tmp_path / f"chat{i}.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"write: chat0.jsonl, .*, chat7.jsonl \(\+1 more\)\. A push uploads"):
+        export_files(tmp_path)
+
+
 def test_a_resumed_unfinished_runs_drafters_are_each_exportable_by_name(tmp_path, export_drafter):
     """The run folder is ambiguous once a finished run is resumed to train longer (refused above); its
     final/drafter and the newer checkpoint's folder each still export when named."""
@@ -2351,7 +2441,7 @@ def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch
     assert "the Hub's host name does not resolve (no network?) and it is not in the local cache" in source
 
 
-@pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x"])
+@pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x", "8x0", "8x-80"])
 def test_dry_run_devices_that_are_not_count_x_gib(spec):
     from train.plan import parse_devices
 
@@ -3062,6 +3152,8 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
     with pytest.raises(ValueError, match=f"--topk 100000: use 0 \\(off\\) up to the target's vocabulary size "
                                          f"{target.vocab_size}"):
         data.extract.extract(target, "no-data", tmp_path / "o", topk=100000)
+    with pytest.raises(ValueError, match="--batch-size 0: use 1 or more rows per target forward"):
+        data.extract.extract(target, "no-data", tmp_path / "o", batch_size=0)
     assert not (tmp_path / "o").exists()
 
 

@@ -139,7 +139,7 @@ def test_killed_extraction_resumes_without_redoing_finished_shards(setup, tmp_pa
     out = tmp_path / "store"
     kw = dict(layer_ids=LAYERS, dtype="fp8", batch_size=BATCH, shard_tokens=SHARD_TOKENS, progress=False)
     first = extract(setup["target"], setup["root"] / "plain", out, max_shards=2, **kw)
-    assert first.shards_written == 2 < first.shards
+    assert first.shards_written == 2 < first.shards and first.complete is False
     with pytest.raises(StoreError, match="extraction not finished"):
         FeatureStore(out)
     done = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in out.glob("shard-*.safetensors")}
@@ -150,7 +150,8 @@ def test_killed_extraction_resumes_without_redoing_finished_shards(setup, tmp_pa
 
     copy = shutil.copytree(setup["root"] / "plain", tmp_path / "plain-copy")
     second = extract(setup["target"], copy, out, **kw)
-    assert second.shards_skipped == 2 and second.shards_written == second.shards - 2
+    assert second.shards_skipped == 2 and second.shards_written == second.shards - 2 and second.complete is True
+    assert first.tokens_extracted + second.tokens_extracted == second.tokens  # each run counts its own shards
     for name, stamp in done.items():
         p = out / name
         assert (p.stat().st_mtime_ns, p.stat().st_ino) == stamp  # finished shards untouched
@@ -239,6 +240,28 @@ def test_shard_plan_has_no_empty_range():
     assert shard_plan([2, 2, 2, 5, 1], 4) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert shard_plan([1, 1, 1], 100) == [(0, 3)]
     assert shard_plan([], 4) == []
+
+
+def test_every_shard_holds_the_rows_of_its_plan(setup, tmp_path):
+    """Rows are computed --batch-size at a time inside a shard: each shard holds its planned rows once."""
+    extract(setup["target"], setup["root"] / "plain", tmp_path / "store", layer_ids=LAYERS, batch_size=1,
+            shard_tokens=SHARD_TOKENS, progress=False)
+    store = FeatureStore(tmp_path / "store")
+    plan = store.index["plan"]
+    assert max(b - a for a, b in plan) > 1  # some shard takes more than one batch
+    shards = sorted(store.index["shards"].values(), key=lambda s: s["row_start"])
+    assert [(s["row_start"], s["rows"]) for s in shards] == [(a, b - a) for a, b in plan]
+    assert store.index["tokens_done"] == store.index["tokens"] == sum(s["tokens"] for s in shards)
+
+
+def test_stored_bytes_per_token():
+    """What the shard size (--shard-mb) is divided by: bf16 features, or fp8 + a 2-byte scale per tap; 13 bytes of
+    ids, mask, docs and positions; 6 per top-k entry."""
+    from data.extract import bytes_per_token
+
+    assert bytes_per_token(64, 3, "bf16") == 3 * 64 * 2 + 13
+    assert bytes_per_token(64, 3, "bf16", topk=4) == 3 * 64 * 2 + 13 + 24
+    assert bytes_per_token(64, 3, "fp8") == 3 * 64 + 3 * 2 + 13
 
 
 def test_prepared_data_of_another_tokenizer_is_refused(setup):

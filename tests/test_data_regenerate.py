@@ -427,3 +427,73 @@ def test_local_generation_cuts_the_answer_at_eos(target, monkeypatch):
         assert m["token_ids"] == [7, 8]
         assert m["content"] == tok.decode([7, 8]) and "<|im_end|>" not in m["content"]
     assert [r["regen"]["finish_reasons"] for r in rows] == [["stop", "stop"], ["stop"]]
+
+
+def test_http_client_url_port_and_api_key(monkeypatch):
+    """The base URL gets /v1 once, the port (for the start command) is the scheme's default when the URL names
+    none, and the API key (argument, else OPENAI_API_KEY) is sent as a bearer token."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    gen = HTTPGenerator("http://127.0.0.1:8000/", "m")
+    assert gen.url == "http://127.0.0.1:8000/v1/chat/completions" and gen.port == 8000
+    assert HTTPGenerator("http://h/v1/", "m").url == "http://h/v1/chat/completions"
+    assert HTTPGenerator("https://h/v1", "m").port == 443 and HTTPGenerator("http://h", "m").port == 80
+    assert gen._headers() == {"Content-Type": "application/json"}
+    assert HTTPGenerator("http://h", "m", api_key="sk-arg")._headers()["Authorization"] == "Bearer sk-arg"
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    assert HTTPGenerator("http://h", "m")._headers()["Authorization"] == "Bearer sk-env"
+
+
+def _answer(message, **choice):
+    return {"choices": [{"message": message, **choice}], "usage": {"completion_tokens": 3}}
+
+
+def test_http_answers_reasoning_under_either_name_or_in_a_think_block():
+    """vLLM's reasoning_content, the newer "reasoning", or a think block left in the content all become the
+    answer's reasoning; SGLang's output_ids are the generated ids; no finish_reason counts as "stop"."""
+    gen = HTTPGenerator("http://h", "m")
+    c = gen._parse(_answer({"content": "4", "reasoning": "add"}, finish_reason="length", token_ids=[1, 2, 3]))
+    assert (c.content, c.reasoning, c.finish_reason, c.tokens, c.token_ids) == ("4", "add", "length", 3, [1, 2, 3])
+    c = gen._parse(_answer({"content": "5", "reasoning_content": "sum"}, finish_reason="stop", token_ids=[4]))
+    assert (c.content, c.reasoning) == ("5", "sum")
+    c = gen._parse(_answer({"content": "<think>\nadd\n</think>\n\n4"}, output_ids=[5, 6]))
+    assert (c.content, c.reasoning, c.finish_reason, c.token_ids) == ("4", "add", "stop", [5, 6])
+
+
+def test_each_turn_is_asked_with_the_answers_so_far_as_role_and_content(monkeypatch):
+    """A later turn's request carries the earlier regenerated answers as role and content only (no reasoning,
+    no ids); the row keeps the source id, every answer's reasoning and ids (thinking on), and its totals."""
+    gen = HTTPGenerator("http://h", "m", thinking=True)
+    sent = []
+
+    def post(payload):
+        sent.append(json.loads(json.dumps(payload)))
+        n = len(sent)
+        return _answer({"content": f"a{n}", "reasoning_content": f"r{n}"}, finish_reason="stop", token_ids=[n])
+
+    monkeypatch.setattr(gen, "_post", post)
+    q1, q2 = {"role": "user", "content": "q1"}, {"role": "user", "content": "q2"}
+    old = {"role": "assistant", "content": "old"}
+    conv = {"id": "7", "key": "k7", "source_id": "src-7", "messages": [q1, old, q2, old]}
+    row = gen.regenerate_one(conv)
+    assert sent[1]["messages"] == [q1, {"role": "assistant", "content": "a1"}, q2]
+    assert sent[0]["chat_template_kwargs"] == {"enable_thinking": True} and sent[0]["return_token_ids"] is True
+    assert row == {"id": "7", "key": "k7", "source_id": "src-7", "messages": [
+        q1, {"role": "assistant", "content": "a1", "reasoning_content": "r1", "token_ids": [1]},
+        q2, {"role": "assistant", "content": "a2", "reasoning_content": "r2", "token_ids": [2]}],
+        "regen": {"turns": 2, "tokens": 6, "finish_reasons": ["stop", "stop"]}}
+    gen.thinking = False  # reasoning a server returns anyway is not kept when thinking is off
+    answers = [m for m in gen.regenerate_one(conv)["messages"] if m["role"] == "assistant"]
+    assert answers == [{"role": "assistant", "content": "a3", "token_ids": [3]},
+                       {"role": "assistant", "content": "a4", "token_ids": [4]}]
+
+
+def test_the_report_counts_each_kind_of_error_and_quotes_the_first():
+    from data.regen_common import RegenerationError, RegenReport
+
+    report = RegenReport()
+    report.add_error(RegenerationError("HTTP 503 " + "x" * 600))
+    report.add_error(RegenerationError("HTTP 500"))
+    report.add_error(ValueError("bad row"))
+    first = report.errors["RegenerationError"]["first"]
+    assert report.errors["RegenerationError"]["count"] == 2 and first == ("HTTP 503 " + "x" * 600)[:500]
+    assert report.error_summary() == f"2 x RegenerationError (first: {first}); 1 x ValueError (first: bad row)"

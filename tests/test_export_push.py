@@ -149,6 +149,12 @@ def test_card_renders_metadata_usage_recipe_and_the_reports_numbers(folder, repo
         assert (f"| {name} | {c['num_prompts']} | {c['tau']:.2f} | {c['tau_per_prompt_mean']:.2f} | "
                 f"{c['speedup']:.2f} |") in text
     assert "device `Apple M3 Max (Metal)`" in text and "(4-bit affine, group 64)" in text
+    # the repo's name as the title, the shape table from config.json, and no row for what the config lacks
+    assert text.lstrip().startswith("# Qwen3-8B-DFlash\n")
+    assert ("| drafter layers | `2` |\n| hidden size (= target's) | `32` |\n| block size | `16` |\n"
+            "| target layer ids | `[1, 9, 17, 25, 33]` |\n| target layers | `36` |\n| mask token id | `290` |\n"
+            "| weights | `bfloat16` |\n") in text
+    assert "`None`" not in text and "| features |" not in text
 
 
 def test_dry_run_needs_no_token_and_sends_nothing(folder, hub, monkeypatch, capsys):
@@ -338,11 +344,19 @@ def test_dry_run_lists_the_card_among_the_files_it_would_upload(folder, hub):
     assert not (folder / "README.md").exists() and hub == []
 
 
-@pytest.mark.parametrize("revision", [".hidden", "/main", "dev/", "a..b", "v1.lock", "my branch"])
+@pytest.mark.parametrize("revision", [".hidden", "/main", "dev/", "a..b", "v1.lock", "my branch", "a@{1}", "tab\tname",
+                                      "del\x7f"])
 def test_branch_names_git_refuses_are_refused_before_anything_is_sent(folder, hub, revision):
     with pytest.raises(ValueError, match="is not a valid branch name"):
         push(folder, "me/x", revision=revision, log=quiet)
     assert hub == []
+
+
+@pytest.mark.parametrize("revision", ["v1", "release/1.0", "exp-b16_lr3e-4"])
+def test_any_branch_other_than_main_is_created_before_the_upload(folder, hub, revision):
+    ops = push(folder, "me/x", revision=revision, dry_run=True, log=quiet)["ops"]
+    assert [op["op"] for op in ops] == ["create_repo", "create_branch", "upload_folder"]
+    assert ops[1]["branch"] == ops[2]["revision"] == revision
 
 
 def test_a_report_of_another_mask_token_is_refused(folder, report, hub):
@@ -362,7 +376,7 @@ def _with_provenance(folder, prov):
     (folder / "config.json").write_text(json.dumps(d))
 
 
-def test_card_of_a_local_or_tiny_target_names_no_base_model(folder, hub, tmp_path):
+def test_card_of_a_local_or_tiny_target_names_no_base_model(folder, hub, tmp_path, monkeypatch):
     """base_model links the card to a Hub model: a local folder (here one that exists) or a tiny:<arch> stand-in
     is never written there, and tiny:<arch> is not shown as the target either."""
     local = tmp_path / "Qwen" / "Qwen3-8B"
@@ -372,6 +386,11 @@ def test_card_of_a_local_or_tiny_target_names_no_base_model(folder, hub, tmp_pat
     card = push(folder, "me/x", dry_run=True, log=logged.append)["card"]
     assert "base_model" not in card and f"A DFlash drafter for **{local}**" in card
     assert any("not a Hub id, so the card has no base_model" in line for line in logged)
+    # a relative path that reads like a Hub id names a local folder when one is there
+    monkeypatch.chdir(tmp_path)
+    _with_provenance(folder, {"target": "Qwen/Qwen3-8B"})
+    card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
+    assert "base_model" not in card and "A DFlash drafter for **Qwen/Qwen3-8B**" in card
     _with_provenance(folder, {"target": "tiny:qwen3"})
     card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
     assert "base_model" not in card and "A DFlash drafter for **TARGET**" in card and "tiny:qwen3" not in card.split(

@@ -296,6 +296,51 @@ def test_offline_features_plan_the_embedding_and_head_alone(monkeypatch):
     assert no_tau["fits"] and no_tau["per_device_gib"] == [per[1]] * 8
 
 
+def test_dry_run_plans_from_a_local_config_and_the_prepared_data(tmp_path):
+    """A local target's config.json (a multimodal one nests the text tower, without head_dim) and the prepared
+    data's stats.json give the shape, the steps (rows less the eval rows, per batch x grad_accum, x epochs;
+    train.max_steps wins) and memory (gradient checkpointing keeps a quarter of the activations)."""
+    import math
+
+    from train.config import load_config
+    from train.plan import plan
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "text_config": {
+        "num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}}))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "stats.json").write_text(json.dumps({"rows": 103, "tokens": 5000}))
+    args = ["recipe=tiny", f"target.path={target}", f"data.prepared={data}", "data.eval_rows=3",
+            "train.batch_size=2", "train.grad_accum=5", "train.epochs=2", "devices=1x80"]
+    p = plan(load_config(args))
+    assert p["target_shape_from"] == f"local {target / 'config.json'}"
+    shape = p["target_shape"]
+    assert (shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]) == (8, 2048, 32000)
+    assert shape["head_dim"] == 2048 // 16 and p["drafter"]["head_dim"] == 128
+    assert (p["data"]["rows"], p["data"]["tokens"]) == (103, 5000)
+    assert p["schedule"]["rows_per_step_per_process"] == 10 and p["schedule"]["steps"] == 2 * 10
+    assert plan(load_config([*args, "train.max_steps=7"]))["schedule"]["steps"] == 7
+    mem = p["memory_per_gpu"]
+    parts = sum(v for k, v in mem.items() if k not in ("total_gib", "embedding_lm_head_gib"))
+    assert mem["total_gib"] == round(parts * 1.15, 1)  # the embedding and head are part of the target's weights
+    ckpt = plan(load_config([*args, "train.grad_checkpointing=true"]))["memory_per_gpu"]
+    assert math.isclose(ckpt["drafter_activations_gib"], mem["drafter_activations_gib"] / 4, abs_tol=0.01)
+
+
+def test_devices_default_to_this_machines_gpus(monkeypatch):
+    """No devices= plans for every GPU of this machine, at the first one's memory; a spec may say GB or GiB."""
+    from train.plan import parse_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 1024 ** 3}))
+    assert parse_devices("") == (4, 80.0)
+    assert parse_devices("8x141GB") == parse_devices("8x141gib") == (8, 141.0)
+
+
 def test_which_processes_load_the_whole_target():
     """Online: every process. Offline: only the one(s) that generate for true tau (main; all under FSDP)."""
     from train.config import load_config
