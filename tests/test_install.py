@@ -74,7 +74,9 @@ def test_dependencies_and_extras():
              for d in project["dependencies"]}
     assert {"torch", "transformers", "accelerate", "datasets", "pyarrow", "safetensors"} <= names
     dev = project["optional-dependencies"]["dev"]
-    assert "draftsmith[mlx]" in dev and not any(d.startswith("mlx") for d in dev)  # [mlx] is not repeated
+    # [mlx] and [plot] (validate's tests read the PNGs) come in by name, not repeated
+    assert "draftsmith[mlx,plot]" in dev and not any(d.startswith(("mlx", "matplotlib")) for d in dev)
+    assert project["optional-dependencies"]["plot"] == ["matplotlib"]
 
 
 def test_console_scripts_point_at_real_mains():
