@@ -9,7 +9,9 @@ Prints:
 - ``tapped_forward``: the target forward that returns only the tapped layers (what extraction runs)
 - ``extract``:  per dtype, extraction tokens/s (target forward + quantize + shard write + checksum)
   and its overhead in % over the plain forward (negative is possible: the tapped forward stops
-  at the deepest tap) and over the tapped forward (the cost of the store itself)
+  at the deepest tap) and over the tapped forward (the cost of the store itself); the same
+  without the final drain (``drain_s``: the last shards' writes after the last forward, paid once
+  per job), and the disk's own ceiling for the store's bytes (``bound``: disk or forward)
 - ``bytes``:    per dtype, feature bytes per token and whole-store bytes per token
 - ``read``:     per dtype, store read throughput (tokens/s, MB/s) with and without checksum verification
 """
@@ -164,6 +166,26 @@ def random_data(rows: int, seq: int, vocab: int):
     return Dataset(table, fingerprint=f"bench-random-{rows}x{seq}-v{vocab}")
 
 
+def extract_figures(tokens: int, seconds: float, drain: float, forward_tps: float, tapped_tps: float,
+                    disk_tps: float) -> dict:
+    """The ``extract`` line's figures from one timed extraction of ``tokens`` in ``seconds``.
+
+    ``drain`` (the wait for the last shards' writes after the last forward) is a fixed cost per job,
+    not per token: a store of thousands of shards pays it once, a 16-row benchmark pays it on every
+    row. ``steady_*`` leave it out. ``disk_bound_tokens_per_s`` is the rate at which this disk takes
+    the store's bytes: where it is below the tapped forward, extraction cannot reach the forward's
+    speed, and the overhead that the store itself adds is measured against the disk (``bound``).
+    """
+    tps, steady = tokens / seconds, tokens / max(seconds - drain, 1e-9)
+    ceiling = min(tapped_tps, disk_tps)
+    pct = lambda ref, x: round((ref / x - 1) * 100, 1)  # noqa: E731
+    return {"tokens_per_s": round(tps, 1), "overhead_pct_vs_forward": pct(forward_tps, tps),
+            "overhead_pct_vs_tapped_forward": pct(tapped_tps, tps), "drain_s": round(drain, 3),
+            "steady_tokens_per_s": round(steady, 1), "steady_overhead_pct_vs_tapped_forward": pct(tapped_tps, steady),
+            "disk_bound_tokens_per_s": round(disk_tps, 1), "bound": "disk" if disk_tps < tapped_tps else "forward",
+            "steady_overhead_pct_vs_bound": pct(ceiling, steady)}
+
+
 def main(argv: list[str] | None = None) -> None:
     from data.store import DTYPES
 
@@ -240,26 +262,27 @@ def _run(a: argparse.Namespace, device: str, root: str) -> None:
     tapped_tps = tokens / best
     print(json.dumps({"bench": "tapped_forward", **common, "tokens_per_s": round(tapped_tps, 1)}), flush=True)
 
-    print(json.dumps({"bench": "disk", **common, **disk_speed(a.rows * a.seq * len(layer_ids) * a.hidden)}),
-          flush=True)
+    disk = disk_speed(a.rows * a.seq * len(layer_ids) * a.hidden)
+    print(json.dumps({"bench": "disk", **common, **disk}), flush=True)
     for dtype in a.dtypes:
-        best, store_dir = float("inf"), Path(root) / dtype
+        best, drain, store_dir = float("inf"), 0.0, Path(root) / dtype
         for _ in range(a.repeats):
             shutil.rmtree(store_dir, ignore_errors=True)  # the last repeat's store is the one read below
             _sync(device)
             t0 = time.perf_counter()
-            extract(target, data, store_dir, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
-                    shard_tokens=a.shard_rows * a.seq, progress=False, writers=a.writers)
+            report = extract(target, data, store_dir, layer_ids=layer_ids, dtype=dtype, batch_size=a.batch_size,
+                             shard_tokens=a.shard_rows * a.seq, progress=False, writers=a.writers)
             _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        tps = tokens / best
-        print(json.dumps({"bench": "extract", **common, "dtype": dtype, "tokens_per_s": round(tps, 1),
-                          "overhead_pct_vs_forward": round((forward_tps / tps - 1) * 100, 1),
-                          "overhead_pct_vs_tapped_forward": round((tapped_tps / tps - 1) * 100, 1)}), flush=True)
+            dt = time.perf_counter() - t0
+            if dt < best:  # the drain of the repeat reported
+                best, drain = dt, min(report.drain_seconds, dt)
         store = FeatureStore(store_dir)
         shards = store.index["shards"].values()
         feat_bytes = sum(s["feature_bytes"] for s in shards)
         file_bytes = sum(s["bytes"] for s in shards)
+        print(json.dumps({"bench": "extract", **common, "dtype": dtype,
+                          **extract_figures(tokens, best, drain, forward_tps, tapped_tps,
+                                            disk["write_MB_per_s"] * 2**20 * tokens / file_bytes)}), flush=True)
         print(json.dumps({"bench": "bytes", **common, "dtype": dtype, "feature_bytes_per_token": feat_bytes / tokens,
                           "store_bytes_per_token": round(file_bytes / tokens, 1),
                           "bf16_feature_bytes_per_token": len(layer_ids) * a.hidden * 2}), flush=True)

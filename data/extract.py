@@ -71,6 +71,9 @@ class ExtractReport:
     tokens_extracted: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    # Of ``seconds``, the wait for the last shards' writes after the last forward: a fixed cost per
+    # job (at most ``writers`` shards), which a short benchmark would otherwise read as per-token overhead.
+    drain_seconds: float = 0.0
     out: str = ""
 
     def line(self) -> str:
@@ -188,6 +191,7 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
                 bar.update(int(batch.lengths.sum()))
             pool.submit(k, rows, quantized if dtype == "fp8" else None, device)
     report.seconds = round(time.time() - start, 3)
+    report.drain_seconds = round(pool.drain_seconds, 3)
     ranks.barrier()  # every process has stopped writing: rank 0 writes the finished index
     if ranks.is_main:
         report.complete = writer.finalise()
@@ -227,6 +231,7 @@ class ShardWriters:
         self.writer, self.threads, self.on_written = writer, max(int(threads), 1), on_written
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shard-writer")
         self.pending = deque()
+        self.drain_seconds = 0.0  # time spent at exit waiting for the shards still being written
 
     def submit(self, k: int, rows: list, quantized: list | None, device: torch.device | None = None) -> None:
         event = None
@@ -252,6 +257,7 @@ class ShardWriters:
         return self
 
     def __exit__(self, exc_type, *_):
+        t0 = time.perf_counter()
         try:
             while self.pending:
                 info = self.pending.popleft().result()
@@ -259,6 +265,7 @@ class ShardWriters:
                     self.on_written(info)
         finally:
             self.pool.shutdown(wait=True)
+            self.drain_seconds = time.perf_counter() - t0
 
 
 def _to_host(batch, j: int, dtype: str, taps: int):

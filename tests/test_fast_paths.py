@@ -237,6 +237,49 @@ def test_background_shard_writers_give_the_same_store(tiny_targets, tmp_path, dt
     assert stores[1] == stores[3]
 
 
+def test_writers_count_the_final_drain_apart():
+    """The wait at exit for shards still being written is the job's drain; a report carries it."""
+    import time
+
+    from data.extract import ShardWriters
+
+    class SlowWriter:
+        def write_shard(self, k, rows):
+            time.sleep(0.2)
+            return {"tokens": 1, "bytes": 1}
+
+    written = []
+    with ShardWriters(SlowWriter(), 2, written.append) as pool:
+        pool.submit(0, [], None)
+        pool.submit(1, [], None)
+        assert pool.drain_seconds == 0.0
+    assert len(written) == 2 and pool.drain_seconds >= 0.15  # both writes were still sleeping at exit
+
+
+def test_extract_report_drain_is_part_of_its_seconds(tiny_targets, tmp_path):
+    from data.bench import random_data
+    from data.extract import extract
+
+    report = extract(tiny_targets("qwen3"), random_data(6, 40, 250), tmp_path / "s", layer_ids=[1, 3],
+                     batch_size=2, shard_tokens=80, progress=False, writers=2)
+    assert 0.0 <= report.drain_seconds <= report.seconds + 1e-3
+    assert '"drain_seconds"' in report.line()
+
+
+def test_data_bench_extract_figures():
+    """Overheads against the forward, the tapped forward and whichever ceiling binds, with and without the drain."""
+    from data.bench import extract_figures
+
+    f = extract_figures(tokens=1000, seconds=2.0, drain=0.5, forward_tps=1000.0, tapped_tps=800.0, disk_tps=600.0)
+    assert f["tokens_per_s"] == 500.0 and f["overhead_pct_vs_forward"] == 100.0
+    assert f["overhead_pct_vs_tapped_forward"] == 60.0 and f["drain_s"] == 0.5
+    assert f["steady_tokens_per_s"] == 666.7 and f["steady_overhead_pct_vs_tapped_forward"] == 20.0
+    assert f["bound"] == "disk" and f["disk_bound_tokens_per_s"] == 600.0
+    assert f["steady_overhead_pct_vs_bound"] == -10.0  # faster than this disk's measured write: its cache
+    fast_disk = extract_figures(1000, 2.0, 0.0, 1000.0, 800.0, 5000.0)
+    assert fast_disk["bound"] == "forward" and fast_disk["steady_overhead_pct_vs_bound"] == 60.0
+
+
 def test_direct_safetensors_writer_is_read_back_by_safetensors(tmp_path):
     """Shards are written from the rows' memory (no ``save`` copy): any safetensors reader loads the
     same tensors, a list is its parts laid end to end, and the returned size and sha256 are the file's."""
