@@ -17,7 +17,8 @@ compile before the timed runs); the baseline runs through the same loop kind. To
 give the **cycle cost** (decode seconds per DFlash cycle over baseline seconds per token: 1.0
 means a draft+verify cycle costs one target decode step) and a ``decode_parts`` line per loop:
 per-cycle milliseconds of draft, verify, accept (the one host sync) and host bookkeeping (eager:
-rollback too), from one extra run with a device sync around each part. ``--random-target RECIPE``
+rollback too), from one extra run with a device sync around each part; ``--profile N`` adds the
+top kernels of each pass. ``--random-target RECIPE``
 builds a random-weight target of a recipe's shape on the device and a random recipe drafter
 (tau ~1: speed plumbing only); prompts are then random token ids.
 """
@@ -84,7 +85,7 @@ def random_models(recipe: str, device: str, seed: int = 0):
 
 
 def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_new: int, block_size: int | None,
-               repeat: int) -> None:
+               repeat: int, profile: int = 0) -> None:
     """Both loops of the torch backend on loaded models: decode lines, cycle cost and per-part times."""
     from inference import static_loop as sl
     from inference import torch_loop as tl
@@ -127,6 +128,26 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
         n = max(len(r.acceptance_lengths), 1)
         print(json.dumps({"bench": "decode_parts", "loop": loop, "cycles": n,
                           **{f"{k}_ms_per_cycle": round(1e3 * v / n, 3) for k, v in parts.items()}}), flush=True)
+        if profile:
+            profile_loop(loop, st if loop != "eager" else None, proposer, prompts[0], B, profile,
+                         lambda: gen(prompts[0], max_new_tokens=max_new, block_size=B, eos_token_ids=[]))
+
+
+def profile_loop(loop: str, st, proposer, prompt: list[int], B: int, n: int, generation) -> None:
+    """``profile`` lines: the top ``n`` kernels of each fixed-shape pass of a static loop (replayed as the
+    loop replays it: a CUDA graph on a GPU), or of one whole generation of the eager loop.
+
+    The passes replay on whatever the last generation left in their buffers: speed only.
+    """
+    from models.profiling import top_ops
+
+    if st is None:
+        print(json.dumps({"bench": "profile", "loop": loop, "what": "generation", **top_ops(generation, n)}),
+              flush=True)
+        return
+    passes = {"decode": st.graphed_pass(1), "verify": st.graphed_pass(B), "draft": proposer.graphed_pass()}
+    for what, fn in passes.items():
+        print(json.dumps({"bench": "profile", "loop": loop, "what": what, **top_ops(fn, n, calls=10)}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,12 +182,19 @@ def main(argv: list[str] | None = None) -> None:
                         "targets, else eager; MLX: its own loop)")
     p.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts (default 1)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="--random-target: random prompt length (default 64)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --loop: 'profile' lines of each loop's N most expensive kernels (GPU) or operators "
+                        "(CPU): per pass (decode, verify, draft) for static/compiled, one generation for eager "
+                        "(default 0: off)")
     args = p.parse_args(argv)
     # Everything that can be refused is refused here, before a model is built or loaded.
-    check_at_least(p, args, max_new_tokens=1, block_size=2, repeat=1, prompt_tokens=1)
+    check_at_least(p, args, max_new_tokens=1, block_size=2, repeat=1, prompt_tokens=1, profile=0)
     args.dtype = check_dtype(args.dtype)
     if not args.random_target and not args.tiny and not (args.target and args.draft):
         p.error("give --target and --draft, --tiny ARCH or --random-target RECIPE")
+    if args.profile and not (args.loop or args.random_target):
+        p.error(f"--profile {args.profile} profiles the torch loops: add --loop (static, compiled or eager) or "
+                "--random-target")
     if args.backend == "mlx" and (args.loop or args.random_target):
         p.error(f"{'--loop' if args.loop else '--random-target'} times the torch loops; the MLX backend runs its "
                 "own: drop it, or use --backend torch")
@@ -195,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             target, drafter = session.target, session.proposer.drafter
             prompts = [_chat_ids(target.tokenizer, x) for x in args.prompts]
         torch_runs(target, drafter, prompts, args.loop or ["static", "eager"], args.max_new_tokens, args.block_size,
-                   args.repeat)
+                   args.repeat, args.profile)
         return
     with tempfile.TemporaryDirectory() as root:
         target, draft = tiny_folders(args.tiny, root) if args.tiny else (args.target, args.draft)

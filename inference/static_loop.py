@@ -191,6 +191,11 @@ class StaticTarget:
             return self._passes[T]()
         return self._pass(ids)  # the prefill: any length, eager
 
+    def graphed_pass(self, T: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The fixed-shape pass of ``T`` tokens (1 or the block size) as the loop replays it, on the
+        inputs already in its buffers: for profiling (``inference.bench --profile``)."""
+        return self._passes[T]
+
     def _commit(self, start: int, T: int) -> None:
         """GatedDeltaNet rollback: the last pass's positions before ``start`` are the committed ones."""
         if start == 0:  # a new sequence: the zero state (committed window and state slot 0 cleared)
@@ -237,6 +242,10 @@ class StaticDrafterProposer:
 
     def reset(self) -> None:
         self.ctx_len = 0  # stale slots are masked, then overwritten
+
+    def graphed_pass(self) -> Callable[[], torch.Tensor]:
+        """The block pass as the loop replays it, on the inputs already in its buffers (profiling)."""
+        return self._pass
 
     def context_length(self) -> int:
         return self.ctx_len

@@ -2834,6 +2834,17 @@ def test_inference_bench_without_a_model_says_which_flags_to_give(capsys):
         capsys, "inference", ["--loop", "eager"])
 
 
+def test_inference_bench_profile_without_a_torch_loop_says_what_to_add(capsys):
+    assert "--profile 5 profiles the torch loops: add --loop" in argparse_error(
+        capsys, "inference", ["--tiny", "qwen3", "--profile", "5"])
+
+
+@pytest.mark.parametrize("module", ["train", "inference"])
+def test_bench_negative_profile_is_an_argparse_error(capsys, module):
+    assert "--profile -1: use 0 or more" in argparse_error(capsys, module, ["--tiny", "qwen3", "--profile", "-1"]
+                                                           if module == "inference" else ["--profile", "-1"])
+
+
 def test_inference_bench_with_an_empty_prompts_flag(capsys):
     assert "argument --prompts: expected at least one argument" in argparse_error(
         capsys, "inference", ["--tiny", "qwen3", "--prompts"])

@@ -438,3 +438,43 @@ def test_direct_block_mask_on_ragged_tiles(s, block, anchors):
     a = torch.tensor([anchors])
     blocks = build_blocks(ids, lm, doc, pos, a, torch.ones_like(a, dtype=torch.bool), block, 95)
     _same_as_create_block_mask(blocks, doc, block)
+
+
+# ----------------------------------------------------------------------------- --profile of the benches
+def test_top_ops_counts_each_op_once_per_call():
+    from models.profiling import top_ops
+
+    a = torch.randn(64, 64)
+    prof = top_ops(lambda: torch.mm(a, a).relu_(), n=2, calls=4)
+    assert prof["clock"] == "cpu" and prof["calls"] == 4 and len(prof["ops"]) == 2
+    mm = next(op for op in prof["ops"] if op["name"] == "aten::mm")
+    assert mm["count_per_call"] == 1.0 and 0 < mm["share"] <= 1
+    assert [op["ms_per_call"] for op in prof["ops"]] == sorted((op["ms_per_call"] for op in prof["ops"]), reverse=True)
+    assert sum(op["ms_per_call"] for op in prof["ops"]) <= prof["total_ms_per_call"] + 1e-3
+
+
+def bench_lines(capsys, module: str, argv: list[str]) -> list[dict]:
+    import importlib
+    import json
+
+    importlib.import_module(f"{module}.bench").main(argv)
+    return [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+
+
+def test_inference_bench_profiles_each_pass_of_the_static_loop(capsys):
+    lines = bench_lines(capsys, "inference", ["--random-target", "tiny", "--loop", "static", "--max-new-tokens", "8",
+                                              "--prompts", "x", "--prompt-tokens", "8", "--profile", "3"])
+    profiles = {x["what"]: x for x in lines if x["bench"] == "profile"}
+    assert list(profiles) == ["decode", "verify", "draft"]
+    for prof in profiles.values():
+        assert prof["loop"] == "static" and prof["calls"] == 10 and 1 <= len(prof["ops"]) <= 3
+        assert prof["total_ms_per_call"] > 0 and all(0 <= op["share"] <= 1 for op in prof["ops"])
+    # the tiny drafter's block pass: 2 layers x 7 projections (4 attention incl. the context's k, v: 6) + fc + head
+    assert any(op["name"] == "aten::mm" for op in profiles["draft"]["ops"])
+
+
+def test_train_bench_profiles_one_more_step(capsys):
+    lines = bench_lines(capsys, "train", ["--e2e", "tiny", "--steps", "1", "--warmup", "0", "--seq", "64",
+                                          "--anchors", "4", "--profile", "2"])
+    assert [x["bench"] for x in lines] == ["train_e2e", "train_parts", "profile"]
+    assert lines[-1]["what"] == "train_e2e" and len(lines[-1]["ops"]) == 2

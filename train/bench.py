@@ -20,7 +20,8 @@ Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
 Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA model FLOPs
 utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
 timed alone with device syncs (mask build, the generic ``create_block_mask`` for comparison,
-target forward, drafter forward + loss, backward, optimizer step).
+target forward, drafter forward + loss, backward, optimizer step). ``--profile N`` adds one
+``profile`` line: the N kernels of most device time in one more step (operators on the CPU).
 """
 
 from __future__ import annotations
@@ -75,10 +76,13 @@ def main(argv: list[str] | None = None) -> None:
                         "'--compile drafter' leaves the target eager (default: off)")
     p.add_argument("--target-layers", type=int, default=None,
                    help="--e2e: fewer target layers (smoke tests) (default: the recipe's)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timing, profile one more step and print its N most expensive kernels (GPU) or "
+                        "operators (CPU) as a 'profile' line (default 0: off)")
     a = p.parse_args(argv)
     # vocab 2: the last id is the mask token, random ids are drawn below it
     check_at_least(p, a, hidden=1, layers=1, heads=1, kv_heads=1, head_dim=2, intermediate=1, vocab=2, taps=1,
-                   seq=1, batch=1, anchors=1, block=2, ce_chunk=1, steps=1, warmup=0, target_layers=1)
+                   seq=1, batch=1, anchors=1, block=2, ce_chunk=1, steps=1, warmup=0, target_layers=1, profile=0)
     if a.head_dim % 2:
         p.error(f"--head-dim {a.head_dim}: use an even size (RoPE rotates pairs)")
     if a.attention == "flex" and not torch.cuda.is_available():
@@ -195,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
                           "batch": a.batch,
                           **_parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, pos,
                                    n_anchors, use_flex, device)}), flush=True)
+        if a.profile:
+            from models.profiling import top_ops
+
+            print(json.dumps({"bench": "profile", "what": "train_e2e" if target is not None else "train_step",
+                              "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors, "batch": a.batch,
+                              **top_ops(lambda: step(200), a.profile)}), flush=True)
 
 
 def _e2e_setup(a, argv, spec: dict):
