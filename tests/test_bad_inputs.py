@@ -2713,6 +2713,72 @@ def test_ablation_run_of_a_rebuilt_target_is_trained_again(tmp_path, monkeypatch
         run_one(run_dir / "spec.json")
 
 
+def test_ablation_run_trained_by_other_code_is_trained_again(tmp_path, monkeypatch):
+    """A training finished (trained.json) before the code changed is not reused for an evaluation now."""
+    import json
+
+    import train.distill
+    from train.ablate import run_one
+
+    class Trained(Exception):
+        pass
+
+    def distill(argv):
+        raise Trained
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    run_dir = tmp_path / "paper" / "seed0"
+    run_dir.mkdir(parents=True)
+    spec = {"run_dir": str(run_dir), "argv": ["train.max_steps=8"], "target_key": "t", "code_key": "new-code"}
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    (run_dir / "trained.json").write_text(json.dumps({**spec, "code_key": "old-code"}))
+    with pytest.raises(Trained):
+        run_one(run_dir / "spec.json")
+
+
+def test_ablation_table_marks_runs_of_other_code():
+    """Results of two code versions in one table, unmarked, read as one experiment; now the cell says so."""
+    from train.ablate import summarize
+
+    run = lambda tau, code: {"tau_pooled": tau, "tau_per_prompt": tau, "code_key": code}  # noqa: E731
+    table, rows = summarize({"paper": [run(1.0, "now"), run(1.2, "now")], "gamma=1": [run(1.5, "now"), run(1.3, None)]},
+                            "budget", code="now")
+    assert "| paper | 1.100 +/- 0.200 | +0.0% |" in table
+    assert "| gamma=1 (other code) | 1.400 +/- 0.200 | +27.3% |" in table
+    assert [r["other_code_runs"] for r in rows] == [0, 1]
+    assert table.splitlines()[-1].startswith("(other code): 1 run(s) were trained and evaluated by another version")
+    assert "--rerun-other-code" in table
+    clean, _ = summarize({"paper": [run(1.0, "now")]}, "budget", code="now")
+    assert "other code" not in clean
+
+
+def test_ablation_finished_run_of_other_code_counts_unless_asked(tmp_path):
+    import json
+
+    from train.ablate import finished
+
+    spec = {"argv": ["x"], "prompts": 2, "max_new_tokens": 8, "target_key": "t", "data_key": "d", "code_key": "now"}
+    (tmp_path / "result.json").write_text(json.dumps({**spec, "code_key": "before"}))
+    assert finished(tmp_path, spec) and not finished(tmp_path, spec, same_code=True)
+    (tmp_path / "result.json").write_text(json.dumps(spec))
+    assert finished(tmp_path, spec, same_code=True)
+
+
+def test_ablation_code_key_follows_the_source(tmp_path):
+    from train.ablate import code_key
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "loop.py").write_text("lr = 1\n")
+    (tmp_path / "train" / "notes.txt").write_text("not code")
+    before = code_key(tmp_path)
+    assert code_key(tmp_path) == before and len(before) == 16
+    (tmp_path / "train" / "notes.txt").write_text("changed, still not code")
+    assert code_key(tmp_path) == before
+    (tmp_path / "train" / "loop.py").write_text("lr = 2\n")
+    assert code_key(tmp_path) != before
+    assert code_key() != before  # the real package
+
+
 def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
     """--table-only ("run nothing") once built a missing target (16 min), prepared data and replaced
     table.md with an empty table when no run matched its flags."""

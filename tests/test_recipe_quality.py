@@ -83,8 +83,12 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     result = json.loads((tmp_path / "abl" / "paper" / "seed0" / "result.json").read_text())
     assert result["prompts"] == 2 and result["cycles"] >= 2 * 16 // 8  # at most 8 tokens per cycle
     assert 0.5 <= result["tau_pooled"] <= 8.0 and 0.5 <= result["tau_per_prompt"] <= 8.0
+    from train.ablate import code_key
+
+    assert result["code_key"] == code_key()  # the run records the code that made it
     table = (tmp_path / "abl" / "table.md").read_text()
     assert "| paper |" in table and "(1 seed)" in table and "+/- 0.000" not in table  # no spread from one seed
+    assert "other code" not in table
     # Resumable: a rerun skips the finished run and gives the same table.
     capsys.readouterr()
     again = main(["--grid", "paper", *budget])

@@ -154,6 +154,23 @@ def target_key(target: Path) -> str:
     return hashlib.sha256((target / STAMP_FILE).read_bytes()).hexdigest()[:16]
 
 
+CODE_FOLDERS = ("models", "data", "train", "inference")  # what trains, evaluates and prepares a run
+
+
+def code_key(root: Path | None = None) -> str:
+    """Which version of the code a run was trained and evaluated by: a hash of every ``.py`` file of
+    the package's folders. Results record it, so a table of runs from two versions says so (a finished
+    run is not retrained for it unless asked: ``--rerun-other-code``)."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for folder in CODE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 # ----------------------------------------------------------------------------- one run
 def run_argv(cell: str, seed: int, *, target: Path, prepared: Path, run_dir: Path, steps: int,
              anchors: int) -> list[str]:
@@ -209,7 +226,7 @@ def run_one(spec_file: Path) -> None:
     t0 = time.perf_counter()
     trained = run_dir / "trained.json"  # a run killed during its evaluation is not trained again
     before = json.loads(trained.read_text()) if trained.is_file() else {}
-    if all(before.get(k) == spec.get(k) for k in ("argv", "target_key", "data_key")):
+    if all(before.get(k) == spec.get(k) for k in ("argv", "target_key", "data_key", "code_key")):
         summary = before  # (the argv names the folders, not their builds: a rebuilt target or data retrains)
     else:
         from train.distill import main as distill
@@ -218,7 +235,7 @@ def run_one(spec_file: Path) -> None:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         summary = distill(spec["argv"])
         summary = {"argv": spec["argv"], "target_key": spec["target_key"], "data_key": spec.get("data_key"),
-                   "last": summary.get("last"),
+                   "code_key": spec.get("code_key"), "last": summary.get("last"),
                    "train_seconds": time.perf_counter() - t0}
         trained.write_text(json.dumps(summary) + "\n")
     train_s = summary.get("train_seconds")
@@ -227,7 +244,7 @@ def run_one(spec_file: Path) -> None:
                              spec["max_new_tokens"])
     report.update({"cell": spec["cell"], "seed": spec["seed"], "max_new_tokens": spec["max_new_tokens"],
                    "target_key": spec["target_key"], "data_key": spec.get("data_key"),
-                   "train_seconds": None if train_s is None else round(train_s, 1),
+                   "code_key": spec.get("code_key"), "train_seconds": None if train_s is None else round(train_s, 1),
                    "eval_seconds": round(time.perf_counter() - t0, 1),
                    "final_loss": (summary.get("last") or {}).get("loss"), "argv": spec["argv"]})
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final drafter stays
@@ -235,8 +252,12 @@ def run_one(spec_file: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- table
-def summarize(results: dict[str, list[dict]], budget: str) -> tuple[str, list[dict]]:
-    """Markdown table + rows: mean and spread (max - min) over seeds, change against ``paper``."""
+def summarize(results: dict[str, list[dict]], budget: str, code: str | None = None) -> tuple[str, list[dict]]:
+    """Markdown table + rows: mean and spread (max - min) over seeds, change against ``paper``.
+
+    ``code``: this checkout's ``code_key``; cells with a run by other code (or one that did not
+    record it) are marked, and a last line says how to retrain them.
+    """
     rows = []
     for cell, runs in results.items():
         if not runs:
@@ -246,7 +267,8 @@ def summarize(results: dict[str, list[dict]], budget: str) -> tuple[str, list[di
         rows.append({"cell": cell, "seeds": len(runs), "overrides": CELLS[cell],
                      "tau_pooled": statistics.fmean(pooled), "spread_pooled": max(pooled) - min(pooled),
                      "tau_per_prompt": statistics.fmean(per), "spread_per_prompt": max(per) - min(per),
-                     "same_compute": cell not in SAME_COMPUTE_EXCEPTIONS})
+                     "same_compute": cell not in SAME_COMPUTE_EXCEPTIONS,
+                     "other_code_runs": sum(r.get("code_key") != code for r in runs) if code else 0})
     base = next((r for r in rows if r["cell"] == "paper"), None)
     lines = [f"budget: {budget}", "",
              "| cell | true tau pooled (mean +/- spread) | vs paper | per-prompt mean (mean +/- spread) | seeds |",
@@ -255,9 +277,14 @@ def summarize(results: dict[str, list[dict]], budget: str) -> tuple[str, list[di
         gain = f"{100 * (r['tau_pooled'] / base['tau_pooled'] - 1):+.1f}%" if base else "n/a"
         r["gain_pooled"] = None if not base else r["tau_pooled"] / base["tau_pooled"] - 1
         note = "" if r["same_compute"] else " (other compute/size)"
+        note += " (other code)" if r["other_code_runs"] else ""
         spread = (lambda x: f" +/- {x:.3f}") if r["seeds"] > 1 else (lambda x: " (1 seed)")  # no spread to show
         lines.append(f"| {r['cell']}{note} | {r['tau_pooled']:.3f}{spread(r['spread_pooled'])} | {gain} | "
                      f"{r['tau_per_prompt']:.3f}{spread(r['spread_per_prompt'])} | {r['seeds']} |")
+    stale = sum(r["other_code_runs"] for r in rows)
+    if stale:
+        lines += ["", f"(other code): {stale} run(s) were trained and evaluated by another version of the code than "
+                      f"this one ({code}), or did not record theirs; --rerun-other-code trains them again"]
     return "\n".join(lines), rows
 
 
@@ -287,6 +314,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--data", default=None, help="folder of the prepared data variants (default: --out)")
     p.add_argument("--prepare-only", action="store_true", help="prepare the data variants, then exit")
     p.add_argument("--table-only", action="store_true", help="print the table of the finished runs; run nothing")
+    p.add_argument("--rerun-other-code", action="store_true",
+                   help="train again the finished runs made by another version of the code (the table marks them "
+                        "'(other code)'; by default they are kept)")
     p.add_argument("--list", action="store_true", help="print the cells and their overrides, then exit")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # worker entry (a spec file)
     a = p.parse_args(argv)
@@ -358,13 +388,13 @@ def main(argv: list[str] | None = None) -> dict:
         if a.prepare_only:
             return {"prepared": {k: str(v) for k, v in prepared.items()}}
 
-    key = target_key(target)
+    key, code = target_key(target), code_key()
 
     def spec_of(cell: str, seed: int) -> dict:
         run_dir = out / cell / f"seed{seed}"
         prepared = variant_folder(CELLS[cell].get("data", "regen"), data_dir, a.steps)
         return {"cell": cell, "seed": seed, "run_dir": str(run_dir), "target": str(target), "target_key": key,
-                "data_key": data_key(prepared),
+                "data_key": data_key(prepared), "code_key": code,
                 "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
                 "argv": run_argv(cell, seed, target=target, prepared=prepared, run_dir=run_dir, steps=a.steps,
                                  anchors=a.anchors)}
@@ -374,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in range(a.seeds):
             spec = spec_of(cell, seed)
             run_dir = Path(spec["run_dir"])
-            if finished(run_dir, spec):
+            if finished(run_dir, spec, same_code=a.rerun_other_code):
                 continue
             todo.append(run_dir)
             if not a.table_only:
@@ -387,11 +417,11 @@ def main(argv: list[str] | None = None) -> dict:
         run_all(todo, a.workers, total - len(todo), total, a.device)
     # Every cell finished at these settings, also those outside --grid: a partial rerun keeps the whole table.
     results = {c: [json.loads((out / c / f"seed{s}" / "result.json").read_text()) for s in range(a.seeds)
-                   if finished(out / c / f"seed{s}", spec_of(c, s))] for c in CELLS}
+                   if finished(out / c / f"seed{s}", spec_of(c, s), same_code=a.rerun_other_code)] for c in CELLS}
     budget = (f"{a.steps} steps x 1 row x {a.anchors} anchors, block 8, 2-layer drafter, 5 taps; true tau on "
               f"{a.prompts} held-out prompts x {a.max_new_tokens} tokens (torch loop, greedy, fp32); "
               f"{a.seeds} seeds; spread = max - min over seeds")
-    table, rows = summarize(results, budget)
+    table, rows = summarize(results, budget, code)
     if not rows:
         print(f"no finished runs under {out} for these settings (target build, --steps, --anchors, --prompts, "
               f"--max-new-tokens, --data): nothing to tabulate; {out / 'table.md'} is left as it is")
@@ -402,13 +432,15 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "table": table}
 
 
-def finished(run_dir: Path, spec: dict) -> bool:
-    """A run is done when its result exists for exactly these settings (a changed budget reruns it)."""
+def finished(run_dir: Path, spec: dict, same_code: bool = False) -> bool:
+    """A run is done when its result exists for exactly these settings (a changed budget reruns it);
+    ``same_code``: and was made by this version of the code (otherwise the table marks it)."""
     path = run_dir / "result.json"
     if not path.is_file():
         return False
     r = json.loads(path.read_text())
-    return all(r.get(k) == spec.get(k) for k in ("argv", "prompts", "max_new_tokens", "target_key", "data_key"))
+    keys = ("argv", "prompts", "max_new_tokens", "target_key", "data_key") + (("code_key",) if same_code else ())
+    return all(r.get(k) == spec.get(k) for k in keys)
 
 
 def run_all(todo: list[Path], workers: int, done: int, total: int, device: str = "auto") -> None:
