@@ -107,6 +107,9 @@ def encode_prompt(args: argparse.Namespace, tokenizer, vocab_size: int | None = 
     if tokenizer is None:
         raise SystemExit("the target folder has no tokenizer: pass --prompt-ids instead of --prompt")
     if args.chat:
+        from data.chat import require_chat_template
+
+        require_chat_template(tokenizer, args.target, "; or drop --chat to tokenize --prompt as plain text")
         kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking == "on"}
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             tokenize=True, **kwargs)

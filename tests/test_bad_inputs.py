@@ -1760,6 +1760,33 @@ def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
 
 
+def _without_chat_template(folder, out):
+    import shutil
+
+    copy = shutil.copytree(folder, out)
+    (copy / "chat_template.jinja").unlink()
+    return copy
+
+
+def test_a_target_without_a_chat_template_is_named_with_the_fix(data_target, infer_dirs, tmp_path):
+    """A base model's folder (no chat template): prepare said "no row has loss tokens ... check --max-length",
+    local regeneration failed every conversation and said to rerun, generate --chat quoted transformers."""
+    from data.prepare import prepare
+
+    said = "has no chat template .*point it at the chat / instruct model's folder"
+    base = _without_chat_template(data_target, tmp_path / "base")
+    for regenerate in (None, "local"):
+        with pytest.raises(ValueError, match=said):
+            prepare(str(base), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", regenerate=regenerate,
+                    progress=False)
+        assert not (tmp_path / "data").exists()
+    full = _without_chat_template(infer_dirs["full_dir"], tmp_path / "full")
+    with pytest.raises(ValueError, match=said + ".*or drop --chat"):
+        _generate(infer_dirs, "--prompt", "hi", "--chat", "--max-new-tokens", "2", target=str(full))
+    with pytest.raises(ValueError, match=said):
+        _validate(infer_dirs, "--prompts", "chat", "--n", "1", "--max-new-tokens", "2", target=str(full))
+
+
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
     """--max-new-tokens 1 has no decode step: it printed tau 0.00 and speedup 0.00x (the JSON said null)."""
     from inference.bench import tiny_folders
