@@ -1760,6 +1760,21 @@ def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
 
 
+def test_generate_warns_of_a_prompt_past_the_targets_positions(tmp_path, capsys):
+    """A 6000-token prompt on a 4096-position target generated on the eager loop without a word."""
+    from inference.bench import tiny_folders
+    from inference.generate import main, warn_past_positions
+
+    target, draft = tiny_folders("qwen3", str(tmp_path))
+    main(["--target", target, "--draft", draft, "--prompt-ids", ",".join(["85"] * 4100), "--max-new-tokens", "2",
+          "--backend", "torch", "--device", "cpu", "--loop", "eager"])
+    err = capsys.readouterr().err
+    assert "the 4100-token prompt plus --max-new-tokens 2 runs past the target's 4096 positions" in err
+    assert "shorten the prompt to under 4096 tokens" in err
+    assert warn_past_positions(4000, 200, 4096) and "lower --max-new-tokens to 96" in capsys.readouterr().err
+    assert not warn_past_positions(4032, 64, 4096) and capsys.readouterr().err == ""  # fills it exactly
+
+
 def _without_chat_template(folder, out):
     import shutil
 
