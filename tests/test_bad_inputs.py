@@ -2053,6 +2053,25 @@ def test_a_fresh_run_over_an_earlier_one_never_mixes_their_checkpoints(tmp_path_
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_3"]  # untouched
 
 
+def test_a_rerun_that_stops_on_a_mistake_keeps_the_finished_runs_checkpoints(tmp_path_factory, tmp_path):
+    """Rerunning a finished run's command without resume=true and with a mistake (a tap past the target's
+    layers, a mistyped data.source) removed its checkpoints and metrics at start, then stopped on the mistake:
+    the run could no longer be resumed to train longer."""
+    from test_train_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import checkpoint_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    base = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "logging.every=1",
+            "eval.batches=2", "checkpoint.every=1"]
+    run(tmp_path, *base, "train.max_steps=2")
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="layer id 99 is outside"):
+        run(tmp_path, *base, "train.max_steps=2", "drafter.target_layer_ids=[1,99]")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_1", "step_2"]
+    assert (tmp_path / "metrics.jsonl").read_text() == logged
+    assert run(tmp_path, *base, "train.max_steps=3", "resume=true")["steps"] == 3
+
+
 def test_more_held_out_rows_than_the_data_allows_are_said_to_be_capped(tmp_path_factory, tmp_path, capsys):
     """data.eval_rows=1000 on a few hundred rows was quietly cut to a fifth of them."""
     from test_train_run import FAST, run, tiny_input_dirs
