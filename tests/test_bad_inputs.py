@@ -886,6 +886,20 @@ def test_compiled_drafter_layers_off_cuda_are_refused():
         build_drafter(run, tiny_drafter_config(target), target)
 
 
+def test_flex_attention_off_cuda_is_refused_before_anything_loads(monkeypatch, tmp_path):
+    """train.attention=flex on a CPU ended in torch's NotImplementedError traceback at the first backward."""
+    import torch
+
+    from train.config import load_config
+    from train.distill import setup_run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(["recipe=tiny", "train.attention=flex", f"out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="train.attention=flex needs a CUDA GPU .*use train.attention=auto"):
+        setup_run(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("key, value", [("num_attention_heads", 0), ("head_dim", 0), ("num_key_value_heads", 0),
                                         ("intermediate_size", 0), ("rope_theta", 0), ("rms_norm_eps", 0),
                                         ("target_layer_ids", []), ("max_position_embeddings", 0)])

@@ -86,6 +86,9 @@ def setup_run(cfg):
     from train.loop import Run
 
     cuda = torch.cuda.is_available()
+    if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
+        raise ValueError("train.attention=flex needs a CUDA GPU (flex attention has no backward on the CPU): use "
+                         "train.attention=auto (dense on the CPU, flex on CUDA) or train.attention=dense")
     mp = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     accelerator = Accelerator(mixed_precision=mp, cpu=not cuda)
     set_seed(cfg.train.seed)
