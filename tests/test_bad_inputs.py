@@ -1331,6 +1331,23 @@ def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
     assert "--n 0: give at least 1 prompt" in capsys.readouterr().err
 
 
+def test_a_second_validate_into_the_same_out_sets_the_first_report_aside(infer_dirs, tmp_path, capsys):
+    """Two runs into the same --out (the default ./validate-report, say the bf16 target and then the 4-bit one):
+    the second overwrote the first's report.json without a word, and --compare had nothing left to compare."""
+    import json
+
+    from inference.validate import main
+
+    out = tmp_path / "val"
+    for tokens in ("2", "3"):
+        main(["--backend", "torch", "--target", infer_dirs["full_dir"], "--draft", infer_dirs["draft"], "--prompts",
+              "chat", "--n", "1", "--max-new-tokens", tokens, "--no-progress", "--out", str(out)])
+    assert f"{out / 'report.json'} of an earlier run set aside as report.json.old" in capsys.readouterr().err
+    assert json.loads((out / "report.json.old").read_text())["max_new_tokens"] == 2
+    assert json.loads((out / "report.json").read_text())["max_new_tokens"] == 3
+    assert len(main(["--compare", str(out / "report.json.old"), str(out), "--out", str(tmp_path / "cmp")])["rows"])
+
+
 def test_unknown_dtype(infer_dirs):
     for run in (_generate, _validate):
         extra = ("--prompt-ids", "1") if run is _generate else ()
