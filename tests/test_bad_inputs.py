@@ -1781,6 +1781,16 @@ def test_a_run_or_checkpoint_folder_as_draft_names_the_drafter_inside(tmp_path):
         preflight(str(tmp_path / "target"), str(tmp_path / "step_3"), None)
 
 
+def test_a_run_folder_as_drafter_init_from_names_the_drafter_inside(tmp_path):
+    """drafter.init_from=runs/NAME said only "config.json not found", where --draft named the drafter inside."""
+    from models.drafter import DFlashDraftModel
+
+    (tmp_path / "run" / "final" / "drafter").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="a training run or checkpoint folder: pass .*run/final/drafter"):
+        DFlashDraftModel.from_pretrained(tmp_path / "run")
+
+
 def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     """The long set (5k-token prompts) ran on a 4096-position target without a word."""
     from inference.validate import warn_if_too_long
