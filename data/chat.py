@@ -64,12 +64,22 @@ class Segment:
     token_ids: list[int] | None = None  # answer only: the ids the target generated, when known
 
 
+def require_chat_template(tokenizer, target: str, fix: str = "") -> None:
+    """Refuse a tokenizer without a chat template before any work: every conversation would fail to render,
+    which prepare reported as "no row has loss tokens ... check --max-length" and regeneration as failed
+    conversations to retry (a base model's folder, or a copy that left ``chat_template.jinja`` behind)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError(
+            f"the tokenizer of {target} has no chat template (neither chat_template.jinja nor a chat_template in "
+            "tokenizer_config.json): draftsmith renders conversations with the target's own template; point it at "
+            "the chat / instruct model's folder, or copy that model's chat_template.jinja into this one" + fix)
+
+
 def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
            thinking: bool | None = None) -> str:
     """The target's chat template as text. ``thinking=None`` leaves the template's default."""
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise TemplateError("the tokenizer has no chat_template; draftsmith tokenizes with the target's own template")
+    require_chat_template(tokenizer, "the target")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **kwargs)
 

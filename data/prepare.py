@@ -55,6 +55,7 @@ SERVER_LOG = "regenerate-server.log"
 
 
 def load_tokenizer(target: str):
+    from data.chat import require_chat_template
     from models.config import read_json_file, refuse_drafter_as_target
     from models.hub import SMALL_FILES, resolve_model_dir
     from models.target import load_tokenizer as load
@@ -62,7 +63,9 @@ def load_tokenizer(target: str):
     directory = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
     if (directory / "config.json").is_file():  # a drafter's tokenizer has no chat template: "no row has loss tokens"
         refuse_drafter_as_target(target, read_json_file(directory / "config.json"))
-    return load(directory)
+    tokenizer = load(directory)
+    require_chat_template(tokenizer, target)
+    return tokenizer
 
 
 def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = False, fix: str | None = None):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.config import ARCHITECTURE, DFlashConfig, is_drafter_config, read_json_file
+from models.config import ARCHITECTURE, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
 
 log = logging.getLogger("inference")
 
@@ -77,9 +77,7 @@ class TargetFacts:
 
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
-        folder = path.parent
-        inside = [folder / sub for sub in ("drafter", "final/drafter") if (folder / sub / "config.json").is_file()]
-        hint = f" (a training run or checkpoint folder: pass {inside[0]})" if inside else ""
+        hint = drafter_inside_hint(path.parent)
         raise FileNotFoundError(f"{path} not found: a {what} folder needs config.json{hint}")
     return read_json_file(path)
 

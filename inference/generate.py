@@ -107,6 +107,9 @@ def encode_prompt(args: argparse.Namespace, tokenizer, vocab_size: int | None = 
     if tokenizer is None:
         raise SystemExit("the target folder has no tokenizer: pass --prompt-ids instead of --prompt")
     if args.chat:
+        from data.chat import require_chat_template
+
+        require_chat_template(tokenizer, args.target, "; or drop --chat to tokenize --prompt as plain text")
         kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking == "on"}
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             tokenize=True, **kwargs)
@@ -321,6 +324,19 @@ class Session:
                 "loop": self.loop_kind, "platform": pf.platform(), "machine": pf.machine()}
 
 
+def warn_past_positions(prompt_len: int, max_new_tokens: int, positions: int) -> bool:
+    """Say when the prompt plus ``--max-new-tokens`` runs past the target's positions: the eager loop runs
+    there without a word, and its text, tau and speed describe a target beyond its context. Returns whether."""
+    if prompt_len + max_new_tokens <= positions:
+        return False
+    fix = (f"shorten the prompt to under {positions} tokens" if prompt_len >= positions else
+           f"lower --max-new-tokens to {positions - prompt_len} or shorten the prompt")
+    print(f"warning: the {prompt_len}-token prompt plus --max-new-tokens {max_new_tokens} runs past the target's "
+          f"{positions} positions (max_position_embeddings): the tokens past them come from a target beyond its "
+          f"context; {fix}", file=sys.stderr)
+    return True
+
+
 def report_of(backend: str, result, baseline) -> dict:
     from inference.report import first_divergence
 
@@ -344,6 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
     session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)
     tokenizer = session.tokenizer
     prompt = early_ids if early_ids is not None else encode_prompt(args, tokenizer)
+    if session.loop_kind == "eager":  # the static loops cap --max-new-tokens at the positions, with their own warning
+        warn_past_positions(len(prompt), args.max_new_tokens, session.target.max_position_embeddings)
     if args.baseline or session.loop_kind != "eager":  # kernel selection, allocation, graph capture (and a
         # compiled loop's compilation) are not timed: validate does the same
         session.run(prompt, baseline=args.baseline, block_size=args.block_size, temperature=args.temperature,

@@ -119,9 +119,10 @@ def prompt_set_hash(prompts: list[Prompt], thinking: str) -> str:
 
 def render_prompts(tokenizer, prompts: list[Prompt], thinking: str) -> list[list[int]]:
     """Token ids of each prompt through the target's chat template, generation prompt added."""
-    from data.chat import encode, render
+    from data.chat import encode, render, require_chat_template
 
     if tokenizer is None:
         raise ValueError("the target folder has no tokenizer: validate renders prompts with the target's chat template")
+    require_chat_template(tokenizer, "the target", "; validate's prompts are chat turns")
     return [encode(tokenizer, render(tokenizer, p.messages, add_generation_prompt=True, thinking=thinking == "on"))
             for p in prompts]

@@ -24,7 +24,8 @@ Method (the same for every backend, so numbers compare):
    ``torch.cuda.max_memory_allocated`` (CUDA); null on a torch CPU run.
 
 Outputs in ``--out``: ``report.json``, ``report.md``, ``acceptance.png`` (needs the ``plot`` extra,
-matplotlib; skipped with one warning without it), and a table on stdout. While it runs, each
+matplotlib; skipped with one warning without it), and a table on stdout; an earlier run's
+``report.json`` there is kept as ``report.json.old`` (``.old.1`` ... for older ones). While it runs, each
 finished prompt is appended to ``--out/partial.jsonl``: an interrupted run (Ctrl-C, a crash)
 resumes with the same command, measuring only the missing prompts (``inference.partial``; a file
 written with other settings is set aside, never mixed in).
@@ -187,10 +188,18 @@ def measure(session, ids: list[list[int]], prompts: list, *, repeats: int = 1, b
     return runs, peaks
 
 
-def write_outputs(report: dict, out: str | Path) -> dict:
+def write_outputs(report: dict, out: str | Path, log=None) -> dict:
+    """report.json, report.md and acceptance.png in ``out``. An earlier run's report.json there (the default
+    ``--out`` is shared by every run) is set aside as ``report.json.old`` (earlier ones shifted to ``.old.1`` ...)
+    instead of overwritten: it was the only record of that measurement, and ``--compare`` reads it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md"}
+    if paths["json"].is_file():
+        old = partial.set_aside(paths["json"])
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"note: {paths['json']} of an earlier run set aside as {old.name} (--compare {old} reads it); "
+            "give each run its own --out to keep them apart")
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["md"].write_text(markdown(report))
     paths["png"] = write_plot([report], [Path(str(report.get("draft"))).name or "drafter"], str(out / "acceptance.png"))

@@ -165,6 +165,14 @@ def _sliding_block_mode(d: dict[str, Any], nested: dict[str, Any], layer_types: 
     return "bidirectional"
 
 
+def drafter_inside_hint(folder: str | Path) -> str:
+    """" (a training run or checkpoint folder: pass DIR/drafter)" when ``folder`` holds the drafter one level
+    down: the run and checkpoint folders are what users pass by mistake (their config.json is the drafter's)."""
+    folder = Path(folder)
+    inside = [folder / sub for sub in ("drafter", "final/drafter") if (folder / sub / "config.json").is_file()]
+    return f" (a training run or checkpoint folder: pass {inside[0]})" if inside else ""
+
+
 @dataclass
 class DFlashConfig:
     """Resolved drafter config. Field names are the flat ``config.json`` names."""
@@ -425,7 +433,8 @@ class DFlashConfig:
     def load(cls, directory: str | Path) -> "DFlashConfig":
         path = Path(directory) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: a drafter folder needs config.json next to its safetensors")
+            raise FileNotFoundError(f"{path} not found: a drafter folder needs config.json next to its safetensors"
+                                    f"{drafter_inside_hint(path.parent)}")
         try:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:

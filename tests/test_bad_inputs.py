@@ -886,6 +886,20 @@ def test_compiled_drafter_layers_off_cuda_are_refused():
         build_drafter(run, tiny_drafter_config(target), target)
 
 
+def test_flex_attention_off_cuda_is_refused_before_anything_loads(monkeypatch, tmp_path):
+    """train.attention=flex on a CPU ended in torch's NotImplementedError traceback at the first backward."""
+    import torch
+
+    from train.config import load_config
+    from train.distill import setup_run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(["recipe=tiny", "train.attention=flex", f"out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="train.attention=flex needs a CUDA GPU .*use train.attention=auto"):
+        setup_run(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("key, value", [("num_attention_heads", 0), ("head_dim", 0), ("num_key_value_heads", 0),
                                         ("intermediate_size", 0), ("rope_theta", 0), ("rms_norm_eps", 0),
                                         ("target_layer_ids", []), ("max_position_embeddings", 0)])
@@ -1315,6 +1329,23 @@ def test_validate_empty_or_missing_prompt_set(infer_dirs, capsys):
     with pytest.raises(SystemExit):
         _validate(infer_dirs, "--n", "0")
     assert "--n 0: give at least 1 prompt" in capsys.readouterr().err
+
+
+def test_a_second_validate_into_the_same_out_sets_the_first_report_aside(infer_dirs, tmp_path, capsys):
+    """Two runs into the same --out (the default ./validate-report, say the bf16 target and then the 4-bit one):
+    the second overwrote the first's report.json without a word, and --compare had nothing left to compare."""
+    import json
+
+    from inference.validate import main
+
+    out = tmp_path / "val"
+    for tokens in ("2", "3"):
+        main(["--backend", "torch", "--target", infer_dirs["full_dir"], "--draft", infer_dirs["draft"], "--prompts",
+              "chat", "--n", "1", "--max-new-tokens", tokens, "--no-progress", "--out", str(out)])
+    assert f"{out / 'report.json'} of an earlier run set aside as report.json.old" in capsys.readouterr().err
+    assert json.loads((out / "report.json.old").read_text())["max_new_tokens"] == 2
+    assert json.loads((out / "report.json").read_text())["max_new_tokens"] == 3
+    assert len(main(["--compare", str(out / "report.json.old"), str(out), "--out", str(tmp_path / "cmp")])["rows"])
 
 
 def test_unknown_dtype(infer_dirs):
@@ -1750,6 +1781,16 @@ def test_a_run_or_checkpoint_folder_as_draft_names_the_drafter_inside(tmp_path):
         preflight(str(tmp_path / "target"), str(tmp_path / "step_3"), None)
 
 
+def test_a_run_folder_as_drafter_init_from_names_the_drafter_inside(tmp_path):
+    """drafter.init_from=runs/NAME said only "config.json not found", where --draft named the drafter inside."""
+    from models.drafter import DFlashDraftModel
+
+    (tmp_path / "run" / "final" / "drafter").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="a training run or checkpoint folder: pass .*run/final/drafter"):
+        DFlashDraftModel.from_pretrained(tmp_path / "run")
+
+
 def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     """The long set (5k-token prompts) ran on a 4096-position target without a word."""
     from inference.validate import warn_if_too_long
@@ -1758,6 +1799,48 @@ def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     assert "1 of 2 prompts plus --max-new-tokens 64 run past the target's 4096 positions" in capsys.readouterr().err
     assert warn_if_too_long([[1] * 100], 64, 4096) == 0 and capsys.readouterr().err == ""
     assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
+
+
+def test_generate_warns_of_a_prompt_past_the_targets_positions(tmp_path, capsys):
+    """A 6000-token prompt on a 4096-position target generated on the eager loop without a word."""
+    from inference.bench import tiny_folders
+    from inference.generate import main, warn_past_positions
+
+    target, draft = tiny_folders("qwen3", str(tmp_path))
+    main(["--target", target, "--draft", draft, "--prompt-ids", ",".join(["85"] * 4100), "--max-new-tokens", "2",
+          "--backend", "torch", "--device", "cpu", "--loop", "eager"])
+    err = capsys.readouterr().err
+    assert "the 4100-token prompt plus --max-new-tokens 2 runs past the target's 4096 positions" in err
+    assert "shorten the prompt to under 4096 tokens" in err
+    assert warn_past_positions(4000, 200, 4096) and "lower --max-new-tokens to 96" in capsys.readouterr().err
+    assert not warn_past_positions(4032, 64, 4096) and capsys.readouterr().err == ""  # fills it exactly
+
+
+def _without_chat_template(folder, out):
+    import shutil
+
+    copy = shutil.copytree(folder, out)
+    (copy / "chat_template.jinja").unlink()
+    return copy
+
+
+def test_a_target_without_a_chat_template_is_named_with_the_fix(data_target, infer_dirs, tmp_path):
+    """A base model's folder (no chat template): prepare said "no row has loss tokens ... check --max-length",
+    local regeneration failed every conversation and said to rerun, generate --chat quoted transformers."""
+    from data.prepare import prepare
+
+    said = "has no chat template .*point it at the chat / instruct model's folder"
+    base = _without_chat_template(data_target, tmp_path / "base")
+    for regenerate in (None, "local"):
+        with pytest.raises(ValueError, match=said):
+            prepare(str(base), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", regenerate=regenerate,
+                    progress=False)
+        assert not (tmp_path / "data").exists()
+    full = _without_chat_template(infer_dirs["full_dir"], tmp_path / "full")
+    with pytest.raises(ValueError, match=said + ".*or drop --chat"):
+        _generate(infer_dirs, "--prompt", "hi", "--chat", "--max-new-tokens", "2", target=str(full))
+    with pytest.raises(ValueError, match=said):
+        _validate(infer_dirs, "--prompts", "chat", "--n", "1", "--max-new-tokens", "2", target=str(full))
 
 
 def test_generate_says_dash_where_a_one_token_run_has_no_tau(tmp_path, capsys):
@@ -2009,6 +2092,25 @@ def test_a_fresh_run_over_an_earlier_one_never_mixes_their_checkpoints(tmp_path_
                                                 "resume=true continues it; to start over, delete"):
         run(tmp_path, *base, "train.max_steps=2")
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_3"]  # untouched
+
+
+def test_a_rerun_that_stops_on_a_mistake_keeps_the_finished_runs_checkpoints(tmp_path_factory, tmp_path):
+    """Rerunning a finished run's command without resume=true and with a mistake (a tap past the target's
+    layers, a mistyped data.source) removed its checkpoints and metrics at start, then stopped on the mistake:
+    the run could no longer be resumed to train longer."""
+    from test_train_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import checkpoint_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    base = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "logging.every=1",
+            "eval.batches=2", "checkpoint.every=1"]
+    run(tmp_path, *base, "train.max_steps=2")
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="layer id 99 is outside"):
+        run(tmp_path, *base, "train.max_steps=2", "drafter.target_layer_ids=[1,99]")
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_1", "step_2"]
+    assert (tmp_path / "metrics.jsonl").read_text() == logged
+    assert run(tmp_path, *base, "train.max_steps=3", "resume=true")["steps"] == 3
 
 
 def test_more_held_out_rows_than_the_data_allows_are_said_to_be_capped(tmp_path_factory, tmp_path, capsys):

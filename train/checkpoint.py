@@ -216,17 +216,15 @@ def check_resume_config(ckpt: Path, cfg, log) -> None:
         log(f"resume: settings changed since the checkpoint (harmless): {'; '.join(harmless)}")
 
 
-def clear_for_fresh_start(out_dir: Path, log, accelerator) -> None:
-    """A run without ``resume=true`` in an ``out_dir`` that holds an earlier run's checkpoints.
+def refuse_unfinished_run(out_dir: Path) -> bool:
+    """Refuse a run without ``resume=true`` over an unfinished earlier one (no ``final/`` newer than its newest
+    checkpoint: a crash, a forgotten ``resume=true``); True when a finished earlier run's checkpoints are there.
 
-    Left there, they would mix with the new run's (the older steps stay, and a later ``resume=true``
-    would pick the earlier run's newest). An unfinished earlier run (no ``final/`` newer than its newest
-    checkpoint: a crash, a forgotten ``resume=true``) is refused, never overwritten; a finished one is
-    replaced, as its ``final/`` and ``metrics.jsonl`` are.
-    """
+    Called before anything loads; the finished run's checkpoints are removed only by
+    :func:`clear_for_fresh_start`, once the new run has loaded and checked all its inputs."""
     newest = latest_checkpoint(out_dir)
     if newest is None:
-        return
+        return False
     final = Path(out_dir) / "final" / "config.yaml"
     state = newest / "trainer_state.json"
     finished = final.is_file() and (not state.is_file() or final.stat().st_mtime >= state.stat().st_mtime)
@@ -235,6 +233,20 @@ def clear_for_fresh_start(out_dir: Path, log, accelerator) -> None:
             f"{out_dir} holds an unfinished run (newest checkpoint {newest}, step "
             f"{read_trainer_state(newest).get('step', '?')}): resume=true continues it; to start over, delete "
             f"{Path(out_dir) / 'checkpoints'} (or choose another out_dir)")
+    return True
+
+
+def clear_for_fresh_start(out_dir: Path, log, accelerator) -> None:
+    """A run without ``resume=true`` in an ``out_dir`` that holds an earlier run's checkpoints.
+
+    Left there, they would mix with the new run's (the older steps stay, and a later ``resume=true``
+    would pick the earlier run's newest). An unfinished earlier run is refused, never overwritten; a
+    finished one is replaced, as its ``final/`` and ``metrics.jsonl`` are. Training calls this just
+    before its first step: a rerun that stops on a mistake (a mistyped data.source) removed them at
+    start, and the finished run could no longer be resumed to train longer.
+    """
+    if not refuse_unfinished_run(out_dir):
+        return
     accelerator.wait_for_everyone()  # every process has decided before one of them removes anything
     if accelerator.is_main_process:
         old = checkpoint_dirs(out_dir)

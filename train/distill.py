@@ -82,10 +82,13 @@ def setup_run(cfg):
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
-    from train.checkpoint import clear_for_fresh_start, resume_checkpoint
+    from train.checkpoint import refuse_unfinished_run, resume_checkpoint
     from train.loop import Run
 
     cuda = torch.cuda.is_available()
+    if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
+        raise ValueError("train.attention=flex needs a CUDA GPU (flex attention has no backward on the CPU): use "
+                         "train.attention=auto (dense on the CPU, flex on CUDA) or train.attention=dense")
     mp = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     accelerator = Accelerator(mixed_precision=mp, cpu=not cuda)
     set_seed(cfg.train.seed)
@@ -93,8 +96,8 @@ def setup_run(cfg):
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
-    if not cfg.resume:
-        clear_for_fresh_start(out_dir, log, accelerator)
+    if not cfg.resume:  # an unfinished run is refused now; a finished one's checkpoints go once the inputs load
+        refuse_unfinished_run(out_dir)
     config_yaml = cfg.to_yaml()
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -301,6 +304,7 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
     from data.rows import rows_identity
     from models.provenance import data_provenance, provenance_of_run
+    from train.checkpoint import clear_for_fresh_start
     from train.loop import interrupted_message, make_schedule
     from train.metrics import open_metrics
     from train.setup import (data_token_ids, load_data, load_target, make_features, resolve_drafter_config,
@@ -322,6 +326,8 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     drafter = build_drafter(run, drafter_cfg, target)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
     state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
+    if not cfg.resume:  # every input is loaded and checked: only now are the earlier (finished) run's checkpoints
+        clear_for_fresh_start(run.out_dir, run.log, run.accelerator)  # replaced (a failed rerun kept them)
     logger = open_metrics(cfg, run.out_dir, run.is_main, resumed_step=state.step, wandb_run_id=state.wandb_run_id,
                           log=run.log)
     run.log(f"training: {len(train_ds)} rows, {sched.steps_per_epoch} steps/epoch, {sched.total_steps} steps, "
