@@ -169,7 +169,9 @@ def drafter_inside_hint(folder: str | Path) -> str:
     """" (a training run or checkpoint folder: pass DIR/drafter)" when ``folder`` holds the drafter one level
     down: the run and checkpoint folders are what users pass by mistake (their config.json is the drafter's)."""
     folder = Path(folder)
-    inside = [folder / sub for sub in ("drafter", "final/drafter") if (folder / sub / "config.json").is_file()]
+    # a checkpoint's optimizer state (checkpoints/step_N/state) sits beside its drafter: step_N/drafter
+    near = [folder / "drafter", folder / "final" / "drafter", folder.parent / "drafter"]
+    inside = [d for d in near if d != folder and (d / "config.json").is_file()]
     return f" (a training run or checkpoint folder: pass {inside[0]})" if inside else ""
 
 

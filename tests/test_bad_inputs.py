@@ -1791,6 +1791,29 @@ def test_a_run_folder_as_drafter_init_from_names_the_drafter_inside(tmp_path):
         DFlashDraftModel.from_pretrained(tmp_path / "run")
 
 
+def test_a_checkpoints_state_folder_as_drafter_names_the_drafter_beside_it(tmp_path):
+    """--draft checkpoints/step_N/state (the optimizer state) gave no hint; its drafter is step_N/drafter."""
+    from models.drafter import DFlashDraftModel
+
+    step = tmp_path / "checkpoints" / "step_8"
+    (step / "state").mkdir(parents=True)
+    (step / "drafter").mkdir()
+    (step / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="pass .*step_8/drafter\\)"):
+        DFlashDraftModel.from_pretrained(step / "state")
+
+
+def test_an_optional_override_of_the_wrong_kind_says_what_it_takes():
+    """data.thinking=maybe said "expected bool | None" (a Python type, not a value one can write)."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match=r"data.thinking='maybe': expected true or false or null$"):
+        load_config(["recipe=tiny", "data.thinking=maybe"])
+    with pytest.raises(ConfigValueError, match=r"train.max_steps='ten': expected an integer or null$"):
+        load_config(["recipe=tiny", "train.max_steps=ten"])
+
+
 def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     """The long set (5k-token prompts) ran on a 4096-position target without a word."""
     from inference.validate import warn_if_too_long

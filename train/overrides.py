@@ -99,6 +99,12 @@ def unknown_key(key: str, root) -> ConfigKeyError:
     return ConfigKeyError(f"unknown config key {key!r}{hint} ({listed}; `--help` lists every key)")
 
 
+def _kind(tp: Any) -> str:
+    """A type as the value a user writes (``bool | None``: "true or false or null")."""
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return names.get(tp, "a list" if typing.get_origin(tp) is list else getattr(tp, "__name__", str(tp)))
+
+
 def _coerce(value: Any, tp: Any, key: str, root) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -112,7 +118,7 @@ def _coerce(value: Any, tp: Any, key: str, root) -> Any:
                 return _coerce(value, a, key, root)
             except (TypeError, ValueError):
                 pass  # try the union's next type; none fits -> one error naming the whole union
-        raise ConfigValueError(f"{key}={value!r}: expected {tp}")
+        raise ConfigValueError(f"{key}={value!r}: expected {' or '.join(_kind(a) for a in args)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigValueError(f"{key} is a section: give keys under it (e.g. {key}.{fields(tp)[0].name}=...)")
