@@ -225,7 +225,7 @@ def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
             except json.JSONDecodeError:
                 yield BadRow("malformed JSON")
                 continue
-            yield row if isinstance(row, dict) else BadRow("malformed JSON")
+            yield row if isinstance(row, dict) else BadRow("JSON that is not an object")
 
 
 def _parquet_rows(path: Path) -> Iterator[dict]:

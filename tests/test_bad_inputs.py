@@ -3551,3 +3551,14 @@ def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_wha
                         "differ): set aside as partial.jsonl.old, starting over")
     assert (out / "partial.jsonl.old.2").read_text() == olds[0]  # the measured rows of the first run, kept
     assert (out / "partial.jsonl.old.1").read_text() == olds[1] and (out / "partial.jsonl.old").read_text() == olds[2]
+
+
+def test_a_jsonl_row_that_is_json_but_not_an_object_is_counted_as_such(tmp_path):
+    """A `[1, 2, 3]` line is valid JSON: it was counted as "malformed JSON", which sends one looking for a typo."""
+    from data.readers import load_conversations
+
+    path = tmp_path / "chats.jsonl"
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    path.write_text(f'{good}\n[1, 2, 3]\n"text"\n{{"messages": \n')
+    convs, stats = load_conversations(path)
+    assert len(convs) == 1 and dict(stats.skipped) == {"JSON that is not an object": 2, "malformed JSON": 1}
