@@ -2128,12 +2128,15 @@ def test_a_rerun_that_stops_on_a_mistake_keeps_the_finished_runs_checkpoints(tmp
     base = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "logging.every=1",
             "eval.batches=2", "checkpoint.every=1"]
     run(tmp_path, *base, "train.max_steps=2")
-    logged = (tmp_path / "metrics.jsonl").read_text()
+    logged, settings = (tmp_path / "metrics.jsonl").read_text(), (tmp_path / "config.yaml").read_text()
     with pytest.raises(ValueError, match="layer id 99 is outside"):
         run(tmp_path, *base, "train.max_steps=2", "drafter.target_layer_ids=[1,99]")
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_1", "step_2"]
     assert (tmp_path / "metrics.jsonl").read_text() == logged
+    assert (tmp_path / "config.yaml").read_text() == settings  # still the finished run's settings
     assert run(tmp_path, *base, "train.max_steps=3", "resume=true")["steps"] == 3
+    run(tmp_path, *base, "train.max_steps=1")  # a fresh run that loads: it owns the folder now
+    assert "max_steps: 1" in (tmp_path / "config.yaml").read_text()
 
 
 def test_more_held_out_rows_than_the_data_allows_are_said_to_be_capped(tmp_path_factory, tmp_path, capsys):

@@ -96,14 +96,22 @@ def setup_run(cfg):
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
-    if not cfg.resume:  # an unfinished run is refused now; a finished one's checkpoints go once the inputs load
-        refuse_unfinished_run(out_dir)
-    config_yaml = cfg.to_yaml()
+    # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once
+    # the inputs have loaded: a rerun that stops on a mistake leaves that run as it was.
+    replaces = refuse_unfinished_run(out_dir) if not cfg.resume else False
+    run = Run(cfg, accelerator, out_dir, cfg.to_yaml(), mp, log, ckpt)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(config_yaml)
-        log(f"resolved config ({out_dir / 'config.yaml'}):\n{config_yaml}")
-    return Run(cfg, accelerator, out_dir, config_yaml, mp, log, ckpt)
+        log(f"resolved config:\n{run.config_yaml}")
+    if not replaces:
+        write_run_config(run)
+    return run
+
+
+def write_run_config(run) -> None:
+    """``out_dir/config.yaml``: the resolved settings of the run that owns ``out_dir``."""
+    if run.is_main:
+        (run.out_dir / "config.yaml").write_text(run.config_yaml)
 
 
 def build_drafter(run, drafter_cfg, target):
@@ -328,6 +336,7 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
     if not cfg.resume:  # every input is loaded and checked: only now are the earlier (finished) run's checkpoints
         clear_for_fresh_start(run.out_dir, run.log, run.accelerator)  # replaced (a failed rerun kept them)
+        write_run_config(run)
     logger = open_metrics(cfg, run.out_dir, run.is_main, resumed_step=state.step, wandb_run_id=state.wandb_run_id,
                           log=run.log)
     run.log(f"training: {len(train_ds)} rows, {sched.steps_per_epoch} steps/epoch, {sched.total_steps} steps, "
