@@ -3565,3 +3565,12 @@ def test_a_jsonl_row_that_is_json_but_not_an_object_is_counted_as_such(tmp_path)
     path.write_text(f'{good}\n[1, 2, 3]\n"text"\n{{"messages": \n')
     convs, stats = load_conversations(path)
     assert len(convs) == 1 and dict(stats.skipped) == {"JSON that is not an object": 2, "malformed JSON": 1}
+
+
+def test_fp16_mixed_precision_on_a_cpu_is_refused_before_anything_loads(no_cuda, tmp_path):
+    """accelerate ignores fp16 on a CPU (float32 autocast-free steps) while the run recorded fp16."""
+    from train.distill import main
+
+    with pytest.raises(ValueError, match="train.mixed_precision=fp16 has no effect on the CPU.*auto"):
+        main(["recipe=tiny", "train.mixed_precision=fp16", f"out_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()

@@ -89,6 +89,10 @@ def setup_run(cfg):
     if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
         raise ValueError("train.attention=flex needs a CUDA GPU (flex attention has no backward on the CPU): use "
                          "train.attention=auto (dense on the CPU, flex on CUDA) or train.attention=dense")
+    if cfg.train.mixed_precision == "fp16" and not cuda:  # accelerate runs it in fp32 there, and the run said fp16
+        raise ValueError("train.mixed_precision=fp16 has no effect on the CPU (accelerate trains in float32 there, "
+                         "while the run would record fp16): use train.mixed_precision=auto (no on the CPU), no, or "
+                         "bf16")
     mp = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     accelerator = Accelerator(mixed_precision=mp, cpu=not cuda)
     set_seed(cfg.train.seed)
