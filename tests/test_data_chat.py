@@ -139,6 +139,7 @@ def test_parallel_tokenization_gives_the_same_rows_and_scale_keys_exist(tmp_path
     assert cfg.data.regenerate_batch_size == 3 and cfg.data.rebuild
 
 
+@pytest.mark.filterwarnings("ignore::dill.PicklingWarning")  # the reproduced failure warns first
 def test_packing_works_where_datasets_cannot_pickle_an_arrow_table(tmp_path, pyarrow_pickled_by_value):
     """Packing hands the tokenized rows to ``Dataset.from_generator``, which hashes its arguments: kept rows
     whose index lay in memory made that hash pickle an Arrow table, which fails on such a node."""
