@@ -160,9 +160,10 @@ def random_data(rows: int, seq: int, vocab: int):
     table = pa.table({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
                       "doc_ids": [[0] * seq] * rows, "position_ids": [list(range(seq))] * rows,
                       "num_tokens": [seq] * rows, "num_loss_tokens": [seq - seq // 4] * rows})
-    # A named fingerprint: the default one pickles the whole table with dill, which failed on a GPU node's
-    # Python 3.12 (dill 0.4.1, pyarrow 26: "Can't pickle <class 'MonthDayNano'>"), and these rows are a
-    # pure function of the arguments anyway.
+    # A named fingerprint: the default one pickles the whole table with dill, which failed on a GPU node
+    # ("Can't pickle <class 'MonthDayNano'>": dill pickles pyarrow by value where pyarrow lies outside the
+    # interpreter's prefixes and outside site-packages, on any Python), and these rows are a pure function of
+    # the arguments anyway.
     return Dataset(table, fingerprint=f"bench-random-{rows}x{seq}-v{vocab}")
 
 

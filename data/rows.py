@@ -121,7 +121,10 @@ def tokenize_to_disk(tokenizer, convs: Iterable[dict], out: Path, scratch: Path,
         keep = [i for i, length in enumerate(lengths) if length > 0]
         if not keep:
             raise ValueError(f"no row has loss tokens after tokenization ({counts}); check --max-length and the data")
-        rows = rows.select(keep).remove_columns(TALLIES)
+        # The kept rows' index goes to a file, not memory: packing hands these rows to from_generator, which
+        # hashes them, and hashing an in-memory Arrow table fails where dill pickles pyarrow by value
+        # (pyarrow installed outside site-packages: "Can't pickle <class 'MonthDayNano'>").
+        rows = rows.select(keep, indices_cache_file_name=str(scratch / "kept.arrow")).remove_columns(TALLIES)
         counts.update({"conversations": n, "documents": len(keep), "tokens": int(sum(lengths)),
                        "loss_tokens": int(sum(rows["num_loss_tokens"]))})
         if pack:

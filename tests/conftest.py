@@ -97,3 +97,22 @@ def tiny_drafter_config(target, **kw):
                 num_taps=3, block_size=8, torch_dtype="float32")
     args.update(kw)
     return DFlashConfig.for_target(**args)
+
+
+@pytest.fixture
+def pyarrow_pickled_by_value(monkeypatch):
+    """``datasets`` hashing as on a node whose pyarrow lies outside the interpreter's prefixes and outside any
+    ``site-packages`` folder (``pip install --target``, a shared folder on ``PYTHONPATH``): dill then pickles the
+    pyarrow module by value, so hashing any in-memory Arrow table fails with "Can't pickle <class
+    'MonthDayNano'>", whatever the Python version. A hash failure that ``datasets`` would swallow (a random
+    fingerprint and a warning, so its cache and our resume would stop matching) fails the test as well."""
+    import datasets.fingerprint
+    import dill._dill
+    import pyarrow
+
+    builtin = dill._dill._is_builtin_module
+    monkeypatch.setattr(dill._dill, "_is_builtin_module", lambda module: module is not pyarrow and builtin(module))
+
+    def no_random_hash(*args, **kwargs):
+        raise AssertionError("datasets could not hash a transform or its arguments and fell back to a random hash")
+    monkeypatch.setattr(datasets.fingerprint, "generate_random_fingerprint", no_random_hash)

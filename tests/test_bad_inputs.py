@@ -3154,6 +3154,15 @@ def test_data_bench_keeps_its_stores_when_asked_and_says_where(tmp_path, monkeyp
     assert (kept / "bf16" / "index.json").is_file()
 
 
+def test_data_bench_rows_are_built_where_datasets_cannot_pickle_an_arrow_table(pyarrow_pickled_by_value):
+    """The bench's random rows carry a named fingerprint: hashing their in-memory table failed on a node whose
+    pyarrow dill pickles by value."""
+    from data.bench import random_data
+
+    rows = random_data(2, 8, 50)
+    assert len(rows) == 2 and rows._fingerprint == "bench-random-2x8-v50"
+
+
 # ------------------------------------------------------------------ 8. --dtypes
 def test_data_bench_unknown_store_dtype_is_refused_before_any_forward(capsys):
     with pytest.raises(SystemExit):

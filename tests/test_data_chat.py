@@ -139,6 +139,25 @@ def test_parallel_tokenization_gives_the_same_rows_and_scale_keys_exist(tmp_path
     assert cfg.data.regenerate_batch_size == 3 and cfg.data.rebuild
 
 
+@pytest.mark.filterwarnings("ignore::dill.PicklingWarning")  # the reproduced failure warns first
+def test_packing_works_where_datasets_cannot_pickle_an_arrow_table(tmp_path, pyarrow_pickled_by_value):
+    """Packing hands the tokenized rows to ``Dataset.from_generator``, which hashes its arguments: kept rows
+    whose index lay in memory made that hash pickle an Arrow table, which fails on such a node."""
+    import pickle
+
+    from datasets import Dataset, load_from_disk
+
+    from data.prepare import prepare
+    from models.tiny import save_tiny_target
+
+    with pytest.raises(pickle.PicklingError, match="MonthDayNano"):  # the node's failure, reproduced here
+        Dataset.from_dict({"input_ids": [[1, 2]]})
+    target = save_tiny_target(tmp_path / "target", "qwen3", num_layers=2)
+    prepare(str(target), str(FIX / "openai.jsonl"), tmp_path / "packed", max_length=160, pack=True,
+            progress=False, log=lambda *_: None)
+    assert len(load_from_disk(str(tmp_path / "packed"))) == 2
+
+
 def test_generated_ids_lose_the_trailing_end_of_turn_token():
     """vLLM keeps the stop token in its output ids; the trailer already holds it, so the answer's ids must drop it
     (kept, the ids no longer spell the answer and the generated ids are thrown away for a re-tokenization)."""
