@@ -3121,13 +3121,18 @@ def test_device_that_is_no_device_is_an_argparse_error(capsys, module, extra):
 
 
 # ------------------------------------------------------------------ 7. data.bench's feature stores
+def bench_stores(tmp: Path) -> list[Path]:
+    """The bench's store folders in the temp dir (torch may put its own caches there, e.g. inductor's)."""
+    return [p for p in tmp.iterdir() if p.name.startswith("dsbench-")]
+
+
 def test_data_bench_removes_its_stores(tmp_path, monkeypatch, capsys):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bench("data")(TOY_DATA)
     assert "extract" in capsys.readouterr().out
-    assert list(tmp_path.iterdir()) == []
+    assert bench_stores(tmp_path) == []
 
 
 def test_data_bench_removes_its_stores_on_an_error(tmp_path, monkeypatch):
@@ -3141,7 +3146,7 @@ def test_data_bench_removes_its_stores_on_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(data.store, "FeatureStore", broken)  # after the first store is written
     with pytest.raises(KeyboardInterrupt):
         bench("data")(TOY_DATA)
-    assert list(tmp_path.iterdir()) == []
+    assert bench_stores(tmp_path) == []
 
 
 def test_data_bench_keeps_its_stores_when_asked_and_says_where(tmp_path, monkeypatch, capsys):
@@ -3149,7 +3154,7 @@ def test_data_bench_keeps_its_stores_when_asked_and_says_where(tmp_path, monkeyp
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bench("data")([*TOY_DATA, "--keep-stores"])
-    (kept,) = tmp_path.iterdir()
+    (kept,) = bench_stores(tmp_path)
     assert f"feature stores kept in {kept}" in capsys.readouterr().err
     assert (kept / "bf16" / "index.json").is_file()
 
