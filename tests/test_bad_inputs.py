@@ -3415,6 +3415,22 @@ def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
             opener()
 
 
+def test_a_sidecar_whose_shard_was_cut_is_not_adopted(tmp_path, capsys):
+    """Another process's shard that no longer has the size its sidecar names is not taken into the index: the
+    store stays unfinished and that shard is computed again, instead of a finished store failing on read."""
+    from data.store import StoreWriter
+
+    out = tmp_path / "feats"
+    header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}
+    main = StoreWriter(out, header, [(0, 2), (2, 4)])
+    main.write_shard(0, _tiny_store_rows())
+    StoreWriter(out, header, [(0, 2), (2, 4)], main=False).write_shard(1, _tiny_store_rows())
+    shard = out / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert not main.finalise() and main.done(0) and not main.done(1)
+    assert "shard-00001.safetensors.json: damaged or does not match its shard" in capsys.readouterr().err
+
+
 def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_path):
     """The training split is a selection with a fingerprint of its own: the store records the folder's, so the
     folder's is what make_features compares before it compares rows (tests/test_train_modes.py)."""
