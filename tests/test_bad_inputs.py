@@ -2333,6 +2333,7 @@ def test_online_kl_top_k_larger_than_the_vocabulary():
     ("data.pack=maybe", "data.pack='maybe': expected true or false"),
     ("drafter.target_layer_ids=abc", "drafter.target_layer_ids="),
     ("train=3", "train is a section: give keys under it"),
+    ("train.lr=true", "train.lr=True: expected a number"),  # a boolean is no learning rate (True == 1.0)
 ])
 def test_values_of_the_wrong_type_are_refused(override, message):
     from train.config import load_config
@@ -2361,6 +2362,24 @@ def test_string_keys_keep_the_text_as_typed_and_bad_yaml_is_named(tmp_path):
         load_config([f"recipe={broken}"])
     with pytest.raises(ValueError, match=r"recipe given twice \(recipe=tiny and recipe=small\): keep one"):
         load_config(["recipe=tiny", "recipe=small"])
+
+
+def test_command_line_spellings_a_recipe_file_reads_alike(tmp_path):
+    """6e3 (a string to YAML 1.1) is a number for an integer key too; an empty value unsets a key; --resume is
+    resume=true; `mixed_precision: no` in a .yml recipe (YAML's False) means "no"; a word without `=` and a
+    missing .yml recipe are named, not ignored or looked up among the shipped recipes."""
+    from train.config import load_config
+
+    cfg = load_config(["recipe=tiny", "train.max_steps=6e3", "data.subset=", "--resume"])
+    assert (cfg.train.max_steps, cfg.data.subset, cfg.resume) == (6000, None, True)
+    mine = tmp_path / "mine.yml"
+    mine.write_text("train:\n  mixed_precision: no\n  grad_checkpointing: yes\n")
+    cfg = load_config([f"recipe={mine}"])
+    assert (cfg.train.mixed_precision, cfg.train.grad_checkpointing) == ("no", True)
+    with pytest.raises(ValueError, match="argument 'lr' is not key=value"):
+        load_config(["recipe=tiny", "lr"])
+    with pytest.raises(FileNotFoundError, match="recipe file .*gone.yml not found"):
+        load_config([f"recipe={tmp_path / 'gone.yml'}"])
 
 
 @pytest.mark.parametrize("value, message", [
