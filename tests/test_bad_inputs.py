@@ -77,6 +77,91 @@ def test_changed_settings_under_out_dir_data_are_refused_by_training(data_target
     assert "alpaca.jsonl" in warned[0] and "using it as it is" in warned[0]
 
 
+def test_a_named_folder_is_used_as_prepared_unless_rebuilt_and_an_empty_source_takes_it_as_it_is(data_target,
+                                                                                                  tmp_path):
+    """data.prepared=DIR: a thinking switch the recipe leaves unset is not checked when the rows load, so its
+    difference is warned about with the others; data.rebuild=true rebuilds the folder from the recipe; an
+    empty data.source trains on whatever folder is there."""
+    import json
+
+    from data.prepare import ensure_prepared
+
+    out = tmp_path / "named"
+    quiet = dict(progress=False, log=lambda *_: None)
+    ensure_prepared(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, thinking=True, **quiet)
+    warned = []
+    ensure_prepared(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, explicit=True, progress=False,
+                    log=warned.append)
+    assert len(warned) == 1 and "thinking: True -> None" in warned[0]
+    ensure_prepared(str(data_target), "", out, **quiet)  # no source: the folder there is the data
+    ensure_prepared(str(data_target), str(_DATA_FIX / "alpaca.jsonl"), out, explicit=True, rebuild=True, **quiet)
+    meta = json.loads((out / "draftsmith_data.json").read_text())
+    assert meta["source"].endswith("alpaca.jsonl") and meta["thinking"] is None
+
+
+def test_regenerate_none_is_no_regeneration_and_a_rerun_of_the_cli_rebuilds(data_target, tmp_path):
+    """"none" (the training key's off value) must not reach the regeneration step; python -m data.prepare run
+    again with the same settings rebuilds the folder (a damaged one too), while training re-uses it as it is.
+    A finished folder keeps no partial marker."""
+    from datasets import load_from_disk
+
+    from data.prepare import prepare
+    from data.reuse import PARTIAL_FILE
+
+    out = tmp_path / "data"
+    run = lambda **kw: prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), out, regenerate="none",
+                               progress=False, log=lambda *_: None, **kw)
+    first = run()
+    assert "regenerate" not in first and first["rows"] == len(load_from_disk(str(out))) > 0
+    assert not (out / PARTIAL_FILE).exists()
+    for shard in out.glob("data-*-of-*.arrow"):
+        shard.unlink()
+    assert run(reuse=True) == first and not list(out.glob("data-*.arrow"))  # training: taken as it is
+    assert run() == first and len(load_from_disk(str(out))) == first["rows"]  # the CLI: rebuilt
+
+
+def test_answers_regenerated_through_a_server_are_not_checked_against_the_training_target(tmp_path):
+    """A server records no fingerprint of the weights it served: such answers are taken for any target (only
+    answers regenerated in-process name the target, and its quantization, that made them)."""
+    from types import SimpleNamespace
+
+    from data.prepare import check_regenerated_by
+    from data.reuse import DataMismatch
+
+    target = SimpleNamespace(identity={"target": "t", "target_revision": None, "target_fingerprint": "f" * 16},
+                             quantization="none")
+    check_regenerated_by({"regenerated": True, "regenerate": "server"}, target, tmp_path)
+    with pytest.raises(DataMismatch, match="quantization mlx-4bit"):
+        check_regenerated_by({"regenerated": True, "regenerated_by_fingerprint": "f" * 16,
+                              "regenerated_by_quantization": "mlx-4bit"}, target, tmp_path)
+
+
+def test_local_regeneration_names_and_loads_the_target_training_holds(data_target, tmp_path, monkeypatch):
+    """The settings name the loaded target's own fingerprint and quantization (not the folder it was read
+    from); a target holding only its embedding and head (an offline run) is loaded whole to answer, in its
+    dtype and on its device."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from data.prepare import prepare, wanted_settings
+    from models.target import TargetModel
+
+    held = SimpleNamespace(identity={"target": "q", "target_revision": None, "target_fingerprint": "0123456789abcdef"},
+                           quantization="mlx-4bit-g32")
+    _, wanted = wanted_settings(str(data_target), "src", regenerate="local", thinking=None, max_length=None,
+                                pack=False, limit=None, split="train", subset=None, gen_kwargs={}, target_model=held)
+    assert wanted["answers_by"] == "0123456789abcdef (quantization mlx-4bit-g32)"
+    headless = TargetModel.borrowed_parts(data_target, dtype=torch.float32)
+    assert not headless.has_layers
+    loads, load = [], TargetModel.from_pretrained
+    monkeypatch.setattr(TargetModel, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: loads.append(kw) or load(path, **kw)))
+    stats = prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", regenerate="local",
+                    progress=False, log=lambda *_: None, gen_kwargs={"max_tokens": 4}, target_model=headless)
+    assert loads == [{"dtype": torch.float32, "device": headless.device}] and stats["regenerate"]["done"] == 3
+
+
 def test_a_moved_or_touched_source_is_recognised_by_content_and_an_edited_one_is_refused(data_target, tmp_path):
     """Size and mtime alone once refused a run folder moved elsewhere (the tiny recipe's source lives in it)."""
     import os
@@ -267,6 +352,8 @@ def test_a_max_length_below_one_is_refused_not_counted_from_the_end(data_target,
         tokenize_conversation(tiny_tokenizer("chatml"), chat, max_length=-5)
     with pytest.raises(ValueError, match="max length 0: use 1 or more tokens"):  # training's data.max_length too
         prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", max_length=0, progress=False)
+    with pytest.raises(ValueError, match="--pack needs --max-length"):  # no budget to pack rows up to
+        prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), tmp_path / "data", pack=True, progress=False)
     assert not (tmp_path / "data").exists()
 
 
@@ -551,6 +638,28 @@ def test_an_answer_cut_at_max_tokens_does_not_teach_ending_the_turn(data_target,
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     last = rows[-1]
     assert last.input_ids[-2] == eot and last.loss_mask[-2] == 0  # the trailer: <|im_end|> then a newline
+
+
+def test_regenerated_answers_keep_their_ids_without_finish_reasons_and_only_cut_ones_count_as_truncated(tmp_path):
+    """A row that records fewer finish reasons than answers (or none) still hands every answer its generated
+    ids; a row whose answers all stopped is not counted as truncated."""
+    import json
+    from collections import Counter
+
+    from data.prepare import regenerated_conversations
+    from data.readers import ReadStats
+
+    path = tmp_path / "regenerated.jsonl"
+    turn = lambda text, ids: [{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": text, "token_ids": ids}]
+    rows = [{"key": "a", "messages": turn("one", [7, 8]) + turn("two", [9]),
+             "regen": {"turns": 2, "tokens": 3, "finish_reasons": ["stop"]}},
+            {"key": "b", "messages": turn("three", [4]), "regen": {"turns": 1, "tokens": 1}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = Counter()
+    convs = list(regenerated_conversations(path, ["a", "b"], ReadStats(), answers))
+    assert [m.get("token_ids") for c in convs for m in c["messages"] if m["role"] == "assistant"] == [[7, 8], [9], [4]]
+    assert (answers["rows"], answers["truncated"], answers["turns"], answers["tokens_generated"]) == (2, 0, 3, 4)
 
 
 def test_standalone_regenerate_resumed_with_other_settings_is_refused_naming_each(tmp_path):
@@ -2352,6 +2461,7 @@ def test_online_kl_top_k_larger_than_the_vocabulary():
     ("data.pack=maybe", "data.pack='maybe': expected true or false"),
     ("drafter.target_layer_ids=abc", "drafter.target_layer_ids="),
     ("train=3", "train is a section: give keys under it"),
+    ("train.lr=true", "train.lr=True: expected a number"),  # a boolean is no learning rate (True == 1.0)
 ])
 def test_values_of_the_wrong_type_are_refused(override, message):
     from train.config import load_config
@@ -2380,6 +2490,24 @@ def test_string_keys_keep_the_text_as_typed_and_bad_yaml_is_named(tmp_path):
         load_config([f"recipe={broken}"])
     with pytest.raises(ValueError, match=r"recipe given twice \(recipe=tiny and recipe=small\): keep one"):
         load_config(["recipe=tiny", "recipe=small"])
+
+
+def test_command_line_spellings_a_recipe_file_reads_alike(tmp_path):
+    """6e3 (a string to YAML 1.1) is a number for an integer key too; an empty value unsets a key; --resume is
+    resume=true; `mixed_precision: no` in a .yml recipe (YAML's False) means "no"; a word without `=` and a
+    missing .yml recipe are named, not ignored or looked up among the shipped recipes."""
+    from train.config import load_config
+
+    cfg = load_config(["recipe=tiny", "train.max_steps=6e3", "data.subset=", "--resume"])
+    assert (cfg.train.max_steps, cfg.data.subset, cfg.resume) == (6000, None, True)
+    mine = tmp_path / "mine.yml"
+    mine.write_text("train:\n  mixed_precision: no\n  grad_checkpointing: yes\n")
+    cfg = load_config([f"recipe={mine}"])
+    assert (cfg.train.mixed_precision, cfg.train.grad_checkpointing) == ("no", True)
+    with pytest.raises(ValueError, match="argument 'lr' is not key=value"):
+        load_config(["recipe=tiny", "lr"])
+    with pytest.raises(FileNotFoundError, match="recipe file .*gone.yml not found"):
+        load_config([f"recipe={tmp_path / 'gone.yml'}"])
 
 
 @pytest.mark.parametrize("value, message", [
@@ -3523,6 +3651,22 @@ def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
         with pytest.raises(StoreCorrupt, match=f"{index}: damaged, not readable as JSON .*delete the folder {out} "
                                                "and re-run the same data.extract command"):
             opener()
+
+
+def test_a_sidecar_whose_shard_was_cut_is_not_adopted(tmp_path, capsys):
+    """Another process's shard that no longer has the size its sidecar names is not taken into the index: the
+    store stays unfinished and that shard is computed again, instead of a finished store failing on read."""
+    from data.store import StoreWriter
+
+    out = tmp_path / "feats"
+    header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}
+    main = StoreWriter(out, header, [(0, 2), (2, 4)])
+    main.write_shard(0, _tiny_store_rows())
+    StoreWriter(out, header, [(0, 2), (2, 4)], main=False).write_shard(1, _tiny_store_rows())
+    shard = out / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert not main.finalise() and main.done(0) and not main.done(1)
+    assert "shard-00001.safetensors.json: damaged or does not match its shard" in capsys.readouterr().err
 
 
 def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_path):

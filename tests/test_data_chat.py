@@ -276,6 +276,31 @@ def test_tokenization_processes_are_capped_at_8(monkeypatch):
     import data.rows
 
     monkeypatch.setattr(data.rows.os, "cpu_count", lambda: 64)
-    assert data.rows.auto_num_proc(19_999) is None and data.rows.auto_num_proc(50_000) == 8
+    assert data.rows.auto_num_proc(19_999) is None and data.rows.auto_num_proc(20_000) == 8  # one below 20k
+    assert data.rows.auto_num_proc(50_000) == 8
     monkeypatch.setattr(data.rows.os, "cpu_count", lambda: None)
     assert data.rows.auto_num_proc(50_000) == 1
+
+
+def test_each_conversation_adds_its_counters_in_a_tally_row():
+    """stats.json's truncated, dropped, template-error and re-tokenized counts come from one tally row per
+    conversation (no tokens: filtered out before saving)."""
+    from data.rows import TALLIES, tokenize_batch
+
+    tok = tiny_tokenizer("chatml")
+    prompt = tok.apply_chat_template(SINGLE[:2], add_generation_prompt=True, tokenize=False)
+    prompt_len = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    wrong_ids = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "hello", "token_ids": [5, 6]}]
+    empty = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yes"}]
+    batch = {"conversation": [json.dumps(c) for c in (SINGLE, SINGLE, wrong_ids, empty, short)]}
+    out = tokenize_batch(batch, tok, None, None)
+    assert {k: sum(out[k]) for k in TALLIES} == {"truncated": 0, "retokenized": 1, "dropped_no_loss": 0,
+                                                 "template_errors": 1}
+    out = tokenize_batch({"conversation": batch["conversation"][:2]}, tok, None, prompt_len + 3)
+    assert {k: sum(out[k]) for k in TALLIES} == {"truncated": 2, "retokenized": 0, "dropped_no_loss": 0,
+                                                 "template_errors": 0}
+    out = tokenize_batch({"conversation": batch["conversation"][:2]}, tok, None, prompt_len)
+    assert {k: sum(out[k]) for k in TALLIES} == {"truncated": 0, "retokenized": 0, "dropped_no_loss": 2,
+                                                 "template_errors": 0}
+    assert [n for n in out["num_tokens"]] == [0, 0]  # two tally rows, no training row

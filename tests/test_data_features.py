@@ -61,6 +61,12 @@ def test_offline_bf16_is_bitwise_the_online_provider(setup, data):
         on, off = online.get_batch(group), store.get_batch(group)
         assert on.features.dtype == off.features.dtype == torch.bfloat16
         assert on.features.shape[-1] == 3 * setup["target"].hidden_size
+        for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "lengths", "features", "topk_ids",
+                     "topk_logprobs"):  # torch.equal does not compare dtypes: the trainer sees the same types
+            assert getattr(on, name).dtype == getattr(off, name).dtype, name
+        on_row, off_row = online.row(group[0]), store.row(group[0])  # rows too (positions: collate widens them)
+        for name in ("input_ids", "loss_mask", "doc_ids", "features"):
+            assert getattr(on_row, name).dtype == getattr(off_row, name).dtype, name
         for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "lengths", "features", "topk_ids"):
             assert torch.equal(getattr(on, name), getattr(off, name)), name
         valid = on.doc_ids >= 0
@@ -90,6 +96,7 @@ def test_fp8_within_e4m3_bound_and_half_the_bytes(setup):
     worst = 0.0
     for i in range(len(bf)):
         x, y = bf.row(i).features, f8.row(i).features
+        assert x.dtype == y.dtype == torch.float32  # read in the dtype asked for, bf16 and fp8 stores alike
         _, scale = quantize_fp8(x, len(LAYERS))
         err = (x - y).abs()
         assert bool((err <= fp8_error_bound(x, scale)).all()), f"row {i}: fp8 error above the e4m3 bound"
@@ -282,6 +289,8 @@ def test_store_rows_outside_the_store_are_an_index_error(setup):
     for i in (-1, len(store)):
         with pytest.raises(IndexError, match=f"row {i} outside the store's {len(store)} rows"):
             store.row(i)
+    # the pad id the store recorded, unless the reader names one (0 included)
+    assert store.pad_id == 256 and FeatureStore(setup["stores"]["plain", "bf16"], pad_id=0).pad_id == 0
 
 
 def test_a_store_missing_only_its_last_shard_is_not_complete(setup, tmp_path):
@@ -337,3 +346,40 @@ def test_collate_pads_every_column_with_its_own_value():
     assert b.lengths.tolist() == [3, 1] and b.attention_mask[1].tolist() == [1, 0, 0]
     assert b.features[1, 1:].eq(0).all() and b.topk_ids[1, 1:].eq(0).all()
     assert b.topk_logprobs[1, 1:].eq(float("-inf")).all() and b.topk_logprobs[0].eq(0).all()
+
+
+def test_a_store_of_another_format_version_or_a_pre_quantized_shard_for_bf16_is_refused(tmp_path):
+    """A reader of version 1 must not read another version's shards as its own; fp8 values handed to a bf16
+    store would be written as features of another dtype than the index says."""
+    import json
+
+    from data.features import FeatureRow
+    from data.store import StoreWriter, read_index
+
+    out = tmp_path / "store"
+    header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 1}
+    w = StoreWriter(out, header, [(0, 1)])
+    row = FeatureRow(torch.arange(3), torch.ones(3, dtype=torch.int8), torch.zeros(3, dtype=torch.int32),
+                     torch.arange(3, dtype=torch.int32), torch.randn(3, 4))
+    with pytest.raises(ValueError, match="pre-quantized features given to a bf16 store"):
+        w.write_shard(0, [row], quantized=quantize_fp8(row.features, 1))
+    index = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**index, "version": 2}))
+    with pytest.raises(StoreError, match="format draftsmith-features v2, this reader reads draftsmith-features v1"):
+        read_index(out)
+
+
+def test_the_target_fingerprint_reads_the_end_of_each_weight_file(tmp_path):
+    """A fine-tune may differ only in the last tensors of a shard: the fingerprint hashes each weight file's
+    first and last MiB, so two folders alike but for their last byte are two targets."""
+    from data.store import target_identity
+
+    body = bytes(range(256)) * (3 << 12)  # 3 MiB: the end is outside the first MiB
+    prints = []
+    for last in (0, 1):
+        folder = tmp_path / f"t{last}"
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "qwen3"}')
+        (folder / "model.safetensors").write_bytes(body + bytes([last]))
+        prints.append(target_identity(str(folder))["target_fingerprint"])
+    assert prints[0] != prints[1]

@@ -195,6 +195,24 @@ def test_prepare_regenerates_through_the_server(server, target_dir, tmp_path):
     assert spans == answers  # the training rows hold the target's answers, not the data set's
 
 
+def test_prepare_with_one_failed_conversation_stops_and_keeps_the_answers(target, target_dir, tmp_path):
+    """One conversation the server failed is an error naming the count (a rerun retries it), never rows
+    prepared without it."""
+    from data.prepare import prepare
+    from data.regenerate import RegenerationError
+
+    srv, url = start_server(target, model_name="tiny", fail_first=1)
+    out = tmp_path / "prepared"
+    try:
+        with pytest.raises(RegenerationError, match="1 of 2 conversations failed to regenerate"):
+            prepare(str(target_dir), str(FIX / "sharegpt.jsonl"), out, regenerate=url, thinking=False,
+                    progress=False, log=lambda *_: None,
+                    gen_kwargs={"model": "tiny", "max_tokens": MAX_TOKENS, "retries": 0, "concurrency": 1})
+    finally:
+        srv.shutdown()
+    assert not (out / "draftsmith_data.json").exists() and len(read_rows(out / "regenerated.jsonl")) == 1
+
+
 def test_resume_is_keyed_on_conversation_content_not_row_number(target, tmp_path):
     make = lambda: LocalGenerator(target, max_tokens=MAX_TOKENS, thinking=False, batch_size=2)
     convs = conversations(3)
@@ -276,9 +294,10 @@ def test_vllm_engine_is_started_used_and_stopped(target_dir, tmp_path, monkeypat
     monkeypatch.setenv("DRAFTSMITH_ENGINE_COMMAND", "{python} -m data.serve --target {target} --host {host} "
                        "--port {port} --max-tokens-cap 8 --exit-after 300")
     log = tmp_path / "regenerate-server.log"
+    # a --model name meant for a running server is not asked of the engine started here: it serves the target
     stats = prepare(str(target_dir), str(FIX / "sharegpt.jsonl"), tmp_path / "prepared", regenerate="vllm",
-                    thinking=False, progress=False, server_log=log, gen_kwargs={"max_tokens": MAX_TOKENS},
-                    log=lambda *_: None)
+                    thinking=False, progress=False, server_log=log,
+                    gen_kwargs={"max_tokens": MAX_TOKENS, "model": "served-elsewhere"}, log=lambda *_: None)
     assert stats["regenerate"]["done"] == 2 and stats["regenerate"]["turns"] == 3
     url = re.search(r"serving .* at (http://127\.0\.0\.1:\d+/v1)", log.read_text()).group(1)
     with pytest.raises(OSError):  # stopped before prepare returned
