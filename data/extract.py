@@ -20,7 +20,7 @@ Data-parallel, on every GPU of every node sharing a filesystem (one process per 
 The shard plan is fixed in the index, so process ``r`` of ``w`` computes every ``w``-th of the
 shards still missing (``todo[r::w]``), each on its own GPU. Process 0 creates or resumes the index
 before the others start and writes the finished index after they all stop; the others only write
-their shards (and a sidecar entry per shard, see :class:`data.store.StoreWriter`). The store is
+their shards (and a sidecar entry per shard, see :class:`data.store_writer.StoreWriter`). The store is
 byte-identical to a one-process run; re-running the same command after a kill (of any rank, with
 any number of processes) computes only what is missing. A target too large for one GPU:
 ``--device-map auto`` (one process per node) spreads its layers over the node's GPUs, within
@@ -115,7 +115,8 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
     from data.chat import tokenizer_fingerprint
     from data.features import OnlineFeatures
     from data.prepare import load_prepared
-    from data.store import DTYPES, StoreWriter, target_identity
+    from data.store import DTYPES, target_identity
+    from data.store_writer import StoreWriter
     from models.config import ConfigError, default_layer_ids
     from models.target import TargetModel
 

@@ -3507,7 +3507,8 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
 def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tmp_path):
     """A crash in the first shard left index.json with the bad settings: the rerun was refused ("already holds a
     store with topk=-1 ... delete it"). A store with a shard on disk is still never mixed with other settings."""
-    from data.store import StoreMismatch, StoreWriter
+    from data.store import StoreMismatch
+    from data.store_writer import StoreWriter
 
     out = tmp_path / "feats"
     StoreWriter(out, {"topk": -1}, [(0, 1)])  # the failed run: its index, no shard
@@ -3629,7 +3630,8 @@ def _tiny_store_rows(n: int = 2):
 def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
     """A cut index.json gave "Unterminated string starting at: line 17 column 20" naming no file, and extraction
     could not repair it; a cut sidecar stopped the rerun the same way instead of computing its shard again."""
-    from data.store import FeatureStore, StoreCorrupt, StoreWriter
+    from data.store import FeatureStore, StoreCorrupt
+    from data.store_writer import StoreWriter
 
     out = tmp_path / "feats"
     header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}
@@ -3656,7 +3658,7 @@ def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
 def test_a_sidecar_whose_shard_was_cut_is_not_adopted(tmp_path, capsys):
     """Another process's shard that no longer has the size its sidecar names is not taken into the index: the
     store stays unfinished and that shard is computed again, instead of a finished store failing on read."""
-    from data.store import StoreWriter
+    from data.store_writer import StoreWriter
 
     out = tmp_path / "feats"
     header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}

@@ -354,7 +354,8 @@ def test_a_store_of_another_format_version_or_a_pre_quantized_shard_for_bf16_is_
     import json
 
     from data.features import FeatureRow
-    from data.store import StoreWriter, read_index
+    from data.store import read_index
+    from data.store_writer import StoreWriter
 
     out = tmp_path / "store"
     header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 1}

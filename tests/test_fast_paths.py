@@ -286,7 +286,8 @@ def test_direct_safetensors_writer_is_read_back_by_safetensors(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from data.store import sha256_file, write_safetensors
+    from data.store import sha256_file
+    from data.store_writer import write_safetensors
 
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(n, 6, generator=g).to(torch.bfloat16) for n in (3, 5, 1)]

@@ -70,7 +70,7 @@ def test_two_processes_extract_the_same_store_and_a_killed_rank_resumes(prepared
     share and the index, rank 1 dies right after its first shard, leaving only its sidecar. The
     2-process launch then computes what is missing, split between its ranks, and rank 0 finalises.
     """
-    from data import store
+    from data import store_writer
     from data.extract import Ranks, extract
     from data.store import FeatureStore
     from models.target import TargetModel
@@ -84,13 +84,13 @@ def test_two_processes_extract_the_same_store_and_a_killed_rank_resumes(prepared
     two = tmp_path / "two"
     rank0 = extract(target, prepared["data"], two, ranks=Ranks(0, 2), **kw)
     assert rank0.shards_written == (report.shards + 1) // 2 and rank0.complete is False
-    write = store.StoreWriter.write_shard
+    write = store_writer.StoreWriter.write_shard
 
     def write_then_die(self, k, rows):
         write(self, k, rows)
         raise Killed
 
-    monkeypatch.setattr(store.StoreWriter, "write_shard", write_then_die)
+    monkeypatch.setattr(store_writer.StoreWriter, "write_shard", write_then_die)
     with pytest.raises(Killed):
         extract(target, prepared["data"], two, ranks=Ranks(1, 2), **kw)
     monkeypatch.undo()
