@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from models.config import (ARCHITECTURE, MODELING_FILE, ConfigError, DFlashConfig, is_drafter_config, read_json_file,
-                           tokenizer_emitted_ids)
+from models.config import ARCHITECTURE, MODELING_FILE, ConfigError, DFlashConfig, is_drafter_config, read_json_file
+from models.mask_token import tokenizer_emitted_ids
 from models.weights import STRAY_KEY, weight_files
 
 # Top-level keys of the flat layout (docs/design.md, "config.json"; written by DFlashConfig.to_dict).

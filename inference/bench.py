@@ -40,7 +40,8 @@ def tiny_folders(arch: str, root: str) -> tuple[str, str]:
     """A tiny target and a random drafter saved as folders (speed plumbing only: tau ~ 1)."""
     import torch
 
-    from models.config import DFlashConfig, choose_mask_token, tokenizer_emitted_ids
+    from models.config import DFlashConfig
+    from models.mask_token import choose_mask_token, tokenizer_emitted_ids
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
     from models.tiny import save_tiny_target

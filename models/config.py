@@ -91,28 +91,6 @@ def describe_quantization(q: dict[str, Any] | None) -> str | None:
     return str(q.get("quant_method") or json.dumps(q, sort_keys=True))
 
 
-def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:
-    """First embedding row the tokenizer never emits (Qwen3: 151669)."""
-    emitted = set(int(i) for i in emitted_ids)
-    for row in range(embedding_rows):
-        if row not in emitted:
-            return row
-    raise ConfigError(
-        "mask_token_id", None,
-        f"every one of the target's {embedding_rows} embedding rows is a token the tokenizer emits, "
-        "so there is no spare row to use as the mask token",
-        "pass mask_token_id explicitly (a reserved special token the chat template never produces), "
-        "or resize the target embedding by one row",
-    )
-
-
-def tokenizer_emitted_ids(tokenizer) -> set[int]:
-    """Every id the tokenizer can produce: its vocabulary plus added/special tokens."""
-    ids = set(tokenizer.get_vocab().values())
-    ids.update(getattr(tokenizer, "all_special_ids", []) or [])
-    return ids
-
-
 # ----------------------------------------------------------------------------- target shape
 @dataclass
 class TargetShape:
@@ -268,7 +246,7 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError("mask_token_id", self.mask_token_id,
                               f"outside the target embedding (vocab_size={self.vocab_size})",
-                              "pick a spare embedding row with choose_mask_token()")
+                              "pick a spare embedding row (models.mask_token.choose_mask_token)")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError("layer_types", self.layer_types,
                               f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
@@ -310,7 +288,7 @@ class DFlashConfig:
         if emitted_ids is not None and self.mask_token_id in set(emitted_ids):
             raise ConfigError("mask_token_id", self.mask_token_id,
                               "is a token the target's tokenizer emits, so drafts would confuse it with real text",
-                              "pick a spare embedding row with choose_mask_token()")
+                              "pick a spare embedding row (models.mask_token.choose_mask_token)")
 
     # ------------------------------------------------------------------ writing
     def to_dict(self) -> dict[str, Any]:

@@ -14,10 +14,32 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from models.config import ConfigError, tokenizer_emitted_ids
+from models.config import ConfigError
 
 MASK_NAMES = ("<|mask|>", "<mask>", "[mask]", "<|mask_token|>", "<|fim_mask|>")
 RESERVED_NAME = re.compile(r"reserved|unused", re.IGNORECASE)
+
+
+def choose_mask_token(embedding_rows: int, emitted_ids: Iterable[int]) -> int:
+    """First embedding row the tokenizer never emits (Qwen3: 151669)."""
+    emitted = set(int(i) for i in emitted_ids)
+    for row in range(embedding_rows):
+        if row not in emitted:
+            return row
+    raise ConfigError(
+        "mask_token_id", None,
+        f"every one of the target's {embedding_rows} embedding rows is a token the tokenizer emits, "
+        "so there is no spare row to use as the mask token",
+        "pass mask_token_id explicitly (a reserved special token the chat template never produces), "
+        "or resize the target embedding by one row",
+    )
+
+
+def tokenizer_emitted_ids(tokenizer) -> set[int]:
+    """Every id the tokenizer can produce: its vocabulary plus added/special tokens."""
+    ids = set(tokenizer.get_vocab().values())
+    ids.update(getattr(tokenizer, "all_special_ids", []) or [])
+    return ids
 
 
 @dataclass

@@ -88,7 +88,8 @@ def tiny_targets():
 
 
 def tiny_drafter_config(target, **kw):
-    from models.config import DFlashConfig, choose_mask_token, tokenizer_emitted_ids
+    from models.config import DFlashConfig
+    from models.mask_token import choose_mask_token, tokenizer_emitted_ids
 
     args = dict(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=target.num_layers,
                 max_position_embeddings=target.max_position_embeddings,

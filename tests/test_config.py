@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from models.config import ConfigError, DFlashConfig, choose_mask_token, default_layer_ids, tokenizer_emitted_ids
+from models.config import ConfigError, DFlashConfig, default_layer_ids
+from models.mask_token import choose_mask_token, tokenizer_emitted_ids
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
