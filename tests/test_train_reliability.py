@@ -505,6 +505,75 @@ def test_a_checkpoint_clears_killed_saves_and_replaces_an_earlier_one_of_its_ste
     assert (final / "config.yaml").read_text() == "recipe: tiny\n" and (final / "drafter" / "config.json").is_file()
 
 
+class _TwoProcesses:
+    """Rank ``rank`` of two threads standing in for two processes: a real barrier, and accelerate's
+    ``save_state`` shape (every rank creates the folder, then writes its own RNG state file into it).
+
+    Rank 1 is the slow one: it writes its file only once rank 0 waits for it at a barrier after the
+    one that follows ``tmp.mkdir`` (or has gone on without waiting), the order a loaded node gives."""
+
+    def __init__(self, rank: int, barrier, rank0_waits):
+        self.rank, self.barrier, self.rank0_waits, self.calls = rank, barrier, rank0_waits, 0
+        self.is_main_process = rank == 0
+
+    def wait_for_everyone(self):
+        self.calls += 1
+        if self.rank == 0 and self.calls >= 2:
+            self.rank0_waits.set()
+        self.barrier.wait()
+
+    def get_state_dict(self, model):
+        return model.state_dict()
+
+    def unwrap_model(self, model):
+        return model
+
+    def save_state(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            (Path(path) / "model.safetensors").write_bytes(b"state")
+        else:
+            self.rank0_waits.wait(timeout=5)
+        (Path(path) / f"random_states_{self.rank}.pkl").write_bytes(b"rng")
+
+
+def test_the_main_process_renames_a_checkpoint_only_once_every_process_has_written_into_it(tmp_path):
+    """accelerate's save_state writes ``random_states_<rank>.pkl`` on every process with no barrier after:
+    a main process that renamed ``step_N.tmp`` as soon as its own files were written left a slower rank
+    writing into a folder that was gone ("Parent directory .../step_3.tmp/state does not exist", its
+    torchrun job failed after the training itself had finished), or into a re-created ``step_N.tmp``
+    while ``step_N`` lacked that rank's RNG state."""
+    import threading
+
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+    from train.checkpoint import save_checkpoint
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=4, torch_dtype="float32")
+    model = DFlashDraftModel(cfg)
+    barrier, rank0_waits, errors = threading.Barrier(2, timeout=20), threading.Event(), {}
+
+    def rank(r):
+        try:
+            save_checkpoint(_TwoProcesses(r, barrier, rank0_waits), model, tmp_path, 3, {"step": 3}, "x: 1\n", 2)
+        except Exception as e:  # noqa: BLE001 - reported below, by rank
+            errors[r] = e
+            barrier.abort()  # the other rank's barrier fails at once instead of waiting out its timeout
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_3"]  # no step_3.tmp re-created by the slow rank
+    assert sorted(p.name for p in (root / "step_3" / "state").iterdir()) == [
+        "model.safetensors", "random_states_0.pkl", "random_states_1.pkl"]
+
+
 def test_a_damaged_checkpoint_falls_back_to_the_newest_one_before_it(tmp_path):
     from train.checkpoint import _fallback
 

@@ -61,6 +61,10 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
     try:
         accelerator.save_state(str(tmp / "state"))
         save_drafter(accelerator, model, tmp / "drafter")
+        # save_state has every process write its own RNG state file, with no barrier after: a rename before
+        # the slowest process was done left it writing into a folder that was gone (its launch failed after
+        # the training had finished), or into a new step_N.tmp while step_N lacked its RNG state.
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "config.yaml").write_text(config_yaml)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
