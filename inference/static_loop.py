@@ -212,6 +212,22 @@ class StaticTarget:
         self._last_start, self._last_len = (start, T) if T <= self.block_size else (start + T - 1, 1)
 
 
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``attend`` for ``[1, Hq, T, d]`` queries over ``[1, Hkv, L, d]`` keys, without repeating K/V.
+
+    The query heads that share a K/V head go in as rows of one longer query (``[1, Hkv, rep*T, d]``,
+    row ``j*T + t`` = head ``g*rep + j`` at position ``t``), with the head-shared mask ``[1, 1, T, L]``
+    tiled to match: the same scores, without writing and reading ``rep`` copies of the whole cache.
+    """
+    b, hq, t, dim = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    if rep == 1:
+        return attend(q, k, v, mask)
+    out = attend(q.reshape(b, hkv, rep * t, dim), k, v, mask.expand(b, 1, t, -1).repeat(1, 1, rep, 1))
+    return out.reshape(b, hq, t, dim)
+
+
 class StaticDrafterProposer:
     """The drafter over a preallocated committed-context cache; its block pass is graphed on CUDA."""
 
@@ -267,14 +283,18 @@ class StaticDrafterProposer:
             a = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rope(a.q_norm(a._heads(a.q_proj(x), a.num_heads)), *rope_blk)
-            k_blk = apply_rope(a.k_norm(a._heads(a.k_proj(x), a.num_kv_heads)), *rope_blk)
-            v_blk = a._heads(a.v_proj(x), a.num_kv_heads)
-            self.keys[i].index_copy_(2, ctx_pos, apply_rope(a.k_norm(a._heads(a.k_proj(context), a.num_kv_heads)),
-                                                            *rope_ctx))
-            self.values[i].index_copy_(2, ctx_pos, a._heads(a.v_proj(context), a.num_kv_heads))
-            k = torch.cat([self.keys[i][:, :, :self.max_len], k_blk], dim=-2)
-            v = torch.cat([self.values[i][:, :, :self.max_len], v_blk], dim=-2)
-            h = h + a.o_proj(attend(q, k, v, mask).transpose(1, 2).reshape(1, B, -1))
+            # One K and one V projection over the new context and the block together: each weight is read
+            # once per pass (a pass is bound by weight reads), and the block's K/V go straight into the
+            # buffer's last B slots, so the attention reads the buffer as it is (no concatenated copy).
+            both = torch.cat([context, x], dim=1)
+            k = a.k_norm(a._heads(a.k_proj(both), a.num_kv_heads))
+            v = a._heads(a.v_proj(both), a.num_kv_heads)
+            self.keys[i].index_copy_(2, ctx_pos, apply_rope(k[:, :, :C], *rope_ctx))
+            self.values[i].index_copy_(2, ctx_pos, v[:, :, :C])
+            self.keys[i][:, :, self.max_len:].copy_(apply_rope(k[:, :, C:], *rope_blk))
+            self.values[i][:, :, self.max_len:].copy_(v[:, :, C:])
+            out = attend_grouped(q, self.keys[i], self.values[i], mask)
+            h = h + a.o_proj(out.transpose(1, 2).reshape(1, B, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return d.logits(d.norm(h)[:, 1:])[0].argmax(-1)
 

@@ -151,6 +151,23 @@ def test_static_loop_equals_eager_loop(tiny_targets, arch):
         new, start = feats[:, start:start + keep], start + keep
 
 
+def test_grouped_attention_of_the_static_draft_pass_equals_repeated_heads():
+    """Query heads packed per K/V head (no repeated cache) give what repeating K/V gives, per head and
+    position, with a mask that differs by query row."""
+    from inference.static_loop import attend_grouped
+    from models.drafter import attend
+
+    g = torch.Generator().manual_seed(0)
+    for hq, hkv in ((8, 2), (6, 3), (4, 4)):
+        q, k, v = (torch.randn(1, h, n, 16, generator=g) for h, n in ((hq, 5), (hkv, 11), (hkv, 11)))
+        mask = torch.rand(1, 1, 5, 11, generator=g) > 0.4
+        mask[..., 0] = True  # every row sees at least one key
+        torch.testing.assert_close(attend_grouped(q, k, v, mask), attend(q, k, v, mask), rtol=1e-6, atol=1e-6)
+        broadcast = mask[:, :, :1].expand(1, 1, 5, 11)  # the static pass's mask: one row for all queries
+        torch.testing.assert_close(attend_grouped(q, k, v, broadcast), attend(q, k, v, broadcast), rtol=1e-6,
+                                   atol=1e-6)
+
+
 def test_static_baseline_counts_the_eos_step_as_emitting_nothing(tiny_targets):
     """The static baseline's steps count as the eager one's: 1 per token, 0 for the step that produced the EOS."""
     from inference.static_loop import StaticTarget, static_target_generate
