@@ -26,14 +26,17 @@ Supported targets: Qwen3 (dense/MoE), Llama 3.x, Qwen3.5 / 3.6 (hybrid, dense/Mo
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from inference.torch_loop import Clock, check_draft_cache, draft_block, sample
-from models.drafter import DFlashDraftModel, apply_rope, attend, rope_cos_sin
+from models.drafter import DFlashDraftModel, apply_rope, rope_cos_sin
 from models.target import TargetModel, allow_recompiles
 
 
@@ -124,6 +127,11 @@ class StaticTarget:
         self._last_start, self._last_len = -1, 1  # the last pass's recorded states: positions start .. start+len-1
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
         self._additive_mask = getattr(target.model.config, "_attn_implementation", "sdpa") == "eager"
+        # The 1-token and B-token passes attend over the whole buffer with a mask, so HF's SDPA would write
+        # and read `heads / kv_heads` copies of every layer's K/V per pass (a cost that grows with the
+        # context); they run attend_grouped instead. The prefill keeps HF's: its query is long.
+        self._attn_configs = list({id(la.self_attn.config): la.self_attn.config for la in target.layers
+                                   if hasattr(la, "self_attn")}.values())
         self._start = torch.zeros(1, dtype=torch.long, device=dev)
         self._key_pos = torch.arange(max_len, device=dev)
         self._ids = {t: torch.zeros(1, t, dtype=torch.long, device=dev) for t in {1, block_size}}
@@ -153,8 +161,16 @@ class StaticTarget:
         if self._additive_mask:  # HF's eager attention adds its mask to the scores
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill(~mask, torch.finfo(h.dtype).min)
         rope = self.target.rope(h, pos)
-        taps, captured = set(self.layer_ids), {}
+        captured = {}
         prefill = self.target.new_cache() if self.gdn and T > self.block_size else None  # a long prompt
+        grouped = None if self._additive_mask or T > self.block_size else GROUPED_SDPA
+        with attention_implementation(self._attn_configs, grouped):
+            h = self._layers(h, mask, pos, rope, layers, steps, prefill, captured)
+        logits = self.target.lm_head(self.target.decoder.norm(h))
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), logits
+
+    def _layers(self, h, mask, pos, rope, layers, steps, prefill, captured: dict) -> torch.Tensor:
+        taps = set(self.layer_ids)
         for i, layer in enumerate(layers or self.target.layers):
             if i in self.gdn:  # the decoder layer's own order: mixer, then MLP, each with its residual
                 base = self.target.layers[i]
@@ -170,8 +186,7 @@ class StaticTarget:
             h = h[0] if isinstance(h, tuple) else h
             if i in taps:
                 captured[i] = h
-        logits = self.target.lm_head(dec.norm(h))
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), logits
+        return h
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,20 +227,46 @@ class StaticTarget:
         self._last_start, self._last_len = (start, T) if T <= self.block_size else (start + T - 1, 1)
 
 
-def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``attend`` for ``[1, Hq, T, d]`` queries over ``[1, Hkv, L, d]`` keys, without repeating K/V.
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None = None) -> torch.Tensor:
+    """SDPA of ``[1, Hq, T, d]`` queries over ``[1, Hkv, L, d]`` keys, without repeating K/V.
 
     The query heads that share a K/V head go in as rows of one longer query (``[1, Hkv, rep*T, d]``,
     row ``j*T + t`` = head ``g*rep + j`` at position ``t``), with the head-shared mask ``[1, 1, T, L]``
-    tiled to match: the same scores, without writing and reading ``rep`` copies of the whole cache.
+    tiled to match: the same scores, without writing and reading ``rep`` copies of the whole cache
+    (HF repeats K/V whenever there is a mask, which the static passes always have).
     """
     b, hq, t, dim = q.shape
     hkv = k.shape[1]
     rep = hq // hkv
-    if rep == 1:
-        return attend(q, k, v, mask)
-    out = attend(q.reshape(b, hkv, rep * t, dim), k, v, mask.expand(b, 1, t, -1).repeat(1, 1, rep, 1))
-    return out.reshape(b, hq, t, dim)
+    if rep > 1:
+        q = q.reshape(b, hkv, rep * t, dim)
+        mask = None if mask is None else mask.expand(b, 1, t, -1).repeat(1, 1, rep, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(b, hq, t, dim)
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The target's attention in the fixed-shape static passes (an HF attention function): ``attend_grouped``
+    over the whole K/V buffer, returned as HF's SDPA returns it (``[b, T, heads, d]``)."""
+    return attend_grouped(query, key, value, attention_mask, scale=scaling).transpose(1, 2).contiguous(), None
+
+
+GROUPED_SDPA = "draftsmith_grouped_sdpa"
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+
+
+@contextmanager
+def attention_implementation(configs: list, name: str | None):
+    """The attention layers of ``configs`` dispatch to ``name`` inside the block (unchanged for ``None``)."""
+    saved = [c._attn_implementation for c in configs]
+    try:
+        if name is not None:
+            for c in configs:
+                c._attn_implementation = name
+        yield
+    finally:
+        for c, before in zip(configs, saved):
+            c._attn_implementation = before
 
 
 class StaticDrafterProposer:

@@ -168,6 +168,29 @@ def test_grouped_attention_of_the_static_draft_pass_equals_repeated_heads():
                                    atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_static_target_passes_attend_grouped_and_leave_the_attention_setting_as_it_was(tiny_targets, arch,
+                                                                                     monkeypatch):
+    """The 1-token and B-token passes run the grouped attention (no repeated K/V), the prefill HF's own,
+    and the target's attention setting is its own again after every pass (the eager loop shares it)."""
+    from inference import static_loop
+    from inference.static_loop import StaticTarget, static_target_generate
+
+    target = tiny_targets(arch)
+    lengths = []
+    real = static_loop.attend_grouped
+    monkeypatch.setattr(static_loop, "attend_grouped",
+                        lambda q, *a, **k: lengths.append(q.shape[2]) or real(q, *a, **k))
+    st = StaticTarget(target, [1], max_len=len(PROMPT) + 8 + 2 * B, block_size=B)
+    assert st._attn_configs
+    static_target_generate(st, PROMPT, 4, eos_token_ids=[])
+    st.forward(torch.tensor([PROMPT[:B]]), len(PROMPT) + 3)  # after the decode steps at +0, +1, +2
+    full = sum(kind == "full_attention" for kind in target.layer_types)
+    assert lengths == [1] * (3 * full) + [B] * full  # 3 decode steps, then one verify; the prompt not
+    assert {c._attn_implementation for c in st._attn_configs} == {"sdpa"}
+    assert target.model.config._attn_implementation == "sdpa"
+
+
 def test_static_baseline_counts_the_eos_step_as_emitting_nothing(tiny_targets):
     """The static baseline's steps count as the eager one's: 1 per token, 0 for the step that produced the EOS."""
     from inference.static_loop import StaticTarget, static_target_generate
