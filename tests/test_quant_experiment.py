@@ -66,6 +66,7 @@ def test_a_cached_drafter_trained_on_data_of_older_labelling_rules_is_trained_ag
     import json
 
     import train.distill
+    from train.ablate import code_key
     from train.quant_experiment import train_drafter
 
     calls, said = [], []
@@ -79,11 +80,66 @@ def test_a_cached_drafter_trained_on_data_of_older_labelling_rules_is_trained_ag
     meta = run / "data" / "draftsmith_data.json"
     budget = {"train": {"train.epochs": 3}}
     meta.write_text(json.dumps({"label_rules": 2}))
+    (run / "trained_by.json").write_text(json.dumps({"code_key": code_key()}))
     assert train_drafter(run, tmp_path / "t", "none", budget, 0, said.append) == run / "final" / "drafter"
     assert calls == [] and said == []  # current rules: reused as it is
     meta.write_text(json.dumps({"limit": 8}))  # prepared before the rules' version was recorded: version 1
     train_drafter(run, tmp_path / "t", "none", budget, 0, said.append)
     assert len(calls) == 1 and "data.rebuild=True" in calls[0] and "resume=True" in calls[0]
     assert "labelled by rules version 1 (now 2)" in said[0]
-    assert sorted(p.name for p in run.iterdir()) == ["data"]  # no checkpoint of the old labels to resume from
+    # no checkpoint of the old labels to resume from (trained_by.json: the new training's stamp)
+    assert sorted(p.name for p in run.iterdir()) == ["data", "trained_by.json"]
     assert (run / "data" / "regenerated.jsonl").is_file()
+
+
+def test_a_cached_drafter_trained_by_other_code_is_named_and_trained_again_on_request(monkeypatch, tmp_path):
+    """Cached drafters were reused whatever code had trained them: a report then mixed two versions
+    silently. Now each run records its code key; another (or none) gets a warning and the report and
+    table say so, and --rerun-other-code trains it again from the start (its prepared answers kept)."""
+    import json
+
+    import train.distill
+    from train.ablate import code_key
+    from train.quant_experiment import drafter_code_key, main, table, train_drafter
+
+    calls, said = [], []
+    run = tmp_path / "drafter-mlx-3bit-e3-s0"
+
+    def distill(argv):  # a training that finishes: its final drafter is there afterwards
+        calls.append(argv)
+        (run / "final" / "drafter").mkdir(parents=True, exist_ok=True)
+        (run / "final" / "drafter" / "config.json").write_text("{}")
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    distill([])
+    calls.clear()
+    (run / "data").mkdir()
+    (run / "data" / "draftsmith_data.json").write_text(json.dumps({"label_rules": 2}))
+    budget = {"train": {"train.epochs": 3}}
+    train_drafter(run, tmp_path / "t", "none", budget, 0, said.append)
+    assert calls == [] and "an earlier version that did not record its code" in said[-1]
+    (run / "trained_by.json").write_text(json.dumps({"code_key": "0123456789abcdef"}))
+    assert train_drafter(run, tmp_path / "t", "none", budget, 0, said.append) == run / "final" / "drafter"
+    assert calls == [] and "other code (0123456789abcdef)" in said[-1] and "--rerun-other-code" in said[-1]
+    assert drafter_code_key(run) == "0123456789abcdef"
+
+    train_drafter(run, tmp_path / "t", "none", budget, 0, said.append, rerun_other_code=True)
+    assert len(calls) == 1 and "training it again from the start" in said[-2]
+    assert sorted(p.name for p in run.iterdir()) == ["data", "final", "trained_by.json"]
+    assert drafter_code_key(run) == code_key()  # stamped by the new training
+    train_drafter(run, tmp_path / "t", "none", budget, 0, said.append, rerun_other_code=True)
+    assert len(calls) == 1  # this code's drafter is only reused
+
+    four = ("unquantized_drafter_on_quantized", "quantized_drafter_on_quantized", "unquantized_drafter_on_unquantized",
+            "quantized_drafter_on_unquantized")
+    report = {"bits": 3, "sweep": {"3bit": {"tau": 2.0, "loss": 0.0}}, "code_key": code_key(),
+              "four_tau": dict.fromkeys(four, {"tau": 2.0}),
+              "drafters_trained_by": {"unquantized": code_key(), "quantized": "0123456789abcdef"}}
+    assert "the quantized drafter was trained by other code" in table(report)
+    report["drafters_trained_by"]["quantized"] = code_key()
+    assert "other code" not in table(report)
+
+    seen = {}
+    monkeypatch.setattr("train.quant_experiment.run", lambda *a, **k: seen.update(k))
+    main(["--out", str(tmp_path / "x"), "--budget", "smoke", "--rerun-other-code"])
+    assert seen["rerun_other_code"] is True

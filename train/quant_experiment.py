@@ -86,16 +86,29 @@ def measure_tau(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], m
             "tau_per_prompt_mean": round(sum(per_prompt) / len(per_prompt), 4)}
 
 
-def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: dict, seed: int, log) -> Path:
+def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: dict, seed: int, log,
+                  rerun_other_code: bool = False) -> Path:
     """A drafter trained with ``train/distill.py`` (cached: an existing final drafter is reused, an interrupted
     training resumed), unless its data was labelled by an older draftsmith: then it is trained again from the
-    start on the same answers, relabelled."""
+    start on the same answers, relabelled. A cached drafter trained by other code (``trained_by.json``
+    records the ``train.ablate.code_key``) is reused with a warning, or trained again with ``rerun_other_code``."""
+    from train.ablate import code_key
+
     final = out_dir / "final" / "drafter"
     stale = stale_labels(out_dir / "data")
     if (final / "config.json").is_file() and not stale:
-        return final
+        trained_by = drafter_code_key(out_dir)
+        if trained_by == code_key():
+            return final
+        if not rerun_other_code:
+            by = f"other code ({trained_by})" if trained_by else "an earlier version that did not record its code"
+            log(f"warning: {final} was trained by {by}, not this checkout ({code_key()}): it is reused as it is; "
+                "pass --rerun-other-code to train it again")
+            return final
+        stale = f"trained by other code ({trained_by or 'unrecorded'}, now {code_key()})"
     if stale:
-        log(f"{out_dir} was trained on data {stale}: training it again from the start on its answers, relabelled")
+        log(f"{out_dir} was trained on data {stale}: training it again from the start on its answers, relabelled"
+            if stale.startswith("labelled") else f"{out_dir} was {stale}: training it again from the start")
         for path in out_dir.iterdir():  # the run's own folder: all but the prepared data (its answers) goes
             if path.name != "data":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -107,7 +120,19 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
                  "logging.progress": False, "resume": True}  # an interrupted training goes on (none: from scratch)
     log(f"training drafter against {quantization if quantization != 'none' else 'the unquantized target'} -> {out_dir}")
     distill(["recipe=tiny"] + [f"{k}={v}" for k, v in overrides.items()])
+    (out_dir / TRAINED_BY).write_text(json.dumps({"code_key": code_key()}) + "\n")
     return final
+
+
+TRAINED_BY = "trained_by.json"
+
+
+def drafter_code_key(out_dir: Path) -> str | None:
+    """The code key a cached drafter run was trained by (None: not recorded)."""
+    try:
+        return json.loads((out_dir / TRAINED_BY).read_text()).get("code_key")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def stale_labels(data: Path) -> str | None:
@@ -130,8 +155,9 @@ def pick_bits(sweep: dict[int, float], reference: float, threshold: float) -> in
 
 def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 4, 3), group_size: int = 64,
         bits: int | None = None, loss_threshold: float = 0.1, seed: int = 0, corpus: str | None = None,
-        target_dir: str | None = None, log=print, epochs: int | None = None) -> dict:
+        target_dir: str | None = None, log=print, epochs: int | None = None, rerun_other_code: bool = False) -> dict:
     from models.quant import quantize_to_mlx
+    from train.ablate import code_key
     from train.small_target import build_small_target, degenerate
 
     budget = BUDGETS[budget_name]
@@ -157,7 +183,8 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
     tau = lambda t, d: measure_tau(t, d, prompts, budget["max_new_tokens"])  # noqa: E731
 
     runs = f"e{budget['train']['train.epochs']}-s{seed}"  # a cached drafter is reused only at the same budget
-    drafter_a = train_drafter(out / f"drafter-unquantized-{runs}", target, "none", budget, seed, log)
+    dir_a, dir_b = out / f"drafter-unquantized-{runs}", None
+    drafter_a = train_drafter(dir_a, target, "none", budget, seed, log, rerun_other_code)
     a_bf16 = tau(target, drafter_a)
     sweep = {b: tau(quantized[b], drafter_a) for b in sweep_bits}
     for b, r in sweep.items():
@@ -165,7 +192,8 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
             f"(unquantized {a_bf16['tau']:.3f}, loss {100 * (1 - r['tau'] / a_bf16['tau']):.1f}%)")
     chosen = bits or pick_bits({b: r["tau"] for b, r in sweep.items()}, a_bf16["tau"], loss_threshold)
     q_dir = quantized[chosen]
-    drafter_b = train_drafter(out / f"drafter-mlx-{chosen}bit-{runs}", target, f"mlx:{q_dir}", budget, seed, log)
+    dir_b = out / f"drafter-mlx-{chosen}bit-{runs}"
+    drafter_b = train_drafter(dir_b, target, f"mlx:{q_dir}", budget, seed, log, rerun_other_code)
     a_q = sweep[chosen] if chosen in sweep else tau(q_dir, drafter_a)
     b_q, b_bf16 = tau(q_dir, drafter_b), tau(target, drafter_b)
     report = {
@@ -178,6 +206,9 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
                      "unquantized_drafter_on_unquantized": a_bf16, "quantized_drafter_on_unquantized": b_bf16},
         "tau_definition": "pooled over verify cycles (committed tokens / cycles, bonus included); "
                           "tau_per_prompt_mean = mean of per-prompt taus",
+        # the drafters' training code beside the code that measured them: a cached drafter may predate it
+        "code_key": code_key(),
+        "drafters_trained_by": {"unquantized": drafter_code_key(dir_a), "quantized": drafter_code_key(dir_b)},
     }
     report["recovered"] = round(b_q["tau"] - a_q["tau"], 4)
     (out / f"report-{chosen}bit-{runs}.json").write_text(json.dumps(report, indent=2))
@@ -194,7 +225,10 @@ def table(report: dict) -> str:
             f"| {b}-bit target | {f['quantized_drafter_on_quantized']['tau']:.3f} | "
             f"{f['quantized_drafter_on_unquantized']['tau']:.3f} |"]
     sweep = ", ".join(f"{k}: {v['tau']:.3f} ({100 * v['loss']:.1f}% loss)" for k, v in report["sweep"].items())
-    return "\n".join(rows) + f"\nsweep (drafter trained on the unquantized target): {sweep}"
+    other = [k for k, v in report.get("drafters_trained_by", {}).items() if v != report.get("code_key")]
+    note = (f"\n(the {' and '.join(other)} drafter{'s were' if len(other) > 1 else ' was'} trained by other code "
+            "than measured them: --rerun-other-code trains again)" if other else "")
+    return "\n".join(rows) + f"\nsweep (drafter trained on the unquantized target): {sweep}" + note
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -212,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--corpus", default=None, help="folder of .py files the small target learns (default: the stdlib)")
     p.add_argument("--target", default=None, help="use this small-target folder instead of building one")
     p.add_argument("--epochs", type=int, default=None, help="drafter training epochs (default: the budget's)")
+    p.add_argument("--rerun-other-code", action="store_true",
+                   help="train a cached drafter again when another version of the code trained it (default: reuse "
+                        "it with a warning; the report records each drafter's code key)")
     a = p.parse_args(argv)
     if a.epochs is not None:
         if a.epochs < 1:
@@ -223,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     for b in a.sweep + ([a.bits] if a.bits else []):
         check_bits_group(b, a.group_size, what="--sweep/--bits")
     return run(Path(a.out), a.budget, tuple(a.sweep), a.group_size, a.bits, a.loss_threshold, a.seed, a.corpus,
-               a.target, epochs=a.epochs)
+               a.target, epochs=a.epochs, rerun_other_code=a.rerun_other_code)
 
 
 if __name__ == "__main__":
