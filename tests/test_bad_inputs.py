@@ -1912,6 +1912,18 @@ def test_a_checkpoints_state_folder_as_drafter_names_the_drafter_beside_it(tmp_p
         DFlashDraftModel.from_pretrained(step / "state")
 
 
+def test_a_list_override_with_an_empty_item_is_refused():
+    """drafter.target_layer_ids=1,,17 was read as [1, 17]: a value left out (1,9,17 meant) trained a drafter
+    on two taps instead of a clear error. A whole empty value is still the empty list."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    for bad in ("1,,17", "1,9,", "1, ,9"):  # (",1,9" is not YAML: refused before, as such)
+        with pytest.raises(ConfigValueError, match="an empty item in the list.*separated by single commas"):
+            load_config(["recipe=tiny", f"drafter.target_layer_ids={bad}"])
+    assert load_config(["recipe=tiny", "drafter.target_layer_ids=1, 3,5"]).drafter.target_layer_ids == [1, 3, 5]
+
+
 def test_an_optional_override_of_the_wrong_kind_says_what_it_takes():
     """data.thinking=maybe said "expected bool | None" (a Python type, not a value one can write)."""
     from train.config import load_config

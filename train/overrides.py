@@ -30,6 +30,10 @@ class ConfigValueError(UserError, TypeError):
     """A config value of the wrong type (``train.lr=fast``); a TypeError for callers that catch one."""
 
 
+class _MalformedValue(ConfigValueError):
+    """A value no type of a union could read as written (``1,,17``): its own message, not the union's."""
+
+
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -116,6 +120,8 @@ def _coerce(value: Any, tp: Any, key: str, root) -> Any:
                 continue
             try:
                 return _coerce(value, a, key, root)
+            except _MalformedValue:
+                raise
             except (TypeError, ValueError):
                 pass  # try the union's next type; none fits -> one error naming the whole union
         raise ConfigValueError(f"{key}={value!r}: expected {' or '.join(_kind(a) for a in args)}")
@@ -125,7 +131,14 @@ def _coerce(value: Any, tp: Any, key: str, root) -> Any:
         return build(tp, value, root, key + ".")
     if origin is list:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            if value.strip().startswith("["):
+                value = yaml.safe_load(value)
+            else:
+                items = value.split(",") if value.strip() else []
+                if any(not v.strip() for v in items):  # "1,,2": a value left out, not a list of two
+                    raise _MalformedValue(f"{key}={value!r}: an empty item in the list; give the values "
+                                           "separated by single commas (e.g. 1,9,17)")
+                value = [v.strip() for v in items]
         if not isinstance(value, (list, tuple)):
             raise ConfigValueError(f"{key}={value!r}: expected a list")
         return [_coerce(v, args[0], key, root) for v in value] if args else list(value)
