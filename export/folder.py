@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from models.config import ARCHITECTURE
+from models.provenance import refuse_training_output
 
 
 def _is_export(folder: Path) -> bool:
@@ -35,6 +36,7 @@ def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
         raise FileExistsError(f"--out {out} is a file: pass a folder path")
     if source is not None and out.resolve() == source.resolve():
         raise ValueError(f"--out {out} is the folder being exported: pass a new folder")
+    refuse_training_output(out, "export", "export")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"--out {out} exists and is not empty: pass a new folder, or --overwrite to "

@@ -71,6 +71,7 @@ from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 from models.config import describe_quantization
+from models.provenance import refuse_training_output
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if Path(args.out).exists() and not Path(args.out).is_dir():  # found before any model loads
         p.error(f"--out {args.out} is a file: give a folder for the report (created if missing)")
+    try:  # a report inside a run's final/ went with the next save of the final drafter
+        refuse_training_output(args.out, "report", "validate")
+    except ValueError as e:
+        p.error(str(e))
     if args.compare:
         if len(args.compare) < 2:
             p.error("--compare needs at least two report.json files")

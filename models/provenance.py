@@ -20,6 +20,33 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 FINAL_STATE = "trained.json"  # in final/: {"step": N}, the optimizer steps of final/drafter
 
 
+def replaced_by_training(path: str | Path) -> Path | None:
+    """The part of a training run folder that ``path`` lies in and training replaces whole, or None:
+    ``final/`` (rewritten by every save of the final drafter: a resumed or repeated run) or a
+    ``checkpoints/step_<N>/`` (removed when newer ones pass ``checkpoint.keep_last``). A report or an
+    export written there would be lost without a word; the tools that write one refuse such an ``--out``."""
+    p = Path(path).absolute()
+    for part in (p, *p.parents):
+        if part.name == "final" and (part / FINAL_STATE).is_file():
+            return part
+        if STEP_DIR.match(part.name) and part.parent.name == "checkpoints":
+            return part
+    return None
+
+
+def refuse_training_output(out: str | Path, what: str, beside: str) -> None:
+    """``ValueError`` when ``out`` lies where training replaces files (``replaced_by_training``);
+    ``what``: what would be written there, ``beside``: a folder name to suggest next to the run."""
+    part = replaced_by_training(out)
+    if part is None:
+        return
+    run = part.parent if part.name == "final" else part.parent.parent
+    why = ("every save of the final drafter (a resumed or repeated run) replaces it whole" if part.name == "final"
+           else "newer checkpoints remove it")
+    raise ValueError(f"--out {out} is inside the training output {part}: {why}, and the {what} would go with it. "
+                     f"Write it beside the run instead, e.g. --out {run / beside}")
+
+
 def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = Path(out_dir) / "checkpoints"

@@ -1457,6 +1457,38 @@ def test_a_second_validate_into_the_same_out_sets_the_first_report_aside(infer_d
     assert len(main(["--compare", str(out / "report.json.old"), str(out), "--out", str(tmp_path / "cmp")])["rows"])
 
 
+def test_a_report_or_export_inside_what_training_replaces_is_refused(tmp_path, capsys):
+    """validate --out runs/X/final/val (or an export there) was written, then the next save of the final drafter
+    (a resumed or repeated run) replaced final/ whole and the report went with it; inside checkpoints/step_N the
+    next rotation removed it. Refused before any work, with a folder beside the run to use."""
+    from export.folder import check_out
+    from inference.validate import parse_args
+    from train.config import load_config
+
+    run = tmp_path / "run"
+    (run / "final" / "drafter").mkdir(parents=True)
+    (run / "final" / "trained.json").write_text('{"step": 8}')
+    (run / "checkpoints" / "step_8").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t", "--draft", "d", "--out", str(run / "final" / "val")])
+    err = capsys.readouterr().err
+    assert f"inside the training output {run / 'final'}" in err and f"--out {run / 'validate'}" in err
+    with pytest.raises(SystemExit):
+        parse_args(["--compare", "a.json", "b.json", "--out", str(run / "checkpoints" / "step_8" / "cmp")])
+    assert "newer checkpoints remove it" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"would go with it.*--out {run / 'export'}"):
+        check_out(run / "final" / "hf", overwrite=False, source=run / "final" / "drafter")
+    check_out(run / "export" / "hf", overwrite=False)  # beside the run: fine
+    check_out(tmp_path / "final" / "hf", overwrite=False)  # a folder named final that no training wrote: fine
+    parse_args(["--target", "t", "--draft", "d", "--out", str(run / "validate")])
+
+    with pytest.raises(ValueError, match="export.dir=.* is inside .*final, which training replaces whole"):
+        load_config(["recipe=tiny", f"out_dir={run}", "export.hf=true", f"export.dir={run / 'final' / 'exp'}"])
+    with pytest.raises(ValueError, match="export.dir=.* is inside .*checkpoints"):
+        load_config(["recipe=tiny", f"out_dir={run}", "export.mlx=true", f"export.dir={run / 'checkpoints'}"])
+    assert load_config(["recipe=tiny", f"out_dir={run}", "export.hf=true", f"export.dir={run / 'exp'}"]).export.hf
+
+
 def test_unknown_dtype(infer_dirs):
     for run in (_generate, _validate):
         extra = ("--prompt-ids", "1") if run is _generate else ()

@@ -264,6 +264,13 @@ class RunConfig:
             raise ValueError(f"train.betas={self.train.betas} must be two numbers in [0, 1), e.g. [0.9,0.95]")
         self._check_counts()
         _ = self.gamma
+        if self.export.dir and (self.export.hf or self.export.mlx):
+            run, out = self.resolved_out_dir().absolute(), Path(self.export.dir).absolute()
+            for part in (run / "final", run / "checkpoints"):  # replaced whole by this run's later saves
+                if out == part or part in out.parents:
+                    raise ValueError(f"export.dir={self.export.dir} is inside {part}, which training replaces "
+                                     f"whole: the exports would be lost. Unset it ({run / 'export'}) or give a "
+                                     "folder outside final/ and checkpoints/")
 
     def _check_counts(self) -> None:
         """Counts and sizes that otherwise fail late (after the target and data loaded, or after training in
