@@ -2989,9 +2989,11 @@ def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
 
-def test_ablation_run_of_a_rebuilt_target_is_trained_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("key", ["target_key", "code_key"])
+def test_ablation_run_of_a_rebuilt_target_or_by_other_code_is_trained_again(tmp_path, monkeypatch, key):
     """A finished training (trained.json, same argv) was reused after the target was rebuilt: its argv
-    names the target's folder, not its build, so the old drafter was evaluated and labelled as new."""
+    names the target's folder, not its build, so the old drafter was evaluated and labelled as new. The
+    same for a training finished before the code changed: not reused for an evaluation now."""
     import json
 
     import train.distill
@@ -3006,32 +3008,9 @@ def test_ablation_run_of_a_rebuilt_target_is_trained_again(tmp_path, monkeypatch
     monkeypatch.setattr(train.distill, "main", distill)
     run_dir = tmp_path / "paper" / "seed0"
     run_dir.mkdir(parents=True)
-    spec = {"run_dir": str(run_dir), "argv": ["train.max_steps=8"], "target_key": "new-build"}
-    (run_dir / "spec.json").write_text(json.dumps(spec))
-    (run_dir / "trained.json").write_text(json.dumps({"argv": spec["argv"], "target_key": "old-build"}))
-    with pytest.raises(Trained):
-        run_one(run_dir / "spec.json")
-
-
-def test_ablation_run_trained_by_other_code_is_trained_again(tmp_path, monkeypatch):
-    """A training finished (trained.json) before the code changed is not reused for an evaluation now."""
-    import json
-
-    import train.distill
-    from train.ablate import run_one
-
-    class Trained(Exception):
-        pass
-
-    def distill(argv):
-        raise Trained
-
-    monkeypatch.setattr(train.distill, "main", distill)
-    run_dir = tmp_path / "paper" / "seed0"
-    run_dir.mkdir(parents=True)
-    spec = {"run_dir": str(run_dir), "argv": ["train.max_steps=8"], "target_key": "t", "code_key": "new-code"}
-    (run_dir / "spec.json").write_text(json.dumps(spec))
-    (run_dir / "trained.json").write_text(json.dumps({**spec, "code_key": "old-code"}))
+    spec = {"run_dir": str(run_dir), "argv": ["train.max_steps=8"], "target_key": "t", "code_key": "c"}
+    (run_dir / "spec.json").write_text(json.dumps({**spec, key: "new"}))
+    (run_dir / "trained.json").write_text(json.dumps({**spec, key: "old"}))
     with pytest.raises(Trained):
         run_one(run_dir / "spec.json")
 
