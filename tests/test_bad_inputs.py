@@ -3757,3 +3757,21 @@ def test_fp16_mixed_precision_on_a_cpu_is_refused_before_anything_loads(no_cuda,
     with pytest.raises(ValueError, match="train.mixed_precision=fp16 has no effect on the CPU.*auto"):
         main(["recipe=tiny", "train.mixed_precision=fp16", f"out_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"])
+def test_a_drafter_config_without_a_shape_key_is_named_by_export_and_validate(tmp_path, export_drafter, infer_dirs,
+                                                                               key):
+    """config.json without hidden_size (a hand-edited or foreign drafter) was a KeyError traceback in every loader."""
+    import json
+
+    from inference.checks import preflight
+    from models.config import ConfigError
+
+    d = json.loads((export_drafter / "config.json").read_text())
+    del d[key]
+    (export_drafter / "config.json").write_text(json.dumps(d))
+    said = f"{key}=None: missing from config.json"
+    assert said in _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out")])
+    with pytest.raises(ConfigError, match=said):
+        preflight(infer_dirs["target"], str(export_drafter))
