@@ -3596,23 +3596,24 @@ def test_an_overwrite_export_killed_between_its_renames_is_put_right(tmp_path, e
     left the previous export only as a hidden folder, which no rerun looked at."""
     import shutil
 
+    from export.card import MARKER
     from export.hf import main as export_hf
 
     out = tmp_path / "hf"
     argv = ["--checkpoint", str(export_drafter), "--out", str(out), "--no-remote-code-check"]
     export_hf(argv)
-    (out / "marker.txt").write_text("the previous export")
+    (out / "README.md").write_text(f"the previous export's card\n{MARKER}\n")  # push's: replaced too
     if new_one_moved_in:  # killed after the second rename: both copies on disk
         shutil.copytree(out, tmp_path / ".hf.old")
-        (out / "marker.txt").unlink()
+        (out / "README.md").unlink()
     else:
         out.rename(tmp_path / ".hf.old")
     assert "exists and is not empty" in _export_error("hf", argv)  # the rerun without --overwrite
     assert not (tmp_path / ".hf.old").exists()
-    assert (out / "marker.txt").exists() != new_one_moved_in  # the previous export back in place, or the new kept
+    assert (out / "README.md").exists() != new_one_moved_in  # the previous export back in place, or the new kept
     assert ("put the previous export back" in capsys.readouterr().err) != new_one_moved_in
     export_hf(argv + ["--overwrite"])
-    assert not (out / "marker.txt").exists() and (out / "config.json").is_file()
+    assert not (out / "README.md").exists() and (out / "config.json").is_file()
 
 
 def test_an_overwrite_export_whose_last_rename_fails_keeps_the_previous_one(tmp_path, export_drafter, monkeypatch):
@@ -3775,3 +3776,26 @@ def test_a_drafter_config_without_a_shape_key_is_named_by_export_and_validate(tm
     assert said in _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out")])
     with pytest.raises(ConfigError, match=said):
         preflight(infer_dirs["target"], str(export_drafter))
+
+
+def test_overwrite_keeps_files_an_export_does_not_write_and_replaces_push_s_card(tmp_path, export_drafter):
+    """--overwrite replaced the earlier export whole: a hand-written README.md (which push uploads as it is) and
+    notes kept beside the weights were deleted without a word."""
+    from export.card import MARKER
+    from export.hf import export_hf
+
+    out = tmp_path / "out"
+    export_hf(export_drafter, out, remote_code_check=False, log=lambda *_: None)
+    (out / "README.md").write_text("# my card\n")
+    (out / "eval").mkdir()
+    (out / "eval" / "notes.txt").write_text("mine")
+    (out / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # a download's: not the user's work
+    message = _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(out), "--overwrite",
+                                   "--no-remote-code-check"])
+    assert "(README.md (not written by draftsmith), eval/notes.txt): --overwrite would delete them" in message
+    assert (out / "README.md").read_text() == "# my card\n" and (out / "eval" / "notes.txt").read_text() == "mine"
+    (out / "README.md").write_text(f"# card\n{MARKER}\n")  # push's own card is written again by the next push
+    (out / "eval" / "notes.txt").unlink()
+    (out / "eval").rmdir()
+    export_hf(export_drafter, out, overwrite=True, remote_code_check=False, log=lambda *_: None)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
