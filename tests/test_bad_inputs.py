@@ -3799,3 +3799,15 @@ def test_overwrite_keeps_files_an_export_does_not_write_and_replaces_push_s_card
     (out / "eval").rmdir()
     export_hf(export_drafter, out, overwrite=True, remote_code_check=False, log=lambda *_: None)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+
+
+def test_validate_prompts_with_a_blank_question_or_first_turn_are_skipped_as_no_user_turn(tmp_path, capsys):
+    """A blank gsm8k-like question or mt-bench-like first turn was measured as an empty user turn (a blank
+    message was already skipped): the target's answer to nothing counted in tau and speed."""
+    from inference.prompt_sets import load_prompts
+
+    rows = tmp_path / "qs.jsonl"
+    rows.write_text('{"question": "2 + 2?"}\n{"question": ""}\n{"turns": ["  ", "then"]}\n'
+                    '{"messages": [{"role": "user", "content": ""}]}\n')
+    assert [p.messages[0]["content"] for p in load_prompts(str(rows))] == ["2 + 2?"]
+    assert "skipped 3 row(s) (no user turn: 3)" in capsys.readouterr().err
