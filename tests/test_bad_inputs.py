@@ -3811,3 +3811,22 @@ def test_validate_prompts_with_a_blank_question_or_first_turn_are_skipped_as_no_
                     '{"messages": [{"role": "user", "content": ""}]}\n')
     assert [p.messages[0]["content"] for p in load_prompts(str(rows))] == ["2 + 2?"]
     assert "skipped 3 row(s) (no user turn: 3)" in capsys.readouterr().err
+
+
+def test_compare_of_reports_with_other_max_new_tokens_shows_and_notes_it(tmp_path, monkeypatch, capsys):
+    """The same prompts generated to 64 and to 512 tokens have other tau and speed: the comparison showed neither
+    setting nor a note, so the difference read as the drafter's or the target's."""
+    import json
+
+    import inference.validate
+    from inference.validate import main
+
+    for name, tokens in (("short", 64), ("long", 512)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(
+            {"schema": "draftsmith.validate/1", "tau": 2.0, "prompt_set_hash": "h", "max_new_tokens": tokens}))
+    monkeypatch.setattr(inference.validate, "write_plot", lambda *a: None)
+    rows = main(["--compare", str(tmp_path / "short"), str(tmp_path / "long"), "--out", str(tmp_path / "cmp")])["rows"]
+    assert ["max_new_tokens", "64", "512", ""] in rows
+    err = capsys.readouterr().err
+    assert "max_new_tokens differs" in err and "different prompt sets" not in err
