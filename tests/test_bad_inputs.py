@@ -3830,3 +3830,16 @@ def test_compare_of_reports_with_other_max_new_tokens_shows_and_notes_it(tmp_pat
     assert ["max_new_tokens", "64", "512", ""] in rows
     err = capsys.readouterr().err
     assert "max_new_tokens differs" in err and "different prompt sets" not in err
+
+
+def test_prompts_saved_with_a_byte_order_mark_lose_no_row(tmp_path, capsys):
+    """A JSONL written by a Windows editor starts with a UTF-8 BOM: its first row was skipped as malformed JSON
+    (a .json document was refused whole)."""
+    from inference.prompt_sets import load_prompts
+
+    bom = "\ufeff".encode()
+    (tmp_path / "p.jsonl").write_bytes(bom + b'{"prompt": "first"}\n{"prompt": "second"}\n')
+    (tmp_path / "p.json").write_bytes(bom + b'[{"prompt": "first"}, {"prompt": "second"}]')
+    for name in ("p.jsonl", "p.json"):
+        assert [p.messages[0]["content"] for p in load_prompts(str(tmp_path / name))] == ["first", "second"]
+    assert "skipped" not in capsys.readouterr().err
