@@ -3843,3 +3843,20 @@ def test_prompts_saved_with_a_byte_order_mark_lose_no_row(tmp_path, capsys):
     for name in ("p.jsonl", "p.json"):
         assert [p.messages[0]["content"] for p in load_prompts(str(tmp_path / name))] == ["first", "second"]
     assert "skipped" not in capsys.readouterr().err
+
+
+def test_a_checkpoints_drafter_folder_exports_with_the_checkpoints_steps_and_run(tmp_path, export_drafter):
+    """--checkpoint runs/NAME/checkpoints/step_N/drafter was exported as a bare drafter folder: the card lost
+    the optimizer steps and the run's recipe that the same checkpoint given as step_N records."""
+    import json
+
+    from export.hf import export_hf
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_7"
+    ckpt.mkdir(parents=True)
+    export_drafter.rename(ckpt / "drafter")
+    (ckpt / "trainer_state.json").write_text('{"step": 7}')
+    (ckpt / "config.yaml").write_text("recipe: tiny\n")
+    out = export_hf(ckpt / "drafter", tmp_path / "out", remote_code_check=False, log=lambda *_: None)
+    prov = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith"]
+    assert (prov["steps"], prov["recipe"]) == (7, "tiny") and out["source"] == str(ckpt / "drafter")
