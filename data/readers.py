@@ -203,7 +203,7 @@ def to_messages(row: dict, layout: str, need_answers: bool = True) -> list[dict]
 def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
     if path.suffix == ".json":  # one document: a bad byte or bracket anywhere spoils all of it
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: a BOM (Windows editors) is no error
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path} is not a UTF-8 JSON document ({e}); a .jsonl file (one row a line) skips "
                              "bad rows instead") from None
@@ -211,7 +211,8 @@ def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
         return
     # Decoded line by line: one Latin-1 row among millions aborted the whole read with "'utf-8' codec
     # can't decode byte 0xe9", naming no file. surrogateescape keeps the bad bytes visible per line.
-    with path.open(encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) made the first row "malformed JSON", dropped.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -29,6 +29,27 @@ def _is_export(folder: Path) -> bool:
     return isinstance(d, dict) and ("draftsmith" in d or ARCHITECTURE in (d.get("architectures") or []))
 
 
+def _not_written_by_export(folder: Path) -> list[str]:
+    """Files in an earlier export that no export writes: not the weights, config, index or modeling file, nor
+    push's generated README.md; hidden files (a download's .cache/, .gitattributes) are not counted."""
+    from fnmatch import fnmatch
+
+    from export.card import MARKER
+    from export.push import EXPORT_FILES
+
+    found = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if not p.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        if rel.as_posix() == "README.md":
+            if MARKER not in p.read_text(errors="replace"):
+                found.append("README.md (not written by draftsmith)")
+        elif not any(fnmatch(rel.as_posix(), pattern) for pattern in EXPORT_FILES):
+            found.append(rel.as_posix())
+    return found
+
+
 def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
     """Refuse an ``--out`` we must not replace, before any work is done."""
     recover_replaced(out)
@@ -44,6 +65,12 @@ def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:
         if not _is_export(out):
             raise FileExistsError(f"--out {out} holds files that are not a draftsmith export: --overwrite only "
                                   "replaces an earlier export; pass a new folder")
+        kept = _not_written_by_export(out)
+        if kept:  # the folder is replaced whole: a hand-written README.md (which push uploads as it is) was lost
+            shown = ", ".join(kept[:8]) + (f" (+{len(kept) - 8} more)" if len(kept) > 8 else "")
+            raise FileExistsError(f"--out {out} is an earlier export that also holds files an export does not write "
+                                  f"({shown}): --overwrite would delete them; move them out of the folder (or delete "
+                                  "them) and export again")
 
 
 @contextmanager

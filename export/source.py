@@ -72,6 +72,8 @@ def resolve_source(path: str | Path) -> Source:
     if not p.is_dir():
         raise NotADirectoryError(f"--checkpoint {p} is a file: pass the folder that holds config.json "
                                  "(or a checkpoint / run folder)")
+    if p.name == "drafter" and (p.parent / "trainer_state.json").is_file():
+        p = p.parent  # a checkpoint's drafter/: read as its checkpoint (run config, steps), not a bare folder
     if (p / "drafter").is_dir() and (p / "trainer_state.json").is_file():
         if not is_drafter_dir(p / "drafter"):
             raise NotADrafterError(f"checkpoint {p}: drafter/ holds no DFlash config.json (the checkpoint is "

@@ -42,11 +42,12 @@ def _row_messages(row: dict) -> list[dict] | None:
     """The prompt turns of one raw row (None: no usable user turn)."""
     from data.readers import BadRow, detect_layout, to_messages
 
+    # a blank question or first turn is no prompt (measured as an empty user turn), as a blank message is not
     if isinstance(row.get("question"), str):
-        return [{"role": "user", "content": row["question"]}]
+        return [{"role": "user", "content": row["question"]}] if row["question"].strip() else None
     turns = row.get("turns")
     if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return [{"role": "user", "content": turns[0]}]
+        return [{"role": "user", "content": turns[0]}] if turns[0].strip() else None
     try:
         msgs = to_messages(row, detect_layout(row), need_answers=False)
     except (BadRow, KeyError, TypeError, AttributeError):

@@ -227,7 +227,7 @@ COMPARE_KEYS = ["tau", "tau_per_prompt_mean", "speedup", "dflash_tok_s", "baseli
                 "ttft_s", "identical_share", "tau_first_quarter", "tau_last_quarter", "peak_memory_bytes",
                 "baseline_peak_memory_bytes", "num_prompts", "truncated"]
 COMPARE_INFO = ["backend", "device", "dtype", "target", "draft", "target_quantization", "block_size", "temperature",
-                "thinking", "prompts", "prompt_set_hash"]
+                "thinking", "prompts", "prompt_set_hash", "max_new_tokens"]
 
 
 def compare_rows(reports: list[dict], labels: list[str]) -> list[list[str]]:

@@ -235,6 +235,9 @@ def run_compare(files: list[str], out: str | Path) -> dict:
     if len({r.get("prompt_set_hash") for r in reports}) > 1:
         print("note: the reports used different prompt sets (prompt_set_hash differs): compare with care",
               file=sys.stderr)
+    if len({r.get("max_new_tokens") for r in reports}) > 1:  # the same prompts, other lengths: other tau and speed
+        print("note: the reports generated up to different numbers of tokens (max_new_tokens differs): compare with "
+              "care", file=sys.stderr)
     rows = compare_rows(reports, labels)
     print(text_table(rows))
     Path(out).mkdir(parents=True, exist_ok=True)

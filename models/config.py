@@ -373,6 +373,10 @@ class DFlashConfig:
                              ("mask_token_id", d.get("mask_token_id")))
         layer_ids = pick("target_layer_ids", ("dflash_config.target_layer_ids", nested.get("target_layer_ids")),
                          ("target_layer_ids", d.get("target_layer_ids")))
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+            if d.get(name) is None:  # read as d[name] below: a KeyError traceback in every loader
+                raise ConfigError(name, None, "missing from config.json",
+                                  f"add the drafter's {name} at the top level (or export the drafter again)")
         num_layers = d.get("num_hidden_layers")
         layer_types = d.get("layer_types") or []
         head_dim = d.get("head_dim") or (d["hidden_size"] // d["num_attention_heads"])

@@ -3596,23 +3596,24 @@ def test_an_overwrite_export_killed_between_its_renames_is_put_right(tmp_path, e
     left the previous export only as a hidden folder, which no rerun looked at."""
     import shutil
 
+    from export.card import MARKER
     from export.hf import main as export_hf
 
     out = tmp_path / "hf"
     argv = ["--checkpoint", str(export_drafter), "--out", str(out), "--no-remote-code-check"]
     export_hf(argv)
-    (out / "marker.txt").write_text("the previous export")
+    (out / "README.md").write_text(f"the previous export's card\n{MARKER}\n")  # push's: replaced too
     if new_one_moved_in:  # killed after the second rename: both copies on disk
         shutil.copytree(out, tmp_path / ".hf.old")
-        (out / "marker.txt").unlink()
+        (out / "README.md").unlink()
     else:
         out.rename(tmp_path / ".hf.old")
     assert "exists and is not empty" in _export_error("hf", argv)  # the rerun without --overwrite
     assert not (tmp_path / ".hf.old").exists()
-    assert (out / "marker.txt").exists() != new_one_moved_in  # the previous export back in place, or the new kept
+    assert (out / "README.md").exists() != new_one_moved_in  # the previous export back in place, or the new kept
     assert ("put the previous export back" in capsys.readouterr().err) != new_one_moved_in
     export_hf(argv + ["--overwrite"])
-    assert not (out / "marker.txt").exists() and (out / "config.json").is_file()
+    assert not (out / "README.md").exists() and (out / "config.json").is_file()
 
 
 def test_an_overwrite_export_whose_last_rename_fails_keeps_the_previous_one(tmp_path, export_drafter, monkeypatch):
@@ -3757,3 +3758,105 @@ def test_fp16_mixed_precision_on_a_cpu_is_refused_before_anything_loads(no_cuda,
     with pytest.raises(ValueError, match="train.mixed_precision=fp16 has no effect on the CPU.*auto"):
         main(["recipe=tiny", "train.mixed_precision=fp16", f"out_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"])
+def test_a_drafter_config_without_a_shape_key_is_named_by_export_and_validate(tmp_path, export_drafter, infer_dirs,
+                                                                               key):
+    """config.json without hidden_size (a hand-edited or foreign drafter) was a KeyError traceback in every loader."""
+    import json
+
+    from inference.checks import preflight
+    from models.config import ConfigError
+
+    d = json.loads((export_drafter / "config.json").read_text())
+    del d[key]
+    (export_drafter / "config.json").write_text(json.dumps(d))
+    said = f"{key}=None: missing from config.json"
+    assert said in _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out")])
+    with pytest.raises(ConfigError, match=said):
+        preflight(infer_dirs["target"], str(export_drafter))
+
+
+def test_overwrite_keeps_files_an_export_does_not_write_and_replaces_push_s_card(tmp_path, export_drafter):
+    """--overwrite replaced the earlier export whole: a hand-written README.md (which push uploads as it is) and
+    notes kept beside the weights were deleted without a word."""
+    from export.card import MARKER
+    from export.hf import export_hf
+
+    out = tmp_path / "out"
+    export_hf(export_drafter, out, remote_code_check=False, log=lambda *_: None)
+    (out / "README.md").write_text("# my card\n")
+    (out / "eval").mkdir()
+    (out / "eval" / "notes.txt").write_text("mine")
+    (out / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # a download's: not the user's work
+    message = _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(out), "--overwrite",
+                                   "--no-remote-code-check"])
+    assert "(README.md (not written by draftsmith), eval/notes.txt): --overwrite would delete them" in message
+    assert (out / "README.md").read_text() == "# my card\n" and (out / "eval" / "notes.txt").read_text() == "mine"
+    (out / "README.md").write_text(f"# card\n{MARKER}\n")  # push's own card is written again by the next push
+    (out / "eval" / "notes.txt").unlink()
+    (out / "eval").rmdir()
+    export_hf(export_drafter, out, overwrite=True, remote_code_check=False, log=lambda *_: None)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+
+
+def test_validate_prompts_with_a_blank_question_or_first_turn_are_skipped_as_no_user_turn(tmp_path, capsys):
+    """A blank gsm8k-like question or mt-bench-like first turn was measured as an empty user turn (a blank
+    message was already skipped): the target's answer to nothing counted in tau and speed."""
+    from inference.prompt_sets import load_prompts
+
+    rows = tmp_path / "qs.jsonl"
+    rows.write_text('{"question": "2 + 2?"}\n{"question": ""}\n{"turns": ["  ", "then"]}\n'
+                    '{"messages": [{"role": "user", "content": ""}]}\n')
+    assert [p.messages[0]["content"] for p in load_prompts(str(rows))] == ["2 + 2?"]
+    assert "skipped 3 row(s) (no user turn: 3)" in capsys.readouterr().err
+
+
+def test_compare_of_reports_with_other_max_new_tokens_shows_and_notes_it(tmp_path, monkeypatch, capsys):
+    """The same prompts generated to 64 and to 512 tokens have other tau and speed: the comparison showed neither
+    setting nor a note, so the difference read as the drafter's or the target's."""
+    import json
+
+    import inference.validate
+    from inference.validate import main
+
+    for name, tokens in (("short", 64), ("long", 512)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(
+            {"schema": "draftsmith.validate/1", "tau": 2.0, "prompt_set_hash": "h", "max_new_tokens": tokens}))
+    monkeypatch.setattr(inference.validate, "write_plot", lambda *a: None)
+    rows = main(["--compare", str(tmp_path / "short"), str(tmp_path / "long"), "--out", str(tmp_path / "cmp")])["rows"]
+    assert ["max_new_tokens", "64", "512", ""] in rows
+    err = capsys.readouterr().err
+    assert "max_new_tokens differs" in err and "different prompt sets" not in err
+
+
+def test_prompts_saved_with_a_byte_order_mark_lose_no_row(tmp_path, capsys):
+    """A JSONL written by a Windows editor starts with a UTF-8 BOM: its first row was skipped as malformed JSON
+    (a .json document was refused whole)."""
+    from inference.prompt_sets import load_prompts
+
+    bom = "\ufeff".encode()
+    (tmp_path / "p.jsonl").write_bytes(bom + b'{"prompt": "first"}\n{"prompt": "second"}\n')
+    (tmp_path / "p.json").write_bytes(bom + b'[{"prompt": "first"}, {"prompt": "second"}]')
+    for name in ("p.jsonl", "p.json"):
+        assert [p.messages[0]["content"] for p in load_prompts(str(tmp_path / name))] == ["first", "second"]
+    assert "skipped" not in capsys.readouterr().err
+
+
+def test_a_checkpoints_drafter_folder_exports_with_the_checkpoints_steps_and_run(tmp_path, export_drafter):
+    """--checkpoint runs/NAME/checkpoints/step_N/drafter was exported as a bare drafter folder: the card lost
+    the optimizer steps and the run's recipe that the same checkpoint given as step_N records."""
+    import json
+
+    from export.hf import export_hf
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_7"
+    ckpt.mkdir(parents=True)
+    export_drafter.rename(ckpt / "drafter")
+    (ckpt / "trainer_state.json").write_text('{"step": 7}')
+    (ckpt / "config.yaml").write_text("recipe: tiny\n")
+    out = export_hf(ckpt / "drafter", tmp_path / "out", remote_code_check=False, log=lambda *_: None)
+    prov = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith"]
+    assert (prov["steps"], prov["recipe"]) == (7, "tiny") and out["source"] == str(ckpt / "drafter")
