@@ -227,7 +227,7 @@ def test_help_explains_the_flags_and_the_schema():
 
 def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
     """Hand-made loop results: the numbers follow from the definitions alone."""
-    from inference.report import PromptRun, markdown
+    from inference.report import PromptRun, markdown, table_rows, text_table
     from inference.stats import GenerationResult
 
     def result(lengths, n_tokens, decode_s, stop="max_new_tokens"):
@@ -252,7 +252,16 @@ def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
     assert report["speedup"] == pytest.approx(2.4)
     assert report["cycle_cost"] == pytest.approx((2.0 / 10) / (4.8 / 24))
     assert report["truncated"] == 1 and report["identical_share"] is None  # sampling: not compared
-    assert "Sampling (temperature > 0)" in markdown(report)
+    md = markdown(report)
+    assert "Sampling (temperature > 0)" in md
+    assert "draft slot k was accepted, k = 1..B-1): 0.60, 0.40, 0.40\n" in md
+    assert "first quarter of each prompt's cycles 4.00, over the last quarter 2.67." in md  # (2 + 2 + 4) / 3
+    lines = text_table(table_rows(report)).splitlines()  # what validate prints: columns as wide as their header
+    assert len({len(line) for line in lines}) == 1 and lines[0].startswith("category  prompts  tau pooled")
+    assert lines[-1].startswith("all     " + "  " + "      3" + "  " + "      2.40")  # names left, numbers right
+    header, *rows = table_rows(report)
+    assert [row[header.index("tau pooled")] for row in rows] == ["2.00", "4.00", "0.00", "2.40"]  # x, y, z, all
+    assert rows[-1][header.index("cycle cost")] == "1.00" and rows[-1][header.index("speedup")] == "2.40x"
 
 
 def test_repeats_are_reduced_by_their_median_and_a_cut_output_is_not_identical():
@@ -324,6 +333,8 @@ def test_report_numbers_each_side_and_each_prompt_on_its_own():
     assert report["first_divergence_min"] == 3 and report["identical_share"] == pytest.approx(1 / 3)
     assert report["acceptance_histogram"] == {"1": 6, "2": 1, "4": 4}
     assert "| 4 | 4 | 36.4% |" in markdown(report)  # share of the 11 cycles
+    assert "Outputs that hit --max-new-tokens: DFlash 2, baseline 3." in markdown(report)
+    assert "| 1 | 6 | 54.5% |\n| 2 | 1 | 9.1% |\n| 4 | 4 | 36.4% |\n" in markdown(report)  # in length order
     assert list(GenerationResult([], acceptance_lengths=[3, 1, 3, 2]).histogram().items()) == [(1, 1), (2, 1), (3, 2)]
     rows = compare_rows([report, {**report, "tau": 2 * report["tau"]}], ["a", "b"])
     assert next(r for r in rows if r[0] == "tau")[-1] == "2.000"  # later report / first one
@@ -365,6 +376,55 @@ def test_a_cycles_numbers_from_hand_made_drafts():
     assert GenerationResult(tokens=[5], decode_s=0.5).decode_tokens_per_s == 0.0
 
 
+
+def test_a_generations_json_carries_each_number_under_its_own_name():
+    """What ``generate --json`` prints: tokens/s is not tau, the histogram counts cycles per length, every draft
+    slot's count from slot 1 on; a decode of a few milliseconds still has its tokens/s (not 0)."""
+    from inference.stats import GenerationResult
+
+    r = GenerationResult(tokens=list(range(10, 18)), acceptance_lengths=[3, 1, 3], position_accepts=[2, 2, 0],
+                         block_size=4, prefill_s=0.25, decode_s=2.0, stop_reason="eos")
+    assert r.to_json() == {
+        "tokens": list(range(10, 18)), "num_tokens": 8, "acceptance_lengths": [3, 1, 3], "tau": 7 / 3,
+        "acceptance_histogram": {"1": 1, "3": 2}, "position_accepts": [2, 2, 0], "block_size": 4,
+        "prefill_s": 0.25, "decode_s": 2.0, "decode_tokens_per_s": 3.5, "stop_reason": "eos"}
+    assert GenerationResult(tokens=[1, 2, 3], decode_s=0.004).decode_tokens_per_s == pytest.approx(500.0)
+
+
+def test_even_repeats_sampled_divergence_and_a_report_without_cycles():
+    """Two repeats: the median is the mean of the middle two (not the lower one); a sampled run names no
+    divergence even where its tokens differ; the baseline's own stop reason; num_tokens counts every output
+    token (the prefill's too); a report where every output stopped at its first token has tau 0."""
+    from inference.report import PromptRun, compare_rows, prompt_numbers
+    from inference.stats import GenerationResult
+
+    def result(tokens, lengths, decode_s, prefill_s, stop):
+        pos = [sum(1 for a in lengths if a - 1 > k) for k in range(3)]
+        return GenerationResult(tokens=list(tokens), acceptance_lengths=list(lengths), position_accepts=pos,
+                                block_size=4, prefill_s=prefill_s, decode_s=decode_s, stop_reason=stop)
+
+    run = PromptRun("p", "x", 10, [result(range(9), [4, 4], d, f, "max_new_tokens") for d, f in ((1.0, 0.1),
+                                                                                                   (2.0, 0.3))],
+                    [result([0, 5, 6], [1, 1], d, f, "eos") for d, f in ((4.0, 0.2), (6.0, 0.4))])
+    numbers = prompt_numbers(run, greedy=True)
+    assert numbers["dflash_decode_s"] == pytest.approx(1.5) and numbers["baseline_decode_s"] == pytest.approx(5.0)
+    assert numbers["ttft_s"] == pytest.approx(0.2) and numbers["baseline_ttft_s"] == pytest.approx(0.3)
+    assert numbers["stop_reason"] == "max_new_tokens" and numbers["baseline_stop_reason"] == "eos"
+    assert numbers["first_divergence"] == 1 and numbers["identical"] is False
+    assert numbers["new_tokens"] == 9 and numbers["baseline_new_tokens"] == 3
+    assert numbers["dflash_tok_s"] == pytest.approx(8 / 1.5) and numbers["baseline_tok_s"] == pytest.approx(2 / 5.0)
+    sampled = build_report([run], 4, greedy=False, environment={"temperature": 0.7})
+    assert sampled["per_prompt"][0]["first_divergence"] is None and sampled["first_divergence_min"] is None
+    assert sampled["num_tokens"] == 9 and sampled["per_category"]["x"]["num_tokens"] == 9
+    assert sampled["ttft_s"] == pytest.approx(0.2) and sampled["baseline_ttft_s"] == pytest.approx(0.3)
+    assert sampled["cycle_cost"] == pytest.approx((1.5 / 2) / (5.0 / 2))  # s per cycle / s per baseline token
+    instant = PromptRun("i", "x", 10, [result([], [], 0.0, 0.1, "eos")], [result([], [], 0.0, 0.1, "eos")])
+    nothing = build_report([instant], 4, greedy=True, environment={"temperature": 0.0})
+    assert nothing["tau"] == 0.0 and nothing["num_cycles"] == 0 and nothing["per_category"]["x"]["tau"] == 0.0
+    assert nothing["cycle_s"] is None and nothing["speedup"] is None and nothing["cycle_cost"] is None  # "-", not 0
+    rows = compare_rows([nothing, sampled], ["none", "some"])
+    assert next(r for r in rows if r[0] == "dflash_tok_s")[1:] == ["0", "5.333", "-"]  # no ratio to a 0
+
 def test_a_short_prompts_own_costs_and_the_tables_wording():
     """A prompt of 3 cycles (a quarter rounds up to one cycle, never to none); its own cycle seconds,
     baseline seconds per decoded token and their ratio; categories in prompt-set order; "-" for a number that
@@ -392,6 +452,8 @@ def test_a_short_prompts_own_costs_and_the_tables_wording():
     assert total[header.index("identical")] == "-"
     names = [row[0] for row in compare_rows([report, sampled], ["a", "b"])]
     assert "math: speedup" in names and "code: tau" in names
+    assert next(r for r in compare_rows([report, sampled], ["a", "b"]) if r[0] == "math: tau")[1:] == ["2", "2",
+                                                                                                      "1.000"]
 
 
 class StubSession:
