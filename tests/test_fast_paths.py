@@ -168,6 +168,48 @@ def test_grouped_attention_of_the_static_draft_pass_equals_repeated_heads():
                                    atol=1e-6)
 
 
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_static_loop_on_a_target_with_eager_attention(arch):
+    """attn_implementation 'eager' adds its mask to the scores: the static passes hand it an additive mask
+    (stale and later slots at the dtype's lowest), so the tokens and acceptance lengths are the eager loop's."""
+    from conftest import ReferenceProposer, expected_acceptance
+    from inference.static_loop import StaticTarget, static_dflash_generate, static_target_generate
+    from inference.torch_loop import target_generate
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    model = tiny_target(arch, seed=0)
+    model.set_attn_implementation("eager")
+    target = TargetModel(model, tiny_tokenizer())
+    assert target.model.config._attn_implementation == "eager"
+    ref = target_generate(target, PROMPT, NEW + 2 * B, eos_token_ids=[])
+    st = StaticTarget(target, [1, 3, 5], max_len=len(PROMPT) + NEW + 2 * B, block_size=B)
+    assert st._additive_mask
+    assert static_target_generate(st, PROMPT, NEW, eos_token_ids=[]).tokens == ref.tokens[:NEW]
+    proposer = ReferenceProposer(PROMPT + ref.tokens, [1, 3, 5], B, 288, MISTAKES)
+    res = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
+    assert res.tokens == ref.tokens[:NEW]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, MISTAKES)
+
+
+def test_static_drafter_fills_its_cache_to_the_last_slot(tiny_targets):
+    """A drafter cache of ``max_len`` positions takes context up to exactly ``max_len``, and refuses one more."""
+    from conftest import tiny_drafter_config
+    from inference.static_loop import StaticDrafterProposer
+    from models.drafter import DFlashDraftModel
+
+    target = tiny_targets("qwen3")
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    feats = target.forward(torch.tensor([PROMPT]), drafter.config.target_layer_ids, with_logits=False).features
+    p = StaticDrafterProposer(drafter, target, max_len=len(PROMPT))
+    p.propose(PROMPT[-1], feats[:, :len(PROMPT) - B], len(PROMPT) - B, B)  # 12 positions, then 8 more: 20
+    p.propose(PROMPT[-1], feats[:, len(PROMPT) - B:], len(PROMPT), B)
+    assert p.context_length() == len(PROMPT)
+    with pytest.raises(ValueError, match="drafter cache holds 20 positions"):
+        p.propose(PROMPT[-1], feats[:, :1], len(PROMPT) + 1, B)  # a block of 8 more would run past them
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_static_target_passes_attend_grouped_and_leave_the_attention_setting_as_it_was(tiny_targets, arch,
                                                                                      monkeypatch):
