@@ -168,7 +168,6 @@ def test_grouped_attention_of_the_static_draft_pass_equals_repeated_heads():
                                    atol=1e-6)
 
 
-
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_static_loop_on_a_target_with_eager_attention(arch):
     """attn_implementation 'eager' adds its mask to the scores: the static passes hand it an additive mask
@@ -209,6 +208,7 @@ def test_static_drafter_fills_its_cache_to_the_last_slot(tiny_targets):
     assert p.context_length() == len(PROMPT)
     with pytest.raises(ValueError, match="drafter cache holds 20 positions"):
         p.propose(PROMPT[-1], feats[:, :1], len(PROMPT) + 1, B)  # a block of 8 more would run past them
+
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_static_target_passes_attend_grouped_and_leave_the_attention_setting_as_it_was(tiny_targets, arch,
