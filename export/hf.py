@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,25 @@ from models.drafter import DFlashDraftModel
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([TGMK]I?B|B)?\s*", re.IGNORECASE)
+UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1, None: 1,  # decimal, as the Hub writes sizes
+         "TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10}
+
+
+def shard_bytes(value: int | str) -> int:
+    """``--max-shard-size`` in bytes: an integer, or a number with TB / GB / MB / KB / B (or GiB ...). Read
+    here, before the drafter loads: the writer's own error did not name the flag, and a negative size wrote one
+    shard per tensor."""
+    size = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := SIZE.fullmatch(value)):
+        size = int(float(match[1]) * UNITS[match[2] and match[2].upper()])
+    if size is None or size <= 0:
+        raise ValueError(f"--max-shard-size {value!r}: give a positive size such as 5GB, 500MB or a number of bytes")
+    return size
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m export.hf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,11 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="target Hub id or local folder to record (default: the one training used); it is also "
                         "checked against the drafter (a Hub id from its config and tokenizer files only)")
     p.add_argument("--target-revision", default=None, help="target revision to record")
-    p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="shard the safetensors past this size: 5GB, 500MB, ... or bytes (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier draftsmith export at --out")
     p.add_argument("--no-remote-code-check", action="store_true",
                    help="skip reloading through transformers AutoModel(trust_remote_code=True) in the gate")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        shard_bytes(args.max_shard_size)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def provenance(src_prov: dict[str, Any], target: str | None, revision: str | None,
@@ -126,6 +152,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     """Write, check and place the HF folder; returns a summary (paths, checks, serve commands)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    max_shard_size = shard_bytes(max_shard_size)
     out = Path(out)
     src = full_precision_source(checkpoint, "export.hf")
     check_out(out, overwrite, src.drafter_dir)

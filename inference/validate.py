@@ -281,11 +281,17 @@ def resume_settings(environment: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from inference.generate import Session, pick_backend
-
     args = parse_args(argv)
     if args.compare:
         return run_compare(args.compare, args.out)
+    with partial.claim(args.out):  # one run per --out; an unwritable one fails before the models load
+        return validate(args)
+
+
+def validate(args: argparse.Namespace) -> dict:
+    """One measurement (``main`` without --compare), holding ``--out``."""
+    from inference.generate import Session, pick_backend
+
     args.dtype = check_dtype(args.dtype)
     check_temperature(args.temperature)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load

@@ -1457,6 +1457,48 @@ def test_a_second_validate_into_the_same_out_sets_the_first_report_aside(infer_d
     assert len(main(["--compare", str(out / "report.json.old"), str(out), "--out", str(tmp_path / "cmp")])["rows"])
 
 
+def test_a_validate_into_an_out_another_run_is_writing_is_refused_before_the_models_load(infer_dirs, tmp_path):
+    """Two runs into the same --out at once shared partial.jsonl: the second set the first's rows aside (or both
+    appended to one file) and the first to finish deleted it. The second is refused, naming the holder's pid; a
+    run that ended (even by an error) leaves the folder free. An --out that cannot be created fails before the
+    models load, not after."""
+    import os
+
+    from inference import partial
+    from inference.validate import main
+
+    out = tmp_path / "val"
+    args = ["--backend", "torch", "--target", infer_dirs["full_dir"], "--draft", infer_dirs["draft"], "--prompts",
+            "chat", "--n", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(out)]
+    with partial.claim(out):
+        (out / partial.PARTIAL).write_text("the other run's rows\n")
+        with pytest.raises(ValueError, match=f"--out {out} is in use by another validate run \\(pid {os.getpid()}\\)"):
+            main(args)
+        assert (out / partial.PARTIAL).read_text() == "the other run's rows\n"
+    with pytest.raises(FileNotFoundError):  # a run that fails inside its hold lets the next one in
+        main(args[:7] + ["nope.jsonl"] + args[8:])
+    (out / partial.PARTIAL).unlink()
+    assert main(args)["num_prompts"] == 1
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="--out .*afile/val: cannot write there .*give a folder you can write to"):
+        main(args[:-1] + [str(tmp_path / "afile" / "val")])
+
+
+@pytest.mark.parametrize("size", ["5XB", "0", "-5GB", ""])
+def test_a_max_shard_size_that_is_no_size_is_refused_naming_the_flag(tmp_path, capsys, size):
+    """export.hf --max-shard-size 5XB failed with the writer's message (not naming the flag) after the drafter
+    loaded; 0 did too, and -5GB wrote one shard per tensor. Refused when the arguments are read."""
+    from export.hf import export_hf, parse_args, shard_bytes
+
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpoint", "c", "--out", "o", f"--max-shard-size={size}"])
+    assert f"--max-shard-size {size!r}: give a positive size such as 5GB" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--max-shard-size"):  # before the checkpoint is even looked for
+        export_hf(tmp_path / "no-such-run", tmp_path / "out", max_shard_size=size)
+    assert (shard_bytes("5GB"), shard_bytes("1.5gb"), shard_bytes("2MiB"), shard_bytes("60000")) == (
+        5 * 10**9, 15 * 10**8, 2 * 2**20, 60000)
+
+
 def test_a_report_or_export_inside_what_training_replaces_is_refused(tmp_path, capsys):
     """validate --out runs/X/final/val (or an export there) was written, then the next save of the final drafter
     (a resumed or repeated run) replaced final/ whole and the report went with it; inside checkpoints/step_N the
