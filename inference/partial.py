@@ -8,16 +8,15 @@ settings themselves; a file written with other settings is set aside as ``partia
 ones shifted to ``.old.1`` ...), never mixed in, and the note names the settings that differ. The
 finished report replaces the file.
 
-Only one run writes into a folder at a time (``claim``): two runs sharing ``partial.jsonl`` would set
-each other's rows aside or append to one file, and the first to finish would delete the other's.
+Only one run writes into a folder at a time (``LOCK``, held by validate through ``models.lock.hold``): two
+runs sharing ``partial.jsonl`` would set each other's rows aside or append to one file, and the first to
+finish would delete the other's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,38 +25,6 @@ from inference.stats import GenerationResult
 
 PARTIAL = "partial.jsonl"
 LOCK = ".validate.lock"
-
-
-@contextlib.contextmanager
-def claim(out: str | Path):
-    """Hold ``out`` for this run: the folder is created (an unwritable --out fails here, before any model
-    loads) and a lock file in it is locked. The OS drops the lock when the process ends, however it ends,
-    so a crashed run never blocks the next; the file itself stays (removing it would race a waiting run)."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        handle = open(out / LOCK, "a+")
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e}); give a folder you can write to") \
-            from None
-    with handle:
-        try:
-            import fcntl  # POSIX (Linux, macOS); elsewhere runs are not kept apart
-        except ImportError:
-            fcntl = None
-        if fcntl is not None:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "unknown"
-                raise ValueError(f"--out {out} is in use by another validate run (pid {holder}): wait for it, or "
-                                 "give this run its own --out") from None
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{os.getpid()}\n")
-            handle.flush()
-        yield out
 
 
 def settings_key(environment: dict) -> str:

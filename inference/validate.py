@@ -71,6 +71,7 @@ from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 from models.config import describe_quantization
+from models.lock import hold
 from models.provenance import refuse_training_output
 
 
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.compare:
         return run_compare(args.compare, args.out)
-    with partial.claim(args.out):  # one run per --out; an unwritable one fails before the models load
+    # One run per --out (they would share partial.jsonl); an unwritable one fails here, before the models load.
+    with hold(args.out, partial.LOCK, "--out", "wait for it, or give this run its own --out"):
         return validate(args)
 
 

@@ -1466,13 +1466,14 @@ def test_a_validate_into_an_out_another_run_is_writing_is_refused_before_the_mod
 
     from inference import partial
     from inference.validate import main
+    from models.lock import hold
 
     out = tmp_path / "val"
     args = ["--backend", "torch", "--target", infer_dirs["full_dir"], "--draft", infer_dirs["draft"], "--prompts",
             "chat", "--n", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(out)]
-    with partial.claim(out):
+    with hold(out, partial.LOCK, "--out", "-"):
         (out / partial.PARTIAL).write_text("the other run's rows\n")
-        with pytest.raises(ValueError, match=f"--out {out} is in use by another validate run \\(pid {os.getpid()}\\)"):
+        with pytest.raises(ValueError, match=f"--out {out} is in use by another run \\(pid {os.getpid()}\\): wait"):
             main(args)
         assert (out / partial.PARTIAL).read_text() == "the other run's rows\n"
     with pytest.raises(FileNotFoundError):  # a run that fails inside its hold lets the next one in
@@ -3902,3 +3903,25 @@ def test_a_checkpoints_drafter_folder_exports_with_the_checkpoints_steps_and_run
     out = export_hf(ckpt / "drafter", tmp_path / "out", remote_code_check=False, log=lambda *_: None)
     prov = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith"]
     assert (prov["steps"], prov["recipe"]) == (7, "tiny") and out["source"] == str(ckpt / "drafter")
+
+
+@pytest.mark.parametrize("resume", ["false", "true"])
+def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, resume):
+    """The same command in two terminals (or a requeued job while the first still ran, resume=true) trained into
+    one out_dir: both wrote metrics.jsonl, the same step_N checkpoints and final/. The second is refused before
+    anything loads, naming the holder's pid; a run that ended (here: by an error) leaves the folder free."""
+    import os
+
+    from models.lock import hold
+    from train.distill import LOCK, main
+
+    out = tmp_path / "run"
+    args = ["recipe=tiny", f"out_dir={out}", f"resume={resume}", f"target.path={tmp_path / 'no-target'}"]
+    with hold(out, LOCK, "out_dir", "-"):
+        with pytest.raises(ValueError, match=f"out_dir {out} is in use by another run \\(pid {os.getpid()}\\): wait"):
+            main(args)
+        assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no config.yaml, no data: nothing written
+    with pytest.raises((FileNotFoundError, ValueError), match="no-target"):  # fails after taking out_dir
+        main(args)
+    with hold(out, LOCK, "out_dir", "-"):  # and gave it back
+        pass

@@ -32,6 +32,7 @@ process count. The loss of an optimizer step is normalised by the slot-weight su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -42,6 +43,8 @@ if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
+LOCK = ".draftsmith.lock"  # in out_dir, held by the main process while the run writes there
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -76,8 +79,9 @@ def print_help() -> None:
             print(f"  {section.name}.: " + ", ".join(sub))
 
 
-def setup_run(cfg):
-    """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``."""
+def setup_run(cfg, held: contextlib.ExitStack | None = None):
+    """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``.
+    ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.lock``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm import tqdm
@@ -105,6 +109,11 @@ def setup_run(cfg):
     replaces = refuse_unfinished_run(out_dir) if not cfg.resume else False
     run = Run(cfg, accelerator, out_dir, cfg.to_yaml(), mp, log, ckpt)
     if accelerator.is_main_process:
+        if held is not None:  # a second run into out_dir (resumed or not) would write the same checkpoints
+            from models.lock import hold
+
+            held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
+                                    "out_dir=...", log))
         out_dir.mkdir(parents=True, exist_ok=True)
         log(f"resolved config:\n{run.config_yaml}")
     if not replaces:
@@ -314,6 +323,12 @@ def save_final(run, model, step: int) -> Path:
 
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
+    with contextlib.ExitStack() as held:  # out_dir is this run's until it returns or fails
+        return run_stages(setup_run(cfg, held), cfg, argv)
+
+
+def run_stages(run, cfg, argv: list[str] | None) -> dict:
+    """``train`` once ``out_dir`` is held: target, data, drafter, the loop, the final drafter, the exports."""
     from data.rows import rows_identity
     from models.provenance import data_provenance, provenance_of_run
     from train.checkpoint import clear_for_fresh_start
@@ -322,7 +337,6 @@ def train(cfg, argv: list[str] | None = None) -> dict:
     from train.setup import (data_token_ids, load_data, load_target, make_features, resolve_drafter_config,
                              warm_start_config)
 
-    run = setup_run(cfg)
     target, target_path = load_target(cfg, run.out_dir, run.accelerator, run.log)
     train_ds, eval_ds, meta = load_data(cfg, target_path, target, run.out_dir, run.accelerator, run.log)
     drafter_cfg = resolve_drafter_config(cfg, target, data_token_ids(train_ds), run.mixed_precision, run.log)

@@ -1,0 +1,54 @@
+"""One writer per output folder: a lock file in it, held while a command writes there.
+
+Two validate runs into one ``--out`` shared ``partial.jsonl`` (the first to finish deleted the other's rows);
+two training runs into one ``out_dir`` (the same command in two terminals, a requeued job while the old one
+still runs) wrote the same checkpoints and metrics. The second is refused with the holder's pid.
+
+The OS drops the lock when the process ends, however it ends, so a crashed run never blocks the next; the
+file itself stays (removing it would race a run that just opened it). POSIX only (Linux, macOS); elsewhere,
+and on file systems without ``flock`` (some cluster mounts), runs are not kept apart and a note says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def hold(folder: str | Path, name: str, flag: str, fix: str, log: Callable[[str], None] | None = None) -> Iterator[
+        Path]:
+    """Create ``folder`` and lock ``folder/name`` for the ``with`` block. ``flag`` names the folder's setting in
+    the errors (``--out``, ``out_dir``); ``fix`` ends the one refusing a second writer."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / name, "a+")
+    except OSError as e:  # a file in the path, a read-only mount: said now, not after the models load
+        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror or e}); give a folder you can write "
+                         "to") from None
+    with handle:
+        try:
+            import fcntl
+        except ImportError:
+            fcntl = None
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                raise ValueError(f"{flag} {folder} is in use by another run (pid {holder}): {fix}") from None
+            except OSError as e:
+                fcntl = None
+                if log:
+                    log(f"note: {folder / name} cannot be locked on this file system ({e.strerror or e}): a second "
+                        "run into the same folder is not refused")
+            else:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"{os.getpid()}\n")
+                handle.flush()
+        yield folder
