@@ -24,12 +24,14 @@ their shards (and a sidecar entry per shard, see :class:`data.store_writer.Store
 byte-identical to a one-process run; re-running the same command after a kill (of any rank, with
 any number of processes) computes only what is missing. A target too large for one GPU:
 ``--device-map auto`` (one process per node) spreads its layers over the node's GPUs, within
-``--max-memory`` per device.
+``--max-memory`` per device. While it runs, process 0 holds ``--out/.extract.lock``: a second
+extraction into the same store (relaunched while the first still runs) is refused before its target loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+LOCK = ".extract.lock"  # in the store folder, held by rank 0 while an extraction writes there
 
 
 @dataclass
@@ -346,12 +350,30 @@ def main(argv: list[str] | None = None) -> None:
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
     from models.cli import check_device, parse_dtype
-    from models.target import TargetModel, parse_max_memory
+    from models.target import parse_max_memory
 
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
     a.device = check_device(a.device)
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
     ranks, rank_device = init_ranks()
+    with contextlib.ExitStack() as held:
+        if ranks.is_main:  # a second extraction into the store (a relaunch while the first runs) would write the
+            from models.lock import hold  # same shards and index: refused before its target loads
+
+            held.enter_context(hold(a.out, LOCK, "--out", "wait for it to end (rerunning the same command then "
+                                    "resumes), or give this extraction its own --out", print))
+        report = _load_and_extract(a, ranks, rank_device, max_memory)
+    # one write per line: the ranks of a launch share stdout, and print's separate newline write let two
+    # ranks' lines run together (a write under PIPE_BUF bytes is atomic)
+    sys.stdout.write(report.line() + "\n")
+    sys.stdout.flush()
+    if ranks.is_main and not report.complete:
+        sys.exit("extraction stopped early; re-run the same command to resume")
+
+
+def _load_and_extract(a: argparse.Namespace, ranks: Ranks, rank_device, max_memory) -> ExtractReport:
+    from models.target import TargetModel
+
     if a.device_map:
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device_map=a.device_map,
                                              max_memory=max_memory)
@@ -361,12 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     report = extract(target, a.data, a.out, layer_ids=a.layers, dtype=a.dtype, topk=a.topk, batch_size=a.batch_size,
                      shard_mb=a.shard_mb, progress=not a.no_progress, ranks=ranks, writers=a.writers,
                      force_target=a.force_target)
-    # one write per line: the ranks of a launch share stdout, and print's separate newline write let two
-    # ranks' lines run together (a write under PIPE_BUF bytes is atomic)
-    sys.stdout.write(report.line() + "\n")
-    sys.stdout.flush()
-    if ranks.is_main and not report.complete:
-        sys.exit("extraction stopped early; re-run the same command to resume")
+    return report
 
 
 def cli() -> None:

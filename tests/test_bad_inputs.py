@@ -3925,3 +3925,22 @@ def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, r
         main(args)
     with hold(out, LOCK, "out_dir", "-"):  # and gave it back
         pass
+
+
+def test_an_extraction_into_a_store_another_extraction_writes_is_refused_before_its_target_loads(tmp_path):
+    """A relaunch while the first extraction still ran (its log looked stuck) wrote the same shards and index
+    as the first. Refused with the holder's pid before the target loads; a finished run leaves the store free."""
+    import os
+
+    from data.extract import LOCK, main
+    from models.lock import hold
+
+    store = tmp_path / "feats"
+    args = ["--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "data"), "--out", str(store),
+            "--device", "cpu", "--no-progress"]
+    with hold(store, LOCK, "--out", "-"):
+        with pytest.raises(ValueError, match=f"--out {store} is in use by another run \\(pid {os.getpid()}\\): "
+                                             "wait for it to end .*resumes"):
+            main(args)
+    with pytest.raises(FileNotFoundError, match="no-target"):  # the next one gets as far as loading its target
+        main(args)

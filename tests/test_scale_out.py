@@ -34,7 +34,10 @@ def launch(*args: str, nproc: int = 2, timeout: int = 300, extra: tuple[str, ...
 
 
 def store_bytes(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    """The store's files (not the lock the CLI's process 0 holds there while it writes)."""
+    from data.extract import LOCK
+
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.name != LOCK}
 
 
 @pytest.fixture(scope="module")
