@@ -267,6 +267,33 @@ def check_settings(out: str | Path, settings: dict) -> None:
     path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
+def check_out(source: str, out: str | Path) -> None:
+    """Refuse an ``--out`` that is not this command's own answers file, before anything is written or loaded:
+    the file is appended to, and a last line without a newline is cut first (a row killed mid-write), so
+    ``--out`` naming the source (or other data) cut its last conversation and appended answers to it."""
+    out = Path(out)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a folder: give the JSONL file to write the answers to (e.g. "
+                                f"{out / 'regenerated.jsonl'}); data.prepare --out is the one that takes a folder")
+    if not out.is_file() or not out.stat().st_size:
+        return
+    if Path(source).is_file() and out.samefile(source):
+        raise FileExistsError(f"--out {out} is the --source file: the answers would be appended to it (and its last "
+                              "line cut when it has no newline): write them to a new file")
+    with out.open("rb") as f:
+        first = f.readline(1 << 20)
+    if not first.endswith(b"\n"):  # a lone line cut by a kill during the first row's write: resume cuts it
+        return
+    try:
+        row = json.loads(first)
+    except (ValueError, UnicodeDecodeError):
+        row = None
+    if not (isinstance(row, dict) and "regen" in row):
+        raise FileExistsError(f"--out {out} holds other data, not answers written by data.regenerate: they would be "
+                              "appended to it (and its last line cut when it has no newline): write them to a new "
+                              "file")
+
+
 def make_generator(spec: str, *, model: str | None = None, target=None, thinking: bool | None = None,
                    temperature: float = 0.0, max_tokens: int = 512, concurrency: int = 8, batch_size: int = 8,
                    retries: int = 5, backoff: float = 1.0, request_timeout: float = 600.0, preflight: bool = True):
@@ -370,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     add_generation_args(p)
     a = p.parse_args(argv)
     check_counts(p, a)
+    check_out(a.source, a.out)
     if not a.server and not a.target:
         p.error("give --server URL (OpenAI-compatible) or --target (in-process generation)")
     if a.server and a.quantization != "none":

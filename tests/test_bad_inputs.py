@@ -701,6 +701,30 @@ def test_local_regenerate_with_other_settings_is_refused_before_the_target_loads
         rg.main(base + ["--max-tokens", "3"])
 
 
+@pytest.mark.parametrize("out, said", [
+    ("source", "is the --source file"), ("other data", "holds other data, not answers written by data.regenerate"),
+    ("folder", "is a folder: give the JSONL"),
+])
+def test_regenerate_out_that_is_the_source_other_data_or_a_folder_is_refused_untouched(tmp_path, monkeypatch, out,
+                                                                                       said):
+    """--out naming the source cut its last conversation (no newline at the end: taken for a row killed
+    mid-write) and appended the answers to it; a folder failed only after the target loaded."""
+    import data.regenerate as rg
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text((_DATA_FIX / "openai.jsonl").read_text().rstrip("\n"))  # as editors often save it
+    other = tmp_path / "mine.jsonl"
+    other.write_text('{"messages": [{"role": "user", "content": "q"}]}\n{"messages": []}')
+    (tmp_path / "folder").mkdir()
+    before = {p: p.read_bytes() for p in (source, other)}
+    path = {"source": source, "other data": other, "folder": tmp_path / "folder"}[out]
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises(OSError, match=said):
+        rg.main(["--source", str(source), "--out", str(path), "--target", "t", "--no-progress"])
+    assert {p: p.read_bytes() for p in (source, other)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "folder", "mine.jsonl"]
+
+
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
     """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
     sets it, and a value that is not a positive number of seconds is refused."""
