@@ -348,11 +348,18 @@ def check_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     without naming the flag (and --max-length -5 silently cut the last 5 tokens of every row)."""
     fixes = {"limit": "use 1 or more conversations, or leave it out for all of them",
              "batch_size": "use 1 or more conversations per in-process batch (default 8)",
-             "max_length": "use 1 or more tokens, or leave it out for no truncation"}
+             "max_length": "use 1 or more tokens, or leave it out for no truncation",
+             # these failed every conversation after the target loaded ("rerun to retry them"), or never ran
+             "max_tokens": "use 1 or more new tokens per answer (default 2048)",
+             "concurrency": "use 1 or more conversations in flight (default 16)"}
     for flag, fix in fixes.items():
         value = getattr(a, flag, None)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: {fix}")
+    if getattr(a, "retries", 0) < 0:  # no try at all: every conversation failed with an internal error
+        p.error(f"--retries {a.retries}: use 0 or more retries per request (default 5)")
+    if not 0 <= getattr(a, "temperature", 0) < float("inf"):  # in-process, a negative one was greedy without a word
+        p.error(f"--temperature {a.temperature}: use 0 for greedy answers or a positive value to sample")
     if not getattr(a, "request_timeout", 1) > 0:  # nan too: urllib's timeout would never or always fire
         p.error(f"--request-timeout {a.request_timeout}: use a positive number of seconds (default 600)")
 

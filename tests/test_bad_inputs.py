@@ -329,6 +329,13 @@ def test_failed_prepare_leaves_no_empty_out_folder(data_target, tmp_path):
     ("prepare", ["--limit", "0"], "--limit 0: use 1 or more conversations"),  # "no usable conversations"
     ("regenerate", ["--limit", "-1"], "--limit -1: use 1 or more conversations"),
     ("regenerate", ["--batch-size", "0"], "--batch-size 0: use 1 or more conversations"),  # "read 0 rows"
+    # each failed every conversation after the target loaded, and said to rerun to retry them
+    ("regenerate", ["--max-tokens", "0"], "--max-tokens 0: use 1 or more new tokens"),
+    ("prepare", ["--max-tokens", "-3"], "--max-tokens -3: use 1 or more new tokens"),
+    ("regenerate", ["--concurrency", "0"], "--concurrency 0: use 1 or more conversations in flight"),
+    ("regenerate", ["--retries", "-1"], "--retries -1: use 0 or more retries"),  # "AssertionError: unreachable"
+    ("regenerate", ["--temperature", "-0.5"], "--temperature -0.5: use 0 for greedy"),  # in-process: greedy
+    ("prepare", ["--temperature", "nan"], "--temperature nan: use 0 for greedy"),
 ])
 def test_prepare_and_regenerate_counts_below_one_name_the_flag(module, argv, said, tmp_path, capsys):
     import importlib
