@@ -3187,6 +3187,9 @@ def test_ablation_on_cuda_without_a_gpu(monkeypatch):
     (["--hidden", "66"], "--hidden must be a multiple of 4"),
     (["--vocab", "100"], "--vocab must be >= 300"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--lr", "0"], "--lr 0.0: use a positive learning rate"),  # fitted nothing, then warned the target loops
+    (["--lr=-1e-3"], "--lr -0.001: use a positive learning rate"),  # torch's error after the tokenizer trained
+    (["--lr", "nan"], "--lr nan: use a positive learning rate"),
     (["--seq-len", "3000"], "--seq-len 3000 is longer than the target's 2048 positions"),
     (["--corpus", str(_DATA_FIX)], "usable .py files"),  # a folder without enough sources: once an IndexError
 ])
