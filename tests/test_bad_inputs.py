@@ -3116,6 +3116,34 @@ def test_ablation_finished_run_of_other_code_counts_unless_asked(tmp_path):
     assert finished(tmp_path, spec, same_code=True)
 
 
+def test_ablation_result_or_training_record_cut_by_a_kill_runs_that_run_again(tmp_path, monkeypatch):
+    """A result.json cut short by a kill stopped every rerun (--table-only too) with a bare JSON error naming no
+    file; a cut trained.json failed the run the same way on each retry."""
+    import json
+
+    import train.distill
+    from train.ablate import finished, main, run_one
+
+    target = stand_in_small_target(tmp_path / "target")
+    run_dir = tmp_path / "abl" / "paper" / "seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text('{"tau_pooled": 1.2, "ar')
+    assert not finished(run_dir, {"argv": ["x"]})
+    assert main(["--table-only", "--steps", "3", "--target", str(target), "--out", str(tmp_path / "abl")])["rows"] == []
+
+    class Trained(Exception):
+        pass
+
+    def distill(argv):
+        raise Trained
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    (run_dir / "spec.json").write_text(json.dumps({"run_dir": str(run_dir), "argv": ["train.max_steps=8"]}))
+    (run_dir / "trained.json").write_text('{"argv": ["train.max')
+    with pytest.raises(Trained):  # trained again, not a JSON error
+        run_one(run_dir / "spec.json")
+
+
 def test_ablation_code_key_follows_the_source(tmp_path):
     from train.ablate import code_key
 
