@@ -3590,6 +3590,22 @@ def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, caps
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["--loss-threshold", "10"], "--loss-threshold 10.0 is a share of tau"),  # never met: the narrowest width
+    (["--loss-threshold", "0"], "--loss-threshold 0.0 is a share of tau"),  # always met: the widest
+    (["--bits", "0"], "--sweep/--bits: 0 bits is not an MLX affine width"),  # ignored: the sweep chose
+    (["--corpus", "src", "--target", "runs/small-target"], "--corpus builds the small target"),  # ignored
+])
+def test_quant_experiment_flags_it_ignored_or_misread_are_refused_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                                   argv, said):
+    import train.quant_experiment as qx
+
+    monkeypatch.setattr(qx, "run", lambda *a, **k: pytest.fail("the experiment ran"))
+    with pytest.raises((SystemExit, ValueError)) as e:
+        qx.main(["--out", str(tmp_path / "out"), *argv])
+    assert said in (str(e.value) + capsys.readouterr().err) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
     (["--topk", "-1"], "--topk -1: use 0 (off)"),  # a TypeError traceback mid-extraction
     (["--batch-size", "0"], "--batch-size 0: use 1 or more"),  # "range() arg 3 must not be zero"
     (["--shard-mb", "0"], "--shard-mb 0.0: use a positive shard size"),  # one-row shards, silently

@@ -255,9 +255,14 @@ def main(argv: list[str] | None = None) -> dict:
             p.error("--epochs must be at least 1")
     if not 0 <= a.seed < 2**32:  # else train.seed refuses it after the target and drafter A are built
         p.error("--seed must be in [0, 2**32)")
+    if not 0 < a.loss_threshold < 1:  # 10 (meaning 10%) was never met: the narrowest width, without a word
+        p.error(f"--loss-threshold {a.loss_threshold} is a share of tau (0.1 = a 10% loss): use a value between 0 "
+                "and 1")
+    if a.corpus and a.target:  # the corpus only builds a target: it was ignored
+        p.error("--corpus builds the small target; --target uses a built one as it is: drop one of them")
     from models.quant import check_bits_group
 
-    for b in a.sweep + ([a.bits] if a.bits else []):
+    for b in a.sweep + ([a.bits] if a.bits is not None else []):  # --bits 0 was ignored (the sweep chose)
         check_bits_group(b, a.group_size, what="--sweep/--bits")
     return run(Path(a.out), a.budget, tuple(a.sweep), a.group_size, a.bits, a.loss_threshold, a.seed, a.corpus,
                a.target, epochs=a.epochs, rerun_other_code=a.rerun_other_code)
