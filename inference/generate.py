@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--prompt is not UTF-8 text (an undecodable byte at character {e.start}: "
                     f"{args.prompt[max(e.start - 10, 0):e.start + 10]!r}): set the terminal to UTF-8 (e.g. "
                     "LANG=C.UTF-8), or pass --prompt-ids")
+    if args.prompt is not None and not args.prompt.strip():  # an unset shell variable: found only after the load
+        p.error("--prompt is empty: give the text to generate from (or --prompt-ids)")
     if args.chat and args.prompt is None:
         p.error("--chat needs --prompt (text); --prompt-ids are used as given")
     if args.thinking is not None and not args.chat:  # was ignored: the prompt went in raw

@@ -1942,6 +1942,9 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     # one token comes from the prefill: tau and speeds were reported as 0 (undefined)
     ("validate", ["--target", "t", "--draft", "d", "--max-new-tokens", "1"], "validate needs at least 2"),
     ("validate", ["--target", "t", "--draft", "d", "--repeats", "0"], "--repeats must be at least 1"),
+    # "the prompt is empty" once the target had loaded; with --chat, an empty user turn was generated from
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", ""], "--prompt is empty: give the text"),
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", "  ", "--chat"], "--prompt is empty: give the text"),
 ])
 def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
     """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
