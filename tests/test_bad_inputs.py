@@ -3597,15 +3597,20 @@ def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, caps
     (["--loss-threshold", "0"], "--loss-threshold 0.0 is a share of tau"),  # always met: the widest
     (["--bits", "0"], "--sweep/--bits: 0 bits is not an MLX affine width"),  # ignored: the sweep chose
     (["--corpus", "src", "--target", "runs/small-target"], "--corpus builds the small target"),  # ignored
+    (["--out", "FILE"], "--out FILE is a file: give a folder"),  # a bare "[Errno 17] File exists"
 ])
-def test_quant_experiment_flags_it_ignored_or_misread_are_refused_before_any_work(tmp_path, monkeypatch, capsys,
-                                                                                   argv, said):
+def test_quant_experiment_misread_or_ignored_flags_and_an_out_file_are_refused_first(tmp_path, monkeypatch, capsys,
+                                                                                     argv, said):
     import train.quant_experiment as qx
+    import train.small_target
 
-    monkeypatch.setattr(qx, "run", lambda *a, **k: pytest.fail("the experiment ran"))
-    with pytest.raises((SystemExit, ValueError)) as e:
+    monkeypatch.setattr(train.small_target, "build_small_target", lambda *a, **k: pytest.fail("the experiment ran"))
+    (tmp_path / "FILE").write_text("x")
+    argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
+    with pytest.raises((SystemExit, ValueError, OSError)) as e:
         qx.main(["--out", str(tmp_path / "out"), *argv])
-    assert said in (str(e.value) + capsys.readouterr().err) and not (tmp_path / "out").exists()
+    assert said.replace("FILE", str(tmp_path / "FILE")) in (str(e.value) + capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv, said", [

@@ -160,6 +160,8 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
     from train.ablate import code_key
     from train.small_target import build_small_target, degenerate
 
+    if out.exists() and not out.is_dir():  # was a bare "[Errno 17] File exists"
+        raise NotADirectoryError(f"--out {out} is a file: give a folder (created if missing)")
     budget = BUDGETS[budget_name]
     if epochs is not None:  # a copy: the module's budgets stay as documented for later runs in this process
         budget = {**budget, "train": {**budget["train"], "train.epochs": epochs}}
