@@ -37,6 +37,7 @@ with the command that starts one otherwise.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -413,6 +414,12 @@ def main(argv: list[str] | None = None) -> None:
     stats = ReadStats()  # the source is streamed: read as regeneration goes
     convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
                                need_answers=False)
+    # The first conversation is read before the target loads (minutes): a mistyped --source, or one without a
+    # usable row, was found only after it, leaving an empty --out and its settings file behind.
+    first = next(convs, None)
+    if first is None:
+        raise no_usable_rows(a.source, stats)
+    convs = itertools.chain([first], convs)
     settings = lambda model: {"model": model, "quantization": a.quantization,  # noqa: E731
                               "thinking": parse_thinking(a.thinking), "max_tokens": a.max_tokens,
                               "temperature": a.temperature}

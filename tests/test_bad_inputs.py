@@ -732,6 +732,22 @@ def test_regenerate_out_that_is_the_source_other_data_or_a_folder_is_refused_unt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "folder", "mine.jsonl"]
 
 
+@pytest.mark.parametrize("source, said", [("chatz.jsonl", "is neither a local file/folder nor a Hub id"),
+                                          ("unknown.jsonl", "no usable conversations")])
+def test_regenerate_source_that_is_missing_or_unusable_is_named_before_the_target_loads(tmp_path, monkeypatch,
+                                                                                         source, said):
+    """The source is streamed: a mistyped --source was read only after the target had loaded (minutes for a
+    large one), leaving an empty --out and its settings file behind."""
+    import data.regenerate as rg
+
+    (tmp_path / "unknown.jsonl").write_text('{"foo": 1}\n')
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises((FileNotFoundError, ValueError), match=said):
+        rg.main(["--source", str(tmp_path / source), "--out", str(tmp_path / "rg.jsonl"), "--target", "t",
+                 "--no-progress"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unknown.jsonl"]
+
+
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
     """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
     sets it, and a value that is not a positive number of seconds is refused."""
