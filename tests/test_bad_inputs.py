@@ -748,6 +748,17 @@ def test_regenerate_source_that_is_missing_or_unusable_is_named_before_the_targe
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unknown.jsonl"]
 
 
+def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
+    import data.prepare
+    import data.regenerate as rg
+
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises(FileNotFoundError, match="'./chatz.jsonl' is neither a local file/folder nor a Hub id"):
+        data.prepare.main(["--source", "./chatz.jsonl", "--out", str(tmp_path / "data"), "--target", "t",
+                           "--regenerate", "local", "--no-progress"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
     """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
     sets it, and a value that is not a positive number of seconds is refused."""
