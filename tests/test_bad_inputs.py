@@ -3696,6 +3696,44 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
         StoreWriter(out, {"topk": 4}, [(0, 2)])
 
 
+def test_quant_experiment_drafter_trained_against_another_target_build_group_or_budget_is_trained_again(
+        tmp_path, monkeypatch):
+    """The cached drafter's folder is named by bits, epochs and seed only: one trained against an earlier build
+    of the target, a quantized folder of another group size, or another budget of the same epochs was reused
+    and its tau reported as this run's."""
+    import json
+    import shutil
+
+    import train.distill
+    from train.quant_experiment import train_drafter
+    from train.small_target import STAMP_FILE
+
+    run, target, calls, said = tmp_path / "drafter-mlx-3bit-e3-s0", tmp_path / "target", [], []
+
+    def distill(argv):
+        calls.append(argv)
+        (run / "final" / "drafter").mkdir(parents=True, exist_ok=True)
+        (run / "final" / "drafter" / "config.json").write_text("{}")
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    target.mkdir()
+    budget, q64 = {"train": {"train.epochs": 3, "data.limit": 80}}, f"mlx:{tmp_path / 'target-mlx-3bit-g64'}"
+    changes = {"rebuilt target": (q64, budget), "group size": (f"mlx:{tmp_path / 'target-mlx-3bit-g32'}", budget),
+               "budget": (q64, {"train": {"train.epochs": 3, "data.limit": 160}})}
+    for what, (quantization, other_budget) in changes.items():
+        shutil.rmtree(run, ignore_errors=True)
+        (target / STAMP_FILE).write_text(json.dumps({"spec": {"steps": 600}}))
+        train_drafter(run, target, q64, budget, 0, said.append)
+        train_drafter(run, target, q64, budget, 0, said.append)
+        assert len(calls) == 1, what  # the same: reused
+        if what == "rebuilt target":
+            (target / STAMP_FILE).write_text(json.dumps({"spec": {"steps": 40}}))
+        train_drafter(run, target, quantization, other_budget, 0, said.append)
+        assert len(calls) == 2, what
+        assert "trained against another target build or budget" in said[-2] and "from the start" in said[-2], what
+        calls.clear()
+
+
 def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
     """Four taus measured on a target whose greedy output is a loop say nothing: stop before any work."""
     import json

@@ -90,12 +90,14 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
                   rerun_other_code: bool = False) -> Path:
     """A drafter trained with ``train/distill.py`` (cached: an existing final drafter is reused, an interrupted
     training resumed), unless its data was labelled by an older draftsmith: then it is trained again from the
-    start on the same answers, relabelled. A cached drafter trained by other code (``trained_by.json``
+    start on the same answers, relabelled, and so is one trained against another build of the target, quantized
+    folder or budget (``trained_against``). A cached drafter trained by other code (``trained_by.json``
     records the ``train.ablate.code_key``) is reused with a warning, or trained again with ``rerun_other_code``."""
     from train.ablate import code_key
 
     final = out_dir / "final" / "drafter"
-    stale = stale_labels(out_dir / "data")
+    against = trained_against(target_dir, quantization, budget)
+    stale = stale_labels(out_dir / "data") or other_training(out_dir, against)
     if (final / "config.json").is_file() and not stale:
         trained_by = drafter_code_key(out_dir)
         if trained_by == code_key():
@@ -120,11 +122,38 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
                  "logging.progress": False, "resume": True}  # an interrupted training goes on (none: from scratch)
     log(f"training drafter against {quantization if quantization != 'none' else 'the unquantized target'} -> {out_dir}")
     distill(["recipe=tiny"] + [f"{k}={v}" for k, v in overrides.items()])
-    (out_dir / TRAINED_BY).write_text(json.dumps({"code_key": code_key()}) + "\n")
+    (out_dir / TRAINED_BY).write_text(json.dumps({"code_key": code_key(), "trained_against": against}) + "\n")
     return final
 
 
 TRAINED_BY = "trained_by.json"
+
+
+def trained_against(target_dir: Path, quantization: str, budget: dict) -> dict:
+    """What a cached drafter must have been trained against to be reused: the build of the small target (its
+    stamp, as train.ablate keys its runs), the quantized folder by name (bits and group size) and the budget's
+    training settings. The run folder's name holds only the bits, epochs and seed: a drafter trained against an
+    earlier build, another group size or another budget of the same epochs was reused and measured as this one."""
+    from train.ablate import target_key
+    from train.small_target import STAMP_FILE
+
+    build = target_key(Path(target_dir)) if (Path(target_dir) / STAMP_FILE).is_file() else None
+    kind, _, folder = quantization.partition(":")
+    return {"target_build": build, "quantization": f"{kind}:{Path(folder).name}" if folder else kind,
+            "train": dict(budget["train"])}
+
+
+def other_training(out_dir: Path, against: dict) -> str | None:
+    """Why a cached drafter was trained against something else than ``against`` (None: the same, or a run that
+    predates the record)."""
+    try:
+        recorded = json.loads((out_dir / TRAINED_BY).read_text()).get("trained_against")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(recorded, dict):
+        return None
+    diff = [f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in against.items() if recorded.get(k) != v]
+    return f"trained against another target build or budget ({'; '.join(diff)})" if diff else None
 
 
 def drafter_code_key(out_dir: Path) -> str | None:
