@@ -3734,6 +3734,30 @@ def test_quant_experiment_drafter_trained_against_another_target_build_group_or_
         calls.clear()
 
 
+def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_overwritten(tmp_path, monkeypatch):
+    """report-<bits>bit-e<epochs>-s<seed>.json names neither the group size nor the budget: a rerun at another
+    --group-size (or a budget of the same epochs) overwrote the earlier run's only record of its four taus."""
+    import json
+
+    import models.quant
+    import train.quant_experiment as qx
+
+    target = stand_in_small_target(tmp_path / "target")
+    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda t, folder, **k: folder)
+    monkeypatch.setattr(qx, "prompt_ids", lambda t, n: [[1, 2]] * n)
+    monkeypatch.setattr(qx, "train_drafter", lambda out_dir, *a, **k: out_dir)
+    monkeypatch.setattr(qx, "measure_tau", lambda t, d, p, n: {"tau": 2.0 if "g64" in str(t) else 1.5})
+    out, name = tmp_path / "qx", "report-3bit-e3-s0.json"
+    run = lambda group: qx.run(out, "smoke", sweep_bits=(3,), bits=3, group_size=group,  # noqa: E731
+                               target_dir=str(target), log=lambda *_: None)
+    run(64)
+    run(64)  # the same settings: measured again in place
+    assert not (out / f"{name}.old").exists()
+    run(32)
+    assert json.loads((out / f"{name}.old").read_text())["group_size"] == 64
+    assert json.loads((out / name).read_text())["group_size"] == 32
+
+
 def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
     """Four taus measured on a target whose greedy output is a loop say nothing: stop before any work."""
     import json

@@ -242,9 +242,31 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         "drafters_trained_by": {"unquantized": drafter_code_key(dir_a), "quantized": drafter_code_key(dir_b)},
     }
     report["recovered"] = round(b_q["tau"] - a_q["tau"], 4)
-    (out / f"report-{chosen}bit-{runs}.json").write_text(json.dumps(report, indent=2))
+    path = out / f"report-{chosen}bit-{runs}.json"
+    set_aside_other_report(path, report, log)
+    path.write_text(json.dumps(report, indent=2))
     log(table(report))
     return report
+
+
+REPORT_SETTINGS = ("budget", "group_size", "prompts", "max_new_tokens", "target")  # what the report's name omits
+
+
+def set_aside_other_report(path: Path, report: dict, log) -> None:
+    """An earlier report at ``path`` measured with other settings (another --group-size or --budget of the same
+    epochs: the name holds only bits, epochs and seed) is renamed ``.old`` (``.old.1`` ...), not overwritten."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(earlier, dict) or all(earlier.get(k) == report.get(k) for k in REPORT_SETTINGS):
+        return
+    aside, n = path.with_name(path.name + ".old"), 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.old.{n}")
+    path.rename(aside)
+    log(f"note: {path.name} of an earlier run with other settings is kept as {aside.name}")
 
 
 def table(report: dict) -> str:
