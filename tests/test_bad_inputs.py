@@ -3068,6 +3068,20 @@ def test_ablation_target_folder_not_from_small_target(tmp_path):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
 
+def test_ablation_cell_named_twice_in_the_grid_runs_once(tmp_path, monkeypatch):
+    """--grid gamma=1,lr=2e-3,gamma=1 queued gamma=1's runs twice: with --workers 2, two processes trained into
+    the same folder at once."""
+    import train.ablate as ab
+
+    target = stand_in_small_target(tmp_path / "target")
+    queued = []
+    monkeypatch.setattr(ab, "prepare_data", lambda variant, t, out, **k: ab.variant_folder(variant, out, 3))
+    monkeypatch.setattr(ab, "run_all", lambda todo, *a: queued.extend(todo))
+    ab.main(["--grid", "gamma=1,lr=2e-3,gamma=1", "--steps", "3", "--seeds", "1", "--workers", "2",
+             "--target", str(target), "--out", str(tmp_path / "abl")])
+    assert [p.parent.name for p in queued] == ["paper", "gamma=1", "lr=2e-3"]
+
+
 def test_ablation_target_that_does_not_exist_is_not_built(tmp_path, monkeypatch):
     """A mistyped --target started a ~45-minute build of a new small target there; as train.quant_experiment,
     only the default folder is built when missing."""

@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
         close = difflib.get_close_matches(unknown[0], list(CELLS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown cell {unknown[0]!r}{hint} (python -m train.ablate --list shows them)")
-    cells = ["paper"] + [c for c in cells if c != "paper"]
+    # Once each: a cell named twice ran twice, with --workers in two processes training into one folder at once.
+    cells = ["paper"] + [c for c in dict.fromkeys(cells) if c != "paper"]
     if a.device == "cuda":
         import torch
 
