@@ -24,7 +24,7 @@ import logging
 import platform
 import sys
 
-from inference.checks import check_dtype, check_prompt_ids, preflight
+from inference.checks import check_draft_weights, check_dtype, check_prompt_ids, preflight
 from models.cli import check_device
 
 WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.dtype = check_dtype(args.dtype)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
+    check_draft_weights(args.draft)
     early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
     backend = pick_backend(args.backend)
     session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)

@@ -1410,6 +1410,19 @@ def test_drafter_for_another_target(infer_dirs, changes, message):
             run(infer_dirs, *extra, draft=draft)
 
 
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_a_drafter_folder_without_its_weights_is_named_before_the_target_loads(infer_dirs, monkeypatch, run):
+    """A drafter folder holding only config.json (a partial copy) passed every check and failed only once the
+    target had loaded (minutes for a large one)."""
+    from models.target import TargetModel
+
+    draft = _drafter_variant(infer_dirs, "config-only")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded first"))
+    extra = ("--prompt-ids", "1") if run is _generate else ()
+    with pytest.raises(FileNotFoundError, match=r"--draft .*config-only: no \*.safetensors weights in "):
+        run(infer_dirs, *extra, draft=draft)
+
+
 def test_mask_id_outside_the_target_embedding(infer_dirs):
     draft = _drafter_variant(infer_dirs, "mask-out-of-range", mask_token_id=999)
     for run in (_generate, _validate):
