@@ -1672,12 +1672,13 @@ def test_torch_loop_choice_on_the_mlx_backend(tmp_path):
         Session("torch", str(tmp_path / "t"), str(tmp_path / "d"), loop="graphs")
 
 
-def test_validate_mistake_prints_one_line(infer_dirs):
+def test_validate_mistake_prints_one_line(infer_dirs, tmp_path):
     import subprocess
     import sys
 
+    # --out under tmp_path: the default ./validate-report was left in the checkout (validate claims it first)
     out = subprocess.run([sys.executable, "-m", "inference.validate", "--target", infer_dirs["draft"], "--draft",
-                          infer_dirs["target"]], capture_output=True, text=True)
+                          infer_dirs["target"], "--out", str(tmp_path / "report")], capture_output=True, text=True)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "error: --target" in out.stderr and "swap them" in out.stderr
 
