@@ -2292,6 +2292,28 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
     assert not (export_drafter / "README.md").exists()
 
 
+def test_push_private_to_a_repo_that_exists_public_uploads_nothing(tmp_path, export_drafter, monkeypatch):
+    """create_repo(exist_ok=True) leaves an existing repo's visibility as it is: --private pushed the weights
+    into the public repo without a word."""
+    from huggingface_hub import HfApi
+
+    from export.hf import main as export_hf
+    from export.push import main as push
+    from models.cli import run_cli
+
+    export_hf(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "hf"), "--no-remote-code-check"])
+    sent = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, **k: sent.append("create_repo"))
+    monkeypatch.setattr(HfApi, "repo_info", lambda self, **k: type("ModelInfo", (), {"private": False})())
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **k: sent.append("upload_folder"))
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: push(["--folder", str(tmp_path / "hf"), "--repo", "me/d", "--private"]))
+    message = str(e.value.code)
+    assert "--private but me/d already exists and is public" in message and "nothing was uploaded" in message
+    assert sent == ["create_repo"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["export.push_repo=me/d"], "pushes the HF export: add export.hf=true"),
     (["export.push_mlx_repo=me/d"], "pushes the MLX export: add export.mlx=true"),
