@@ -378,6 +378,7 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
 
 
 def main(argv: list[str] | None = None) -> None:
+    from data.readers import check_source
     from data.regenerate import add_generation_args, check_counts, load_local_target, parse_thinking
 
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
@@ -414,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
+    check_source(a.source)  # before the target loads (minutes for a large one)
     target_model = load_local_target(a, a.target) if a.regenerate == "local" else None
     stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
                     max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,

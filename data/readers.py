@@ -285,6 +285,13 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
     elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
         yield from _hub_rows(str(source), split, subset, streaming, revision)
     else:
+        check_source(source)
+
+
+def check_source(source: str | Path) -> None:
+    """Refuse a source that is neither a local file / folder nor shaped like a Hub id, before any work (the
+    rows are read lazily, so a command that loads the target first found a mistyped path only after it)."""
+    if not Path(source).expanduser().exists() and ("/" not in str(source) or str(source).startswith((".", "/", "~"))):
         raise FileNotFoundError(f"data source {str(source)!r} is neither a local file/folder nor a Hub id org/name")
 
 

@@ -37,6 +37,7 @@ with the command that starts one otherwise.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -267,6 +268,33 @@ def check_settings(out: str | Path, settings: dict) -> None:
     path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
+def check_out(source: str, out: str | Path) -> None:
+    """Refuse an ``--out`` that is not this command's own answers file, before anything is written or loaded:
+    the file is appended to, and a last line without a newline is cut first (a row killed mid-write), so
+    ``--out`` naming the source (or other data) cut its last conversation and appended answers to it."""
+    out = Path(out)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a folder: give the JSONL file to write the answers to (e.g. "
+                                f"{out / 'regenerated.jsonl'}); data.prepare --out is the one that takes a folder")
+    if not out.is_file() or not out.stat().st_size:
+        return
+    if Path(source).is_file() and out.samefile(source):
+        raise FileExistsError(f"--out {out} is the --source file: the answers would be appended to it (and its last "
+                              "line cut when it has no newline): write them to a new file")
+    with out.open("rb") as f:
+        first = f.readline(1 << 20)
+    if not first.endswith(b"\n"):  # a lone line cut by a kill during the first row's write: resume cuts it
+        return
+    try:
+        row = json.loads(first)
+    except (ValueError, UnicodeDecodeError):
+        row = None
+    if not (isinstance(row, dict) and "regen" in row):
+        raise FileExistsError(f"--out {out} holds other data, not answers written by data.regenerate: they would be "
+                              "appended to it (and its last line cut when it has no newline): write them to a new "
+                              "file")
+
+
 def make_generator(spec: str, *, model: str | None = None, target=None, thinking: bool | None = None,
                    temperature: float = 0.0, max_tokens: int = 512, concurrency: int = 8, batch_size: int = 8,
                    retries: int = 5, backoff: float = 1.0, request_timeout: float = 600.0, preflight: bool = True):
@@ -321,11 +349,18 @@ def check_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     without naming the flag (and --max-length -5 silently cut the last 5 tokens of every row)."""
     fixes = {"limit": "use 1 or more conversations, or leave it out for all of them",
              "batch_size": "use 1 or more conversations per in-process batch (default 8)",
-             "max_length": "use 1 or more tokens, or leave it out for no truncation"}
+             "max_length": "use 1 or more tokens, or leave it out for no truncation",
+             # these failed every conversation after the target loaded ("rerun to retry them"), or never ran
+             "max_tokens": "use 1 or more new tokens per answer (default 2048)",
+             "concurrency": "use 1 or more conversations in flight (default 16)"}
     for flag, fix in fixes.items():
         value = getattr(a, flag, None)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: {fix}")
+    if getattr(a, "retries", 0) < 0:  # no try at all: every conversation failed with an internal error
+        p.error(f"--retries {a.retries}: use 0 or more retries per request (default 5)")
+    if not 0 <= getattr(a, "temperature", 0) < float("inf"):  # in-process, a negative one was greedy without a word
+        p.error(f"--temperature {a.temperature}: use 0 for greedy answers or a positive value to sample")
     if not getattr(a, "request_timeout", 1) > 0:  # nan too: urllib's timeout would never or always fire
         p.error(f"--request-timeout {a.request_timeout}: use a positive number of seconds (default 600)")
 
@@ -370,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     add_generation_args(p)
     a = p.parse_args(argv)
     check_counts(p, a)
+    check_out(a.source, a.out)
     if not a.server and not a.target:
         p.error("give --server URL (OpenAI-compatible) or --target (in-process generation)")
     if a.server and a.quantization != "none":
@@ -378,6 +414,12 @@ def main(argv: list[str] | None = None) -> None:
     stats = ReadStats()  # the source is streamed: read as regeneration goes
     convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
                                need_answers=False)
+    # The first conversation is read before the target loads (minutes): a mistyped --source, or one without a
+    # usable row, was found only after it, leaving an empty --out and its settings file behind.
+    first = next(convs, None)
+    if first is None:
+        raise no_usable_rows(a.source, stats)
+    convs = itertools.chain([first], convs)
     settings = lambda model: {"model": model, "quantization": a.quantization,  # noqa: E731
                               "thinking": parse_thinking(a.thinking), "max_tokens": a.max_tokens,
                               "temperature": a.temperature}

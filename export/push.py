@@ -208,10 +208,26 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
         except Exception as e:  # the hub client raises HTTP, network and validation errors of many types
             raise OSError(f"{op['op']} on {repo} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
                           "). Check the repo id, your token's write access and HF_ENDPOINT") from None
+        if op["op"] == "create_repo" and private:
+            refuse_public(api, repo)
         if op["op"] == "upload_folder":
             url = getattr(result, "commit_url", None) or str(result)
     log(f"pushed {folder} to {repo}@{revision}" + (f": {url}" if url else ""))
     return {"ops": ops, "card": card, "uploaded": True, "url": url}
+
+
+def refuse_public(api, repo: str) -> None:
+    """``--private`` for a repo that already exists and is public: ``create_repo(exist_ok=True)`` leaves an existing
+    repo's visibility as it is, so the weights the user meant to keep private were published."""
+    try:
+        private = getattr(api.repo_info(repo_id=repo, repo_type="model"), "private", None)
+    except Exception as e:  # the hub client raises HTTP, network and validation errors of many types
+        raise OSError(f"repo_info on {repo} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}): "
+                      "nothing was uploaded. Check the repo id, your token's access and HF_ENDPOINT") from None
+    if private is False:
+        raise PermissionError(f"--private but {repo} already exists and is public (pushing to it does not change its "
+                              "visibility): nothing was uploaded. Make it private in the repo's settings on the Hub "
+                              "and push again, or drop --private to publish it")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

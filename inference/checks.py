@@ -166,6 +166,21 @@ class Preflight:
     recorded_target: str | None
 
 
+def check_draft_weights(draft: str) -> None:
+    """A local drafter folder holds its weights (a Hub id's come with the load): missing ones were found only
+    after the target had loaded (minutes for a large one)."""
+    from models.weights import weight_files
+
+    path = Path(draft).expanduser()
+    if not path.is_dir():
+        return
+    try:
+        weight_files(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--draft {draft}: {e}: pass the whole drafter folder (an export, or a run's "
+                                "final/drafter)") from None
+
+
 def preflight(target: str, draft: str, block_size: int | None = None, temperature: float = 0.0) -> Preflight:
     """Everything that can be checked from the two ``config.json`` files, before any weights load.
 

@@ -24,7 +24,7 @@ import logging
 import platform
 import sys
 
-from inference.checks import check_dtype, check_prompt_ids, preflight
+from inference.checks import check_draft_weights, check_dtype, check_prompt_ids, preflight
 from models.cli import check_device
 
 WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--prompt is not UTF-8 text (an undecodable byte at character {e.start}: "
                     f"{args.prompt[max(e.start - 10, 0):e.start + 10]!r}): set the terminal to UTF-8 (e.g. "
                     "LANG=C.UTF-8), or pass --prompt-ids")
+    if args.prompt is not None and not args.prompt.strip():  # an unset shell variable: found only after the load
+        p.error("--prompt is empty: give the text to generate from (or --prompt-ids)")
     if args.chat and args.prompt is None:
         p.error("--chat needs --prompt (text); --prompt-ids are used as given")
     if args.thinking is not None and not args.chat:  # was ignored: the prompt went in raw
@@ -355,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.dtype = check_dtype(args.dtype)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
+    check_draft_weights(args.draft)
     early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
     backend = pick_backend(args.backend)
     session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)

@@ -329,6 +329,13 @@ def test_failed_prepare_leaves_no_empty_out_folder(data_target, tmp_path):
     ("prepare", ["--limit", "0"], "--limit 0: use 1 or more conversations"),  # "no usable conversations"
     ("regenerate", ["--limit", "-1"], "--limit -1: use 1 or more conversations"),
     ("regenerate", ["--batch-size", "0"], "--batch-size 0: use 1 or more conversations"),  # "read 0 rows"
+    # each failed every conversation after the target loaded, and said to rerun to retry them
+    ("regenerate", ["--max-tokens", "0"], "--max-tokens 0: use 1 or more new tokens"),
+    ("prepare", ["--max-tokens", "-3"], "--max-tokens -3: use 1 or more new tokens"),
+    ("regenerate", ["--concurrency", "0"], "--concurrency 0: use 1 or more conversations in flight"),
+    ("regenerate", ["--retries", "-1"], "--retries -1: use 0 or more retries"),  # "AssertionError: unreachable"
+    ("regenerate", ["--temperature", "-0.5"], "--temperature -0.5: use 0 for greedy"),  # in-process: greedy
+    ("prepare", ["--temperature", "nan"], "--temperature nan: use 0 for greedy"),
 ])
 def test_prepare_and_regenerate_counts_below_one_name_the_flag(module, argv, said, tmp_path, capsys):
     import importlib
@@ -699,6 +706,57 @@ def test_local_regenerate_with_other_settings_is_refused_before_the_target_loads
     monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
     with pytest.raises(rg.RegenerationError, match=r"other settings \(max_tokens: 2 -> 3\)"):
         rg.main(base + ["--max-tokens", "3"])
+
+
+@pytest.mark.parametrize("out, said", [
+    ("source", "is the --source file"), ("other data", "holds other data, not answers written by data.regenerate"),
+    ("folder", "is a folder: give the JSONL"),
+])
+def test_regenerate_out_that_is_the_source_other_data_or_a_folder_is_refused_untouched(tmp_path, monkeypatch, out,
+                                                                                       said):
+    """--out naming the source cut its last conversation (no newline at the end: taken for a row killed
+    mid-write) and appended the answers to it; a folder failed only after the target loaded."""
+    import data.regenerate as rg
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text((_DATA_FIX / "openai.jsonl").read_text().rstrip("\n"))  # as editors often save it
+    other = tmp_path / "mine.jsonl"
+    other.write_text('{"messages": [{"role": "user", "content": "q"}]}\n{"messages": []}')
+    (tmp_path / "folder").mkdir()
+    before = {p: p.read_bytes() for p in (source, other)}
+    path = {"source": source, "other data": other, "folder": tmp_path / "folder"}[out]
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises(OSError, match=said):
+        rg.main(["--source", str(source), "--out", str(path), "--target", "t", "--no-progress"])
+    assert {p: p.read_bytes() for p in (source, other)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "folder", "mine.jsonl"]
+
+
+@pytest.mark.parametrize("source, said", [("chatz.jsonl", "is neither a local file/folder nor a Hub id"),
+                                          ("unknown.jsonl", "no usable conversations")])
+def test_regenerate_source_that_is_missing_or_unusable_is_named_before_the_target_loads(tmp_path, monkeypatch,
+                                                                                         source, said):
+    """The source is streamed: a mistyped --source was read only after the target had loaded (minutes for a
+    large one), leaving an empty --out and its settings file behind."""
+    import data.regenerate as rg
+
+    (tmp_path / "unknown.jsonl").write_text('{"foo": 1}\n')
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises((FileNotFoundError, ValueError), match=said):
+        rg.main(["--source", str(tmp_path / source), "--out", str(tmp_path / "rg.jsonl"), "--target", "t",
+                 "--no-progress"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unknown.jsonl"]
+
+
+def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
+    import data.prepare
+    import data.regenerate as rg
+
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises(FileNotFoundError, match="'./chatz.jsonl' is neither a local file/folder nor a Hub id"):
+        data.prepare.main(["--source", "./chatz.jsonl", "--out", str(tmp_path / "data"), "--target", "t",
+                           "--regenerate", "local", "--no-progress"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
@@ -1352,6 +1410,19 @@ def test_drafter_for_another_target(infer_dirs, changes, message):
             run(infer_dirs, *extra, draft=draft)
 
 
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_a_drafter_folder_without_its_weights_is_named_before_the_target_loads(infer_dirs, monkeypatch, run):
+    """A drafter folder holding only config.json (a partial copy) passed every check and failed only once the
+    target had loaded (minutes for a large one)."""
+    from models.target import TargetModel
+
+    draft = _drafter_variant(infer_dirs, "config-only")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded first"))
+    extra = ("--prompt-ids", "1") if run is _generate else ()
+    with pytest.raises(FileNotFoundError, match=r"--draft .*config-only: no \*.safetensors weights in "):
+        run(infer_dirs, *extra, draft=draft)
+
+
 def test_mask_id_outside_the_target_embedding(infer_dirs):
     draft = _drafter_variant(infer_dirs, "mask-out-of-range", mask_token_id=999)
     for run in (_generate, _validate):
@@ -1602,12 +1673,13 @@ def test_torch_loop_choice_on_the_mlx_backend(tmp_path):
         Session("torch", str(tmp_path / "t"), str(tmp_path / "d"), loop="graphs")
 
 
-def test_validate_mistake_prints_one_line(infer_dirs):
+def test_validate_mistake_prints_one_line(infer_dirs, tmp_path):
     import subprocess
     import sys
 
+    # --out under tmp_path: the default ./validate-report was left in the checkout (validate claims it first)
     out = subprocess.run([sys.executable, "-m", "inference.validate", "--target", infer_dirs["draft"], "--draft",
-                          infer_dirs["target"]], capture_output=True, text=True)
+                          infer_dirs["target"], "--out", str(tmp_path / "report")], capture_output=True, text=True)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "error: --target" in out.stderr and "swap them" in out.stderr
 
@@ -1912,6 +1984,9 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     # one token comes from the prefill: tau and speeds were reported as 0 (undefined)
     ("validate", ["--target", "t", "--draft", "d", "--max-new-tokens", "1"], "validate needs at least 2"),
     ("validate", ["--target", "t", "--draft", "d", "--repeats", "0"], "--repeats must be at least 1"),
+    # "the prompt is empty" once the target had loaded; with --chat, an empty user turn was generated from
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", ""], "--prompt is empty: give the text"),
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", "  ", "--chat"], "--prompt is empty: give the text"),
 ])
 def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
     """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
@@ -2216,6 +2291,28 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
     msg = _export_error("push", ["--folder", str(folder), "--repo", repo] + extra)
     assert expected in msg and "Nothing was exported" not in msg  # push's own words, not export's
     assert not (export_drafter / "README.md").exists()
+
+
+def test_push_private_to_a_repo_that_exists_public_uploads_nothing(tmp_path, export_drafter, monkeypatch):
+    """create_repo(exist_ok=True) leaves an existing repo's visibility as it is: --private pushed the weights
+    into the public repo without a word."""
+    from huggingface_hub import HfApi
+
+    from export.hf import main as export_hf
+    from export.push import main as push
+    from models.cli import run_cli
+
+    export_hf(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "hf"), "--no-remote-code-check"])
+    sent = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, **k: sent.append("create_repo"))
+    monkeypatch.setattr(HfApi, "repo_info", lambda self, **k: type("ModelInfo", (), {"private": False})())
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **k: sent.append("upload_folder"))
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: push(["--folder", str(tmp_path / "hf"), "--repo", "me/d", "--private"]))
+    message = str(e.value.code)
+    assert "--private but me/d already exists and is public" in message and "nothing was uploaded" in message
+    assert sent == ["create_repo"]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -3008,6 +3105,20 @@ def test_ablation_target_folder_not_from_small_target(tmp_path):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
 
 
+def test_ablation_cell_named_twice_in_the_grid_runs_once(tmp_path, monkeypatch):
+    """--grid gamma=1,lr=2e-3,gamma=1 queued gamma=1's runs twice: with --workers 2, two processes trained into
+    the same folder at once."""
+    import train.ablate as ab
+
+    target = stand_in_small_target(tmp_path / "target")
+    queued = []
+    monkeypatch.setattr(ab, "prepare_data", lambda variant, t, out, **k: ab.variant_folder(variant, out, 3))
+    monkeypatch.setattr(ab, "run_all", lambda todo, *a: queued.extend(todo))
+    ab.main(["--grid", "gamma=1,lr=2e-3,gamma=1", "--steps", "3", "--seeds", "1", "--workers", "2",
+             "--target", str(target), "--out", str(tmp_path / "abl")])
+    assert [p.parent.name for p in queued] == ["paper", "gamma=1", "lr=2e-3"]
+
+
 def test_ablation_target_that_does_not_exist_is_not_built(tmp_path, monkeypatch):
     """A mistyped --target started a ~45-minute build of a new small target there; as train.quant_experiment,
     only the default folder is built when missing."""
@@ -3086,6 +3197,34 @@ def test_ablation_finished_run_of_other_code_counts_unless_asked(tmp_path):
     assert finished(tmp_path, spec, same_code=True)
 
 
+def test_ablation_result_or_training_record_cut_by_a_kill_runs_that_run_again(tmp_path, monkeypatch):
+    """A result.json cut short by a kill stopped every rerun (--table-only too) with a bare JSON error naming no
+    file; a cut trained.json failed the run the same way on each retry."""
+    import json
+
+    import train.distill
+    from train.ablate import finished, main, run_one
+
+    target = stand_in_small_target(tmp_path / "target")
+    run_dir = tmp_path / "abl" / "paper" / "seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text('{"tau_pooled": 1.2, "ar')
+    assert not finished(run_dir, {"argv": ["x"]})
+    assert main(["--table-only", "--steps", "3", "--target", str(target), "--out", str(tmp_path / "abl")])["rows"] == []
+
+    class Trained(Exception):
+        pass
+
+    def distill(argv):
+        raise Trained
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    (run_dir / "spec.json").write_text(json.dumps({"run_dir": str(run_dir), "argv": ["train.max_steps=8"]}))
+    (run_dir / "trained.json").write_text('{"argv": ["train.max')
+    with pytest.raises(Trained):  # trained again, not a JSON error
+        run_one(run_dir / "spec.json")
+
+
 def test_ablation_code_key_follows_the_source(tmp_path):
     from train.ablate import code_key
 
@@ -3157,6 +3296,9 @@ def test_ablation_on_cuda_without_a_gpu(monkeypatch):
     (["--hidden", "66"], "--hidden must be a multiple of 4"),
     (["--vocab", "100"], "--vocab must be >= 300"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--lr", "0"], "--lr 0.0: use a positive learning rate"),  # fitted nothing, then warned the target loops
+    (["--lr=-1e-3"], "--lr -0.001: use a positive learning rate"),  # torch's error after the tokenizer trained
+    (["--lr", "nan"], "--lr nan: use a positive learning rate"),
     (["--seq-len", "3000"], "--seq-len 3000 is longer than the target's 2048 positions"),
     (["--corpus", str(_DATA_FIX)], "usable .py files"),  # a folder without enough sources: once an IndexError
 ])
@@ -3529,6 +3671,27 @@ def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, caps
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["--loss-threshold", "10"], "--loss-threshold 10.0 is a share of tau"),  # never met: the narrowest width
+    (["--loss-threshold", "0"], "--loss-threshold 0.0 is a share of tau"),  # always met: the widest
+    (["--bits", "0"], "--sweep/--bits: 0 bits is not an MLX affine width"),  # ignored: the sweep chose
+    (["--corpus", "src", "--target", "runs/small-target"], "--corpus builds the small target"),  # ignored
+    (["--out", "FILE"], "--out FILE is a file: give a folder"),  # a bare "[Errno 17] File exists"
+])
+def test_quant_experiment_misread_or_ignored_flags_and_an_out_file_are_refused_first(tmp_path, monkeypatch, capsys,
+                                                                                     argv, said):
+    import train.quant_experiment as qx
+    import train.small_target
+
+    monkeypatch.setattr(train.small_target, "build_small_target", lambda *a, **k: pytest.fail("the experiment ran"))
+    (tmp_path / "FILE").write_text("x")
+    argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
+    with pytest.raises((SystemExit, ValueError, OSError)) as e:
+        qx.main(["--out", str(tmp_path / "out"), *argv])
+    assert said.replace("FILE", str(tmp_path / "FILE")) in (str(e.value) + capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
     (["--topk", "-1"], "--topk -1: use 0 (off)"),  # a TypeError traceback mid-extraction
     (["--batch-size", "0"], "--batch-size 0: use 1 or more"),  # "range() arg 3 must not be zero"
     (["--shard-mb", "0"], "--shard-mb 0.0: use a positive shard size"),  # one-row shards, silently
@@ -3582,6 +3745,68 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
     (out / "shard-00000.safetensors").write_bytes(b"x")
     with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
         StoreWriter(out, {"topk": 4}, [(0, 2)])
+
+
+def test_quant_experiment_drafter_trained_against_another_target_build_group_or_budget_is_trained_again(
+        tmp_path, monkeypatch):
+    """The cached drafter's folder is named by bits, epochs and seed only: one trained against an earlier build
+    of the target, a quantized folder of another group size, or another budget of the same epochs was reused
+    and its tau reported as this run's."""
+    import json
+    import shutil
+
+    import train.distill
+    from train.quant_experiment import train_drafter
+    from train.small_target import STAMP_FILE
+
+    run, target, calls, said = tmp_path / "drafter-mlx-3bit-e3-s0", tmp_path / "target", [], []
+
+    def distill(argv):
+        calls.append(argv)
+        (run / "final" / "drafter").mkdir(parents=True, exist_ok=True)
+        (run / "final" / "drafter" / "config.json").write_text("{}")
+
+    monkeypatch.setattr(train.distill, "main", distill)
+    target.mkdir()
+    budget, q64 = {"train": {"train.epochs": 3, "data.limit": 80}}, f"mlx:{tmp_path / 'target-mlx-3bit-g64'}"
+    changes = {"rebuilt target": (q64, budget), "group size": (f"mlx:{tmp_path / 'target-mlx-3bit-g32'}", budget),
+               "budget": (q64, {"train": {"train.epochs": 3, "data.limit": 160}})}
+    for what, (quantization, other_budget) in changes.items():
+        shutil.rmtree(run, ignore_errors=True)
+        (target / STAMP_FILE).write_text(json.dumps({"spec": {"steps": 600}}))
+        train_drafter(run, target, q64, budget, 0, said.append)
+        train_drafter(run, target, q64, budget, 0, said.append)
+        assert len(calls) == 1, what  # the same: reused
+        if what == "rebuilt target":
+            (target / STAMP_FILE).write_text(json.dumps({"spec": {"steps": 40}}))
+        train_drafter(run, target, quantization, other_budget, 0, said.append)
+        assert len(calls) == 2, what
+        assert "trained against another target build or budget" in said[-2] and "from the start" in said[-2], what
+        calls.clear()
+
+
+def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_overwritten(tmp_path, monkeypatch):
+    """report-<bits>bit-e<epochs>-s<seed>.json names neither the group size nor the budget: a rerun at another
+    --group-size (or a budget of the same epochs) overwrote the earlier run's only record of its four taus."""
+    import json
+
+    import models.quant
+    import train.quant_experiment as qx
+
+    target = stand_in_small_target(tmp_path / "target")
+    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda t, folder, **k: folder)
+    monkeypatch.setattr(qx, "prompt_ids", lambda t, n: [[1, 2]] * n)
+    monkeypatch.setattr(qx, "train_drafter", lambda out_dir, *a, **k: out_dir)
+    monkeypatch.setattr(qx, "measure_tau", lambda t, d, p, n: {"tau": 2.0 if "g64" in str(t) else 1.5})
+    out, name = tmp_path / "qx", "report-3bit-e3-s0.json"
+    run = lambda group: qx.run(out, "smoke", sweep_bits=(3,), bits=3, group_size=group,  # noqa: E731
+                               target_dir=str(target), log=lambda *_: None)
+    run(64)
+    run(64)  # the same settings: measured again in place
+    assert not (out / f"{name}.old").exists()
+    run(32)
+    assert json.loads((out / f"{name}.old").read_text())["group_size"] == 64
+    assert json.loads((out / name).read_text())["group_size"] == 32
 
 
 def test_quant_experiment_refuses_a_target_that_loops(tmp_path):

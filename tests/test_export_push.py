@@ -77,7 +77,7 @@ def hub(monkeypatch):
             return None
         return call
 
-    for name in ("create_repo", "create_branch", "upload_folder"):
+    for name in ("create_repo", "repo_info", "create_branch", "upload_folder"):
         monkeypatch.setattr(HfApi, name, recorder(name))
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     return calls
@@ -88,6 +88,7 @@ def test_push_sends_the_exact_operations_and_never_writes_the_token(folder, repo
                    "--report", str(report[0])])
     assert hub == [
         ("create_repo", {"repo_id": "me/Qwen3-8B-DFlash", "repo_type": "model", "private": True, "exist_ok": True}),
+        ("repo_info", {"repo_id": "me/Qwen3-8B-DFlash", "repo_type": "model"}),  # --private: still private?
         ("create_branch", {"repo_id": "me/Qwen3-8B-DFlash", "branch": "dev", "repo_type": "model", "exist_ok": True}),
         ("upload_folder", {"repo_id": "me/Qwen3-8B-DFlash", "folder_path": str(folder), "repo_type": "model",
                            "revision": "dev", "commit_message": "Upload DFlash drafter (draftsmith)",
@@ -272,6 +273,8 @@ def local_hub(monkeypatch):
                 self._reply([{"type": "file", "oid": "b" * 40, "size": 1, "path": name} for name in
                              ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
                               "notes.md", ".gitattributes")])
+            elif self.path == "/api/models/me/drafter":  # repo_info: --private checks the repo is
+                self._reply({"id": "me/drafter", "private": True})
             else:
                 self._reply({"error": "not found"}, 404)
 
@@ -307,16 +310,17 @@ def test_push_over_http_to_a_local_hub_uploads_the_folder_and_the_card(folder, r
 
     result = push(folder, "me/drafter", private=True, revision="dev", report=str(report[0]), log=quiet)
     routes = [(m, path) for m, path, _, _ in local_hub]
-    assert routes == [("POST", "/api/repos/create"), ("POST", "/api/models/me/drafter/branch/dev"),
+    assert routes == [("POST", "/api/repos/create"), ("GET", "/api/models/me/drafter"),
+                      ("POST", "/api/models/me/drafter/branch/dev"),
                       ("GET", "/api/models/me/drafter/tree/dev?recursive=true&expand=false"),
                       ("POST", "/api/validate-yaml"), ("POST", "/api/models/me/drafter/preupload/dev"),
                       ("POST", "/api/models/me/drafter/commit/dev")]
     assert json.loads(local_hub[0][3]) == {"name": "drafter", "organization": "me", "visibility": "private",
                                            "type": "model"}
-    assert "base_model: Qwen/Qwen3-8B" in json.loads(local_hub[3][3])["content"]
+    assert "base_model: Qwen/Qwen3-8B" in json.loads(local_hub[4][3])["content"]
     assert all(auth == f"Bearer {TOKEN}" for _, _, auth, _ in local_hub)
     assert all(TOKEN.encode() not in body for *_, body in local_hub)
-    lines = [json.loads(x) for x in local_hub[5][3].decode().splitlines()]
+    lines = [json.loads(x) for x in local_hub[6][3].decode().splitlines()]
     sent = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
     assert sent == {p.name: p.read_bytes() for p in folder.iterdir()}
     # the earlier push's index and shard go in the same commit; its config is replaced, the user's notes stay

@@ -225,7 +225,7 @@ def run_one(spec_file: Path) -> None:
     run_dir = Path(spec["run_dir"])
     t0 = time.perf_counter()
     trained = run_dir / "trained.json"  # a run killed during its evaluation is not trained again
-    before = json.loads(trained.read_text()) if trained.is_file() else {}
+    before = read_record(trained) or {}
     if all(before.get(k) == spec.get(k) for k in ("argv", "target_key", "data_key", "code_key")):
         summary = before  # (the argv names the folders, not their builds: a rebuilt target or data retrains)
     else:
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
         close = difflib.get_close_matches(unknown[0], list(CELLS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown cell {unknown[0]!r}{hint} (python -m train.ablate --list shows them)")
-    cells = ["paper"] + [c for c in cells if c != "paper"]
+    # Once each: a cell named twice ran twice, with --workers in two processes training into one folder at once.
+    cells = ["paper"] + [c for c in dict.fromkeys(cells) if c != "paper"]
     if a.device == "cuda":
         import torch
 
@@ -435,12 +436,21 @@ def main(argv: list[str] | None = None) -> dict:
 def finished(run_dir: Path, spec: dict, same_code: bool = False) -> bool:
     """A run is done when its result exists for exactly these settings (a changed budget reruns it);
     ``same_code``: and was made by this version of the code (otherwise the table marks it)."""
-    path = run_dir / "result.json"
-    if not path.is_file():
+    r = read_record(run_dir / "result.json")
+    if r is None:
         return False
-    r = json.loads(path.read_text())
     keys = ("argv", "prompts", "max_new_tokens", "target_key", "data_key") + (("code_key",) if same_code else ())
     return all(r.get(k) == spec.get(k) for k in keys)
+
+
+def read_record(path: Path) -> dict | None:
+    """A run's ``result.json`` / ``trained.json``; None when missing or cut short by a kill during its write (it
+    stopped every rerun with a bare JSON error instead of running that run again)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def run_all(todo: list[Path], workers: int, done: int, total: int, device: str = "auto") -> None:

@@ -90,12 +90,14 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
                   rerun_other_code: bool = False) -> Path:
     """A drafter trained with ``train/distill.py`` (cached: an existing final drafter is reused, an interrupted
     training resumed), unless its data was labelled by an older draftsmith: then it is trained again from the
-    start on the same answers, relabelled. A cached drafter trained by other code (``trained_by.json``
+    start on the same answers, relabelled, and so is one trained against another build of the target, quantized
+    folder or budget (``trained_against``). A cached drafter trained by other code (``trained_by.json``
     records the ``train.ablate.code_key``) is reused with a warning, or trained again with ``rerun_other_code``."""
     from train.ablate import code_key
 
     final = out_dir / "final" / "drafter"
-    stale = stale_labels(out_dir / "data")
+    against = trained_against(target_dir, quantization, budget)
+    stale = stale_labels(out_dir / "data") or other_training(out_dir, against)
     if (final / "config.json").is_file() and not stale:
         trained_by = drafter_code_key(out_dir)
         if trained_by == code_key():
@@ -120,11 +122,38 @@ def train_drafter(out_dir: Path, target_dir: Path, quantization: str, budget: di
                  "logging.progress": False, "resume": True}  # an interrupted training goes on (none: from scratch)
     log(f"training drafter against {quantization if quantization != 'none' else 'the unquantized target'} -> {out_dir}")
     distill(["recipe=tiny"] + [f"{k}={v}" for k, v in overrides.items()])
-    (out_dir / TRAINED_BY).write_text(json.dumps({"code_key": code_key()}) + "\n")
+    (out_dir / TRAINED_BY).write_text(json.dumps({"code_key": code_key(), "trained_against": against}) + "\n")
     return final
 
 
 TRAINED_BY = "trained_by.json"
+
+
+def trained_against(target_dir: Path, quantization: str, budget: dict) -> dict:
+    """What a cached drafter must have been trained against to be reused: the build of the small target (its
+    stamp, as train.ablate keys its runs), the quantized folder by name (bits and group size) and the budget's
+    training settings. The run folder's name holds only the bits, epochs and seed: a drafter trained against an
+    earlier build, another group size or another budget of the same epochs was reused and measured as this one."""
+    from train.ablate import target_key
+    from train.small_target import STAMP_FILE
+
+    build = target_key(Path(target_dir)) if (Path(target_dir) / STAMP_FILE).is_file() else None
+    kind, _, folder = quantization.partition(":")
+    return {"target_build": build, "quantization": f"{kind}:{Path(folder).name}" if folder else kind,
+            "train": dict(budget["train"])}
+
+
+def other_training(out_dir: Path, against: dict) -> str | None:
+    """Why a cached drafter was trained against something else than ``against`` (None: the same, or a run that
+    predates the record)."""
+    try:
+        recorded = json.loads((out_dir / TRAINED_BY).read_text()).get("trained_against")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(recorded, dict):
+        return None
+    diff = [f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in against.items() if recorded.get(k) != v]
+    return f"trained against another target build or budget ({'; '.join(diff)})" if diff else None
 
 
 def drafter_code_key(out_dir: Path) -> str | None:
@@ -160,6 +189,8 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
     from train.ablate import code_key
     from train.small_target import build_small_target, degenerate
 
+    if out.exists() and not out.is_dir():  # was a bare "[Errno 17] File exists"
+        raise NotADirectoryError(f"--out {out} is a file: give a folder (created if missing)")
     budget = BUDGETS[budget_name]
     if epochs is not None:  # a copy: the module's budgets stay as documented for later runs in this process
         budget = {**budget, "train": {**budget["train"], "train.epochs": epochs}}
@@ -211,9 +242,31 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         "drafters_trained_by": {"unquantized": drafter_code_key(dir_a), "quantized": drafter_code_key(dir_b)},
     }
     report["recovered"] = round(b_q["tau"] - a_q["tau"], 4)
-    (out / f"report-{chosen}bit-{runs}.json").write_text(json.dumps(report, indent=2))
+    path = out / f"report-{chosen}bit-{runs}.json"
+    set_aside_other_report(path, report, log)
+    path.write_text(json.dumps(report, indent=2))
     log(table(report))
     return report
+
+
+REPORT_SETTINGS = ("budget", "group_size", "prompts", "max_new_tokens", "target")  # what the report's name omits
+
+
+def set_aside_other_report(path: Path, report: dict, log) -> None:
+    """An earlier report at ``path`` measured with other settings (another --group-size or --budget of the same
+    epochs: the name holds only bits, epochs and seed) is renamed ``.old`` (``.old.1`` ...), not overwritten."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(earlier, dict) or all(earlier.get(k) == report.get(k) for k in REPORT_SETTINGS):
+        return
+    aside, n = path.with_name(path.name + ".old"), 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.old.{n}")
+    path.rename(aside)
+    log(f"note: {path.name} of an earlier run with other settings is kept as {aside.name}")
 
 
 def table(report: dict) -> str:
@@ -255,9 +308,14 @@ def main(argv: list[str] | None = None) -> dict:
             p.error("--epochs must be at least 1")
     if not 0 <= a.seed < 2**32:  # else train.seed refuses it after the target and drafter A are built
         p.error("--seed must be in [0, 2**32)")
+    if not 0 < a.loss_threshold < 1:  # 10 (meaning 10%) was never met: the narrowest width, without a word
+        p.error(f"--loss-threshold {a.loss_threshold} is a share of tau (0.1 = a 10% loss): use a value between 0 "
+                "and 1")
+    if a.corpus and a.target:  # the corpus only builds a target: it was ignored
+        p.error("--corpus builds the small target; --target uses a built one as it is: drop one of them")
     from models.quant import check_bits_group
 
-    for b in a.sweep + ([a.bits] if a.bits else []):
+    for b in a.sweep + ([a.bits] if a.bits is not None else []):  # --bits 0 was ignored (the sweep chose)
         check_bits_group(b, a.group_size, what="--sweep/--bits")
     return run(Path(a.out), a.budget, tuple(a.sweep), a.group_size, a.bits, a.loss_threshold, a.seed, a.corpus,
                a.target, epochs=a.epochs, rerun_other_code=a.rerun_other_code)

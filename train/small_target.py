@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("hidden", "layers", "intermediate", "vocab", "steps", "batch", "seq_len", "chats", "prompts"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    if not 0 < a.lr < math.inf:  # 0 fitted nothing for the whole build; negative or nan failed after the tokenizer
+        raise ValueError(f"--lr {a.lr}: use a positive learning rate (default {defaults.lr})")
     if a.hidden % defaults.heads:
         raise ValueError(f"--hidden must be a multiple of {defaults.heads} (the head count), got {a.hidden}")
     if a.seq_len > MAX_POSITIONS:
