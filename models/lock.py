@@ -5,8 +5,10 @@ two training runs into one ``out_dir`` (the same command in two terminals, a req
 still runs) wrote the same checkpoints and metrics. The second is refused with the holder's pid.
 
 The OS drops the lock when the process ends, however it ends, so a crashed run never blocks the next; the
-file itself stays (removing it would race a run that just opened it). POSIX only (Linux, macOS); elsewhere,
-and on file systems without ``flock`` (some cluster mounts), runs are not kept apart and a note says so.
+file itself stays (removing it would race a run that just opened it), unless the command created the
+folder and wrote nothing else there (a refusal): a mistake leaves no folder behind. POSIX only (Linux,
+macOS); elsewhere, and on file systems without ``flock`` (some cluster mounts), runs are not kept apart
+and a note says so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def hold(folder: str | Path, name: str, flag: str, fix: str, log: Callable[[str]
     """Create ``folder`` and lock ``folder/name`` for the ``with`` block. ``flag`` names the folder's setting in
     the errors (``--out``, ``out_dir``); ``fix`` ends the one refusing a second writer."""
     folder = Path(folder)
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(folder / name, "a+")
@@ -51,4 +54,9 @@ def hold(folder: str | Path, name: str, flag: str, fix: str, log: Callable[[str]
                 handle.truncate()
                 handle.write(f"{os.getpid()}\n")
                 handle.flush()
-        yield folder
+        try:
+            yield folder
+        finally:  # a command refused before it wrote anything leaves no folder holding only the lock
+            if created and [p.name for p in folder.iterdir()] == [name]:
+                (folder / name).unlink(missing_ok=True)
+                folder.rmdir()

@@ -1549,6 +1549,9 @@ def test_a_validate_into_an_out_another_run_is_writing_is_refused_before_the_mod
         assert (out / partial.PARTIAL).read_text() == "the other run's rows\n"
     with pytest.raises(FileNotFoundError):  # a run that fails inside its hold lets the next one in
         main(args[:7] + ["nope.jsonl"] + args[8:])
+    with pytest.raises(FileNotFoundError):  # and leaves no folder of its own behind
+        main(args[:7] + ["nope.jsonl"] + args[8:-1] + [str(tmp_path / "fresh")])
+    assert not (tmp_path / "fresh").exists()
     (out / partial.PARTIAL).unlink()
     assert main(args)["num_prompts"] == 1
     (tmp_path / "afile").write_text("x")
