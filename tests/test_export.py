@@ -555,6 +555,7 @@ def test_mlx_group_size_error_suggests_the_largest_size_that_fits(tmp_path):
 
 @pytest.mark.parametrize("bits, group, top1, advice", [
     (4, 64, 0.95, None),
+    (4, 64, 0.9, None),  # at the floor: no warning (only below it)
     (4, 64, 0.5, "try --quantize 8 or a smaller --group-size"),
     (8, 32, 0.5, "or export it unquantized (bf16)"),
 ])
@@ -603,3 +604,105 @@ def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_pa
     with pytest.raises(ValueError, match="--quantize 3: use 4 or 8"):
         export_mlx(setup[3], tmp_path / "q", quantize=3, log=quiet)
     assert not (tmp_path / "q").exists()
+
+
+def test_export_mlx_cli_defaults_and_what_it_passes_on(monkeypatch):
+    """Defaults: bf16, unquantized, group 64 once --quantize is given; every flag reaches export_mlx."""
+    import export.mlx
+
+    args = export.mlx.parse_args(["--checkpoint", "c", "--out", "o"])
+    assert (args.quantize, args.group_size, args.dtype, args.overwrite) == (None, 64, "bf16", False)
+    assert export.mlx.parse_args(["--checkpoint", "c", "--out", "o", "--quantize", "8"]).group_size == 64
+    for bad in (["--quantize", "2"], ["--dtype", "fp64"], ["--group-size", "32"]):  # the last: no --quantize
+        with pytest.raises(SystemExit):
+            export.mlx.parse_args(["--checkpoint", "c", "--out", "o", *bad])
+    seen = {}
+    monkeypatch.setattr(export.mlx, "export_mlx", lambda checkpoint, out, **kw: seen.update(kw, at=(checkpoint, out)))
+    export.mlx.main(["--checkpoint", "c", "--out", "o", "--quantize", "4", "--group-size", "32", "--dtype", "fp16",
+                     "--target", "org/t", "--target-revision", "r1", "--overwrite"])
+    assert seen == {"at": ("c", "o"), "quantize": 4, "group_size": 32, "dtype": "fp16", "target": "org/t",
+                    "target_revision": "r1", "overwrite": True}
+
+
+def test_mlx_fp16_export_and_the_gate_runs_the_drafter_in_its_own_dtype(setup, tmp_path):
+    """--dtype fp16 writes float16 weights and config; the gate feeds the MLX drafter inputs cast to its
+    dtype (as the loop does), so inputs already rounded to it give the very same logits."""
+    mx = pytest.importorskip("mlx.core")
+    from export.check import random_block, stand_in_head
+    from export.mlx import export_mlx, mlx_logits
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    _, _, drafter, ckpt = setup
+    with mx.stream(mx.cpu):
+        summary = export_mlx(ckpt, tmp_path / "fp16", dtype="fp16", log=quiet)
+        assert summary["quantization"] is None and summary["dtype"] == "fp16"
+        assert json.loads((tmp_path / "fp16" / "config.json").read_text())["torch_dtype"] == "float16"
+        weights = mx.load(str(tmp_path / "fp16" / "model.safetensors"))
+        assert {v.dtype for v in weights.values()} == {mx.float16}
+        model = MLXDrafter.from_pretrained(tmp_path / "fp16")
+        inputs, head = random_block(model.config), stand_in_head(model.config)
+        rounded = {k: (v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v)
+                   for k, v in inputs.items()}
+        assert np.array_equal(mlx_logits(model, inputs, head), mlx_logits(model, rounded, head))
+        q8 = export_mlx(ckpt, tmp_path / "q8", quantize=8, group_size=32, log=quiet)
+        assert q8["quantization"] == {"bits": 8, "group_size": 32, "mode": "affine"}
+
+
+@pytest.mark.parametrize("corrupt", ["weight value", "config value", "schema", "logits"])
+def test_mlx_gate_refuses_a_folder_that_differs_from_the_drafter(setup, tmp_path, monkeypatch, corrupt):
+    """Each gate check on its own: a reloaded weight one step off, a config value written wrong, a key the
+    engines must not read, logits 10% off with weights and config intact. Nothing is placed."""
+    mx = pytest.importorskip("mlx.core")
+    import export.mlx
+    from models.config import DFlashConfig
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    if corrupt == "weight value":
+        real_load = MLXDrafter.from_pretrained
+
+        def nudged(path, dtype=None, revision=None):
+            model = real_load(path, dtype=dtype, revision=revision)
+            if Path(path).name.endswith(".tmp"):  # the gate's reload of the staging folder
+                model.hidden_norm["weight"] = model.hidden_norm["weight"] * 1.01
+            return model
+
+        monkeypatch.setattr(MLXDrafter, "from_pretrained", staticmethod(nudged))
+        expected = "hidden_norm.weight changed on the way to disk"
+    elif corrupt in ("config value", "schema"):
+        real_dict = DFlashConfig.to_dict
+
+        def wrong(self):
+            d = real_dict(self)
+            if corrupt == "config value":
+                d["dflash_config"]["mask_token_id"] += 1
+            else:
+                d["eagle_aux_hidden_state_layer_ids"] = d["dflash_config"]["target_layer_ids"]
+            return d
+
+        monkeypatch.setattr(DFlashConfig, "to_dict", wrong)
+        expected = "does not read back" if corrupt == "config value" else "fails the engine schema"
+    else:
+        real_logits = export.mlx.mlx_logits
+        monkeypatch.setattr(export.mlx, "mlx_logits", lambda *a: real_logits(*a) * 1.1)
+        expected = "logits differ"
+    with mx.stream(mx.cpu), pytest.raises(ExportCheckError, match=expected):
+        export.mlx.export_mlx(setup[3], tmp_path / "mlx", log=quiet)
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_mlx_export_records_provenance_and_checks_the_target(setup, tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+
+    target_dir, _, drafter, ckpt = setup
+    with mx.stream(mx.cpu):
+        export_mlx(ckpt, tmp_path / "ok", log=quiet)
+        prov = json.loads((tmp_path / "ok" / "config.json").read_text())["draftsmith"]
+        assert prov["target"] == str(target_dir) and prov["steps"] == 7
+        bad = tmp_path / "bad_mask"
+        DFlashDraftModel(drafter.config.replace(mask_token_id=65)).save_pretrained(bad)  # 65 = the byte 'b'
+        with pytest.raises(ExportCheckError, match="mask_token_id=65 .* is a token the target's tokenizer emits"):
+            export_mlx(bad, tmp_path / "out", target=str(target_dir), log=quiet)
+        with pytest.raises(ValueError, match="--group-size 128 does not divide the input width"):
+            export_mlx(ckpt, tmp_path / "out", quantize=4, group_size=128, log=quiet)
+    assert not (tmp_path / "out").exists()

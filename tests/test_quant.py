@@ -325,3 +325,96 @@ def test_unpack_reads_a_little_endian_bit_stream_and_refuses_a_partial_pack():
     assert unpack(words[None], 3).tolist() == [values]
     with pytest.raises(QuantizationError, match="packed row of 16 bytes is not a whole number of 3-bit packs"):
         unpack(torch.zeros(2, 4, dtype=torch.uint32), 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dequantize_is_bitwise_for_the_other_mlx_widths_too(dtype):
+    """2, 5 and 6 bits are MLX affine widths as well (5 and 6 pack across word boundaries)."""
+    for bits in (2, 5, 6):
+        w = (mx.random.normal((16, 256), key=mx.random.key(bits)) * 0.05).astype(getattr(mx, dtype))
+        packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
+        ref = to_torch(mx.dequantize(packed, scales, biases, group_size=32, bits=bits))
+        ours = dequantize(to_torch(packed), to_torch(scales), to_torch(biases), 32, bits)
+        assert same_bits(ours, ref), bits
+
+
+def test_unpack_refuses_words_that_are_not_32_bit():
+    """Packed weights read as int64 (or float) would unpack byte soup: only uint32 / int32 words are read."""
+    from models.quant import unpack
+
+    assert unpack(torch.tensor([[0x76543210]], dtype=torch.int32), 4).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    for dtype in (torch.int64, torch.float32):
+        with pytest.raises(QuantizationError, match="packed weights must be uint32 words"):
+            unpack(torch.zeros(1, 2, dtype=dtype), 4)
+
+
+def test_layer_params_refuse_a_layers_own_mode_or_width_and_name_the_layer():
+    from models.quant import layer_params
+
+    quant = {"bits": 4, "group_size": 64, "model.layers.0.mlp.gate": {"bits": 8, "group_size": 64, "mode": "mxfp4"},
+             "model.layers.0.mlp.up_proj": {"bits": 7, "group_size": 32}}
+    with pytest.raises(QuantizationError, match="^model.layers.0.mlp.gate: quantization mode 'mxfp4'"):
+        layer_params(quant, "model.layers.0.mlp.gate", 16, 1)
+    with pytest.raises(QuantizationError, match="^model.layers.0.mlp.up_proj: 7 bits is not an MLX affine width"):
+        layer_params(quant, "model.layers.0.mlp.up_proj", 7, 1)  # 7 words = 224 bits = 32 x 7: the widths fit
+    assert layer_params(quant, "model.layers.1.mlp.up_proj", 8, 1) == (4, 64)
+
+
+def test_dequantize_weights_casts_the_unquantized_tensors_and_needs_a_quantization_entry():
+    """Norms and other plain tensors come out in the requested dtype (Qwen3.5's ``w - 1`` on a norm is then
+    computed in it, not in the checkpoint's bf16); scales without a config entry are a clear error."""
+    w = (mx.random.normal((4, 64), key=mx.random.key(0)) * 0.05).astype(mx.bfloat16)
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    weights = {"lin.weight": to_torch(packed), "lin.scales": to_torch(scales), "lin.biases": to_torch(biases),
+               "norm.weight": torch.tensor([1.0078125, 2.0], dtype=torch.bfloat16)}
+    out = dequantize_weights(weights, {"quantization": {"bits": 4, "group_size": 32}}, torch.float32)
+    assert out["norm.weight"].dtype == torch.float32 and out["lin.weight"].dtype == torch.float32
+    assert out["norm.weight"].tolist() == [1.0078125, 2.0] and sorted(out) == ["lin.weight", "norm.weight"]
+    with pytest.raises(QuantizationError, match="^lin is quantized but config.json has no 'quantization' entry"):
+        dequantize_weights(weights, {}, torch.float32)
+
+
+def test_a_checkpoint_without_lm_head_needs_tied_embeddings(sources, tmp_path):
+    """No lm_head.weight: the embedding stands in only when the config ties them; otherwise it is refused
+    (a copied embedding would be a wrong head)."""
+    from models.quant import build_hf_model, to_hf_state_dict
+
+    out = quantize_to_mlx(sources("qwen3"), tmp_path / "q", bits=8, group_size=32, log=lambda *_: None)
+    config = json.loads((out / "config.json").read_text())
+    state = to_hf_state_dict(dequantize_weights(read_safetensors(out), config, torch.float32), config["model_type"])
+    state.pop("lm_head.weight")
+    assert not config.get("tie_word_embeddings")
+    with pytest.raises(QuantizationError, match="no lm_head.weight and the config does not tie embeddings"):
+        build_hf_model(config, dict(state), torch.float32)
+    model = build_hf_model({**config, "tie_word_embeddings": True}, dict(state), torch.float32)
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+
+
+def test_quantizing_to_bf16_keeps_the_layers_mlx_lm_keeps_in_float32(sources, tmp_path):
+    """mlx_lm.convert casts floating weights to the dtype except where the model's cast_predicate says not
+    (Qwen3.5's A_log stays float32): the folder holds what mlx_lm.convert would write."""
+    from safetensors.torch import load_file
+
+    out = quantize_to_mlx(sources("qwen3_5"), tmp_path / "q", bits=4, group_size=32, dtype="bfloat16",
+                          log=lambda *_: None)
+    weights = load_file(str(out / "model.safetensors"))
+    a_log = [k for k in weights if k.endswith("A_log")]
+    norms = [k for k in weights if k.endswith("input_layernorm.weight")]
+    assert a_log and all(weights[k].dtype == torch.float32 for k in a_log)
+    assert norms and all(weights[k].dtype == torch.bfloat16 for k in norms)
+
+
+def test_transformers_quantizers_are_configured_as_documented(sources, tmp_path, monkeypatch):
+    """bnb-4bit is NF4 computing in bf16; none leaves the target as it is (no quantization to pass on)."""
+    import importlib.util
+
+    from models.quant import transformers_quantization_config
+
+    src = str(sources("qwen3"))
+    assert resolve_target(src, "none", tmp_path) == (src, None) and resolve_target(src, None, tmp_path) == (src, None)
+    assert transformers_quantization_config("none") is None
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes"
+                        else real(name, *a))
+    cfg = transformers_quantization_config("bnb-4bit")
+    assert (cfg.load_in_4bit, cfg.bnb_4bit_quant_type, cfg.bnb_4bit_compute_dtype) == (True, "nf4", torch.bfloat16)

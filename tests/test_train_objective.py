@@ -479,3 +479,59 @@ def test_loss_and_sums_do_not_depend_on_the_chunk_size():
         for name in ("loss", "ce_sum", "kl_sum", "weight"):
             assert_close(getattr(out, name), getattr(ref, name), atol=1e-4, what=f"{name}, chunk {chunk}")
         assert torch.equal(out.correct, ref.correct)
+
+
+def test_each_training_block_equals_a_standalone_drafter_pass_over_its_context():
+    """One forward over all blocks with the training mask gives, per block, the hidden states of the
+    inference-style pass: only that block, its document's context features before the anchor (at their
+    own position ids), no mask. Holds for the unpacked row and for the second document of the packed one."""
+    d, emb, _ = _drafter()
+    ids, lm, doc, pos = _rows()
+    feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(4))
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = drafter_forward(d, emb, blocks, feats, pos, dense_mask(blocks, doc)).view(2, -1, B, H)
+        checked = set()
+        for r in range(2):
+            for n in range(blocks.num_blocks):
+                if not blocks.valid[r, n]:
+                    continue
+                a = int(blocks.anchors[r, n])
+                ctx = [t for t in range(a) if doc[r, t] == doc[r, a]]
+                noise = emb(torch.tensor([[int(ids[r, a])] + [MASK] * (B - 1)]))
+                p = torch.tensor([[int(pos[r, t]) for t in ctx] + [int(pos[r, a]) + k for k in range(B)]])
+                ref = d(noise, feats[r, ctx][None], p)
+                assert_close(hidden[r, n], ref[0], atol=1e-5, what=f"row {r} block at {a}")
+                checked.add((r, int(doc[r, a])))
+    assert checked == {(0, 0), (1, 0), (1, 1)}
+
+
+def test_loss_weight_is_the_decayed_weight_of_the_scored_slots():
+    """loss_weight (the trainer's denominator, known before any forward) is sum_k w_k over scored slots,
+    the same figure block_loss reports as its weight; a batch with nothing scored weighs 0."""
+    from train.objective import loss_weight
+
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    ref = 0.0
+    for r, n, k in blocks.label_mask.nonzero().tolist():  # k is slot k + 1
+        ref += torch.exp(torch.tensor(-k / 4.0)).item()
+    assert_close(loss_weight(blocks, 4.0), torch.tensor(ref), atol=1e-5, what="loss_weight")
+    hidden = torch.randn(2, blocks.num_blocks * B, H)
+    out = block_loss(hidden, blocks, torch.randn(V, H), 4.0)
+    assert_close(out.weight, torch.tensor(ref), atol=1e-5, what="block_loss weight")
+    empty = draw_blocks(ids, torch.zeros_like(lm), doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    none = block_loss(torch.randn(2, B, H), empty, torch.randn(V, H), 4.0)
+    assert loss_weight(empty, 4.0).item() == 0.0 and none.weight.item() == 0.0 and none.weighted_sum.item() == 0.0
+
+
+def test_per_row_generators_can_draw_every_candidate():
+    """A row's own stream draws uniformly among its candidates, the last one included (it once got no key)."""
+    ids = torch.arange(12)[None]
+    lm = torch.zeros(1, 12, dtype=torch.long)
+    lm[0, 4:8] = 1  # candidates 4, 5, 6 (7's next token is outside the mask)
+    counts = {4: 0, 5: 0, 6: 0}
+    for seed in range(60):
+        blocks = draw_blocks(ids, lm, None, None, 1, B, MASK, [torch.Generator().manual_seed(seed)])
+        counts[int(blocks.anchors[0, 0])] += 1
+    assert all(c >= 10 for c in counts.values()), counts
