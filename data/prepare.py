@@ -416,12 +416,19 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
     check_source(a.source)  # before the target loads (minutes for a large one)
-    target_model = load_local_target(a, a.target) if a.regenerate == "local" else None
-    stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
-                    max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,
-                    streaming=a.streaming, gen_kwargs=gen_kwargs, progress=not a.no_progress, rebuild=a.rebuild,
-                    num_proc=a.num_proc, server_log=a.server_log, engine_timeout=a.engine_timeout,
-                    target_model=target_model)
+    from data.reuse import LOCK
+    from models.lock import hold
+
+    # A second prepare into --out (a relaunch while the first still regenerates) would append to the same
+    # answers file and clear what the first wrote: refused before the target loads.
+    with hold(a.out, LOCK, "--out", "wait for it to end (the same command then resumes), or give this one its "
+              "own --out", print):
+        target_model = load_local_target(a, a.target) if a.regenerate == "local" else None
+        stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
+                        max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,
+                        streaming=a.streaming, gen_kwargs=gen_kwargs, progress=not a.no_progress,
+                        rebuild=a.rebuild, num_proc=a.num_proc, server_log=a.server_log,
+                        engine_timeout=a.engine_timeout, target_model=target_model)
     print(json.dumps({"prepare": {k: stats[k] for k in ("rows", "documents", "tokens", "loss_tokens", "truncated",
                                                         "dropped_no_loss", "template_errors")}, "out": str(a.out)}))
 

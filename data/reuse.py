@@ -34,6 +34,7 @@ PARTIAL_FILE = "draftsmith_data.partial.json"
 STATS_FILE = "stats.json"
 REGEN_FILE = "regenerated.jsonl"
 CACHE_DIR = ".prepare-cache"
+LOCK = ".prepare.lock"  # data.prepare holds it while it writes the folder (models.lock)
 # Settings that change the prepared rows, compared on re-use (in this order in messages).
 ROW_SETTINGS = ("source", "source_fingerprint", "split", "subset", "limit", "regenerate", "answers_by", "generation",
                 "thinking", "max_length", "packed", "tokenizer_hash", "label_rules")
@@ -185,7 +186,8 @@ def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
     if out.exists() and not out.is_dir():
         raise NotPreparedFolder(f"{out} is a file, not a folder: choose a new or empty folder for the prepared data")
     recorded = (read_json(out / META_FILE) or read_json(out / PARTIAL_FILE)) if out.is_dir() else None
-    ours = {REGEN_FILE, REGEN_FILE + ".failed.jsonl", "regenerate-server.log"}  # left by a failed regeneration
+    ours = {REGEN_FILE, REGEN_FILE + ".failed.jsonl", "regenerate-server.log",  # left by a failed regeneration
+            LOCK}  # held by the data.prepare command that calls this
     if recorded is None and out.is_dir() and any(p.name not in ours for p in out.iterdir()):
         raise NotPreparedFolder(
             f"{out} is not empty and is not a prepared-data folder (no {META_FILE}): draftsmith does not write "

@@ -4172,3 +4172,31 @@ def test_an_extraction_into_a_store_another_extraction_writes_is_refused_before_
             main(args)
     with pytest.raises(FileNotFoundError, match="no-target"):  # the next one gets as far as loading its target
         main(args)
+
+
+def test_a_prepare_into_a_folder_another_prepare_writes_is_refused_and_a_finished_one_is_reused(tmp_path):
+    """A relaunch while the first prepare still regenerated appended to the same answers file and cleared what
+    the first had written. Refused with the holder's pid before the target loads; the lock file a finished
+    prepare leaves in the folder does not make it foreign to the next prepare or to training."""
+    import os
+
+    from data.prepare import main
+    from data.reuse import LOCK
+    from models.lock import hold
+    from models.tiny import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target", "qwen3", num_layers=4)
+    out = tmp_path / "prepared"
+    args = ["--target", str(target), "--source", str(_DATA_FIX / "openai.jsonl"), "--out", str(out), "--no-progress"]
+    with hold(out, LOCK, "--out", "-"):
+        with pytest.raises(ValueError, match=f"--out {out} is in use by another run \\(pid {os.getpid()}\\): wait"):
+            main(args)
+    assert not out.exists()  # the test's own hold created it and left nothing
+    with pytest.raises((FileNotFoundError, ValueError)):
+        main(args[:3] + [str(tmp_path / "nope.jsonl")] + args[4:])
+    assert not out.exists()  # a refused prepare leaves no folder behind
+    out.mkdir()
+    (out / LOCK).write_text("12345\n")  # what a prepare killed before its first write leaves
+    main(args)
+    assert (out / LOCK).is_file() and (out / "draftsmith_data.json").is_file()
+    main(args)  # the finished folder is reused, the lock file in it is the prepare's own
