@@ -126,8 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_new_tokens < 2:  # the first token comes from the prefill: one token has no cycle to measure
         p.error(f"--max-new-tokens {args.max_new_tokens}: validate needs at least 2 (the first token comes from the "
                 "prefill, so fewer leave no draft-verify cycle to measure)")
-    if args.seed < 0:  # MLX's random key takes no negative seed (a traceback after the models loaded)
-        p.error(f"--seed {args.seed}: use 0 or more")
+    if not 0 <= args.seed < 2**64:  # the MLX key and torch's generator take 64-bit seeds (a traceback after the
+        p.error(f"--seed {args.seed}: use 0 to 2**64 - 1")  # models loaded, for a negative one or a larger one)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args

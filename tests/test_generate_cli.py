@@ -35,6 +35,20 @@ def test_json_output_with_prompt_ids_and_baseline(folders, capsys):
     assert printed["matches_baseline"] is True and printed["first_divergence"] is None
 
 
+def test_a_sampled_run_does_not_report_a_mismatch_with_its_baseline(folders, capsys):
+    """Sampled, DFlash and the baseline draw their tokens differently from one seed: "matches baseline: False"
+    read as a lossless loop gone wrong. Not compared (None), as validate reports sampled runs."""
+    target, draft = folders
+    args = ["--backend", "torch", "--target", target, "--draft", draft, "--prompt-ids", "257,72,73,198",
+            "--max-new-tokens", "12", "--baseline", "--temperature", "1.0", "--seed", "3"]
+    report = main(args + ["--json"])
+    assert report["matches_baseline"] is None and report["first_divergence"] is None
+    assert report["speedup"] is not None and report["baseline_decode_tokens_per_s"] > 0
+    capsys.readouterr()
+    main(args)
+    assert "matches baseline: - (sampled: not compared)" in capsys.readouterr().err
+
+
 def test_chat_prompt_text_and_smaller_block(folders, capsys):
     target, draft = folders
     report = main(["--backend", "torch", "--target", target, "--draft", draft, "--prompt", "hello", "--chat",
