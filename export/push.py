@@ -79,6 +79,17 @@ def check_revision(revision: str) -> str:
     return revision
 
 
+def check_license(license: str | None) -> str | None:
+    """The Hub's license ids are lowercase, without spaces (apache-2.0, mit, llama3.1, other). ``MIT`` or
+    ``Apache 2.0`` passed the dry run and was refused by the Hub's card check only during the upload, after the
+    repo had been created."""
+    if license is not None and (not license or license != license.lower() or any(c.isspace() for c in license)):
+        raise ValueError(f"--license {license!r} is not a Hub license id: those are lowercase, without spaces "
+                         f"(e.g. {license.strip().lower().replace(' ', '-') or 'apache-2.0'!r}, or 'other' for a "
+                         "license of your own)")
+    return license
+
+
 def check_folder(folder: Path) -> DFlashConfig:
     """The folder is a drafter export that passes the engine schema and whose weights are readable."""
     if not folder.is_dir():
@@ -167,6 +178,7 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
     folder = Path(folder)
     check_repo_id(repo)
     check_revision(revision)
+    check_license(license)
     config = check_folder(folder)
     files = export_files(folder)
     loaded = load_report(report) if report else None

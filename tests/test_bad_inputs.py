@@ -2235,6 +2235,10 @@ def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys)
     ("--report not JSON", "is not valid JSON"), ("--report of another tool", "not an inference.validate report"),
     ("--report of another drafter", "measured with another drafter: block size 16 (this folder: 4)"),
     ("--report of another drafter's weights", "measured with another drafter: other weights (its drafter 'd2' has"),
+    # passed the dry run; the Hub's card check refused it during the upload, after the repo was created
+    ("license MIT", "--license 'MIT' is not a Hub license id: those are lowercase, without spaces (e.g. 'mit'"),
+    ("license Apache 2.0", "--license 'Apache 2.0' is not a Hub license id: those are lowercase, without spaces "
+                           "(e.g. 'apache-2.0'"),
 ])
 def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_drafter, monkeypatch, case,
                                                                  expected):
@@ -2267,6 +2271,8 @@ def test_push_mistakes_end_in_one_line_before_anything_is_sent(tmp_path, export_
         w.write_bytes(w.read_bytes()[:-100])
     elif case == "revision that is no branch name":  # passed the dry run; the upload then failed
         extra = ["--revision", "bad..rev"]
+    elif case.startswith("license "):
+        extra = ["--license", case.removeprefix("license "), "--dry-run"]
     elif case == "a run's final drafter":  # fp32, never through the export checks
         folder = tmp_path / "run" / "final" / "drafter"
         shutil.copytree(export_drafter, folder)
