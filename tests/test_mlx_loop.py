@@ -365,6 +365,17 @@ def test_gated_delta_state_equals_a_fresh_prefill_after_every_cycle(runs):
     assert B in res.acceptance_lengths  # and whole blocks skipped the replay
 
 
+def test_a_rollback_that_leaves_the_cache_long_stops_the_loop(runs, monkeypatch):
+    """The loop checks every cycle that each target cache holds exactly the committed length: a commit that
+    trims nothing is an error at the first partly accepted block, not a silently wrong continuation."""
+    target, seq, drafter = runs("qwen3")
+    monkeypatch.setattr(CacheRollback, "commit", lambda self, cache, keep, block_len: None)
+    with pytest.raises(AssertionError, match=f"holds {len(PROMPT) + B} positions, committed length is "
+                                             f"{len(PROMPT) + 3}"):
+        dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,
+                        NEW, eos_token_ids=[])
+
+
 def test_rotating_sliding_window_caches_roll_back(folders):
     """Llama with sliding-window layers (mlx_lm ``RotatingKVCache``), the window overrun many times."""
     from mlx_lm.models.cache import RotatingKVCache, trim_prompt_cache
@@ -463,11 +474,13 @@ def test_chunked_prefill_memory_limit_and_smaller_block(runs):
     target, seq, drafter = runs("qwen3_5")
     limit = mx.set_memory_limit(mx.device_info().get("memory_size", 2**34))
     mx.set_memory_limit(limit)
+    during = []
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,
-                          30, block_size=4, eos_token_ids=[], prefill_step_size=7, memory_limit_gb=1.0,
-                          clear_cache_every=2)
+                          30, block_size=4, eos_token_ids=[], prefill_step_size=7, memory_limit_gb=1.5,
+                          clear_cache_every=2, on_cycle=lambda cache, committed: during.append(mx.get_memory_limit()))
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + 30]
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 30, 4, MISTAKES)
+    assert set(during) == {int(1.5 * 2**30)}  # memory_limit_gb is in GiB, in force for the whole decode
     assert mx.set_memory_limit(limit) == limit  # restored after the call
 
 
@@ -519,6 +532,35 @@ def test_temperature_sampling_is_seeded_and_exact_in_length(runs, tmp_path):
     c = dflash_generate(target, proposer, PROMPT, 20, temperature=0.8, seed=6, eos_token_ids=[])
     assert a.tokens == b.tokens and len(a.tokens) == len(c.tokens) == 20 and a.tokens != c.tokens
     assert all(0 <= t < 288 for t in a.tokens)
+
+
+def test_every_committed_token_is_a_sample_of_the_tempered_target(runs):
+    """At temperature T each committed token is drawn from softmax(target logits / T) at its prefix: both the
+    prefill's token and the verify pass's. Over many draws the mean surprisal -log p(token) equals the mean
+    entropy of p; a loop that took the argmax instead would sit well below it (printed as ``greedy``)."""
+    target, seq, drafter = runs("qwen3")
+    T, n_new = 1.0, 8
+    gaps: dict[str, list] = {"prefill": [], "verify": []}
+    greedy: dict[str, list] = {"prefill": [], "verify": []}
+    for s in range(30):
+        res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, n_new,
+                              temperature=T, seed=s, eos_token_ids=[])
+        assert len(res.tokens) == n_new
+        ids = PROMPT + res.tokens
+        logits = torch.tensor(np.array(target.forward(mx.array([ids]), cache=target.new_cache()).logits[0]),
+                              dtype=torch.float64)
+        logp = torch.log_softmax(logits[len(PROMPT) - 1:-1] / T, dim=-1)  # row i predicts token i
+        entropy = -(logp.exp() * logp).sum(-1)
+        for i, tok in enumerate(res.tokens):
+            where = "prefill" if i == 0 else "verify"
+            gaps[where].append((-logp[i, tok] - entropy[i]).item())
+            greedy[where].append((-logp[i].max() - entropy[i]).item())
+    for where, gap in gaps.items():
+        gap = np.array(gap)
+        bound = 4 * gap.std() / np.sqrt(len(gap))  # four standard errors
+        assert abs(gap.mean()) < bound < abs(np.mean(greedy[where])), (
+            f"{where} tokens: surprisal - entropy {gap.mean():.3f} (bound {bound:.3f}, greedy "
+            f"{np.mean(greedy[where]):.3f})")
 
 
 def test_drafter_runs_in_the_target_compute_dtype(folders, tmp_path):
