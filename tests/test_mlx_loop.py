@@ -241,30 +241,45 @@ def test_model_is_unmodified_after_generation(runs, tmp_path):
     assert after.keys() == params.keys() and all(np.array_equal(np.array(after[k]), v) for k, v in params.items())
 
 
-@pytest.mark.parametrize("broken", [None, "no restore", "no replay", "replays too few"])
+@pytest.mark.parametrize("broken", [None, "no restore", "no replay", "replays too few", "verified state put back",
+                                    "whole block, snapshot put back", "whole block, no conv state",
+                                    "whole block, no recurrent state"])
 def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broken):
     """Twin of the torch check: a commit that leaves the GatedDeltaNet state at the verified block,
     restores the snapshot without replaying the kept tokens, or replays fewer than it keeps is caught by
-    the per-cycle check."""
+    the per-cycle check; so is a state swapped afterwards (the verified one back after a replay, the
+    snapshot after a whole block was kept) or one that lost an array."""
+    from mlx_lm.models.cache import ArraysCache
+
     from inference.rollback_mlx import CacheRollback
 
     target, seq, _ = runs("qwen3_5")
-    keep = 3
+    keep = B if broken and broken.startswith("whole block") else 3
     cache = target.new_cache()
     target.forward(mx.array([PROMPT]), cache=cache)
     rollback = CacheRollback(target)
     with rollback.recording(cache):
         target.forward(mx.array([seq[len(PROMPT):len(PROMPT) + B]]), cache=cache)
     silent = types.SimpleNamespace(input_layernorm=lambda x: x, linear_attn=lambda *a: None)
-    rollback.linear = {None: rollback.linear, "no restore": [], "replays too few": rollback.linear,
-                       "no replay": [(i, silent) for i, _ in rollback.linear]}[broken]
+    rollback.linear = {"no restore": [], "no replay": [(i, silent) for i, _ in rollback.linear]}.get(
+        broken, rollback.linear)
     if broken == "replays too few":  # the recorded inputs lost the last kept token
         rollback._inputs = {i: x[:, :keep - 1] for i, x in rollback._inputs.items()}
     rollback.commit(cache, keep=keep, block_len=B)
+    i = next(i for i, c in enumerate(cache) if isinstance(c, ArraysCache))
+    if broken == "verified state put back":
+        cache[i].cache = list(rollback._verified[i])
+    elif broken == "whole block, snapshot put back":
+        cache[i].cache = list(rollback._snapshots[i])
+    elif broken and broken.startswith("whole block, no"):
+        cache[i].cache[0 if "conv" in broken else 1] = None
     if broken is None:
         rollback.check(cache, len(PROMPT) + keep)
         return
-    with pytest.raises(AssertionError, match="GatedDeltaNet"):
+    message = "has no state" if "no " in broken and "state" in broken else (
+        "the snapshot, not replayed" if "snapshot" in broken else
+        "the verified block's state" if broken in ("no restore", "verified state put back") else "GatedDeltaNet")
+    with pytest.raises(AssertionError, match=message):
         rollback.check(cache, len(PROMPT) + keep)
 
 
@@ -427,6 +442,48 @@ def test_check_sees_attention_buffers_that_lost_committed_rows(folders):
             c._idx = committed - 2  # write index and buffer agree: only the row count is wrong
         with pytest.raises(AssertionError, match="rows"):
             rollback.check(cache, committed)
+
+
+def test_check_sees_a_rotating_write_index_out_of_step_with_its_buffer(folders):
+    """A rotating cache whose write index disagrees with its buffer (rows and offset right) would write the next
+    block over committed rows: the check refuses it."""
+    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.utils import load
+
+    path = folders("llama")[1]
+    model, tok = load(str(path), model_config={"layer_types": ["sliding_attention", "full_attention"] * 4,
+                                               "sliding_window": 6})
+    target = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
+    cache = target.new_cache()
+    target.forward(mx.array([PROMPT]), cache=cache)
+    rollback = CacheRollback(target)
+    with rollback.recording(cache):
+        target.forward(mx.array([PROMPT[:B]]), cache=cache)
+    rollback.commit(cache, keep=3, block_len=B)
+    rollback.check(cache, len(PROMPT) + 3)
+    c = next(c for c in cache if isinstance(c, RotatingKVCache))
+    c._idx -= 1
+    with pytest.raises(AssertionError, match="write index"):
+        rollback.check(cache, len(PROMPT) + 3)
+
+
+def test_a_key_buffer_exactly_as_long_as_the_committed_tokens_is_no_error(runs):
+    """mlx_lm grows a KVCache buffer 256 rows at a time: a whole block accepted right up to the end of the
+    buffer leaves it exactly full, which is a complete cache, not one that lost rows."""
+    from mlx_lm.models.cache import KVCache
+
+    target, _, drafter = runs("llama")
+    prompt = (PROMPT * 13)[:256 - 2 * B]
+    seq = prompt + target_generate(target, prompt, 3 * B, eos_token_ids=[]).tokens
+    full = []
+
+    def exactly_full(cache, committed):
+        full.extend(committed for c in cache if isinstance(c, KVCache) and c.keys.shape[2] == committed)
+
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), prompt, 2 * B + 1,
+                          eos_token_ids=[], on_cycle=exactly_full)
+    assert res.tokens == seq[len(prompt):len(prompt) + 2 * B + 1] and res.acceptance_lengths == [B, B]
+    assert set(full) == {256}  # the case the check must accept was reached
 
 
 def test_trim_rotating_refuses_a_cache_not_in_temporal_order():
