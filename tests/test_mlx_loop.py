@@ -226,6 +226,22 @@ def test_captures_are_scoped_and_independent(runs):
     assert all(x is y for x, y in zip(target.layers, originals)) and len(target.layers) == len(originals)
 
 
+@pytest.mark.parametrize("layer", [-1, 8])
+def test_a_layer_id_outside_the_target_is_refused_not_read_from_the_end(runs, layer):
+    """Layer ids are checked against the decoder: -1 would otherwise tap the last layer by Python indexing, and
+    8 (one past the last of 8) would fail inside the forward."""
+    target, _, _ = runs("qwen3")
+    assert target.num_layers == 8
+    originals = list(target.layers)
+    for kw in ({"layer_ids": [1, layer]}, {"record_inputs": [layer]}):
+        with pytest.raises(ValueError, match=f"layer id {layer} is outside this target's 8 layers"):
+            with target.capture(**kw):
+                pass
+    with pytest.raises(ValueError, match=f"layer id {layer} is outside"):
+        target.forward(mx.array([PROMPT]), [layer], cache=target.new_cache())
+    assert all(x is y for x, y in zip(target.layers, originals)) and len(target.layers) == 8
+
+
 def test_model_is_unmodified_after_generation(runs, tmp_path):
     from mlx.utils import tree_flatten
 
@@ -631,6 +647,39 @@ def test_drafter_runs_in_the_target_compute_dtype(folders, tmp_path):
     assert drafter.dtype == mx.bfloat16 and drafter.fc.scales.dtype == mx.bfloat16
     res = dflash_generate(target, proposer, PROMPT, 12, eos_token_ids=[])
     assert len(res.tokens) == 12
+
+
+def test_dtype_casts_floating_weights_only_and_keeps_gated_delta_net_decay_in_float32(folders):
+    """``dtype`` casts the floating weights: a 4-bit target keeps its packed integers (only scales and biases
+    follow), and Qwen3.5's GatedDeltaNet ``A_log`` stays float32 as mlx_lm's ``cast_predicate`` asks."""
+    from mlx.utils import tree_flatten
+
+    quantized = dict(tree_flatten(TargetModel.from_pretrained(folders("qwen3_q4")[1], dtype=mx.bfloat16)
+                                  .model.parameters()))
+    assert quantized["model.layers.0.mlp.up_proj.weight"].dtype == mx.uint32
+    assert quantized["model.layers.0.mlp.up_proj.scales"].dtype == mx.bfloat16
+    hybrid = TargetModel.from_pretrained(folders("qwen3_5")[1], dtype=mx.bfloat16)
+    params = dict(tree_flatten(hybrid.model.parameters()))
+    decay = [k for k in params if k.endswith("A_log")]
+    assert decay and all(params[k].dtype == mx.float32 for k in decay)
+    assert {params[k].dtype for k in params if not k.endswith("A_log")} == {mx.bfloat16}
+    assert hybrid.dtype == mx.bfloat16
+
+
+def test_layer_types_name_each_decoder_layer(runs, folders):
+    from mlx_lm.utils import load
+
+    assert runs("qwen3")[0].layer_types == ["full_attention"] * 8 and not runs("qwen3")[0].is_hybrid
+    hybrid = runs("qwen3_5")[0]
+    linear = [i for i, _ in hybrid.linear_attention_layers()]
+    assert hybrid.is_hybrid and 0 < len(linear) < hybrid.num_layers
+    assert [i for i, kind in enumerate(hybrid.layer_types) if kind == "linear_attention"] == linear
+    assert {kind for i, kind in enumerate(hybrid.layer_types) if i not in linear} == {"full_attention"}
+    path = folders("llama")[1]
+    model, tok = load(str(path), model_config={"layer_types": ["sliding_attention", "full_attention"] * 4,
+                                               "sliding_window": 6})
+    sliding = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
+    assert sliding.layer_types == ["sliding_attention", "full_attention"] * 4 and not sliding.is_hybrid
 
 
 def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
