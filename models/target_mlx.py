@@ -68,7 +68,11 @@ class TargetModel:
         self.model = model
         # The HF tokenizer, as in the torch adapter (mlx_lm's TokenizerWrapper is not callable); the
         # wrapper is kept for its eos set (tokenizer + generation_config) and streaming detokenizer.
-        self.tokenizer_wrapper = tokenizer if hasattr(tokenizer, "_tokenizer") else None
+        # Tell the wrapper by its type: a transformers fast tokenizer has a ``_tokenizer`` too (its Rust
+        # tokenizer), and taking that for the HF tokenizer left ``self.tokenizer`` uncallable.
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        self.tokenizer_wrapper = tokenizer if isinstance(tokenizer, TokenizerWrapper) else None
         self.tokenizer = tokenizer._tokenizer if self.tokenizer_wrapper is not None else tokenizer
         self.name = name
         self.config = dict(config or {})

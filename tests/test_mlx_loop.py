@@ -543,17 +543,21 @@ def test_max_new_tokens_is_exact(runs, max_new):
     assert len(target_generate(target, PROMPT, max_new, eos_token_ids=[]).tokens) == max_new
 
 
-def test_chunked_prefill_memory_limit_and_smaller_block(runs):
+def test_chunked_prefill_memory_limit_and_smaller_block(runs, monkeypatch):
     target, seq, drafter = runs("qwen3_5")
     limit = mx.set_memory_limit(mx.device_info().get("memory_size", 2**34))
     mx.set_memory_limit(limit)
-    during = []
+    during, cleared = [], []
+    clear = mx.clear_cache
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(len(during)) or clear())
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,
                           30, block_size=4, eos_token_ids=[], prefill_step_size=7, memory_limit_gb=1.5,
                           clear_cache_every=2, on_cycle=lambda cache, committed: during.append(mx.get_memory_limit()))
     assert res.tokens == seq[len(PROMPT):len(PROMPT) + 30]
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 30, 4, MISTAKES)
     assert set(during) == {int(1.5 * 2**30)}  # memory_limit_gb is in GiB, in force for the whole decode
+    # MLX's buffer cache is cleared after each prefill chunk but the last (20 = 7 + 7 + 6), then every second cycle
+    assert cleared == [0, 0] + list(range(2, len(during) + 1, 2))
     assert mx.set_memory_limit(limit) == limit  # restored after the call
 
 
@@ -680,6 +684,23 @@ def test_layer_types_name_each_decoder_layer(runs, folders):
                                                "sliding_window": 6})
     sliding = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
     assert sliding.layer_types == ["sliding_attention", "full_attention"] * 4 and not sliding.is_hybrid
+
+
+def test_eos_ids_come_from_the_wrapper_then_the_tokenizer_then_the_config(runs, monkeypatch):
+    """mlx_lm's tokenizer wrapper knows every EOS (tokenizer and generation_config); without it the HF tokenizer's
+    EOS, then ``eos_token_id`` of the config or of its ``text_config`` (multimodal checkpoints). Sorted ids."""
+    target, _, _ = runs("qwen3")
+    wrapper = target.tokenizer_wrapper
+    assert target.eos_token_ids() == [258]
+    monkeypatch.setattr(wrapper, "eos_token_ids", {258, 7})  # as a generation_config listing two
+    assert target.eos_token_ids() == [7, 258]
+    bare = TargetModel(target.model, target.tokenizer, config={})  # a bare HF tokenizer: itself, not its Rust core
+    assert bare.tokenizer is target.tokenizer and bare.tokenizer("ab")["input_ids"] == [64, 65]
+    assert bare.eos_token_ids() == [258]
+    assert TargetModel(target.model, None, config={"eos_token_id": 5}).eos_token_ids() == [5]
+    nested = {"text_config": {"eos_token_id": [9, 4]}}
+    assert TargetModel(target.model, None, config=nested).eos_token_ids() == [4, 9]
+    assert TargetModel(target.model, None, config={}).eos_token_ids() == []
 
 
 def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
