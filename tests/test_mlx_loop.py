@@ -670,6 +670,37 @@ def test_dtype_casts_floating_weights_only_and_keeps_gated_delta_net_decay_in_fl
     assert hybrid.dtype == mx.bfloat16
 
 
+def test_max_position_embeddings_is_the_configs_or_32768(runs, monkeypatch):
+    target, _, _ = runs("qwen3")
+    assert target.max_position_embeddings == 4096  # the tiny config's
+    monkeypatch.setattr(target.args, "max_position_embeddings", None)
+    assert target.max_position_embeddings == 32768  # a config without it: the usual Qwen3 / Llama context
+
+
+def test_mlx_lm_overrides_fill_what_transformers_5_configs_spell_differently():
+    from models.target_mlx import mlx_lm_overrides
+
+    assert mlx_lm_overrides({"model_type": "qwen3_moe", "num_local_experts": 4}) == {
+        "num_experts": 4, "mlp_only_layers": []}  # mlx_lm needs both; a transformers 5 config may have neither
+    assert mlx_lm_overrides({"model_type": "qwen3_moe", "num_experts": 8, "num_local_experts": 4,
+                             "mlp_only_layers": [1]}) == {"mlp_only_layers": [1]}
+    assert mlx_lm_overrides({"model_type": "qwen3_5_text", "rope_parameters": {"rope_theta": 5e6}}) == {
+        "model_type": "qwen3_5", "rope_theta": 5e6}
+    assert mlx_lm_overrides({"model_type": "qwen3", "rope_theta": 1e6, "rope_parameters": {"rope_theta": 5e6}}) == {}
+    assert mlx_lm_overrides({"model_type": "qwen3_5", "text_config": {}, "rope_parameters": {"rope_theta": 5e6}}) == {}
+
+
+def test_logits_slice_gives_only_the_requested_positions(runs):
+    """The prefill asks for the last position's logits only (a long prompt's full logits are prompt x vocab)."""
+    target, _, _ = runs("qwen3")
+    full = target.forward(mx.array([PROMPT]), cache=target.new_cache()).logits
+    last = target.forward(mx.array([PROMPT]), [1], cache=target.new_cache(), logits_slice=slice(-1, None))
+    assert full.shape == (1, len(PROMPT), 288) and last.logits.shape == (1, 1, 288)
+    assert np.array_equal(np.array(last.logits[0, 0]), np.array(full[0, -1]))
+    assert last.features.shape == (1, len(PROMPT), target.hidden_size)  # features still cover every position
+    assert target.forward(mx.array([PROMPT]), [1], cache=target.new_cache(), with_logits=False).logits is None
+
+
 def test_layer_types_name_each_decoder_layer(runs, folders):
     from mlx_lm.utils import load
 
