@@ -239,6 +239,17 @@ BAD_CONFIGS = {
     "num_target_layers missing": (lambda d: d.pop("num_target_layers"), "missing key 'num_target_layers'"),
     "mask id missing": (lambda d: d["dflash_config"].pop("mask_token_id"), "dflash_config.mask_token_id"),
     "layer_types short": (lambda d: d.update(layer_types=["full_attention"]), "layer_types has 1"),
+    "rope_scaling copied from a target": (lambda d: d.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+                                          "'rope_scaling' must not be written"),
+    "the target's architecture first": (lambda d: d.update(architectures=["Qwen3ForCausalLM", "DFlashDraftModel"]),
+                                        "expected ['DFlashDraftModel']"),
+    "scaled rope": (lambda d: d["rope_parameters"].update(rope_type="linear", factor=2.0), "rope_type='linear'"),
+    "negative layer id": (lambda d: d["dflash_config"].update(target_layer_ids=[-1, 3, 5]), "outside 0..6"),
+    "repeated layer id": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 3]), "repeats a layer"),
+    "block size only top-level": (lambda d: d["dflash_config"].pop("block_size"), "dflash_config.block_size'"),
+    "quantization mirror differs": (lambda d: d.update(quantization={"bits": 4, "group_size": 32, "mode": "affine"},
+                                                       quantization_config={"bits": 8, "group_size": 32,
+                                                                            "mode": "affine"}), "differ"),
 }
 
 

@@ -427,3 +427,22 @@ def test_norm_signature_and_its_comparison(tmp_path):
     assert not same_signature({"n": [1.0, 1.02]}, {"n": [1.0, 1.0]})
     assert not same_signature({"n": [1.0, 2.0]}, {"n": [1.0]}) and not same_signature({"n": [1.0]}, {"n": [1.0, 2.0]})
     assert not same_signature({"n": [1.0]}, {"n": [1.0], "m": [1.0]})
+
+
+def test_card_recipe_rows_name_each_value_and_a_commit_message_is_sent_as_given(folder, hub):
+    """The data and training rows show key=value pairs (a bare value list hides which is the split); an
+    empty --license is refused; --commit-message reaches upload_folder."""
+    _with_provenance(folder, {"target": "Qwen/Qwen3-8B", "data": {"source": "tiny", "split": "chat"},
+                              "train": {"lr": 0.003, "epochs": 2}, "features": {"mode": "online"}})
+    card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
+    assert "| data | `source=tiny, split=chat` |" in card and "| training | `lr=0.003, epochs=2` |" in card
+    assert "| features | `{'mode': 'online'}` |" in card
+    with pytest.raises(ValueError, match="is not a Hub license id"):
+        push(folder, "me/x", license="", dry_run=True, log=quiet)
+    push(folder, "me/x", commit_message="retrained at step 900", log=quiet)
+    assert dict(hub)["upload_folder"]["commit_message"] == "retrained at step 900"
+
+
+def test_cli_pushes_to_main_by_default(folder, hub):
+    ops = main(["--folder", str(folder), "--repo", "me/x", "--dry-run"])["ops"]
+    assert [op["op"] for op in ops] == ["create_repo", "upload_folder"] and ops[1]["revision"] == "main"
