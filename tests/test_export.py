@@ -307,6 +307,62 @@ def test_parity_rule_tolerances_and_non_finite_logits():
         check_parity(logit_stats(np.array([[1.0, 0.0]]), np.array([[np.nan, 0.0]])), "float32", "x")
 
 
+def test_logit_stats_by_row_and_a_dtype_without_its_own_tolerance():
+    """top1 compares each row's argmax (the last axis), mean_abs is the mean, and a dtype without a tolerance of
+    its own is held to bfloat16's."""
+    from export.check import check_parity, logit_stats
+
+    ref = np.array([[3.0, 0.0, 1.0], [0.0, 2.0, 1.0]])
+    got = np.array([[3.0, 0.0, 1.0], [0.0, 1.0, 2.5]])  # row 2's argmax moves: 1 of 2 rows agree
+    stats = logit_stats(ref, got)
+    assert stats["top1"] == 0.5 and stats["max_abs"] == 1.5 and stats["mean_abs"] == pytest.approx(2.5 / 6)
+    check_parity({"max_abs": 0.3, "rel": 0.03, "top1": 1.0}, "int8", "x")  # within bfloat16's 4e-2
+    with pytest.raises(ExportCheckError, match="tolerance 4e-02 for int8"):
+        check_parity({"max_abs": 0.5, "rel": 0.05, "top1": 1.0}, "int8", "x")
+
+
+def test_an_auto_map_to_a_file_the_folder_lacks_is_named(tmp_path):
+    """AutoModel(trust_remote_code=True) imports the module auto_map names from the folder (with or without a
+    repo prefix): one that is not there fails on every user's machine, not at export."""
+    from export.check import schema_problems
+
+    for ref in ("modeling_dflash.DFlashDraftModel", "org/repo--modeling_dflash.DFlashDraftModel"):
+        d = {"auto_map": {"AutoModel": ref}}
+        assert "auto_map points at modeling_dflash.py, which is not in the folder" in schema_problems(d, tmp_path)
+        (tmp_path / "modeling_dflash.py").write_text("")
+        assert not [p for p in schema_problems(d, tmp_path) if "auto_map" in p]
+        (tmp_path / "modeling_dflash.py").unlink()
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("stray embed_tokens", "weight 'embed_tokens.weight' is the target's, not the drafter's"),
+    ("stray lm_head", "weight 'lm_head.weight' is the target's, not the drafter's"),
+    ("a layer missing", "weights hold layers [0], config.json says 2"),
+    ("fc missing", "weight 'fc.weight' is missing"),
+])
+def test_weight_check_names_stray_and_missing_tensors(setup, tmp_path, damage, said):
+    """What weight_problems reads from the headers: the target's tensors saved into the drafter (engines take
+    them from the target), a decoder layer the config promises but the file lacks, and fc."""
+    from safetensors.torch import load_file, save_file
+
+    from export.check import weight_problems
+    from models.config import DFlashConfig
+
+    *_, drafter, _ = setup
+    assert drafter.config.num_hidden_layers == 2
+    drafter.save_pretrained(tmp_path)
+    config = DFlashConfig.load(tmp_path)
+    assert weight_problems(tmp_path, config) == []
+    state = load_file(str(tmp_path / "model.safetensors"))
+    if damage.startswith("stray"):
+        state[damage.split()[1] + ".weight"] = torch.zeros(4, 4)
+    else:
+        prefix = "layers.1." if damage == "a layer missing" else "fc."
+        state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert said in weight_problems(tmp_path, config)
+
+
 @pytest.mark.parametrize("how", ["off by 10%", "NaN"])
 def test_gate_refuses_a_folder_whose_logits_differ(setup, tmp_path, monkeypatch, how):
     """Weights that read back bit-equal but compute something else (a modeling-file or loader bug) are
