@@ -433,25 +433,37 @@ def test_rotating_sliding_window_caches_roll_back(folders):
     rollback.check(cache, len(PROMPT) + 3)
 
 
-def test_check_sees_attention_buffers_that_lost_committed_rows(folders):
-    """The per-cycle check looks at the buffers, not only at the offsets: a trim that cut more rows than it
-    moved the offset by (plain or rotating cache) is caught, not read as stale keys next cycle."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+def _sliding_llama(folders, window: int):
+    """The tiny Llama target with every other layer a sliding-window one of ``window`` positions."""
     from mlx_lm.utils import load
 
     path = folders("llama")[1]
     model, tok = load(str(path), model_config={"layer_types": ["sliding_attention", "full_attention"] * 4,
-                                               "sliding_window": 64})
-    target = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
+                                               "sliding_window": window})
+    return TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
+
+
+def _one_cycle(target) -> tuple[list, CacheRollback]:
+    """A cache after the prompt and one verified block of which 3 tokens were kept (checked)."""
+    cache = target.new_cache()
+    target.forward(mx.array([PROMPT]), cache=cache)
+    rollback = CacheRollback(target)
+    with rollback.recording(cache):
+        target.forward(mx.array([PROMPT[:B]]), cache=cache)
+    rollback.commit(cache, keep=3, block_len=B)
+    rollback.check(cache, len(PROMPT) + 3)
+    return cache, rollback
+
+
+def test_check_sees_attention_buffers_that_lost_committed_rows(folders):
+    """The per-cycle check looks at the buffers, not only at the offsets: a trim that cut more rows than it
+    moved the offset by (plain or rotating cache) is caught, not read as stale keys next cycle."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    target = _sliding_llama(folders, 64)
     for kind in (RotatingKVCache, KVCache):
-        cache = target.new_cache()
-        target.forward(mx.array([PROMPT]), cache=cache)
-        rollback = CacheRollback(target)
-        with rollback.recording(cache):
-            target.forward(mx.array([PROMPT[:B]]), cache=cache)
-        rollback.commit(cache, keep=3, block_len=B)
+        cache, rollback = _one_cycle(target)
         committed = len(PROMPT) + 3
-        rollback.check(cache, committed)
         c = next(c for c in cache if type(c) is kind)
         c.keys, c.values = c.keys[..., :committed - 2, :], c.values[..., :committed - 2, :]
         if kind is RotatingKVCache:
@@ -464,19 +476,8 @@ def test_check_sees_a_rotating_write_index_out_of_step_with_its_buffer(folders):
     """A rotating cache whose write index disagrees with its buffer (rows and offset right) would write the next
     block over committed rows: the check refuses it."""
     from mlx_lm.models.cache import RotatingKVCache
-    from mlx_lm.utils import load
 
-    path = folders("llama")[1]
-    model, tok = load(str(path), model_config={"layer_types": ["sliding_attention", "full_attention"] * 4,
-                                               "sliding_window": 6})
-    target = TargetModel(model, tok, config=json.loads((path / "config.json").read_text()))
-    cache = target.new_cache()
-    target.forward(mx.array([PROMPT]), cache=cache)
-    rollback = CacheRollback(target)
-    with rollback.recording(cache):
-        target.forward(mx.array([PROMPT[:B]]), cache=cache)
-    rollback.commit(cache, keep=3, block_len=B)
-    rollback.check(cache, len(PROMPT) + 3)
+    cache, rollback = _one_cycle(_sliding_llama(folders, 6))
     c = next(c for c in cache if isinstance(c, RotatingKVCache))
     c._idx -= 1
     with pytest.raises(AssertionError, match="write index"):
