@@ -30,24 +30,16 @@ def _is_export(folder: Path) -> bool:
 
 
 def _not_written_by_export(folder: Path) -> list[str]:
-    """Files in an earlier export that no export writes: not the weights, config, index or modeling file, nor
-    push's generated README.md; hidden files (a download's .cache/, .gitattributes) are not counted."""
-    from fnmatch import fnmatch
-
+    """Files in an earlier export that no export writes (``export.push.sort_files``), and a README.md that is
+    not push's generated card."""
     from export.card import MARKER
-    from export.push import EXPORT_FILES
+    from export.push import sort_files
 
-    found = []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder)
-        if not p.is_file() or any(part.startswith(".") for part in rel.parts):
-            continue
-        if rel.as_posix() == "README.md":
-            if MARKER not in p.read_text(errors="replace"):
-                found.append("README.md (not written by draftsmith)")
-        elif not any(fnmatch(rel.as_posix(), pattern) for pattern in EXPORT_FILES):
-            found.append(rel.as_posix())
-    return found
+    written, other = sort_files(folder)
+    readme = folder / "README.md"
+    if "README.md" in written and MARKER not in readme.read_text(errors="replace"):
+        other = ["README.md (not written by draftsmith)", *other]
+    return other
 
 
 def check_out(out: Path, overwrite: bool, source: Path | None = None) -> None:

@@ -111,16 +111,21 @@ def check_folder(folder: Path) -> DFlashConfig:
     return config
 
 
-def export_files(folder: Path) -> list[str]:
-    """The files a push uploads (relative paths), after refusing any file an export does not write. Both lists
-    come from huggingface_hub's own filter with the patterns ``upload_folder`` gets, so the dry run lists exactly
-    what the upload sends."""
+def sort_files(folder: Path) -> tuple[list[str], list[str]]:
+    """(the files an export writes, every other file) in ``folder``, as relative paths; hidden, cache and temp
+    files are in neither. Both lists come from huggingface_hub's own filter with the patterns ``upload_folder``
+    gets, so the dry run lists exactly what the upload sends (``export.folder`` reads the same lists)."""
     from huggingface_hub import utils
 
     every = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     seen = list(utils.filter_repo_objects(every, ignore_patterns=IGNORE + list(utils.DEFAULT_IGNORE_PATTERNS)))
     files = list(utils.filter_repo_objects(seen, allow_patterns=EXPORT_FILES))
-    other = [f for f in seen if f not in files]
+    return files, [f for f in seen if f not in files]
+
+
+def export_files(folder: Path) -> list[str]:
+    """The files a push uploads (relative paths), after refusing any file an export does not write."""
+    files, other = sort_files(folder)
     if other:
         shown = ", ".join(other[:8]) + (f" (+{len(other) - 8} more)" if len(other) > 8 else "")
         raise ValueError(f"--folder {folder} holds files an export does not write: {shown}. A push uploads the "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from inference.report import PromptRun
 from inference.stats import GenerationResult
+from models.lock import set_aside
 
 PARTIAL = "partial.jsonl"
 LOCK = ".validate.lock"
@@ -30,21 +31,6 @@ LOCK = ".validate.lock"
 def settings_key(environment: dict) -> str:
     """Hash of the report's environment as it stands before measuring (no time, no peak memory yet)."""
     return hashlib.sha256(json.dumps(environment, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-KEEP_OLD = 5  # set-aside files kept: partial.jsonl.old (the newest), .old.1, ... .old.4 (the oldest)
-
-
-def set_aside(path: Path) -> Path:
-    """Move ``path`` to ``<name>.old``, first shifting earlier ones to ``.old.1``, ``.old.2``, ...: an earlier
-    set-aside file (hours of measurements, maybe) is never overwritten; only the oldest beyond ``KEEP_OLD`` goes."""
-    olds = [path.with_name(f"{path.name}.old" + (f".{i}" if i else "")) for i in range(KEEP_OLD)]
-    olds[-1].unlink(missing_ok=True)
-    for newer, older in zip(reversed(olds[:-1]), reversed(olds[1:])):
-        if newer.is_file():
-            newer.replace(older)
-    path.replace(olds[0])
-    return olds[0]
 
 
 def differing(old: dict | None, new: dict | None) -> list[str]:

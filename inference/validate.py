@@ -71,7 +71,7 @@ from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 from models.config import describe_quantization
-from models.lock import hold
+from models.lock import hold, set_aside
 from models.provenance import refuse_training_output
 
 
@@ -202,7 +202,7 @@ def write_outputs(report: dict, out: str | Path, log=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md"}
     if paths["json"].is_file():
-        old = partial.set_aside(paths["json"])
+        old = set_aside(paths["json"])
         (log or (lambda m: print(m, file=sys.stderr)))(
             f"note: {paths['json']} of an earlier run set aside as {old.name} (--compare {old} reads it); "
             "give each run its own --out to keep them apart")

@@ -1,4 +1,4 @@
-"""One writer per output folder: a lock file in it, held while a command writes there.
+"""Output folders that never lose work: one writer at a time (``hold``), earlier results set aside (``set_aside``).
 
 Two validate runs into one ``--out`` shared ``partial.jsonl`` (the first to finish deleted the other's rows);
 two training runs into one ``out_dir`` (the same command in two terminals, a requeued job while the old one
@@ -20,8 +20,8 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def hold(folder: str | Path, name: str, flag: str, fix: str, log: Callable[[str], None] | None = None) -> Iterator[
-        Path]:
+def hold(folder: str | Path, name: str, flag: str, fix: str,
+         log: Callable[[str], None] | None = None) -> Iterator[Path]:
     """Create ``folder`` and lock ``folder/name`` for the ``with`` block. ``flag`` names the folder's setting in
     the errors (``--out``, ``out_dir``); ``fix`` ends the one refusing a second writer."""
     folder = Path(folder)
@@ -45,7 +45,6 @@ def hold(folder: str | Path, name: str, flag: str, fix: str, log: Callable[[str]
                 holder = handle.read().strip() or "unknown"
                 raise ValueError(f"{flag} {folder} is in use by another run (pid {holder}): {fix}") from None
             except OSError as e:
-                fcntl = None
                 if log:
                     log(f"note: {folder / name} cannot be locked on this file system ({e.strerror or e}): a second "
                         "run into the same folder is not refused")
@@ -60,3 +59,18 @@ def hold(folder: str | Path, name: str, flag: str, fix: str, log: Callable[[str]
             if created and [p.name for p in folder.iterdir()] == [name]:
                 (folder / name).unlink(missing_ok=True)
                 folder.rmdir()
+
+
+KEEP_OLD = 5  # set-aside files kept: NAME.old (the newest), .old.1, ... .old.4 (the oldest)
+
+
+def set_aside(path: Path) -> Path:
+    """Move ``path`` to ``<name>.old``, first shifting earlier ones to ``.old.1``, ``.old.2``, ...: an earlier
+    set-aside file (hours of measurements, maybe) is never overwritten; only the oldest beyond ``KEEP_OLD`` goes."""
+    olds = [path.with_name(f"{path.name}.old" + (f".{i}" if i else "")) for i in range(KEEP_OLD)]
+    olds[-1].unlink(missing_ok=True)
+    for newer, older in zip(reversed(olds[:-1]), reversed(olds[1:])):
+        if newer.is_file():
+            newer.replace(older)
+    path.replace(olds[0])
+    return olds[0]

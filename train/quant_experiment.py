@@ -143,13 +143,19 @@ def trained_against(target_dir: Path, quantization: str, budget: dict) -> dict:
             "train": dict(budget["train"])}
 
 
+def trained_by(out_dir: Path) -> dict:
+    """A cached drafter run's ``trained_by.json`` ({} when missing or unreadable: a run that predates it)."""
+    try:
+        record = json.loads((out_dir / TRAINED_BY).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def other_training(out_dir: Path, against: dict) -> str | None:
     """Why a cached drafter was trained against something else than ``against`` (None: the same, or a run that
     predates the record)."""
-    try:
-        recorded = json.loads((out_dir / TRAINED_BY).read_text()).get("trained_against")
-    except (OSError, ValueError, AttributeError):
-        return None
+    recorded = trained_by(out_dir).get("trained_against")
     if not isinstance(recorded, dict):
         return None
     diff = [f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in against.items() if recorded.get(k) != v]
@@ -158,10 +164,7 @@ def other_training(out_dir: Path, against: dict) -> str | None:
 
 def drafter_code_key(out_dir: Path) -> str | None:
     """The code key a cached drafter run was trained by (None: not recorded)."""
-    try:
-        return json.loads((out_dir / TRAINED_BY).read_text()).get("code_key")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return trained_by(out_dir).get("code_key")
 
 
 def stale_labels(data: Path) -> str | None:
@@ -214,7 +217,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
     tau = lambda t, d: measure_tau(t, d, prompts, budget["max_new_tokens"])  # noqa: E731
 
     runs = f"e{budget['train']['train.epochs']}-s{seed}"  # a cached drafter is reused only at the same budget
-    dir_a, dir_b = out / f"drafter-unquantized-{runs}", None
+    dir_a = out / f"drafter-unquantized-{runs}"
     drafter_a = train_drafter(dir_a, target, "none", budget, seed, log, rerun_other_code)
     a_bf16 = tau(target, drafter_a)
     sweep = {b: tau(quantized[b], drafter_a) for b in sweep_bits}
@@ -254,18 +257,17 @@ REPORT_SETTINGS = ("budget", "group_size", "prompts", "max_new_tokens", "target"
 
 def set_aside_other_report(path: Path, report: dict, log) -> None:
     """An earlier report at ``path`` measured with other settings (another --group-size or --budget of the same
-    epochs: the name holds only bits, epochs and seed) is renamed ``.old`` (``.old.1`` ...), not overwritten."""
+    epochs: the name holds only bits, epochs and seed) is set aside as ``.old`` (``models.lock.set_aside``), not
+    overwritten."""
+    from models.lock import set_aside
+
     try:
         earlier = json.loads(path.read_text())
     except (OSError, ValueError):
         return
     if not isinstance(earlier, dict) or all(earlier.get(k) == report.get(k) for k in REPORT_SETTINGS):
         return
-    aside, n = path.with_name(path.name + ".old"), 0
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.name}.old.{n}")
-    path.rename(aside)
+    aside = set_aside(path)
     log(f"note: {path.name} of an earlier run with other settings is kept as {aside.name}")
 
 
