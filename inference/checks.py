@@ -166,6 +166,15 @@ class Preflight:
     recorded_target: str | None
 
 
+def check_target_tokenizer(facts: TargetFacts, target: str, fix: str) -> None:
+    """The target folder has tokenizer files when the command needs them: a folder without was found only after
+    the target had loaded (minutes for a large one). Same rule as the load (``tokenizer*`` files)."""
+    directory = Path(facts.path).parent
+    if not any(directory.glob("tokenizer*")):
+        raise ValueError(f"--target {target}: {directory} has no tokenizer files (tokenizer.json, "
+                         f"tokenizer_config.json): {fix}")
+
+
 def check_draft_weights(draft: str) -> None:
     """A local drafter folder holds its weights (a Hub id's come with the load): missing ones were found only
     after the target had loaded (minutes for a large one)."""

@@ -24,7 +24,7 @@ import logging
 import platform
 import sys
 
-from inference.checks import check_draft_weights, check_dtype, check_prompt_ids, preflight
+from inference.checks import check_draft_weights, check_dtype, check_prompt_ids, check_target_tokenizer, preflight
 from models.cli import check_device
 
 WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     check_draft_weights(args.draft)
     early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
+    if early_ids is None:
+        check_target_tokenizer(pre.target, args.target, "pass --prompt-ids instead of --prompt, or add the "
+                               "target's tokenizer files to the folder")
     backend = pick_backend(args.backend)
     session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)
     tokenizer = session.tokenizer

@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 
 from inference import partial
-from inference.checks import check_draft_weights, check_dtype, check_temperature, preflight
+from inference.checks import check_draft_weights, check_dtype, check_target_tokenizer, check_temperature, preflight
 from inference.generate import TORCH_LOOPS, WARMUP_TOKENS
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
@@ -298,6 +298,8 @@ def validate(args: argparse.Namespace) -> dict:
     check_temperature(args.temperature)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     check_draft_weights(args.draft)
+    check_target_tokenizer(pre.target, args.target, "validate renders its prompts with the target's chat template: "
+                           "add the target's tokenizer files to the folder")
     prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)
     session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype, loop=args.loop)
     ids = render_prompts(session.tokenizer, prompts, args.thinking)

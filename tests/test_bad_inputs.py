@@ -1423,6 +1423,27 @@ def test_a_drafter_folder_without_its_weights_is_named_before_the_target_loads(i
         run(infer_dirs, *extra, draft=draft)
 
 
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_a_target_folder_without_a_tokenizer_is_named_before_the_target_loads(infer_dirs, monkeypatch, run):
+    """generate --prompt and validate need the target's tokenizer: a folder without one failed only once the
+    target had loaded. generate --prompt-ids needs none and still goes on to the load."""
+    import shutil
+
+    from models.target import TargetModel
+
+    bare = infer_dirs["root"] / "no-tokenizer"
+    bare.mkdir(exist_ok=True)
+    shutil.copy(infer_dirs["root"] / "target" / "config.json", bare / "config.json")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("the target loaded first"))
+    extra = ("--prompt", "hello") if run is _generate else ()
+    with pytest.raises(ValueError, match=r"--target .*no-tokenizer: .* has no tokenizer files \(tokenizer.json"):
+        run(infer_dirs, *extra, target=str(bare))
+    if run is _generate:
+        loaded = "the target loaded first"
+        with pytest.raises(pytest.fail.Exception, match=loaded):
+            run(infer_dirs, "--prompt-ids", "1", target=str(bare))
+
+
 def test_mask_id_outside_the_target_embedding(infer_dirs):
     draft = _drafter_variant(infer_dirs, "mask-out-of-range", mask_token_id=999)
     for run in (_generate, _validate):
