@@ -3111,7 +3111,7 @@ def stand_in_small_target(folder, chats: int | None = 3, prompts: int | None = 1
     (folder / STAMP_FILE).write_text("{}")
     for name, n in (("chats.jsonl", chats), ("prompts.jsonl", prompts)):
         if n is not None:
-            (folder / name).write_text('{"messages": []}\n' * n)
+            (folder / name).write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * n)
     return folder
 
 
@@ -3850,8 +3850,8 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
 
     target = tmp_path / "target"
     target.mkdir()
-    for name in ("chats.jsonl", "prompts.jsonl"):
-        (target / name).write_text("")
+    (target / "chats.jsonl").write_text("")
+    (target / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     (target / "small_target.json").write_text(json.dumps({"greedy_check": {"distinct_3gram": 0.0685,
                                                                           "distinct_outputs": 0.5}}))
     with pytest.raises(ValueError, match="does not talk: .*distinct-3-gram ratio 0.0685 .*fit it longer"):
@@ -3862,6 +3862,27 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
         run(tmp_path / "out2", "test", target_dir=str(tmp_path / "typo"), log=lambda *_: None)
     assert not (tmp_path / "out2").exists()  # and no empty experiment folder left behind
 
+
+
+@pytest.mark.parametrize("prompts, said", [
+    ("", "holds no prompts: tau is measured on them"),  # a ZeroDivisionError after drafter A had trained
+    ("\n  \n", "holds no prompts"),
+    ('{"messages": [{"role": "user"\n', "line 1 is not JSON"),
+    ('{"text": "hi"}\n', 'line 1 has no "messages" list'),
+])
+def test_quant_experiment_target_without_usable_prompts_is_refused_before_any_work(tmp_path, monkeypatch, prompts,
+                                                                                   said):
+    import models.quant
+    from train.quant_experiment import run
+
+    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda *a, **k: pytest.fail("the experiment ran"))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "chats.jsonl").write_text("")
+    (target / "prompts.jsonl").write_text(prompts)
+    with pytest.raises(ValueError, match=said):
+        run(tmp_path / "out", "smoke", sweep_bits=(3,), bits=3, target_dir=str(target), log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
 
 
 def test_help_into_a_closed_pipe_ends_quietly():

@@ -61,12 +61,37 @@ DRAFTER = {"drafter.num_hidden_layers": 2, "drafter.num_taps": 3, "drafter.block
            "logging.every": 20, "target.dtype": "float32", "features.mode": "online"}
 
 
+def prompt_rows(target_dir: Path, n: int) -> list[dict]:
+    """The first ``n`` held-out prompts of a small-target folder; an empty or malformed ``prompts.jsonl`` is named
+    before anything trains (it was found only after drafter A had trained, as a ZeroDivisionError)."""
+    path = target_dir / "prompts.jsonl"
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        if len(rows) == n:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {i} is not JSON ({e}): rebuild the folder with python -m "
+                             "train.small_target") from None
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+            raise ValueError(f"{path} line {i} has no \"messages\" list: each row is one held-out chat "
+                             "(python -m train.small_target writes them)")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts: tau is measured on them; rebuild the folder with python -m "
+                         "train.small_target")
+    return rows
+
+
 def prompt_ids(target_dir: Path, n: int) -> list[list[int]]:
     """The held-out prompts of the small target, rendered with its chat template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    rows = [json.loads(line) for line in (target_dir / "prompts.jsonl").read_text().splitlines() if line.strip()][:n]
+    rows = prompt_rows(target_dir, n)
     return [list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
             for r in rows]
 
@@ -201,6 +226,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         target = Path(target_dir)
         if not (target / "prompts.jsonl").is_file() or not (target / "chats.jsonl").is_file():
             raise FileNotFoundError(f"--target {target} is not a small-target folder (chats.jsonl + prompts.jsonl)")
+        prompt_rows(target, budget["prompts"])
     out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves no empty --out behind
     if not target_dir:
         target = build_small_target(out / "target", seed=0, log=log, progress=False, corpus=corpus, **budget["target"])
