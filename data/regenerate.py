@@ -48,6 +48,7 @@ from data.readers import split_think
 from data.regen_common import (Completion, RegenerationError, RegenReport, ServerUnavailable,  # noqa: F401
                                _assistant_message, _for_template, _result_row)
 from data.regen_http import HTTPGenerator, start_command  # noqa: F401 (re-exported)
+from models.lock import hold
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -388,8 +389,6 @@ def load_local_target(a: argparse.Namespace, path: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.readers import ReadStats, iter_conversations, no_usable_rows
-
     p = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, help="chat data: .jsonl/.json/.parquet, a datasets folder, or a Hub id")
@@ -411,6 +410,17 @@ def main(argv: list[str] | None = None) -> None:
     if a.server and a.quantization != "none":
         p.error("--quantization applies to in-process generation (--target without --server): a server generates "
                 "with the weights it serves")
+    # Two runs appending to one answers file regenerated the same conversations twice (and both paid for it).
+    out = Path(a.out)
+    with hold(out.parent, f"{out.name}.lock", "--out", "wait for it to end (the same command then resumes), or "
+              "give this one its own --out", output=out):
+        regenerate_from_args(a)
+
+
+def regenerate_from_args(a: argparse.Namespace) -> None:
+    """``main`` once the flags are checked, holding ``--out``."""
+    from data.readers import ReadStats, iter_conversations, no_usable_rows
+
     stats = ReadStats()  # the source is streamed: read as regeneration goes
     convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
                                need_answers=False)

@@ -6,9 +6,9 @@ still runs) wrote the same checkpoints and metrics. The second is refused with t
 
 The OS drops the lock when the process ends, however it ends, so a crashed run never blocks the next; the
 file itself stays (removing it would race a run that just opened it), unless the command created the
-folder and wrote nothing else there (a refusal): a mistake leaves no folder behind. POSIX only (Linux,
-macOS); elsewhere, and on file systems without ``flock`` (some cluster mounts), runs are not kept apart
-and a note says so.
+folder and wrote nothing else there, or never wrote the one file it guards (a refusal): a mistake leaves
+nothing behind. POSIX only (Linux, macOS); elsewhere, and on file systems without ``flock`` (some cluster
+mounts), runs are not kept apart and a note says so.
 """
 
 from __future__ import annotations
@@ -21,16 +21,19 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def hold(folder: str | Path, name: str, flag: str, fix: str,
-         log: Callable[[str], None] | None = None) -> Iterator[Path]:
+         log: Callable[[str], None] | None = None, output: Path | None = None) -> Iterator[Path]:
     """Create ``folder`` and lock ``folder/name`` for the ``with`` block. ``flag`` names the folder's setting in
-    the errors (``--out``, ``out_dir``); ``fix`` ends the one refusing a second writer."""
+    the errors (``--out``, ``out_dir``); ``fix`` ends the one refusing a second writer. ``output`` is the one
+    file guarded, when that is what the command writes (``--out answers.jsonl``): the errors name it, and the
+    lock goes at the end if it was never written."""
     folder = Path(folder)
+    what = f"{flag} {output or folder}"
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(folder / name, "a+")
     except OSError as e:  # a file in the path, a read-only mount: said now, not after the models load
-        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror or e}); give a folder you can write "
+        raise ValueError(f"{what}: cannot write there ({e.strerror or e}); give a folder you can write "
                          "to") from None
     with handle:
         try:
@@ -43,7 +46,7 @@ def hold(folder: str | Path, name: str, flag: str, fix: str,
             except BlockingIOError:
                 handle.seek(0)
                 holder = handle.read().strip() or "unknown"
-                raise ValueError(f"{flag} {folder} is in use by another run (pid {holder}): {fix}") from None
+                raise ValueError(f"{what} is in use by another run (pid {holder}): {fix}") from None
             except OSError as e:
                 if log:
                     log(f"note: {folder / name} cannot be locked on this file system ({e.strerror or e}): a second "
@@ -56,6 +59,8 @@ def hold(folder: str | Path, name: str, flag: str, fix: str,
         try:
             yield folder
         finally:  # a command refused before it wrote anything leaves no folder holding only the lock
+            if output is not None and not output.exists():
+                (folder / name).unlink(missing_ok=True)
             if created and [p.name for p in folder.iterdir()] == [name]:
                 (folder / name).unlink(missing_ok=True)
                 folder.rmdir()

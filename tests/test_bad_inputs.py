@@ -748,6 +748,25 @@ def test_regenerate_source_that_is_missing_or_unusable_is_named_before_the_targe
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unknown.jsonl"]
 
 
+def test_a_regenerate_into_an_out_another_run_is_writing_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+    """Two standalone runs appending to one answers file regenerated the same conversations twice. The second
+    is refused, naming the holder's pid, and writes nothing; a run that never wrote its --out leaves no lock."""
+    import os
+
+    import data.regenerate as rg
+    from models.lock import hold
+
+    out = tmp_path / "answers.jsonl"
+    argv = ["--source", str(tmp_path / "missing.jsonl"), "--out", str(out), "--target", "t", "--no-progress"]
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded"))
+    with hold(tmp_path, "answers.jsonl.lock", "--out", "-", output=out):
+        with pytest.raises(ValueError, match=f"--out {out} is in use by another run \\(pid {os.getpid()}\\): wait"):
+            rg.main(argv)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):  # the lock is free again: the source is read
+        rg.main(argv)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
     import data.prepare
     import data.regenerate as rg
