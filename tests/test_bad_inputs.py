@@ -3193,6 +3193,11 @@ def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
     target = stand_in_small_target(tmp_path / "target", prompts=2)
     with pytest.raises(ValueError, match="--prompts 16 but .*prompts.jsonl holds 2 held-out prompts: use --prompts 2"):
         main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl")])
+    # A blank line counted as a prompt, and a cut last line was a bare JSONDecodeError after every cell trained
+    with (target / "prompts.jsonl").open("a") as f:
+        f.write('\n{"messages": [{"role": "user", "content": "hi"}\n')
+    with pytest.raises(ValueError, match="prompts.jsonl line 4 is not JSON"):
+        main(["--grid", "paper", "--target", str(target), "--out", str(tmp_path / "abl"), "--prompts", "3"])
 
 
 @pytest.mark.parametrize("key", ["target_key", "code_key"])
@@ -3844,10 +3849,11 @@ def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_ove
 
     import models.quant
     import train.quant_experiment as qx
+    import train.small_target
 
     target = stand_in_small_target(tmp_path / "target")
     monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda t, folder, **k: folder)
-    monkeypatch.setattr(qx, "prompt_ids", lambda t, n: [[1, 2]] * n)
+    monkeypatch.setattr(train.small_target, "held_out_prompt_ids", lambda t, n: [[1, 2]] * n)
     monkeypatch.setattr(qx, "train_drafter", lambda out_dir, *a, **k: out_dir)
     monkeypatch.setattr(qx, "measure_tau", lambda t, d, p, n: {"tau": 2.0 if "g64" in str(t) else 1.5})
     out, name = tmp_path / "qx", "report-3bit-e3-s0.json"
@@ -3887,7 +3893,7 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
     ("", "holds no prompts: tau is measured on them"),  # a ZeroDivisionError after drafter A had trained
     ("\n  \n", "holds no prompts"),
     ('{"messages": [{"role": "user"\n', "line 1 is not JSON"),
-    ('{"text": "hi"}\n', 'line 1 has no "messages" list'),
+    ('{"text": "hi"}\n', 'line 1 has no "messages" turns'),
 ])
 def test_quant_experiment_target_without_usable_prompts_is_refused_before_any_work(tmp_path, monkeypatch, prompts,
                                                                                    said):

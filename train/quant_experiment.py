@@ -61,41 +61,6 @@ DRAFTER = {"drafter.num_hidden_layers": 2, "drafter.num_taps": 3, "drafter.block
            "logging.every": 20, "target.dtype": "float32", "features.mode": "online"}
 
 
-def prompt_rows(target_dir: Path, n: int) -> list[dict]:
-    """The first ``n`` held-out prompts of a small-target folder; an empty or malformed ``prompts.jsonl`` is named
-    before anything trains (it was found only after drafter A had trained, as a ZeroDivisionError)."""
-    path = target_dir / "prompts.jsonl"
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
-        if len(rows) == n:
-            break
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {i} is not JSON ({e}): rebuild the folder with python -m "
-                             "train.small_target") from None
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
-            raise ValueError(f"{path} line {i} has no \"messages\" list: each row is one held-out chat "
-                             "(python -m train.small_target writes them)")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path} holds no prompts: tau is measured on them; rebuild the folder with python -m "
-                         "train.small_target")
-    return rows
-
-
-def prompt_ids(target_dir: Path, n: int) -> list[list[int]]:
-    """The held-out prompts of the small target, rendered with its chat template."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    rows = prompt_rows(target_dir, n)
-    return [list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
-            for r in rows]
-
-
 def measure_tau(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """tau of ``drafter_dir`` on ``target_dir`` with the MLX DFlash loop (float32): pooled and per-prompt mean."""
     from inference.mlx_loop import dflash_generate, load
@@ -215,7 +180,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         target_dir: str | None = None, log=print, epochs: int | None = None, rerun_other_code: bool = False) -> dict:
     from models.quant import quantize_to_mlx
     from train.ablate import code_key
-    from train.small_target import build_small_target, degenerate
+    from train.small_target import build_small_target, degenerate, held_out_prompt_ids, held_out_prompts
 
     if out.exists() and not out.is_dir():  # was a bare "[Errno 17] File exists"
         raise NotADirectoryError(f"--out {out} is a file: give a folder (created if missing)")
@@ -226,7 +191,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         target = Path(target_dir)
         if not (target / "prompts.jsonl").is_file() or not (target / "chats.jsonl").is_file():
             raise FileNotFoundError(f"--target {target} is not a small-target folder (chats.jsonl + prompts.jsonl)")
-        prompt_rows(target, budget["prompts"])
+        held_out_prompts(target, budget["prompts"])
     out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves no empty --out behind
     if not target_dir:
         target = build_small_target(out / "target", seed=0, log=log, progress=False, corpus=corpus, **budget["target"])
@@ -239,7 +204,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
                          "larger --budget)")
     quantized = {b: quantize_to_mlx(target, out / f"target-mlx-{b}bit-g{group_size}", bits=b, group_size=group_size,
                                     log=log) for b in sorted(set(sweep_bits) | ({bits} if bits else set()))}
-    prompts = prompt_ids(target, budget["prompts"])
+    prompts = held_out_prompt_ids(target, budget["prompts"])
     tau = lambda t, d: measure_tau(t, d, prompts, budget["max_new_tokens"])  # noqa: E731
 
     runs = f"e{budget['train']['train.epochs']}-s{seed}"  # a cached drafter is reused only at the same budget

@@ -381,6 +381,41 @@ def warn_if_degenerate(directory: Path, log=print) -> str | None:
     return why
 
 
+def held_out_prompts(directory: Path, n: int | None = None) -> list[dict]:
+    """The first ``n`` (all: None) held-out chats of ``prompts.jsonl``; an empty or malformed file is named
+    before anything trains (the experiments found it after training, as a ZeroDivisionError or a bare
+    JSONDecodeError)."""
+    path = Path(directory) / "prompts.jsonl"
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        if len(rows) == n:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {i} is not JSON ({e}): rebuild the folder with python -m "
+                             "train.small_target") from None
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+            raise ValueError(f"{path} line {i} has no \"messages\" turns: each row is one held-out chat "
+                             "(python -m train.small_target writes them)")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts: tau is measured on them; rebuild the folder with python -m "
+                         "train.small_target")
+    return rows
+
+
+def held_out_prompt_ids(directory: Path, n: int) -> list[list[int]]:
+    """Token ids of the first ``n`` held-out prompts (the folder's chat template, generation prompt added)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    return [list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
+            for r in held_out_prompts(directory, n)]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m train.small_target", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
