@@ -2706,6 +2706,22 @@ def test_command_line_spellings_a_recipe_file_reads_alike(tmp_path):
         load_config([f"recipe={tmp_path / 'gone.yml'}"])
 
 
+def test_an_empty_value_of_a_key_that_needs_one_is_named_not_read_as_none(tmp_path):
+    """out_dir=$UNSET trained into a folder named "None" (and target.path= loaded a Hub id "None"): an empty
+    value of a key that cannot be unset is refused, on the command line and in a recipe; optional ones unset."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    for override in ("out_dir=", "target.path=", "data.source="):
+        with pytest.raises(ConfigValueError, match=f"{override[:-1]} is empty .*give a string"):
+            load_config(["recipe=tiny", override])
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("out_dir:\ntarget:\n  path: tiny:qwen3\n")
+    with pytest.raises(ConfigValueError, match="out_dir is empty"):
+        load_config([f"recipe={mine}"])
+    assert load_config(["recipe=tiny", "data.prepared="]).data.prepared is None
+
+
 @pytest.mark.parametrize("value, message", [
     ("gptq", "not a quantization draftsmith knows: use none | mlx:PATH_OR_ID"),
     ("mlx-7bit", "7 bits is not an MLX affine width"),
