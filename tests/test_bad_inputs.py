@@ -2909,6 +2909,21 @@ def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch
     assert "the Hub's host name does not resolve (no network?) and it is not in the local cache" in source
 
 
+def test_dry_run_steps_count_every_process_of_the_node(tmp_path):
+    """With devices=8x80 the plan said as many steps as one process takes: 8 processes each train their own rows
+    of a step, so an epoch is an eighth of those steps (held-out rows capped at a fifth, as training does)."""
+    import json
+
+    from train.config import load_config
+    from train.plan import plan
+
+    (tmp_path / "stats.json").write_text(json.dumps({"rows": 1000, "tokens": 10 ** 6}))
+    args = ["recipe=tiny", f"data.prepared={tmp_path}", "train.batch_size=4", "train.epochs=2"]
+    schedule = lambda *more: plan(load_config([*args, *more]))["schedule"]
+    assert (schedule("devices=1x80")["steps"], schedule("devices=8x80")["steps"]) == (2 * 242, 2 * 30)  # 968 rows
+    assert plan(load_config([*args, "devices=8x80", "target.device_map=auto"]))["schedule"]["processes"] == 1
+
+
 @pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x", "8x0", "8x-80"])
 def test_dry_run_devices_that_are_not_count_x_gib(spec):
     from train.plan import parse_devices
