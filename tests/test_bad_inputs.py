@@ -2924,6 +2924,16 @@ def test_dry_run_steps_count_every_process_of_the_node(tmp_path):
     assert plan(load_config([*args, "devices=8x80", "target.device_map=auto"]))["schedule"]["processes"] == 1
 
 
+def test_dry_run_names_the_learning_rate_schedule_the_run_takes(capsys):
+    """train.schedule=constant was printed as "cosine" by the plan."""
+    from train.config import load_config
+    from train.plan import print_plan
+
+    print_plan(load_config(["recipe=tiny", "train.schedule=constant", "devices=1x80"]))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("schedule:"))
+    assert "lr 0.003 constant, warmup" in line and "cosine" not in line
+
+
 @pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x", "8x0", "8x-80"])
 def test_dry_run_devices_that_are_not_count_x_gib(spec):
     from train.plan import parse_devices

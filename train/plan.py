@@ -222,7 +222,7 @@ def plan(cfg) -> dict:
         "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
                  "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
         "schedule": {"rows_per_step_per_process": rows_per_step, "processes": processes, "epochs": tr.epochs,
-                     "steps": steps, "lr": tr.lr, "warmup_ratio": tr.warmup_ratio},
+                     "steps": steps, "lr": tr.lr, "schedule": tr.schedule, "warmup_ratio": tr.warmup_ratio},
         "memory_per_gpu": mem,
         "devices": device_plan(cfg, mem),
         "tflops_per_row": round(flops_row / 1e12, 2),
@@ -255,7 +255,7 @@ def print_plan(cfg) -> dict:
               f"regenerate {dt['regenerate']}, thinking {dt['thinking']}, features {dt['features']}")
         sc = p["schedule"]
         print(f"  schedule: {sc['epochs']} epochs, steps {sc['steps']} ({sc['processes']} process(es) x "
-              f"{sc['rows_per_step_per_process']} rows per step), lr {sc['lr']} cosine, warmup "
+              f"{sc['rows_per_step_per_process']} rows per step), lr {sc['lr']} {sc['schedule']}, warmup "
               f"{sc['warmup_ratio']:.0%}" + (f" ({sc['note']})" if "note" in sc else ""))
         m = p["memory_per_gpu"]
         # the parts for one process holding the whole target; the devices line says what each GPU gets
