@@ -2343,6 +2343,33 @@ def test_training_export_keys_are_checked_before_training(overrides, message):
         load_config(["recipe=tiny"] + overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["export.hf=true", "export.push_repo=me/d"], "export.push_repo push to the Hub after training, and there is "
+                                                  "no Hugging Face token: run `hf auth login`"),
+    (["export.hf=true", "export.push_repo=my-drafter"], "export.push_repo='my-drafter' is not a Hub repo id: use "
+                                                        "user/name"),
+    (["export.mlx=true"], "export.mlx=true needs MLX, which is not installed here"),
+])
+def test_an_export_stage_that_would_fail_after_training_is_refused_before_anything_loads(tmp_path, monkeypatch,
+                                                                                         overrides, message):
+    """A push without a Hub token, a repo id without its owner, or export.mlx without MLX failed only once the
+    whole training was done."""
+    import sys
+
+    import huggingface_hub
+
+    import train.setup
+    from train.distill import main
+    from train.export_stage import ExportStageError
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.setitem(sys.modules, "mlx.core", None)  # import mlx.core: ImportError, as without MLX
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    with pytest.raises(ExportStageError, match=re.escape(message)):
+        main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", *overrides])
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------- quantized targets
 @pytest.fixture(scope="module")
 def mlx_q4_folder(tmp_path_factory):

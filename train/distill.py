@@ -86,7 +86,9 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
+    from data.sync import run_on_main
     from train.checkpoint import refuse_unfinished_run, resume_checkpoint
+    from train.export_stage import check_export_stage
     from train.loop import Run
 
     cuda = torch.cuda.is_available()
@@ -99,6 +101,8 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
                          "bf16")
     mp = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     accelerator = Accelerator(mixed_precision=mp, cpu=not cuda)
+    # the main process exports after training: what would fail there (no MLX, no Hub token) fails now instead
+    run_on_main(lambda: check_export_stage(cfg.export), accelerator, what="the export settings' check")
     set_seed(cfg.train.seed)
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
