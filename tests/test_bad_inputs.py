@@ -2056,6 +2056,24 @@ def test_a_run_folder_as_drafter_init_from_names_the_drafter_inside(tmp_path):
         DFlashDraftModel.from_pretrained(tmp_path / "run")
 
 
+@pytest.mark.parametrize("what, said", [("missing", "is neither a local folder nor a Hub id"),
+                                        ("not a drafter", "not a DFlash drafter folder")])
+def test_a_warm_start_folder_that_is_no_drafter_is_named_before_the_target_loads(tmp_path, monkeypatch, what, said):
+    """drafter.init_from=<a typo> was named only once the target had loaded and the data had been prepared
+    (regenerated: hours on a real target)."""
+    import train.setup
+    from train.distill import main
+
+    folder = tmp_path / "old-run" / "final" / "drafterr"
+    if what == "not a drafter":
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    with pytest.raises((FileNotFoundError, ValueError), match=f"drafter.init_from.*{said}"):
+        main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", f"drafter.init_from={folder}"])
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_checkpoints_state_folder_as_drafter_names_the_drafter_beside_it(tmp_path):
     """--draft checkpoints/step_N/state (the optimizer state) gave no hint; its drafter is step_N/drafter."""
     from models.drafter import DFlashDraftModel

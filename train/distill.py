@@ -106,6 +106,10 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     set_seed(cfg.train.seed)
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
+        from train.setup import warm_start_source
+
+        warm_start_source(cfg.drafter.init_from)
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once
