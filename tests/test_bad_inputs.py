@@ -2074,6 +2074,24 @@ def test_a_warm_start_folder_that_is_no_drafter_is_named_before_the_target_loads
     assert not (tmp_path / "run").exists()
 
 
+def test_an_offline_store_that_is_missing_or_unfinished_is_named_before_the_target_loads(tmp_path, monkeypatch):
+    """features.store=<a typo>, or a store whose extraction is still running, was named only once the target had
+    loaded (the whole target on the main process, for true tau) and the data had been prepared."""
+    import train.setup
+    from data.store_writer import StoreWriter
+    from train.distill import main
+
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    run = ["recipe=tiny", f"out_dir={tmp_path / 'run'}", "features.mode=offline"]
+    with pytest.raises(FileNotFoundError, match="feats-typo is not a feature store .*python -m data.extract"):
+        main([*run, f"features.store={tmp_path / 'feats-typo'}"])
+    StoreWriter(tmp_path / "feats", {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4},
+                [(0, 2), (2, 4)]).write_shard(0, _tiny_store_rows())
+    with pytest.raises(ValueError, match="extraction not finished \\(1/2 shards\\); re-run the same data.extract"):
+        main([*run, f"features.store={tmp_path / 'feats'}"])
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_checkpoints_state_folder_as_drafter_names_the_drafter_beside_it(tmp_path):
     """--draft checkpoints/step_N/state (the optimizer state) gave no hint; its drafter is step_N/drafter."""
     from models.drafter import DFlashDraftModel

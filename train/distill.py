@@ -106,6 +106,10 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     set_seed(cfg.train.seed)
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    if cfg.features.mode == "offline":  # a mistyped or unfinished store was named only once the target had loaded
+        from data.store import FeatureStore
+
+        FeatureStore(cfg.features.store, verify=False)  # its index alone: it exists and its extraction finished
     if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
         from train.setup import warm_start_source
 
