@@ -3528,6 +3528,12 @@ def test_train_bench_e2e_tiny_runs_the_tiny_recipe(capsys):
     assert (row["hidden"], row["layers"], row["block"]) == (64, 2, 8)  # the tiny target's width, tiny.yaml's drafter
 
 
+def test_train_bench_e2e_with_drafter_shape_flags_says_they_are_the_targets(capsys, no_build):
+    """--e2e tiny --heads 8 --intermediate 512 timed the target's shape and reported hidden, heads... as if asked."""
+    said = argparse_error(capsys, "train", ["--e2e", "tiny", "--heads", "8", "--interm", "512"])
+    assert "--heads, --intermediate with --e2e: the drafter takes the target's shape" in said
+
+
 def test_inference_bench_random_tiny_target(capsys):
     bench("inference")(["--random-target", "tiny", "--loop", "eager", "--max-new-tokens", "4", "--prompts", "x",
                         "--prompt-tokens", "8"])
