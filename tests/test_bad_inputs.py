@@ -2691,6 +2691,8 @@ def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     ("drafter.head_dim=3", "drafter.head_dim=3 must be even"),  # a RoPE shape error at the first step
     ("drafter.rope_theta=-1", "drafter.rope_theta=-1.0 must be a positive RoPE base"),  # "diverged, lower lr"
     ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0"),
+    # read by no run: training never extracts features (data.extract --dtype decides a store's dtype)
+    ("features.dtype=fp8", "features.dtype=fp8 changes nothing: .*pass --dtype fp8 to python -m data.extract"),
 ])
 def test_bad_training_values_fail_at_config_time(override, message):
     """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""
