@@ -2096,6 +2096,42 @@ def test_a_run_folder_as_drafter_init_from_names_the_drafter_inside(tmp_path):
         DFlashDraftModel.from_pretrained(tmp_path / "run")
 
 
+@pytest.mark.parametrize("what, said", [("missing", "is neither a local folder nor a Hub id"),
+                                        ("not a drafter", "not a DFlash drafter folder")])
+def test_a_warm_start_folder_that_is_no_drafter_is_named_before_the_target_loads(tmp_path, monkeypatch, what, said):
+    """drafter.init_from=<a typo> was named only once the target had loaded and the data had been prepared
+    (regenerated: hours on a real target)."""
+    import train.setup
+    from train.distill import main
+
+    folder = tmp_path / "old-run" / "final" / "drafterr"
+    if what == "not a drafter":
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    with pytest.raises((FileNotFoundError, ValueError), match=f"drafter.init_from.*{said}"):
+        main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", f"drafter.init_from={folder}"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_offline_store_that_is_missing_or_unfinished_is_named_before_the_target_loads(tmp_path, monkeypatch):
+    """features.store=<a typo>, or a store whose extraction is still running, was named only once the target had
+    loaded (the whole target on the main process, for true tau) and the data had been prepared."""
+    import train.setup
+    from data.store_writer import StoreWriter
+    from train.distill import main
+
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    run = ["recipe=tiny", f"out_dir={tmp_path / 'run'}", "features.mode=offline"]
+    with pytest.raises(FileNotFoundError, match="feats-typo is not a feature store .*python -m data.extract"):
+        main([*run, f"features.store={tmp_path / 'feats-typo'}"])
+    StoreWriter(tmp_path / "feats", {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4},
+                [(0, 2), (2, 4)]).write_shard(0, _tiny_store_rows())
+    with pytest.raises(ValueError, match="extraction not finished \\(1/2 shards\\); re-run the same data.extract"):
+        main([*run, f"features.store={tmp_path / 'feats'}"])
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_checkpoints_state_folder_as_drafter_names_the_drafter_beside_it(tmp_path):
     """--draft checkpoints/step_N/state (the optimizer state) gave no hint; its drafter is step_N/drafter."""
     from models.drafter import DFlashDraftModel
@@ -2383,6 +2419,33 @@ def test_training_export_keys_are_checked_before_training(overrides, message):
         load_config(["recipe=tiny"] + overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["export.hf=true", "export.push_repo=me/d"], "export.push_repo push to the Hub after training, and there is "
+                                                  "no Hugging Face token: run `hf auth login`"),
+    (["export.hf=true", "export.push_repo=my-drafter"], "export.push_repo='my-drafter' is not a Hub repo id: use "
+                                                        "user/name"),
+    (["export.mlx=true"], "export.mlx=true needs MLX, which is not installed here"),
+])
+def test_an_export_stage_that_would_fail_after_training_is_refused_before_anything_loads(tmp_path, monkeypatch,
+                                                                                         overrides, message):
+    """A push without a Hub token, a repo id without its owner, or export.mlx without MLX failed only once the
+    whole training was done."""
+    import sys
+
+    import huggingface_hub
+
+    import train.setup
+    from train.distill import main
+    from train.export_stage import ExportStageError
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.setitem(sys.modules, "mlx.core", None)  # import mlx.core: ImportError, as without MLX
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    with pytest.raises(ExportStageError, match=re.escape(message)):
+        main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", *overrides])
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------- quantized targets
 @pytest.fixture(scope="module")
 def mlx_q4_folder(tmp_path_factory):
@@ -2668,6 +2731,8 @@ def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     ("drafter.head_dim=3", "drafter.head_dim=3 must be even"),  # a RoPE shape error at the first step
     ("drafter.rope_theta=-1", "drafter.rope_theta=-1.0 must be a positive RoPE base"),  # "diverged, lower lr"
     ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0"),
+    # read by no run: training never extracts features (data.extract --dtype decides a store's dtype)
+    ("features.dtype=fp8", "features.dtype=fp8 changes nothing: .*pass --dtype fp8 to python -m data.extract"),
 ])
 def test_bad_training_values_fail_at_config_time(override, message):
     """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""
@@ -2744,6 +2809,22 @@ def test_command_line_spellings_a_recipe_file_reads_alike(tmp_path):
         load_config(["recipe=tiny", "lr"])
     with pytest.raises(FileNotFoundError, match="recipe file .*gone.yml not found"):
         load_config([f"recipe={tmp_path / 'gone.yml'}"])
+
+
+def test_an_empty_value_of_a_key_that_needs_one_is_named_not_read_as_none(tmp_path):
+    """out_dir=$UNSET trained into a folder named "None" (and target.path= loaded a Hub id "None"): an empty
+    value of a key that cannot be unset is refused, on the command line and in a recipe; optional ones unset."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    for override in ("out_dir=", "target.path=", "data.source="):
+        with pytest.raises(ConfigValueError, match=f"{override[:-1]} is empty .*give a string"):
+            load_config(["recipe=tiny", override])
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("out_dir:\ntarget:\n  path: tiny:qwen3\n")
+    with pytest.raises(ConfigValueError, match="out_dir is empty"):
+        load_config([f"recipe={mine}"])
+    assert load_config(["recipe=tiny", "data.prepared="]).data.prepared is None
 
 
 @pytest.mark.parametrize("value, message", [
@@ -2931,6 +3012,31 @@ def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch
     config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b"]))
     assert config is None
     assert "the Hub's host name does not resolve (no network?) and it is not in the local cache" in source
+
+
+def test_dry_run_steps_count_every_process_of_the_node(tmp_path):
+    """With devices=8x80 the plan said as many steps as one process takes: 8 processes each train their own rows
+    of a step, so an epoch is an eighth of those steps (held-out rows capped at a fifth, as training does)."""
+    import json
+
+    from train.config import load_config
+    from train.plan import plan
+
+    (tmp_path / "stats.json").write_text(json.dumps({"rows": 1000, "tokens": 10 ** 6}))
+    args = ["recipe=tiny", f"data.prepared={tmp_path}", "train.batch_size=4", "train.epochs=2"]
+    schedule = lambda *more: plan(load_config([*args, *more]))["schedule"]
+    assert (schedule("devices=1x80")["steps"], schedule("devices=8x80")["steps"]) == (2 * 242, 2 * 30)  # 968 rows
+    assert plan(load_config([*args, "devices=8x80", "target.device_map=auto"]))["schedule"]["processes"] == 1
+
+
+def test_dry_run_names_the_learning_rate_schedule_the_run_takes(capsys):
+    """train.schedule=constant was printed as "cosine" by the plan."""
+    from train.config import load_config
+    from train.plan import print_plan
+
+    print_plan(load_config(["recipe=tiny", "train.schedule=constant", "devices=1x80"]))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("schedule:"))
+    assert "lr 0.003 constant, warmup" in line and "cosine" not in line
 
 
 @pytest.mark.parametrize("spec", ["eight", "8", "0x80", "8x", "8x0", "8x-80"])
@@ -3467,6 +3573,12 @@ def test_train_bench_e2e_tiny_runs_the_tiny_recipe(capsys):
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["bench"] == "train_e2e" and row["recipe"] == "tiny"
     assert (row["hidden"], row["layers"], row["block"]) == (64, 2, 8)  # the tiny target's width, tiny.yaml's drafter
+
+
+def test_train_bench_e2e_with_drafter_shape_flags_says_they_are_the_targets(capsys, no_build):
+    """--e2e tiny --heads 8 --intermediate 512 timed the target's shape and reported hidden, heads... as if asked."""
+    said = argparse_error(capsys, "train", ["--e2e", "tiny", "--heads", "8", "--interm", "512"])
+    assert "--heads, --intermediate with --e2e: the drafter takes the target's shape" in said
 
 
 def test_inference_bench_random_tiny_target(capsys):

@@ -15,7 +15,8 @@ on CPU; bf16 autocast on CUDA). ``--e2e RECIPE`` times the whole online step ins
 random-weight target of the recipe's exact shape (bf16, built on the device) runs the tapped
 forward (``TargetModel.forward``: stops after the deepest tap, no logits) on random rows, and its
 features feed the recipe's drafter (paper recipes: 5 layers, 5 taps, block 16, seq 3072, 512
-anchors; each flag given overrides). Full-size recipes need a CUDA GPU; ``tiny`` runs anywhere.
+anchors; each of these flags given overrides; the drafter's width, heads, MLP and vocabulary are the
+target's, and their flags are refused). Full-size recipes need a CUDA GPU; ``tiny`` runs anywhere.
 Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
 Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA model FLOPs
 utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError("--attention flex needs a CUDA GPU (flex attention has no CPU backward): "
                          "use --attention dense (or auto) on the CPU")
     if a.e2e:
+        # the drafter of an --e2e run takes the target's shape: these flags were replaced by it without a word
+        shape = [f"--{n.replace('_', '-')}" for n in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                                       "vocab") if getattr(a, n) != p.get_default(n)]
+        if shape:
+            p.error(f"{', '.join(shape)} with --e2e: the drafter takes the target's shape (hidden size, heads, KV "
+                    "heads, head dim, MLP, vocabulary); leave them out, or drop --e2e to time a drafter of that shape")
         spec = recipe_spec(a.e2e)  # an unknown recipe or one without a target shape: one line, before any build
         if not torch.cuda.is_available() and not recipe_runs_on_cpu(spec):
             size = f"{spec['target']['params_b']}B-parameter" if "params_b" in spec["target"] else "full-size"

@@ -82,7 +82,9 @@ class DataConfig:
 class FeaturesConfig:
     mode: str = "online"  # online: target runs in the step | offline: read a store from `python -m data.extract`
     store: str | None = None  # offline store folder
-    dtype: str = "bf16"  # offline store dtype (bf16 | fp8), used when this run extracts
+    # Read by no run (training never extracts: a store is read in the dtype `python -m data.extract --dtype` wrote);
+    # kept so configs and checkpoints that carry it still load, and any other value is refused.
+    dtype: str = "bf16"
 
 
 @dataclass
@@ -231,6 +233,10 @@ class RunConfig:
                 raise ValueError(f"{key}={value!r}: use one of {allowed}")
         if self.features.mode == "offline" and not self.features.store:
             raise ValueError("features.mode=offline needs features.store=DIR (written by `python -m data.extract`)")
+        if self.features.dtype != "bf16":  # fp8 was accepted and ignored: no training run extracts features
+            raise ValueError(f"features.dtype={self.features.dtype} changes nothing: training never extracts, it reads "
+                             "a store in the dtype it was extracted in. Drop it, and pass --dtype "
+                             f"{self.features.dtype} to python -m data.extract instead")
         if self.features.mode == "offline" and quant.kind in ("bnb", "fp8"):
             # A store holds the features of the weights data.extract ran, which it loads unquantized; these
             # quantizations exist only inside transformers' loader, so the store's fingerprint cannot tell.

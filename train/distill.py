@@ -86,7 +86,9 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
+    from data.sync import run_on_main
     from train.checkpoint import refuse_unfinished_run, resume_checkpoint
+    from train.export_stage import check_export_stage
     from train.loop import Run
 
     cuda = torch.cuda.is_available()
@@ -99,9 +101,19 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
                          "bf16")
     mp = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     accelerator = Accelerator(mixed_precision=mp, cpu=not cuda)
+    # the main process exports after training: what would fail there (no MLX, no Hub token) fails now instead
+    run_on_main(lambda: check_export_stage(cfg.export), accelerator, what="the export settings' check")
     set_seed(cfg.train.seed)
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    if cfg.features.mode == "offline":  # a mistyped or unfinished store was named only once the target had loaded
+        from data.store import FeatureStore
+
+        FeatureStore(cfg.features.store, verify=False)  # its index alone: it exists and its extraction finished
+    if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
+        from train.setup import warm_start_source
+
+        warm_start_source(cfg.drafter.init_from)
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once

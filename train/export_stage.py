@@ -24,6 +24,36 @@ class ExportStageError(ValueError):
     """An export command of the final stage failed; the trained drafter is saved regardless."""
 
 
+def check_export_stage(export_cfg) -> None:
+    """What would fail the export stage only after the whole training, checked before anything loads: MLX for
+    ``export.mlx``, a Hub token and a well-formed repo id for a push (the commands' own checks, run early)."""
+    if export_cfg.mlx:
+        try:
+            import mlx.core  # noqa: F401
+        except ImportError:
+            raise ExportStageError("export.mlx=true needs MLX, which is not installed here: pip install "
+                                   "'draftsmith[mlx]' (mlx on macOS, mlx[cpu] on Linux), or drop export.mlx and run "
+                                   "python -m export.mlx on the final drafter where MLX is") from None
+    repos = {k: v for k, v in (("export.push_repo", export_cfg.push_repo),
+                               ("export.push_mlx_repo", export_cfg.push_mlx_repo)) if v}
+    if not repos:
+        return
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    for key, repo in repos.items():
+        try:
+            if repo.count("/") != 1:
+                raise HFValidationError("use user/name or org/name (one '/')")
+            validate_repo_id(repo)
+        except HFValidationError as e:
+            raise ExportStageError(f"{key}={repo!r} is not a Hub repo id: {str(e).splitlines()[0]}") from None
+    if get_token() is None:
+        raise ExportStageError(f"{' and '.join(repos)} push to the Hub after training, and there is no Hugging Face "
+                               "token: run `hf auth login` or set HF_TOKEN first, or drop the push and run python -m "
+                               "export.push later")
+
+
 def export_commands(export_cfg, final_drafter: Path, out_dir: Path) -> list[list[str]]:
     """The ``python -m export.*`` command lines for a run's ``export.*`` settings, in order."""
     root = Path(export_cfg.dir) if export_cfg.dir else Path(out_dir) / "export"

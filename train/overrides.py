@@ -129,6 +129,8 @@ def _coerce(value: Any, tp: Any, key: str, root) -> Any:
         if not isinstance(value, dict):
             raise ConfigValueError(f"{key} is a section: give keys under it (e.g. {key}.{fields(tp)[0].name}=...)")
         return build(tp, value, root, key + ".")
+    if value is None:  # `out_dir=$UNSET` or `out_dir:` in a recipe: str(None) once made a folder named "None"
+        raise ConfigValueError(f"{key} is empty (an unset shell variable?): give {_kind(tp)}, or leave the key out")
     if origin is list:
         if isinstance(value, str):
             if value.strip().startswith("["):

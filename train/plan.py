@@ -9,7 +9,6 @@ it could not fetch. Data size comes from a prepared data set's ``stats.json`` wh
 from __future__ import annotations
 
 import json
-import math
 import textwrap
 from pathlib import Path
 
@@ -187,10 +186,15 @@ def plan(cfg) -> dict:
         stats = json.loads(stats_file.read_text())
         rows, tokens = stats.get("rows"), stats.get("tokens")
     rows_per_step = tr.batch_size * tr.grad_accum  # per process
+    # Every process trains its own rows of a step: 8 GPUs take an epoch in an eighth of the steps of one.
+    devices = parse_devices(cfg.devices)
+    processes = 1 if cfg.target.device_map or devices is None else devices[0]
     steps = None
     if rows:
-        steps_per_epoch = math.ceil(max(rows - cfg.data.eval_rows, 1) / rows_per_step)
-        steps = tr.max_steps or math.ceil(tr.epochs * steps_per_epoch)
+        from train.loop import make_schedule
+
+        held_out = min(cfg.data.eval_rows, rows // 5) if cfg.data.eval_rows else 0  # as train.setup.load_data
+        steps = make_schedule(cfg, rows - held_out, processes, 0).total_steps
 
     # Memory per GPU (bf16 target, fp32 drafter + AdamW, bf16 activations). Rough, on purpose.
     gib = 1024 ** 3
@@ -217,15 +221,15 @@ def plan(cfg) -> dict:
                       "max_length": S},
         "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
                  "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
-        "schedule": {"rows_per_step_per_process": rows_per_step, "epochs": tr.epochs, "steps": steps,
-                     "lr": tr.lr, "warmup_ratio": tr.warmup_ratio},
+        "schedule": {"rows_per_step_per_process": rows_per_step, "processes": processes, "epochs": tr.epochs,
+                     "steps": steps, "lr": tr.lr, "schedule": tr.schedule, "warmup_ratio": tr.warmup_ratio},
         "memory_per_gpu": mem,
         "devices": device_plan(cfg, mem),
         "tflops_per_row": round(flops_row / 1e12, 2),
     })
     if steps is None:
         out["schedule"]["note"] = (f"data not prepared yet ({stats_file} missing): steps = "
-                                   f"epochs x rows / {rows_per_step} per process")
+                                   f"epochs x rows / {rows_per_step * processes} rows per step")
     return out
 
 
@@ -250,7 +254,8 @@ def print_plan(cfg) -> dict:
         print(f"  data: {dt['source']} -> {dt['prepared']} (rows {dt['rows']}, tokens {dt['tokens']}), "
               f"regenerate {dt['regenerate']}, thinking {dt['thinking']}, features {dt['features']}")
         sc = p["schedule"]
-        print(f"  schedule: {sc['epochs']} epochs, steps {sc['steps']}, lr {sc['lr']} cosine, warmup "
+        print(f"  schedule: {sc['epochs']} epochs, steps {sc['steps']} ({sc['processes']} process(es) x "
+              f"{sc['rows_per_step_per_process']} rows per step), lr {sc['lr']} {sc['schedule']}, warmup "
               f"{sc['warmup_ratio']:.0%}" + (f" ({sc['note']})" if "note" in sc else ""))
         m = p["memory_per_gpu"]
         # the parts for one process holding the whole target; the devices line says what each GPU gets

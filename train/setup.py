@@ -270,9 +270,9 @@ WARM_START_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_he
 WARM_START_KEPT = ("rms_norm_eps", "layer_types", "sliding_window", "sliding_block_attention")
 
 
-def warm_start_config(init_from: str, drafter_cfg):
-    """The run's drafter config for ``drafter.init_from``: checked against the folder's, with the folder's
-    layer kinds and norm eps."""
+def warm_start_source(init_from: str):
+    """The drafter config of ``drafter.init_from``'s folder; a folder that is missing or no full-precision drafter
+    is refused. Training calls it before anything loads, and again when it has the run's config to compare."""
     from models.config import ConfigError, DFlashConfig
     from models.hub import resolve_model_dir
 
@@ -285,6 +285,13 @@ def warm_start_config(init_from: str, drafter_cfg):
     if loaded.quantization:
         raise ValueError(f"drafter.init_from={init_from} is a quantized MLX export: warm-start from the "
                          "full-precision drafter (its HF export or the run's final/drafter)")
+    return loaded
+
+
+def warm_start_config(init_from: str, drafter_cfg):
+    """The run's drafter config for ``drafter.init_from``: checked against the folder's, with the folder's
+    layer kinds and norm eps."""
+    loaded = warm_start_source(init_from)
 
     def differing(names):
         return [(n, getattr(loaded, n), getattr(drafter_cfg, n)) for n in names
