@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-LOCK = ".extract.lock"  # in the store folder, held by rank 0 while an extraction writes there
+from data.store_writer import LOCK  # in the store folder, held by rank 0 while an extraction writes there
 
 
 @dataclass
@@ -349,12 +349,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
+    from data.store_writer import check_store_folder
     from models.cli import check_device, parse_dtype
     from models.target import parse_max_memory
 
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
     a.device = check_device(a.device)
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
+    check_store_folder(a.out)  # a folder that is no store (the prepared data, a drafter) before the target loads
     ranks, rank_device = init_ranks()
     with contextlib.ExitStack() as held:
         if ranks.is_main:  # a second extraction into the store (a relaunch while the first runs) would write the

@@ -3759,6 +3759,30 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
         StoreWriter(out, {"topk": 4}, [(0, 2)])
 
 
+def test_an_extraction_into_a_folder_that_is_no_store_is_refused_before_its_target_loads(tmp_path, monkeypatch):
+    """--out naming the prepared data (or any folder of one's own) got index.json and the shards written among its
+    files, and every *.tmp file there deleted as a "leftover of a killed write"; found only after the target loaded."""
+    import data.extract
+    import models.target
+    from data.store import StoreMismatch
+    from data.store_writer import StoreWriter
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.tmp").write_text("draft")
+    (mine / "keep.txt").write_text("keep")
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(StoreMismatch, match=f"--out {mine} is not empty and is not a feature store \\(no index.json; "
+                                            "it holds keep.txt, notes.tmp\\): data.extract does not write into it"):
+        data.extract.main(["--target", "t", "--data", "d", "--out", str(mine), "--device", "cpu"])
+    with pytest.raises(StoreMismatch, match="is not a feature store"):
+        StoreWriter(mine, {"topk": 0}, [(0, 1)])
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt", "notes.tmp"]
+    (tmp_path / "empty").mkdir()  # an empty folder, or one a killed run left only its lock in, is a store's
+    (tmp_path / "empty" / data.extract.LOCK).write_text("1\n")
+    assert StoreWriter(tmp_path / "empty", {"topk": 0}, [(0, 1)]).index["topk"] == 0
+
+
 def test_quant_experiment_drafter_trained_against_another_target_build_group_or_budget_is_trained_again(
         tmp_path, monkeypatch):
     """The cached drafter's folder is named by bits, epochs and seed only: one trained against an earlier build
