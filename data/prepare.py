@@ -68,6 +68,14 @@ def load_tokenizer(target: str):
     return tokenizer
 
 
+def require_prepared(path: str | Path) -> Path:
+    """``path``, refused unless it is a finished prepared data folder (commands check it before a target loads)."""
+    path = Path(path)
+    if not (path / META_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a prepared data folder (no {META_FILE}); run python -m data.prepare")
+    return path
+
+
 def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = False, fix: str | None = None):
     """(dataset, meta) of a prepared folder; with ``tokenizer``, refuse data made by another one.
 
@@ -78,11 +86,8 @@ def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = F
 
     from data.chat import tokenizer_fingerprint
 
-    path = Path(path)
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path} is not a prepared data folder (no {META_FILE}); run python -m data.prepare")
-    meta = json.loads(meta_path.read_text())
+    path = require_prepared(path)
+    meta = json.loads((path / META_FILE).read_text())
     if tokenizer is not None and meta["tokenizer_hash"] != tokenizer_fingerprint(tokenizer):
         raise DataMismatch(f"{path} was tokenized for target {meta['target']!r} (tokenizer {meta['tokenizer_hash']}), "
                            f"not for this tokenizer ({tokenizer_fingerprint(tokenizer)}): re-run data.prepare")

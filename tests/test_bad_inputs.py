@@ -3730,7 +3730,9 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
         raise KeyboardInterrupt  # stop here: the flags got through
 
     monkeypatch.setattr(models.target.TargetModel, "from_pretrained", load)
-    argv = ["--target", "t", "--data", "d", "--out", str(tmp_path / "o")]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "draftsmith_data.json").write_text("{}")  # a prepared folder, as far as the flags go
+    argv = ["--target", "t", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
     with pytest.raises(KeyboardInterrupt):
         data.extract.main([*argv, "--target-dtype", "bf16", "--device", "cpu"])
     assert loaded["dtype"] == "bfloat16"
@@ -3781,6 +3783,21 @@ def test_an_extraction_into_a_folder_that_is_no_store_is_refused_before_its_targ
     (tmp_path / "empty").mkdir()  # an empty folder, or one a killed run left only its lock in, is a store's
     (tmp_path / "empty" / data.extract.LOCK).write_text("1\n")
     assert StoreWriter(tmp_path / "empty", {"topk": 0}, [(0, 1)]).index["topk"] == 0
+
+
+def test_an_extraction_from_a_folder_that_is_no_prepared_data_is_refused_before_its_target_loads(tmp_path,
+                                                                                                 monkeypatch):
+    """A mistyped --data (or the source JSONL instead of the prepared folder) was named only after the target had
+    loaded, minutes for a large one."""
+    import data.extract
+    import models.target
+
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'prepped'} is not a prepared data folder \\(no "
+                                                "draftsmith_data.json\\); run python -m data.prepare"):
+        data.extract.main(["--target", "t", "--data", str(tmp_path / "prepped"), "--out", str(tmp_path / "feats"),
+                           "--device", "cpu"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_quant_experiment_drafter_trained_against_another_target_build_group_or_budget_is_trained_again(
@@ -4197,6 +4214,8 @@ def test_an_extraction_into_a_store_another_extraction_writes_is_refused_before_
     from models.lock import hold
 
     store = tmp_path / "feats"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "draftsmith_data.json").write_text("{}")
     args = ["--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "data"), "--out", str(store),
             "--device", "cpu", "--no-progress"]
     with hold(store, LOCK, "--out", "-"):
