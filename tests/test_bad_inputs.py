@@ -748,6 +748,32 @@ def test_regenerate_source_that_is_missing_or_unusable_is_named_before_the_targe
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unknown.jsonl"]
 
 
+def test_prepare_out_that_is_foreign_or_of_other_settings_is_refused_before_the_regenerating_target_loads(
+        data_target, tmp_path, monkeypatch):
+    """With --regenerate local the target loaded (minutes for a large one) before an --out holding other files or
+    data prepared with other settings, or --pack without --max-length, was refused."""
+    import data.prepare
+    import data.regenerate as rg
+    from data.reuse import DataMismatch, NotPreparedFolder
+
+    prepared, mine = tmp_path / "prepared", tmp_path / "mine"
+    data.prepare.prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), prepared, progress=False)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    run = lambda out, *extra: data.prepare.main(["--target", str(data_target), "--source",  # noqa: E731
+                                                 str(_DATA_FIX / "openai.jsonl"), "--out", str(out), "--regenerate",
+                                                 "local", "--no-progress", *extra])
+    with pytest.raises(DataMismatch, match=r"other settings \(regenerate: None -> 'local'; .*max_length: None -> 9\)"):
+        run(prepared, "--max-length", "9")
+    with pytest.raises(NotPreparedFolder, match="is not empty and is not a prepared-data folder"):
+        run(mine)
+    with pytest.raises(ValueError, match="--pack needs --max-length"):
+        run(tmp_path / "new", "--pack")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "prepared"]
+    assert sorted(p.name for p in mine.iterdir()) == [".prepare.lock", "notes.txt"]  # the lock, as models.lock keeps
+
+
 def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
     import data.prepare
     import data.regenerate as rg
