@@ -262,25 +262,40 @@ def _disk_rows(path: Path, split: str) -> Iterator[dict]:
         yield from ds[one]
 
 
+FILE_TYPES = (".jsonl", ".json", ".parquet")
+
+
+def _check_file_type(path: Path) -> None:
+    if path.suffix not in FILE_TYPES:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _folder_files(path: Path) -> list[Path]:
+    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES)
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
+    return files
+
+
 def iter_source_rows(source: str | Path, split: str = "train", subset: str | None = None,
                      streaming: bool = False, revision: str | None = None) -> Iterator[dict | BadRow]:
     """Raw rows of a source, in a stable order. Malformed JSON lines come out as :class:`BadRow`."""
     path = Path(source).expanduser()
     if path.is_file():
+        _check_file_type(path)
         if path.suffix in (".jsonl", ".json"):
             yield from _jsonl_rows(path)
-        elif path.suffix == ".parquet":
-            yield from _parquet_rows(path)
         else:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl, .json or .parquet)")
+            yield from _parquet_rows(path)
     elif path.is_dir():
-        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        if _is_saved_dataset(path):
             yield from _disk_rows(path, split)
             return
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
-        if not files:
-            raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
-        for f in files:
+        for f in _folder_files(path):
             yield from iter_source_rows(f)
     elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
         yield from _hub_rows(str(source), split, subset, streaming, revision)
@@ -289,10 +304,16 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
 
 
 def check_source(source: str | Path) -> None:
-    """Refuse a source that is neither a local file / folder nor shaped like a Hub id, before any work (the
-    rows are read lazily, so a command that loads the target first found a mistyped path only after it)."""
-    if not Path(source).expanduser().exists() and ("/" not in str(source) or str(source).startswith((".", "/", "~"))):
+    """Refuse a source that is neither a local file / folder nor shaped like a Hub id, a file of a type no reader
+    reads (a .csv) and a folder with no file to read, before any work (the rows are read lazily, so a command that
+    loads the target first found these only after it)."""
+    path = Path(source).expanduser()
+    if not path.exists() and ("/" not in str(source) or str(source).startswith((".", "/", "~"))):
         raise FileNotFoundError(f"data source {str(source)!r} is neither a local file/folder nor a Hub id org/name")
+    if path.is_file():
+        _check_file_type(path)
+    elif path.is_dir() and not _is_saved_dataset(path):
+        _folder_files(path)
 
 
 def iter_conversations(source: str | Path, *, split: str = "train", subset: str | None = None,

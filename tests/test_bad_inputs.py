@@ -785,6 +785,25 @@ def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("source, said", [("chats.csv", "chats.csv: unsupported file type '.csv' \\(use .jsonl"),
+                                          ("notes", "notes holds no .jsonl/.json/.parquet files")])
+def test_prepare_source_no_reader_reads_is_named_before_the_regenerating_target_loads(data_target, tmp_path,
+                                                                                      monkeypatch, source, said):
+    """A .csv source, or a folder of other files, was found only when the rows were first read: after the
+    regenerating target had loaded (minutes for a large one)."""
+    import data.prepare
+    import data.regenerate as rg
+
+    (tmp_path / "chats.csv").write_text((_DATA_FIX / "openai.jsonl").read_text())
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "chats.txt").write_text("hello")
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises((ValueError, FileNotFoundError), match=said):
+        data.prepare.main(["--source", str(tmp_path / source), "--out", str(tmp_path / "data"), "--target",
+                           str(data_target), "--regenerate", "local", "--no-progress"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.csv", "notes"]
+
+
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
     """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
     sets it, and a value that is not a positive number of seconds is refused."""
