@@ -230,9 +230,21 @@ def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
 
 
 def _parquet_rows(path: Path) -> Iterator[dict]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    # pyarrow's own message ("Parquet magic bytes not found in footer") named no file: in a folder of many shards,
+    # the one cut short by an interrupted download could not be found.
+    batches = None
+    while True:
+        try:
+            batches = batches or pq.ParquetFile(path).iter_batches(batch_size=1024)
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path} is not a readable Parquet file ({e}): it may be cut short (an interrupted "
+                             "download or copy): fetch or write it again, or move it out of the source") from None
+        if batch is None:
+            return
         yield from batch.to_pylist()
 
 

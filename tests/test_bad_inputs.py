@@ -402,6 +402,27 @@ def test_a_row_that_is_not_utf8_is_skipped_counted_and_located(tmp_path):
         list(iter_conversations(str(doc)))
 
 
+def test_a_parquet_file_cut_short_is_named(tmp_path):
+    """In a folder of Parquet shards, one cut short by an interrupted download ended the read with pyarrow's "Parquet
+    magic bytes not found in footer", naming no file."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import load_conversations
+
+    rows = [json.loads(line) for line in (_DATA_FIX / "openai.jsonl").read_text().splitlines()]
+    for name in ("a", "b"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+    assert len(load_conversations(str(tmp_path))[0]) == 2 * len(rows)
+    whole = (tmp_path / "b.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'b.parquet'} is not a readable Parquet file \\(.*\\): it may "
+                                         "be cut short"):
+        load_conversations(str(tmp_path))
+
+
 def test_a_drafter_folder_as_the_data_target_is_named(tmp_path):
     """Its tokenizer has no chat template, so this surfaced as "no row has loss tokens after tokenization"."""
     import json
