@@ -3475,11 +3475,25 @@ def test_random_target_on_an_explicit_cpu_device_is_built(no_cuda, monkeypatch):
     """--device cpu is the user's say-so: the full-size target is built (here: the builder is reached)."""
     import inference.bench
 
-    def reached(recipe, device):
+    def reached(recipe, device, **kw):
         raise RuntimeError(f"building {recipe} on {device}")
     monkeypatch.setattr(inference.bench, "random_models", reached)
     with pytest.raises(RuntimeError, match="building qwen3-8b on cpu"):
         bench("inference")(["--random-target", "qwen3-8b", "--device", "cpu"])
+
+
+def test_random_target_runs_in_the_dtype_asked(no_cuda, monkeypatch):
+    """--dtype was accepted and ignored with --random-target: a float16 bench timed float32 (bf16 on CUDA) models,
+    and its lines did not say so."""
+    import inference.bench
+
+    ran = {}
+    monkeypatch.setattr(inference.bench, "torch_runs", lambda target, drafter, *a, **k: ran.update(
+        target=target.dtype, drafter=drafter.fc.weight.dtype))
+    bench("inference")(["--random-target", "tiny", "--dtype", "fp16"])
+    assert ran == {"target": torch.float16, "drafter": torch.float16}
+    bench("inference")(["--random-target", "tiny"])
+    assert ran == {"target": torch.float32, "drafter": torch.float32}  # the default on a CPU, as before
 
 
 # ------------------------------------------------------------------ 4. the tiny recipe, and recipes without a shape
