@@ -21,7 +21,8 @@ the conversation gets one empty assistant turn at the end, which regeneration fi
 
 Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder written by
 ``datasets.save_to_disk``, a folder of such files, or a Hub data set id (``org/name``, read with
-``datasets.load_dataset`` with ``split`` / ``subset`` / ``streaming``).
+``datasets.load_dataset`` with ``split`` / ``subset`` / ``streaming``). A folder of files named by split
+(``train.jsonl`` beside ``test.jsonl``) gives only ``split``'s files.
 
 Bad rows (malformed JSON, a line that is not UTF-8, no assistant turn, empty content, unknown roles,
 unknown layout) are skipped and counted by reason; :class:`ReadStats` prints the summary. A source with no usable
@@ -286,11 +287,29 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _folder_files(path: Path) -> list[Path]:
+def _folder_files(path: Path, split: str | None = None) -> list[Path]:
+    """The files of a folder source; with ``split``, only that split's when their names say which split they hold
+    (``train.jsonl`` / ``test.jsonl``, ``data/train-00000-of-00002.parquet``, ``train/`` and ``test/`` folders: a
+    Hub data set downloaded as it is), as ``datasets`` names them. Read whole, such a folder mixed the test rows
+    into the training data whatever ``--split`` said."""
     files = sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES)
     if not files:
         raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
-    return files
+    if split is None:
+        return files
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    named = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    if len(named) < 2:  # one split (or none named): the folder is its rows
+        return files
+    chosen: list[Path] = []
+    for one in split.split("+"):
+        if one not in named:
+            raise SplitNotFound(f"split {one!r} not in {path} (its files hold splits {sorted(map(str, named))}; "
+                                "choose one with --split, or join several with '+')")
+        held = {Path(f).resolve() for f in named[one]}
+        chosen += [f for f in files if f.resolve() in held]
+    return chosen
 
 
 def iter_source_rows(source: str | Path, split: str = "train", subset: str | None = None,
@@ -307,7 +326,7 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
         if _is_saved_dataset(path):
             yield from _disk_rows(path, split)
             return
-        for f in _folder_files(path):
+        for f in _folder_files(path, split):
             yield from iter_source_rows(f)
     elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
         yield from _hub_rows(str(source), split, subset, streaming, revision)

@@ -423,6 +423,28 @@ def test_a_parquet_file_cut_short_is_named(tmp_path):
         load_conversations(str(tmp_path))
 
 
+def test_a_folder_source_of_named_splits_reads_the_split_asked(tmp_path):
+    """A data set downloaded as it is (train.jsonl beside test.jsonl) was read whole: --split was ignored and the
+    test conversations were trained on with the training ones."""
+    from data.readers import SplitNotFound, load_conversations
+
+    train, test = (_DATA_FIX / "openai.jsonl").read_text(), (_DATA_FIX / "sharegpt.jsonl").read_text()
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "train.jsonl").write_text(train)
+    (tmp_path / "hub" / "test.jsonl").write_text(test)
+    count = lambda **kw: load_conversations(str(tmp_path / "hub"), **kw)[1].layouts  # noqa: E731
+    assert count() == {"openai": len(train.splitlines())}  # the default split, train
+    assert count(split="test") == {"sharegpt": len(test.splitlines())}
+    assert count(split="train+test") == {"openai": len(train.splitlines()), "sharegpt": len(test.splitlines())}
+    with pytest.raises(SplitNotFound, match=r"split 'validation' not in .*hub \(its files hold splits \['test', "
+                                            r"'train'\]"):
+        count(split="validation")
+    (tmp_path / "mine").mkdir()  # files that name no split: the folder is read whole, whatever the split
+    (tmp_path / "mine" / "a.jsonl").write_text(train)
+    (tmp_path / "mine" / "b.jsonl").write_text(test)
+    assert load_conversations(str(tmp_path / "mine"), split="test")[1].kept == len((train + test).splitlines())
+
+
 def test_a_drafter_folder_as_the_data_target_is_named(tmp_path):
     """Its tokenizer has no chat template, so this surfaced as "no row has loss tokens after tokenization"."""
     import json
