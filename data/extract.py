@@ -359,6 +359,12 @@ def main(argv: list[str] | None = None) -> None:
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
     check_store_folder(a.out)  # a folder that is no store (the prepared data, a drafter) before the target loads
     require_prepared(a.data)  # a mistyped --data was found only after the target had loaded (minutes for a large one)
+    if a.layers:  # an id past the target's depth, too: from its config.json, before its weights load
+        from data.features import check_layer_ids
+        from models.target import read_target_config
+
+        config = read_target_config(a.target, weights=False)[1]
+        check_layer_ids(a.layers, (config.get("text_config") or config)["num_hidden_layers"])
     ranks, rank_device = init_ranks()
     with contextlib.ExitStack() as held:
         if ranks.is_main:  # a second extraction into the store (a relaunch while the first runs) would write the

@@ -3757,6 +3757,25 @@ def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
     assert not (tmp_path / "feats").exists()
 
 
+def test_extract_layers_past_the_targets_depth_are_refused_before_its_weights_load(infer_dirs, tmp_path,
+                                                                                   monkeypatch):
+    """--layers 9 on an 8-layer target (a drafter config of another target copied in) was refused only after the
+    target had loaded, minutes for a large one: its config.json says the depth."""
+    import data.extract
+    import models.target
+
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "draftsmith_data.json").write_text("{}")
+    argv = ["--target", infer_dirs["target"], "--data", str(tmp_path / "data"), "--out", str(tmp_path / "feats"),
+            "--device", "cpu", "--layers"]
+    with pytest.raises(ValueError, match=r"layer ids \[9\] are outside \[0, 7\) for a 8-layer target"):
+        data.extract.main([*argv, "1", "4", "9"])
+    with pytest.raises(ValueError, match="a layer is tapped twice"):
+        data.extract.main([*argv, "1", "1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 def test_export_mlx_group_size_without_quantize(capsys):
     """It was ignored: a bf16 export when the user asked for a group size."""
     from export.mlx import parse_args
