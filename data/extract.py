@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-LOCK = ".extract.lock"  # in the store folder, held by rank 0 while an extraction writes there
+from data.store_writer import LOCK  # in the store folder, held by rank 0 while an extraction writes there
 
 
 @dataclass
@@ -349,12 +349,22 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
+    from data.prepare import require_prepared
+    from data.store_writer import check_store_folder
     from models.cli import check_device, parse_dtype
     from models.target import parse_max_memory
 
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
     a.device = check_device(a.device)
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
+    check_store_folder(a.out)  # a folder that is no store (the prepared data, a drafter) before the target loads
+    require_prepared(a.data)  # a mistyped --data was found only after the target had loaded (minutes for a large one)
+    if a.layers:  # an id past the target's depth, too: from its config.json, before its weights load
+        from data.features import check_layer_ids
+        from models.target import read_target_config
+
+        config = read_target_config(a.target, weights=False)[1]
+        check_layer_ids(a.layers, (config.get("text_config") or config)["num_hidden_layers"])
     ranks, rank_device = init_ranks()
     with contextlib.ExitStack() as held:
         if ranks.is_main:  # a second extraction into the store (a relaunch while the first runs) would write the

@@ -93,21 +93,26 @@ def topk_logprobs(logits: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torc
     return torch.cat(ids).reshape(shape), torch.cat(lps).reshape(shape)
 
 
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> None:
+    """Tapped layers of a ``num_layers``-layer target: each once, and never its last layer."""
+    from models.config import ConfigError
+
+    layer_ids, last = list(layer_ids), num_layers - 1
+    bad = [i for i in layer_ids if not 0 <= i < last]
+    if bad:
+        raise ConfigError("target_layer_ids", layer_ids, f"layer ids {bad} are outside [0, {last}) for a "
+                          f"{num_layers}-layer target (the last layer cannot be tapped: engines cannot capture it)",
+                          f"tap layers 0..{last - 1}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ConfigError("target_layer_ids", layer_ids, "a layer is tapped twice", "list each layer once")
+
+
 class OnlineFeatures:
     """Provider that runs the target in-process (``no_grad``) on each batch."""
 
     def __init__(self, target, layer_ids: Sequence[int], data=None, *, topk: int = 0, pad_id: int | None = None):
-        from models.config import ConfigError
-
         self.target, self.layer_ids, self.data, self.topk = target, list(layer_ids), data, topk
-        last = target.num_layers - 1
-        bad = [i for i in self.layer_ids if not 0 <= i < last]
-        if bad:  # checked before a store's index is written (a bad id once left one behind)
-            raise ConfigError("target_layer_ids", self.layer_ids, f"layer ids {bad} are outside [0, {last}) for a "
-                              f"{target.num_layers}-layer target (the last layer cannot be tapped: engines cannot "
-                              "capture it)", f"tap layers 0..{last - 1}")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ConfigError("target_layer_ids", self.layer_ids, "a layer is tapped twice", "list each layer once")
+        check_layer_ids(self.layer_ids, target.num_layers)  # before a store's index is written (a bad id left one)
         tok = target.tokenizer
         tok_pad = tok.pad_token_id if tok is not None else None
         self.pad_id = pad_id if pad_id is not None else (tok_pad if tok_pad is not None else 0)

@@ -68,6 +68,14 @@ def load_tokenizer(target: str):
     return tokenizer
 
 
+def require_prepared(path: str | Path) -> Path:
+    """``path``, refused unless it is a finished prepared data folder (commands check it before a target loads)."""
+    path = Path(path)
+    if not (path / META_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a prepared data folder (no {META_FILE}); run python -m data.prepare")
+    return path
+
+
 def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = False, fix: str | None = None):
     """(dataset, meta) of a prepared folder; with ``tokenizer``, refuse data made by another one.
 
@@ -78,11 +86,8 @@ def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = F
 
     from data.chat import tokenizer_fingerprint
 
-    path = Path(path)
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path} is not a prepared data folder (no {META_FILE}); run python -m data.prepare")
-    meta = json.loads(meta_path.read_text())
+    path = require_prepared(path)
+    meta = json.loads((path / META_FILE).read_text())
     if tokenizer is not None and meta["tokenizer_hash"] != tokenizer_fingerprint(tokenizer):
         raise DataMismatch(f"{path} was tokenized for target {meta['target']!r} (tokenizer {meta['tokenizer_hash']}), "
                            f"not for this tokenizer ({tokenizer_fingerprint(tokenizer)}): re-run data.prepare")
@@ -139,11 +144,7 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     """
     from data.reuse import claim_folder, clean_failed, read_json, reusable
 
-    if max_length is not None and max_length < 1:  # training's data.max_length comes here too
-        raise ValueError(f"max length {max_length}: use 1 or more tokens (the row budget), or leave it unset for "
-                         "no truncation")
-    if pack and not max_length:
-        raise ValueError("--pack needs --max-length (the packed row budget)")
+    check_row_budget(max_length, pack)
     out = Path(out)
     log = log or (lambda message: print(message, file=sys.stderr))
     gen_kwargs = dict(gen_kwargs or {})
@@ -166,11 +167,31 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
         raise
 
 
+def check_row_budget(max_length: int | None, pack: bool) -> None:
+    if max_length is not None and max_length < 1:  # training's data.max_length comes here too
+        raise ValueError(f"max length {max_length}: use 1 or more tokens (the row budget), or leave it unset for "
+                         "no truncation")
+    if pack and not max_length:
+        raise ValueError("--pack needs --max-length (the packed row budget)")
+
+
+def check_before_loading(target: str, source: str, out: str | Path, *, rebuild: bool, **settings) -> None:
+    """What :func:`prepare` refuses, checked before ``--regenerate local`` loads the target (minutes for a large
+    one): the row budget, the target's tokenizer and chat template, and an ``out`` that is not prepared data or
+    holds other settings. The regenerating target's fingerprint is compared by ``prepare`` once it is loaded."""
+    from data.reuse import ROW_SETTINGS, refuse_folder
+
+    check_row_budget(settings.get("max_length"), settings.get("pack", False))
+    _, wanted = wanted_settings(target, source, answers_by=False, **settings)
+    refuse_folder(Path(out), wanted, rebuild, keys=[k for k in ROW_SETTINGS if k != "answers_by"])
+
+
 def wanted_settings(target: str, source: str, *, regenerate, thinking, max_length, pack, limit, split, subset,
-                    gen_kwargs, target_model=None) -> tuple:
+                    gen_kwargs, target_model=None, answers_by: bool = True) -> tuple:
     """(tokenizer, the settings a folder prepared with these arguments records). With local regeneration
-    they include the regenerating target's fingerprint and quantization (``answers_by``): answers of
-    another target, finished or from an interrupted run, are never reused under this one's name."""
+    they include the regenerating target's fingerprint and quantization (``answers_by``, unless
+    ``answers_by=False``): answers of another target, finished or from an interrupted run, are never reused
+    under this one's name."""
     from data.chat import tokenizer_fingerprint
     from data.reuse import row_settings
 
@@ -178,7 +199,7 @@ def wanted_settings(target: str, source: str, *, regenerate, thinking, max_lengt
     wanted = row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
                           thinking=thinking, max_length=max_length, pack=pack,
                           tokenizer_hash=tokenizer_fingerprint(tokenizer), gen_kwargs=gen_kwargs)
-    if wanted["regenerate"] == "local":
+    if wanted["regenerate"] == "local" and answers_by:
         maker = regeneration_provenance(target_model if target_model is not None else target)
         wanted["answers_by"] = (f"{maker['regenerated_by_fingerprint']} (quantization "
                                 f"{maker['regenerated_by_quantization']})")
@@ -423,7 +444,12 @@ def main(argv: list[str] | None = None) -> None:
     # answers file and clear what the first wrote: refused before the target loads.
     with hold(a.out, LOCK, "--out", "wait for it to end (the same command then resumes), or give this one its "
               "own --out", print):
-        target_model = load_local_target(a, a.target) if a.regenerate == "local" else None
+        target_model = None
+        if a.regenerate == "local":  # the target loads in minutes: what can be refused without it is refused first
+            check_before_loading(a.target, a.source, a.out, rebuild=a.rebuild, regenerate=a.regenerate,
+                                 thinking=parse_thinking(a.thinking), max_length=a.max_length, pack=a.pack,
+                                 limit=a.limit, split=a.split, subset=a.subset, gen_kwargs=gen_kwargs)
+            target_model = load_local_target(a, a.target)
         stats = prepare(a.target, a.source, a.out, regenerate=a.regenerate, thinking=parse_thinking(a.thinking),
                         max_length=a.max_length, pack=a.pack, limit=a.limit, split=a.split, subset=a.subset,
                         streaming=a.streaming, gen_kwargs=gen_kwargs, progress=not a.no_progress,

@@ -21,7 +21,8 @@ the conversation gets one empty assistant turn at the end, which regeneration fi
 
 Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder written by
 ``datasets.save_to_disk``, a folder of such files, or a Hub data set id (``org/name``, read with
-``datasets.load_dataset`` with ``split`` / ``subset`` / ``streaming``).
+``datasets.load_dataset`` with ``split`` / ``subset`` / ``streaming``). A folder of files named by split
+(``train.jsonl`` beside ``test.jsonl``) gives only ``split``'s files.
 
 Bad rows (malformed JSON, a line that is not UTF-8, no assistant turn, empty content, unknown roles,
 unknown layout) are skipped and counted by reason; :class:`ReadStats` prints the summary. A source with no usable
@@ -230,9 +231,21 @@ def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
 
 
 def _parquet_rows(path: Path) -> Iterator[dict]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    # pyarrow's own message ("Parquet magic bytes not found in footer") named no file: in a folder of many shards,
+    # the one cut short by an interrupted download could not be found.
+    batches = None
+    while True:
+        try:
+            batches = batches or pq.ParquetFile(path).iter_batches(batch_size=1024)
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path} is not a readable Parquet file ({e}): it may be cut short (an interrupted "
+                             "download or copy): fetch or write it again, or move it out of the source") from None
+        if batch is None:
+            return
         yield from batch.to_pylist()
 
 
@@ -262,25 +275,58 @@ def _disk_rows(path: Path, split: str) -> Iterator[dict]:
         yield from ds[one]
 
 
+FILE_TYPES = (".jsonl", ".json", ".parquet")
+
+
+def _check_file_type(path: Path) -> None:
+    if path.suffix not in FILE_TYPES:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _folder_files(path: Path, split: str | None = None) -> list[Path]:
+    """The files of a folder source; with ``split``, only that split's when their names say which split they hold
+    (``train.jsonl`` / ``test.jsonl``, ``data/train-00000-of-00002.parquet``, ``train/`` and ``test/`` folders: a
+    Hub data set downloaded as it is), as ``datasets`` names them. Read whole, such a folder mixed the test rows
+    into the training data whatever ``--split`` said."""
+    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_TYPES)
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
+    if split is None:
+        return files
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    named = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    if len(named) < 2:  # one split (or none named): the folder is its rows
+        return files
+    chosen: list[Path] = []
+    for one in split.split("+"):
+        if one not in named:
+            raise SplitNotFound(f"split {one!r} not in {path} (its files hold splits {sorted(map(str, named))}; "
+                                "choose one with --split, or join several with '+')")
+        held = {Path(f).resolve() for f in named[one]}
+        chosen += [f for f in files if f.resolve() in held]
+    return chosen
+
+
 def iter_source_rows(source: str | Path, split: str = "train", subset: str | None = None,
                      streaming: bool = False, revision: str | None = None) -> Iterator[dict | BadRow]:
     """Raw rows of a source, in a stable order. Malformed JSON lines come out as :class:`BadRow`."""
     path = Path(source).expanduser()
     if path.is_file():
+        _check_file_type(path)
         if path.suffix in (".jsonl", ".json"):
             yield from _jsonl_rows(path)
-        elif path.suffix == ".parquet":
-            yield from _parquet_rows(path)
         else:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl, .json or .parquet)")
+            yield from _parquet_rows(path)
     elif path.is_dir():
-        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        if _is_saved_dataset(path):
             yield from _disk_rows(path, split)
             return
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
-        if not files:
-            raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
-        for f in files:
+        for f in _folder_files(path, split):
             yield from iter_source_rows(f)
     elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
         yield from _hub_rows(str(source), split, subset, streaming, revision)
@@ -289,10 +335,16 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
 
 
 def check_source(source: str | Path) -> None:
-    """Refuse a source that is neither a local file / folder nor shaped like a Hub id, before any work (the
-    rows are read lazily, so a command that loads the target first found a mistyped path only after it)."""
-    if not Path(source).expanduser().exists() and ("/" not in str(source) or str(source).startswith((".", "/", "~"))):
+    """Refuse a source that is neither a local file / folder nor shaped like a Hub id, a file of a type no reader
+    reads (a .csv) and a folder with no file to read, before any work (the rows are read lazily, so a command that
+    loads the target first found these only after it)."""
+    path = Path(source).expanduser()
+    if not path.exists() and ("/" not in str(source) or str(source).startswith((".", "/", "~"))):
         raise FileNotFoundError(f"data source {str(source)!r} is neither a local file/folder nor a Hub id org/name")
+    if path.is_file():
+        _check_file_type(path)
+    elif path.is_dir() and not _is_saved_dataset(path):
+        _folder_files(path)
 
 
 def iter_conversations(source: str | Path, *, split: str = "train", subset: str | None = None,

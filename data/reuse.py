@@ -178,11 +178,10 @@ def reusable(out: Path, wanted: dict) -> bool:
     return meta is not None and not settings_diff(meta, wanted)
 
 
-def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
-    """Make ``out`` ready for a build with ``wanted`` settings, or refuse (see the module docstring).
-
-    Writes the partial marker, so from here on the folder is recognised as ours.
-    """
+def refuse_folder(out: Path, wanted: dict, rebuild: bool, keys=ROW_SETTINGS) -> dict | None:
+    """Refuse an ``out`` a build with ``wanted`` settings must not write into (a file, a folder draftsmith did not
+    write, data prepared with other settings among ``keys`` unless ``rebuild``); writes nothing. Returns the
+    settings the folder records (None: new, empty, or only what a failed regeneration left)."""
     if out.exists() and not out.is_dir():
         raise NotPreparedFolder(f"{out} is a file, not a folder: choose a new or empty folder for the prepared data")
     recorded = (read_json(out / META_FILE) or read_json(out / PARTIAL_FILE)) if out.is_dir() else None
@@ -193,10 +192,20 @@ def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
             f"{out} is not empty and is not a prepared-data folder (no {META_FILE}): draftsmith does not write "
             "into it. Choose a new or empty folder (data.prepared=DIR, or --out DIR)")
     if recorded is not None:
-        diff = settings_diff(recorded, wanted)
+        diff = settings_diff(recorded, wanted, keys)
         if diff and not rebuild:
             state = "prepared" if (out / META_FILE).exists() else "partly prepared"
             raise DataMismatch(f"{out} holds data {state} with other settings ({'; '.join(diff)}): {FIX}")
+    return recorded
+
+
+def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
+    """Make ``out`` ready for a build with ``wanted`` settings, or refuse (see the module docstring).
+
+    Writes the partial marker, so from here on the folder is recognised as ours.
+    """
+    recorded = refuse_folder(out, wanted, rebuild)
+    if recorded is not None:
         clear(out, keep_answers=not settings_diff(recorded, wanted, REGEN_SETTINGS))
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTIAL_FILE).write_text(json.dumps(with_content(wanted), indent=2))

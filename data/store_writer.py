@@ -22,6 +22,11 @@ from data.features import FeatureRow
 from data.store import (FORMAT, INDEX, VERSION, StoreMismatch, quantize_fp8, read_index, sha256_file, shard_name,
                         sidecar_name)
 
+LOCK = ".extract.lock"  # in the store folder, held by data.extract's rank 0 while it writes there (models.lock)
+# What a store folder may hold before its index.json exists: the extraction's lock, and the index's temp file of a
+# run killed while writing the index the first time.
+_BEFORE_INDEX = {LOCK, INDEX + ".tmp"}
+
 _ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16",
               torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 
@@ -60,6 +65,22 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) 
     return 8 + len(head) + offset, h.hexdigest()
 
 
+def check_store_folder(path: str | Path) -> None:
+    """Refuse a non-empty ``--out`` that is not a feature store (no ``index.json``): a writer clears ``*.tmp``
+    files there and writes its index and shards among the files, so a mistyped ``--out`` (the prepared data,
+    a drafter, a home directory) lost the user's ``*.tmp`` files and got a store mixed into it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"--out {path} is a file: give a new or empty folder for the feature store")
+    if not path.is_dir() or (path / INDEX).is_file():
+        return
+    other = sorted(p.name for p in path.iterdir() if p.name not in _BEFORE_INDEX)
+    if other:
+        shown = ", ".join(other[:3]) + (f" (+{len(other) - 3} more)" if len(other) > 3 else "")
+        raise StoreMismatch(f"--out {path} is not empty and is not a feature store (no {INDEX}; it holds {shown}): "
+                            "data.extract does not write into it. Choose a new or empty folder for the store")
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -90,6 +111,7 @@ class StoreWriter:
             self.index = read_index(self.path)
             self._check_same_store(header, plan)
             return
+        check_store_folder(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         for tmp in self.path.glob("*.tmp"):  # leftovers of a killed write
             tmp.unlink()

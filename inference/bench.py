@@ -58,9 +58,9 @@ def tiny_folders(arch: str, root: str) -> tuple[str, str]:
     return str(target_dir), f"{root}/draft"
 
 
-def random_models(recipe: str, device: str, seed: int = 0):
-    """A random target of ``recipe``'s shape (bf16 on CUDA) and a random drafter of the recipe's shape
-    (paper recipes: 5 layers, 5 taps, block 16)."""
+def random_models(recipe: str, device: str, seed: int = 0, dtype: str | None = None):
+    """A random target of ``recipe``'s shape and a random drafter of the recipe's shape (paper recipes: 5 layers,
+    5 taps, block 16), both in ``dtype`` (``--dtype``; default bf16 on CUDA, fp32 on the CPU)."""
     import torch
 
     from data.bench import recipe_spec, recipe_target
@@ -68,7 +68,7 @@ def random_models(recipe: str, device: str, seed: int = 0):
     from models.drafter import DFlashDraftModel
 
     d = recipe_spec(recipe).get("drafter") or {}
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = recipe_target(recipe, device, dtype)
     c = target.config
     cfg = DFlashConfig.for_target(hidden_size=c.hidden_size, vocab_size=target.vocab_size,
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         if args.random_target:
-            target, drafter = random_models(args.random_target, device)
+            target, drafter = random_models(args.random_target, device, dtype=args.dtype)  # --dtype was ignored
             g = torch.Generator().manual_seed(0)
             prompts = [torch.randint(0, target.vocab_size - 2, (args.prompt_tokens,), generator=g).tolist()
                        for _ in args.prompts]

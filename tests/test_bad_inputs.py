@@ -402,6 +402,49 @@ def test_a_row_that_is_not_utf8_is_skipped_counted_and_located(tmp_path):
         list(iter_conversations(str(doc)))
 
 
+def test_a_parquet_file_cut_short_is_named(tmp_path):
+    """In a folder of Parquet shards, one cut short by an interrupted download ended the read with pyarrow's "Parquet
+    magic bytes not found in footer", naming no file."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import load_conversations
+
+    rows = [json.loads(line) for line in (_DATA_FIX / "openai.jsonl").read_text().splitlines()]
+    for name in ("a", "b"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+    assert len(load_conversations(str(tmp_path))[0]) == 2 * len(rows)
+    whole = (tmp_path / "b.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'b.parquet'} is not a readable Parquet file \\(.*\\): it may "
+                                         "be cut short"):
+        load_conversations(str(tmp_path))
+
+
+def test_a_folder_source_of_named_splits_reads_the_split_asked(tmp_path):
+    """A data set downloaded as it is (train.jsonl beside test.jsonl) was read whole: --split was ignored and the
+    test conversations were trained on with the training ones."""
+    from data.readers import SplitNotFound, load_conversations
+
+    train, test = (_DATA_FIX / "openai.jsonl").read_text(), (_DATA_FIX / "sharegpt.jsonl").read_text()
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "train.jsonl").write_text(train)
+    (tmp_path / "hub" / "test.jsonl").write_text(test)
+    count = lambda **kw: load_conversations(str(tmp_path / "hub"), **kw)[1].layouts  # noqa: E731
+    assert count() == {"openai": len(train.splitlines())}  # the default split, train
+    assert count(split="test") == {"sharegpt": len(test.splitlines())}
+    assert count(split="train+test") == {"openai": len(train.splitlines()), "sharegpt": len(test.splitlines())}
+    with pytest.raises(SplitNotFound, match=r"split 'validation' not in .*hub \(its files hold splits \['test', "
+                                            r"'train'\]"):
+        count(split="validation")
+    (tmp_path / "mine").mkdir()  # files that name no split: the folder is read whole, whatever the split
+    (tmp_path / "mine" / "a.jsonl").write_text(train)
+    (tmp_path / "mine" / "b.jsonl").write_text(test)
+    assert load_conversations(str(tmp_path / "mine"), split="test")[1].kept == len((train + test).splitlines())
+
+
 def test_a_drafter_folder_as_the_data_target_is_named(tmp_path):
     """Its tokenizer has no chat template, so this surfaced as "no row has loss tokens after tokenization"."""
     import json
@@ -767,6 +810,32 @@ def test_a_regenerate_into_an_out_another_run_is_writing_is_refused_before_anyth
     assert list(tmp_path.iterdir()) == []
 
 
+def test_prepare_out_that_is_foreign_or_of_other_settings_is_refused_before_the_regenerating_target_loads(
+        data_target, tmp_path, monkeypatch):
+    """With --regenerate local the target loaded (minutes for a large one) before an --out holding other files or
+    data prepared with other settings, or --pack without --max-length, was refused."""
+    import data.prepare
+    import data.regenerate as rg
+    from data.reuse import DataMismatch, NotPreparedFolder
+
+    prepared, mine = tmp_path / "prepared", tmp_path / "mine"
+    data.prepare.prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), prepared, progress=False)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    run = lambda out, *extra: data.prepare.main(["--target", str(data_target), "--source",  # noqa: E731
+                                                 str(_DATA_FIX / "openai.jsonl"), "--out", str(out), "--regenerate",
+                                                 "local", "--no-progress", *extra])
+    with pytest.raises(DataMismatch, match=r"other settings \(regenerate: None -> 'local'; .*max_length: None -> 9\)"):
+        run(prepared, "--max-length", "9")
+    with pytest.raises(NotPreparedFolder, match="is not empty and is not a prepared-data folder"):
+        run(mine)
+    with pytest.raises(ValueError, match="--pack needs --max-length"):
+        run(tmp_path / "new", "--pack")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "prepared"]
+    assert sorted(p.name for p in mine.iterdir()) == [".prepare.lock", "notes.txt"]  # the lock, as models.lock keeps
+
+
 def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
     import data.prepare
     import data.regenerate as rg
@@ -776,6 +845,25 @@ def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_
         data.prepare.main(["--source", "./chatz.jsonl", "--out", str(tmp_path / "data"), "--target", "t",
                            "--regenerate", "local", "--no-progress"])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source, said", [("chats.csv", "chats.csv: unsupported file type '.csv' \\(use .jsonl"),
+                                          ("notes", "notes holds no .jsonl/.json/.parquet files")])
+def test_prepare_source_no_reader_reads_is_named_before_the_regenerating_target_loads(data_target, tmp_path,
+                                                                                      monkeypatch, source, said):
+    """A .csv source, or a folder of other files, was found only when the rows were first read: after the
+    regenerating target had loaded (minutes for a large one)."""
+    import data.prepare
+    import data.regenerate as rg
+
+    (tmp_path / "chats.csv").write_text((_DATA_FIX / "openai.jsonl").read_text())
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "chats.txt").write_text("hello")
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises((ValueError, FileNotFoundError), match=said):
+        data.prepare.main(["--source", str(tmp_path / source), "--out", str(tmp_path / "data"), "--target",
+                           str(data_target), "--regenerate", "local", "--no-progress"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.csv", "notes"]
 
 
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
@@ -3560,11 +3648,25 @@ def test_random_target_on_an_explicit_cpu_device_is_built(no_cuda, monkeypatch):
     """--device cpu is the user's say-so: the full-size target is built (here: the builder is reached)."""
     import inference.bench
 
-    def reached(recipe, device):
+    def reached(recipe, device, **kw):
         raise RuntimeError(f"building {recipe} on {device}")
     monkeypatch.setattr(inference.bench, "random_models", reached)
     with pytest.raises(RuntimeError, match="building qwen3-8b on cpu"):
         bench("inference")(["--random-target", "qwen3-8b", "--device", "cpu"])
+
+
+def test_random_target_runs_in_the_dtype_asked(no_cuda, monkeypatch):
+    """--dtype was accepted and ignored with --random-target: a float16 bench timed float32 (bf16 on CUDA) models,
+    and its lines did not say so."""
+    import inference.bench
+
+    ran = {}
+    monkeypatch.setattr(inference.bench, "torch_runs", lambda target, drafter, *a, **k: ran.update(
+        target=target.dtype, drafter=drafter.fc.weight.dtype))
+    bench("inference")(["--random-target", "tiny", "--dtype", "fp16"])
+    assert ran == {"target": torch.float16, "drafter": torch.float16}
+    bench("inference")(["--random-target", "tiny"])
+    assert ran == {"target": torch.float32, "drafter": torch.float32}  # the default on a CPU, as before
 
 
 # ------------------------------------------------------------------ 4. the tiny recipe, and recipes without a shape
@@ -3812,6 +3914,25 @@ def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
     assert not (tmp_path / "feats").exists()
 
 
+def test_extract_layers_past_the_targets_depth_are_refused_before_its_weights_load(infer_dirs, tmp_path,
+                                                                                   monkeypatch):
+    """--layers 9 on an 8-layer target (a drafter config of another target copied in) was refused only after the
+    target had loaded, minutes for a large one: its config.json says the depth."""
+    import data.extract
+    import models.target
+
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "draftsmith_data.json").write_text("{}")
+    argv = ["--target", infer_dirs["target"], "--data", str(tmp_path / "data"), "--out", str(tmp_path / "feats"),
+            "--device", "cpu", "--layers"]
+    with pytest.raises(ValueError, match=r"layer ids \[9\] are outside \[0, 7\) for a 8-layer target"):
+        data.extract.main([*argv, "1", "4", "9"])
+    with pytest.raises(ValueError, match="a layer is tapped twice"):
+        data.extract.main([*argv, "1", "1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 def test_export_mlx_group_size_without_quantize(capsys):
     """It was ignored: a bf16 export when the user asked for a group size."""
     from export.mlx import parse_args
@@ -3887,7 +4008,9 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
         raise KeyboardInterrupt  # stop here: the flags got through
 
     monkeypatch.setattr(models.target.TargetModel, "from_pretrained", load)
-    argv = ["--target", "t", "--data", "d", "--out", str(tmp_path / "o")]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "draftsmith_data.json").write_text("{}")  # a prepared folder, as far as the flags go
+    argv = ["--target", "t", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
     with pytest.raises(KeyboardInterrupt):
         data.extract.main([*argv, "--target-dtype", "bf16", "--device", "cpu"])
     assert loaded["dtype"] == "bfloat16"
@@ -3914,6 +4037,45 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
     (out / "shard-00000.safetensors").write_bytes(b"x")
     with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
         StoreWriter(out, {"topk": 4}, [(0, 2)])
+
+
+def test_an_extraction_into_a_folder_that_is_no_store_is_refused_before_its_target_loads(tmp_path, monkeypatch):
+    """--out naming the prepared data (or any folder of one's own) got index.json and the shards written among its
+    files, and every *.tmp file there deleted as a "leftover of a killed write"; found only after the target loaded."""
+    import data.extract
+    import models.target
+    from data.store import StoreMismatch
+    from data.store_writer import StoreWriter
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.tmp").write_text("draft")
+    (mine / "keep.txt").write_text("keep")
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(StoreMismatch, match=f"--out {mine} is not empty and is not a feature store \\(no index.json; "
+                                            "it holds keep.txt, notes.tmp\\): data.extract does not write into it"):
+        data.extract.main(["--target", "t", "--data", "d", "--out", str(mine), "--device", "cpu"])
+    with pytest.raises(StoreMismatch, match="is not a feature store"):
+        StoreWriter(mine, {"topk": 0}, [(0, 1)])
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt", "notes.tmp"]
+    (tmp_path / "empty").mkdir()  # an empty folder, or one a killed run left only its lock in, is a store's
+    (tmp_path / "empty" / data.extract.LOCK).write_text("1\n")
+    assert StoreWriter(tmp_path / "empty", {"topk": 0}, [(0, 1)]).index["topk"] == 0
+
+
+def test_an_extraction_from_a_folder_that_is_no_prepared_data_is_refused_before_its_target_loads(tmp_path,
+                                                                                                 monkeypatch):
+    """A mistyped --data (or the source JSONL instead of the prepared folder) was named only after the target had
+    loaded, minutes for a large one."""
+    import data.extract
+    import models.target
+
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'prepped'} is not a prepared data folder \\(no "
+                                                "draftsmith_data.json\\); run python -m data.prepare"):
+        data.extract.main(["--target", "t", "--data", str(tmp_path / "prepped"), "--out", str(tmp_path / "feats"),
+                           "--device", "cpu"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_quant_experiment_drafter_trained_against_another_target_build_group_or_budget_is_trained_again(
@@ -4352,6 +4514,8 @@ def test_an_extraction_into_a_store_another_extraction_writes_is_refused_before_
     from models.lock import hold
 
     store = tmp_path / "feats"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "draftsmith_data.json").write_text("{}")
     args = ["--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "data"), "--out", str(store),
             "--device", "cpu", "--no-progress"]
     with hold(store, LOCK, "--out", "-"):
