@@ -4184,6 +4184,26 @@ def test_quant_experiment_target_without_usable_prompts_is_refused_before_any_wo
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("over, said", [
+    (["eval.every=4", "eval.true_tau_every=6"], "true tau every 12 steps; make eval.true_tau_every a multiple"),
+    (["eval.every=0", "eval.true_tau_every=6"], "eval.every=0: true tau only at the end"),
+    (["eval.every=4", "eval.true_tau_every=8", "eval.true_tau_prompts=0"], "does nothing with eval.true_tau_prompts=0"),
+    (["eval.every=4", "eval.true_tau_every=8"], None),  # on the cadence: nothing to say
+    (["eval.every=4"], None),
+])
+def test_a_true_tau_cadence_the_run_will_not_keep_is_said_at_start(over, said):
+    """eval.true_tau_every runs inside an eval: off the eval cadence, without evals or without prompts it ran
+    less often or never, without a word."""
+    from train.config import load_config
+    from train.loop import eval_due, true_tau_cadence_note
+
+    cfg = load_config(["recipe=tiny", *over])
+    note = true_tau_cadence_note(cfg)
+    assert (note is None) if said is None else (said in note)
+    if said is None and cfg.eval.true_tau_every:  # and what the note leaves unsaid is what the loop does
+        assert [eval_due(cfg, s, False)[1] for s in (4, 8, 16)] == [False, True, True]
+
+
 def test_help_into_a_closed_pipe_ends_quietly():
     # `python -m train.distill --help | head -3`: the reader leaves first. It printed "error: [Errno 32]
     # Broken pipe", as if the command had failed on the user's input.

@@ -128,6 +128,10 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
                                     "out_dir=...", log))
         out_dir.mkdir(parents=True, exist_ok=True)
         log(f"resolved config:\n{run.config_yaml}")
+        from train.loop import true_tau_cadence_note
+
+        if note := true_tau_cadence_note(cfg):
+            log(f"note: {note}")
     if not replaces:
         write_run_config(run)
     return run

@@ -349,6 +349,25 @@ def eval_due(cfg, step: int, final: bool) -> tuple[bool, bool]:
     return now, now and with_true
 
 
+def true_tau_cadence_note(cfg) -> str | None:
+    """What ``eval.true_tau_every`` will really do, when that is not what it says: true tau runs inside an eval
+    (``eval_due``), so without evals, without prompts or off the eval cadence it silently ran less or never."""
+    every, ev = cfg.eval.true_tau_every, cfg.eval.every
+    if not every:
+        return None
+    if not cfg.eval.true_tau_prompts:
+        return (f"eval.true_tau_every={every} does nothing with eval.true_tau_prompts=0: give prompts to measure "
+                "true tau on, or drop eval.true_tau_every")
+    if not ev:
+        return (f"eval.true_tau_every={every} runs with an eval and eval.every=0: true tau only at the end; set "
+                f"eval.every={every} (or a divisor of it)")
+    both = math.lcm(every, ev)
+    if both != every:
+        return (f"eval.true_tau_every={every} runs with an eval (eval.every={ev}): true tau every {both} steps; "
+                f"make eval.true_tau_every a multiple of eval.every")
+    return None
+
+
 def checkpoint_due(cfg, step: int, final: bool) -> bool:
     return final or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
 
