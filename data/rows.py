@@ -120,6 +120,11 @@ def tokenize_to_disk(tokenizer, convs: Iterable[dict], out: Path, scratch: Path,
         lengths = rows["num_tokens"]
         keep = [i for i, length in enumerate(lengths) if length > 0]
         if not keep:
+            if counts["template_errors"] == n:  # the --max-length hint below sent people the wrong way
+                raise ValueError(f"the chat template failed on every conversation ({n}): the loss mask comes from "
+                                 "the template rendering each assistant turn as it was written, and this one "
+                                 "changes it (or its end-of-turn trailer); use the chat model's own template "
+                                 "(chat_template.jinja of its folder)")
             raise ValueError(f"no row has loss tokens after tokenization ({counts}); check --max-length and the data")
         # The kept rows' index goes to a file, not memory: packing hands these rows to from_generator, which
         # hashes them, and hashing an in-memory Arrow table fails where dill pickles pyarrow by value

@@ -4204,6 +4204,22 @@ def test_a_true_tau_cadence_the_run_will_not_keep_is_said_at_start(over, said):
         assert [eval_due(cfg, s, False)[1] for s in (4, 8, 16)] == [False, True, True]
 
 
+def test_a_chat_template_that_fails_on_every_conversation_is_named_not_blamed_on_max_length(tmp_path):
+    """A template that does not render assistant content (here: a placeholder) gives no loss mask for any
+    conversation; prepare said "no row has loss tokens ... check --max-length and the data"."""
+    from data.rows import tokenize_to_disk
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("chatml")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ '[answer]' if m.role == "
+                         "'assistant' else m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+    with pytest.raises(ValueError, match=r"the chat template failed on every conversation \(2\): the loss mask"):
+        tokenize_to_disk(tok, [chat, chat], tmp_path / "out", tmp_path / "scratch", thinking=None, max_length=None,
+                         pack=False, progress=False)
+
+
 def test_help_into_a_closed_pipe_ends_quietly():
     # `python -m train.distill --help | head -3`: the reader leaves first. It printed "error: [Errno 32]
     # Broken pipe", as if the command had failed on the user's input.
