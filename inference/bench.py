@@ -191,8 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     # Everything that can be refused is refused here, before a model is built or loaded.
     check_at_least(p, args, max_new_tokens=1, block_size=2, repeat=1, prompt_tokens=1, profile=0)
     args.dtype = check_dtype(args.dtype)
+    sources = [f for f, given in (("--target/--draft", args.target or args.draft), ("--tiny", args.tiny),
+                                  ("--random-target", args.random_target)) if given]
+    if len(sources) > 1:  # one took precedence without a word: the line printed did not say which was timed
+        p.error(f"{' and '.join(sources)} each name the models to time: give one of them")
     if not args.random_target and not args.tiny and not (args.target and args.draft):
         p.error("give --target and --draft, --tiny ARCH or --random-target RECIPE")
+    if args.prompt_tokens != p.get_default("prompt_tokens") and not args.random_target:
+        p.error(f"--prompt-tokens {args.prompt_tokens} sets the random prompts of --random-target; the other models "
+                "time --prompts: drop it, or add --random-target RECIPE")
     if args.profile and not (args.loop or args.random_target):
         p.error(f"--profile {args.profile} profiles the torch loops: add --loop (static, compiled or eager) or "
                 "--random-target")

@@ -3615,6 +3615,17 @@ def test_inference_bench_without_a_model_says_which_flags_to_give(capsys):
         capsys, "inference", ["--loop", "eager"])
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--tiny", "qwen3", "--random-target", "tiny"], "--tiny and --random-target each name the models to time"),
+    (["--target", "t", "--draft", "d", "--tiny", "llama"], "--target/--draft and --tiny each name the models"),
+    (["--tiny", "qwen3", "--prompt-tokens", "8"], "--prompt-tokens 8 sets the random prompts of --random-target"),
+])
+def test_inference_bench_flags_that_another_one_silently_overrode(capsys, argv, said):
+    """--tiny and --random-target took precedence over the models named beside them, and --prompt-tokens did
+    nothing without --random-target; the lines printed did not say so."""
+    assert said in argparse_error(capsys, "inference", argv)
+
+
 def test_inference_bench_profile_without_a_torch_loop_says_what_to_add(capsys):
     assert "--profile 5 profiles the torch loops: add --loop" in argparse_error(
         capsys, "inference", ["--tiny", "qwen3", "--profile", "5"])
