@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
-    check_source(a.source)  # before the target loads (minutes for a large one)
+    check_source(a.source, a.subset)  # before the target loads (minutes for a large one)
     from data.reuse import LOCK
     from models.lock import hold
 

@@ -316,6 +316,7 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
                      streaming: bool = False, revision: str | None = None) -> Iterator[dict | BadRow]:
     """Raw rows of a source, in a stable order. Malformed JSON lines come out as :class:`BadRow`."""
     path = Path(source).expanduser()
+    refuse_local_subset(path, subset)
     if path.is_file():
         _check_file_type(path)
         if path.suffix in (".jsonl", ".json"):
@@ -334,13 +335,23 @@ def iter_source_rows(source: str | Path, split: str = "train", subset: str | Non
         check_source(source)
 
 
-def check_source(source: str | Path) -> None:
+def refuse_local_subset(source: str | Path, subset: str | None) -> None:
+    """A subset names a configuration of a Hub data set: given with a local source it was ignored, and recorded in
+    the prepared folder's settings (changing it later was refused as "other settings")."""
+    path = Path(source).expanduser()
+    if subset and path.exists():
+        raise ValueError(f"subset {subset!r} names a configuration of a Hub data set, and {path} is local (read "
+                         "whole): drop the subset (--subset / data.subset)")
+
+
+def check_source(source: str | Path, subset: str | None = None) -> None:
     """Refuse a source that is neither a local file / folder nor shaped like a Hub id, a file of a type no reader
-    reads (a .csv) and a folder with no file to read, before any work (the rows are read lazily, so a command that
-    loads the target first found these only after it)."""
+    reads (a .csv), a folder with no file to read and a local source with a subset, before any work (the rows are
+    read lazily, so a command that loads the target first found these only after it)."""
     path = Path(source).expanduser()
     if not path.exists() and ("/" not in str(source) or str(source).startswith((".", "/", "~"))):
         raise FileNotFoundError(f"data source {str(source)!r} is neither a local file/folder nor a Hub id org/name")
+    refuse_local_subset(path, subset)
     if path.is_file():
         _check_file_type(path)
     elif path.is_dir() and not _is_saved_dataset(path):

@@ -866,6 +866,31 @@ def test_prepare_source_no_reader_reads_is_named_before_the_regenerating_target_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.csv", "notes"]
 
 
+def test_a_subset_with_a_local_source_is_refused_before_any_target_loads(data_target, tmp_path, monkeypatch):
+    """--subset / data.subset name a Hub data set's configuration: with a local file it was ignored, yet recorded in
+    the prepared folder's settings, so correcting it later was refused as "other settings"."""
+    import data.prepare
+    import data.regenerate as rg
+    import train.setup
+    from data.readers import iter_conversations
+    from train.distill import main
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text((_DATA_FIX / "openai.jsonl").read_text())
+    said = f"subset 'en' names a configuration of a Hub data set, and {src} is local"
+    with pytest.raises(ValueError, match=said):
+        next(iter_conversations(src, subset="en"))
+    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    with pytest.raises(ValueError, match=said):
+        data.prepare.main(["--source", str(src), "--subset", "en", "--out", str(tmp_path / "data"), "--target",
+                           str(data_target), "--regenerate", "local", "--no-progress"])
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    with pytest.raises(ValueError, match=said):
+        main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", f"data.source={src}", "data.subset=en"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]
+    assert next(iter_conversations(src))["messages"]  # without the subset the file reads as before
+
+
 def test_a_hung_server_request_ends_at_the_request_timeout(capsys):
     """A server that accepts and never answers held each request for a fixed 600 s (x 6 tries); the flag
     sets it, and a value that is not a positive number of seconds is refused."""

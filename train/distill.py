@@ -110,6 +110,10 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
         from data.store import FeatureStore
 
         FeatureStore(cfg.features.store, verify=False)  # its index alone: it exists and its extraction finished
+    if cfg.data.subset and cfg.data.source != "tiny":  # read only once the target had loaded
+        from data.readers import refuse_local_subset
+
+        refuse_local_subset(cfg.data.source, cfg.data.subset)
     if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
         from train.setup import warm_start_source
 
