@@ -4163,7 +4163,7 @@ def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_ove
 
     target = stand_in_small_target(tmp_path / "target")
     monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda t, folder, **k: folder)
-    monkeypatch.setattr(train.small_target, "held_out_prompt_ids", lambda t, n: [[1, 2]] * n)
+    monkeypatch.setattr(train.small_target, "small_target_prompt_ids", lambda t, n: [[1, 2]] * n)
     monkeypatch.setattr(qx, "train_drafter", lambda out_dir, *a, **k: out_dir)
     monkeypatch.setattr(qx, "measure_tau", lambda t, d, p, n: {"tau": 2.0 if "g64" in str(t) else 1.5})
     out, name = tmp_path / "qx", "report-3bit-e3-s0.json"
@@ -4254,6 +4254,20 @@ def test_a_chat_template_that_fails_on_every_conversation_is_named_not_blamed_on
     with pytest.raises(ValueError, match=r"the chat template failed on every conversation \(2\): the loss mask"):
         tokenize_to_disk(tok, [chat, chat], tmp_path / "out", tmp_path / "scratch", thinking=None, max_length=None,
                          pack=False, progress=False)
+
+
+def test_fewer_true_tau_prompts_than_asked_are_said():
+    """eval.true_tau_prompts=16 with 3 usable held-out rows measured true tau on 3 without a word."""
+    from train.eval import true_tau_prompt_set
+
+    rows = [{"input_ids": [5, 6, 7], "doc_ids": [0, 0, 0], "loss_mask": m} for m in ([0, 1, 1], [0, 0, 0], [0, 0, 1])]
+    said = []
+    assert true_tau_prompt_set(rows, 16, said.append) == [[5], [5, 6]]
+    assert said == ["note: eval.true_tau_prompts=16, but the 3 held-out rows give 2 prompts: true tau is measured "
+                    "on 2; raise data.eval_rows for more"]
+    said.clear()
+    assert true_tau_prompt_set(rows, 2, said.append) == [[5], [5, 6]] and said == []
+    assert true_tau_prompt_set(rows, 0, said.append) == [] and said == []
 
 
 def test_help_into_a_closed_pipe_ends_quietly():

@@ -195,14 +195,14 @@ def true_tau_report(drafter_dir: Path, target_dir: Path, prompts: int, max_new_t
     from inference.torch_loop import DrafterProposer, dflash_generate
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
-    from train.small_target import held_out_prompt_ids
+    from train.small_target import small_target_prompt_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the run's own device (workers hide CUDA for --device cpu)
     target = TargetModel.from_pretrained(target_dir, dtype=torch.float32, device=device)
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).to(device).eval()
     proposer = DrafterProposer(drafter, target)
     per_prompt, lengths = [], []
-    for ids in held_out_prompt_ids(target_dir, prompts):
+    for ids in small_target_prompt_ids(target_dir, prompts):
         result = dflash_generate(target, proposer, ids, max_new_tokens=max_new_tokens)
         per_prompt.append(result.tau)
         lengths += result.acceptance_lengths
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, path in (("--out", out), ("--data", Path(a.data) if a.data else None)):
         if path is not None and path.exists() and not path.is_dir():
             raise NotADirectoryError(f"{flag} {path} is a file: give a folder (created if missing)")
-    from train.small_target import STAMP_FILE, build_small_target, held_out_prompts, warn_if_degenerate
+    from train.small_target import STAMP_FILE, build_small_target, small_target_prompts, warn_if_degenerate
 
     if a.table_only:  # reads what is there: builds, prepares and writes nothing before the table
         if not (target / STAMP_FILE).is_file():
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not (target / name).is_file():
             raise FileNotFoundError(f"{target / name} not found: the target folder must come from train.small_target")
     warn_if_degenerate(target)
-    held_out = len(held_out_prompts(target))
+    held_out = len(small_target_prompts(target))
     if a.prompts > held_out:  # the table would claim more prompts than were generated
         raise ValueError(f"--prompts {a.prompts} but {target / 'prompts.jsonl'} holds {held_out} held-out prompts: "
                          f"use --prompts {held_out} or fewer, or rebuild the target with more (--prompts of "

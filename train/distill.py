@@ -251,14 +251,14 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
     from tqdm import tqdm
 
     from train.checkpoint import save_checkpoint
-    from train.eval import held_out_prompts
+    from train.eval import true_tau_prompt_set
     from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, nonfinite_weights,
                             run_eval, step_row, train_step)
     from train.rng import epoch_order
 
     cfg = run.cfg
     drafter = run.accelerator.unwrap_model(model)
-    prompts = held_out_prompts(eval_ds, cfg.eval.true_tau_prompts) if cfg.eval.true_tau_prompts else []
+    prompts = true_tau_prompt_set(eval_ds, cfg.eval.true_tau_prompts, run.log)
     first_eval = (run_eval(run, drafter, target, eval_feats, prompts, 0, True, logger)
                   if cfg.eval.at_start and state.step == 0 else {})
     bar = tqdm(total=sched.total_steps, initial=state.step, disable=not (run.is_main and cfg.logging.progress),

@@ -78,6 +78,16 @@ def held_out_prompts(rows, limit: int) -> list[list[int]]:
     return prompts
 
 
+def true_tau_prompt_set(rows, asked: int, log) -> list[list[int]]:
+    """``eval.true_tau_prompts`` prompts of the held-out rows; fewer than asked is said (the metrics' true tau did
+    not say how few prompts it was measured on)."""
+    prompts = held_out_prompts(rows, asked) if asked else []
+    if len(prompts) < asked:
+        log(f"note: eval.true_tau_prompts={asked}, but the {len(rows)} held-out rows give {len(prompts)} prompts: "
+            f"true tau is measured on {len(prompts)}; raise data.eval_rows for more")
+    return prompts
+
+
 @torch.no_grad()
 def true_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """Real DFlash generation (greedy) with the torch inference loop; tau pooled over all cycles."""

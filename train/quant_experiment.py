@@ -180,7 +180,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         target_dir: str | None = None, log=print, epochs: int | None = None, rerun_other_code: bool = False) -> dict:
     from models.quant import quantize_to_mlx
     from train.ablate import code_key
-    from train.small_target import build_small_target, degenerate, held_out_prompt_ids, held_out_prompts
+    from train.small_target import build_small_target, degenerate, small_target_prompt_ids, small_target_prompts
 
     if out.exists() and not out.is_dir():  # was a bare "[Errno 17] File exists"
         raise NotADirectoryError(f"--out {out} is a file: give a folder (created if missing)")
@@ -191,7 +191,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
         target = Path(target_dir)
         if not (target / "prompts.jsonl").is_file() or not (target / "chats.jsonl").is_file():
             raise FileNotFoundError(f"--target {target} is not a small-target folder (chats.jsonl + prompts.jsonl)")
-        held_out_prompts(target, budget["prompts"])
+        small_target_prompts(target, budget["prompts"])
     out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves no empty --out behind
     if not target_dir:
         target = build_small_target(out / "target", seed=0, log=log, progress=False, corpus=corpus, **budget["target"])
@@ -204,7 +204,7 @@ def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 
                          "larger --budget)")
     quantized = {b: quantize_to_mlx(target, out / f"target-mlx-{b}bit-g{group_size}", bits=b, group_size=group_size,
                                     log=log) for b in sorted(set(sweep_bits) | ({bits} if bits else set()))}
-    prompts = held_out_prompt_ids(target, budget["prompts"])
+    prompts = small_target_prompt_ids(target, budget["prompts"])
     tau = lambda t, d: measure_tau(t, d, prompts, budget["max_new_tokens"])  # noqa: E731
 
     runs = f"e{budget['train']['train.epochs']}-s{seed}"  # a cached drafter is reused only at the same budget

@@ -381,7 +381,7 @@ def warn_if_degenerate(directory: Path, log=print) -> str | None:
     return why
 
 
-def held_out_prompts(directory: Path, n: int | None = None) -> list[dict]:
+def small_target_prompts(directory: Path, n: int | None = None) -> list[dict]:
     """The first ``n`` (all: None) held-out chats of ``prompts.jsonl``; an empty or malformed file is named
     before anything trains (the experiments found it after training, as a ZeroDivisionError or a bare
     JSONDecodeError)."""
@@ -407,13 +407,13 @@ def held_out_prompts(directory: Path, n: int | None = None) -> list[dict]:
     return rows
 
 
-def held_out_prompt_ids(directory: Path, n: int) -> list[list[int]]:
+def small_target_prompt_ids(directory: Path, n: int) -> list[list[int]]:
     """Token ids of the first ``n`` held-out prompts (the folder's chat template, generation prompt added)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(directory)
     return [list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
-            for r in held_out_prompts(directory, n)]
+            for r in small_target_prompts(directory, n)]
 
 
 def main(argv: list[str] | None = None) -> None:
