@@ -3098,6 +3098,22 @@ def test_dry_run_of_the_tiny_recipe_plans_the_target_it_builds(monkeypatch):
                             "target.num_layers=N target.hidden_size=N target.vocab_size=N)")
 
 
+def test_dry_run_of_a_local_target_path_that_is_missing_says_so_not_the_hub(monkeypatch, tmp_path):
+    """target.path=./typo was looked up on the Hub: the plan blamed the network (or said "Repo id must be in the
+    form ..."), not the missing folder."""
+    import huggingface_hub
+
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("looked up on the Hub"))
+    config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b", f"target.path={tmp_path / 'typo'}"]))
+    assert config is None and source == f"the local folder {tmp_path / 'typo'} does not exist; using the recipe's " \
+                                        "shape facts"
+    config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b", f"target.path={tmp_path}"]))
+    assert config is None and source.endswith(f"{tmp_path} has no config.json; using the recipe's shape facts")
+
+
 def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch, tmp_path):
     """With no network the dry run sat through ~25 s of the Hub client's connection retries before
     using the recipe's facts: a host name that does not resolve now means the local cache only."""

@@ -46,6 +46,11 @@ def _fetch_config(cfg) -> tuple[dict | None, str]:
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
         return json.loads(local.read_text()), f"local {local}"
+    from models.hub import is_hub_id
+
+    if not is_hub_id(path):  # a local path (a typo, a folder not copied yet): not the Hub's network to blame
+        what = "has no config.json" if local.parent.is_dir() else "does not exist"
+        return None, f"the local folder {path} {what}; using the recipe's shape facts"
     offline = False
     try:
         from huggingface_hub import hf_hub_download
