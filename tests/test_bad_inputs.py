@@ -2846,6 +2846,8 @@ def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0"),
     # read by no run: training never extracts features (data.extract --dtype decides a store's dtype)
     ("features.dtype=fp8", "features.dtype=fp8 changes nothing: .*pass --dtype fp8 to python -m data.extract"),
+    # failed at the first stage, after out_dir/config.yaml was written
+    ("target.path=tiny:qwen9", "target.path=tiny:qwen9: no tiny target 'qwen9'; use one of tiny:qwen3, "),
 ])
 def test_bad_training_values_fail_at_config_time(override, message):
     """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""

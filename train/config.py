@@ -219,7 +219,10 @@ class RunConfig:
         from models.cli import DTYPE_NAMES
         from models.quant import parse_quantization
 
+        from train.tiny import parse_tiny
+
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
+        parse_tiny(self.target.path or "")  # tiny:<typo> failed after out_dir/config.yaml was written
         # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
         self.target.dtype = DTYPE_NAMES.get(self.target.dtype, self.target.dtype)
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),

@@ -67,5 +67,13 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
 
 
 def parse_tiny(path: str) -> str | None:
-    """``tiny:qwen3`` -> ``qwen3``; anything else -> None."""
-    return path.split(":", 1)[1] or "qwen3" if path.startswith("tiny:") else None
+    """``tiny:qwen3`` -> ``qwen3``; anything else -> None; an architecture no tiny target has is refused."""
+    from models.tiny import TINY_ARCHS
+
+    if not str(path).startswith("tiny:"):
+        return None
+    arch = path.split(":", 1)[1] or "qwen3"
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"target.path={path}: no tiny target {arch!r}; use one of "
+                         f"{', '.join('tiny:' + a for a in TINY_ARCHS)}")
+    return arch
