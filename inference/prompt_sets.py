@@ -87,6 +87,7 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     skipped: Counter = Counter()
     first_at: dict[str, str] = {}  # where the first row of a reason is, for reasons the reader locates
     for source, default_category in sources:
+        categorized = False  # whether any row so far names its category (then more categories may follow)
         for index, row in enumerate(iter_source_rows(source, split=split, subset=subset)):
             if not isinstance(row, dict):
                 why = str(row) if isinstance(row, BadRow) else "malformed JSON"
@@ -98,11 +99,14 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
             if msgs is None:
                 skipped["no user turn"] += 1
                 continue
+            categorized = categorized or bool(row.get("category"))
             category = str(row.get("category") or default_category)
             if n is not None and per_category[category] >= n:
                 continue
             per_category[category] += 1
             prompts.append(Prompt(str(row.get("id", f"{default_category}-{index}")), category, msgs))
+            if n is not None and not categorized and per_category[default_category] >= n:
+                break  # a set without categories is done at n: a Hub data set was read to its last row
     said = ", ".join(f"{k}: {v}" + (f", first at {first_at[k]}" if k in first_at else "") for k, v in skipped.items())
     if not prompts:
         raise ValueError(f"--prompts {spec}: no usable prompts (rows need messages/conversations with a user turn, "

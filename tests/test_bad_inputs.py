@@ -2159,6 +2159,32 @@ def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_validate_prompts_of_a_set_without_categories_stop_being_read_at_n(tmp_path, monkeypatch):
+    """--prompts org/name --n 50 read every row of the data set (thousands) for 50 prompts; a set whose rows name
+    their categories is still read whole (a later row may start another category)."""
+    import json
+
+    import data.readers
+    from inference.prompt_sets import load_prompts
+
+    read = []
+
+    def counting(source, **kwargs):
+        for row in real(source, **kwargs):
+            read.append(1)
+            yield row
+
+    real = data.readers.iter_source_rows
+    monkeypatch.setattr(data.readers, "iter_source_rows", counting)
+    plain, named = tmp_path / "plain.jsonl", tmp_path / "named.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(100)))
+    named.write_text("".join(json.dumps({"prompt": f"q{i}", "category": "ab"[i >= 90]}) + "\n" for i in range(100)))
+    assert [p.messages[0]["content"] for p in load_prompts(str(plain), n=3)] == ["q0", "q1", "q2"]
+    assert len(read) == 3
+    read.clear()
+    assert [p.category for p in load_prompts(str(named), n=3)] == ["a"] * 3 + ["b"] * 3 and len(read) == 100
+
+
 def test_validate_prompts_missing_file_and_skipped_rows(tmp_path, capsys):
     """A missing prompts file was asked of the Hub (24 s of retries, "Couldn't reach ... on the Hub"); rows
     without a user turn or with broken JSON were dropped without a word."""
