@@ -2874,6 +2874,7 @@ def test_resume_compares_paths_as_folders_not_as_text(tmp_path, monkeypatch):
     ("features.dtype=fp8", "features.dtype=fp8 changes nothing: .*pass --dtype fp8 to python -m data.extract"),
     # failed at the first stage, after out_dir/config.yaml was written
     ("target.path=tiny:qwen9", "target.path=tiny:qwen9: no tiny target 'qwen9'; use one of tiny:qwen3, "),
+    ("logging.wandb_mode=ofline", "logging.wandb_mode='ofline': use online, offline or disabled"),  # at wandb.init
 ])
 def test_bad_training_values_fail_at_config_time(override, message):
     """target.dtype=bf16 once ended in an AttributeError from torch; it now means bfloat16, as elsewhere."""

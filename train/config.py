@@ -234,6 +234,10 @@ class RunConfig:
             value = getattr(getattr(self, section), name)
             if value not in allowed:
                 raise ValueError(f"{key}={value!r}: use one of {allowed}")
+        # wandb's modes (shared, and the older dryrun / run, too): a typo failed only at wandb.init, once loaded
+        if self.logging.wandb_mode not in (None, "online", "offline", "disabled", "shared", "dryrun", "run"):
+            raise ValueError(f"logging.wandb_mode={self.logging.wandb_mode!r}: use online, offline or disabled (or "
+                             "leave it unset for wandb's default)")
         if self.features.mode == "offline" and not self.features.store:
             raise ValueError("features.mode=offline needs features.store=DIR (written by `python -m data.extract`)")
         if self.features.dtype != "bf16":  # fp8 was accepted and ignored: no training run extracts features
