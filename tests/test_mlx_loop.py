@@ -258,13 +258,15 @@ def test_model_is_unmodified_after_generation(runs, tmp_path):
 
 
 @pytest.mark.parametrize("broken", [None, "no restore", "no replay", "replays too few", "verified state put back",
+                                    "verified conv window put back", "snapshot conv window put back",
                                     "whole block, snapshot put back", "whole block, no conv state",
                                     "whole block, no recurrent state"])
 def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broken):
     """Twin of the torch check: a commit that leaves the GatedDeltaNet state at the verified block,
     restores the snapshot without replaying the kept tokens, or replays fewer than it keeps is caught by
     the per-cycle check; so is a state swapped afterwards (the verified one back after a replay, the
-    snapshot after a whole block was kept) or one that lost an array."""
+    snapshot after a whole block was kept, or either one's conv window beside the replayed recurrent state) or
+    one that lost an array."""
     from mlx_lm.models.cache import ArraysCache
 
     from inference.rollback_mlx import CacheRollback
@@ -285,6 +287,8 @@ def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broke
     i = next(i for i, c in enumerate(cache) if isinstance(c, ArraysCache))
     if broken == "verified state put back":
         cache[i].cache = list(rollback._verified[i])
+    elif broken in ("verified conv window put back", "snapshot conv window put back"):  # one array of two
+        cache[i].cache[0] = (rollback._verified if broken.startswith("verified") else rollback._snapshots)[i][0]
     elif broken == "whole block, snapshot put back":
         cache[i].cache = list(rollback._snapshots[i])
     elif broken and broken.startswith("whole block, no"):
@@ -294,7 +298,7 @@ def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(runs, broke
         return
     message = "has no state" if "no " in broken and "state" in broken else (
         "the snapshot, not replayed" if "snapshot" in broken else
-        "the verified block's state" if broken in ("no restore", "verified state put back") else "GatedDeltaNet")
+        "the verified block's state" if broken == "no restore" or broken.startswith("verified") else "GatedDeltaNet")
     with pytest.raises(AssertionError, match=message):
         rollback.check(cache, len(PROMPT) + keep)
 
@@ -453,6 +457,26 @@ def _one_cycle(target) -> tuple[list, CacheRollback]:
     rollback.commit(cache, keep=3, block_len=B)
     rollback.check(cache, len(PROMPT) + 3)
     return cache, rollback
+
+
+def test_rollback_between_verify_and_commit_and_after_commit(folders):
+    """Between a verify pass and its commit every cache holds the whole block, and the check says so (the last
+    commit's keep is not this pass's); a commit, partial or whole, keeps no recorded input; an attention cache
+    shorter than the committed length is named like a longer one."""
+    target = TargetModel.from_pretrained(folders("qwen3_5")[1])
+    cache, rollback = _one_cycle(target)
+    committed = len(PROMPT) + 3
+    assert rollback._inputs == {}
+    with rollback.recording(cache):
+        target.forward(mx.array([PROMPT[:B]]), cache=cache)
+    assert rollback._inputs
+    rollback.check(cache, committed + B)
+    rollback.commit(cache, keep=B, block_len=B)
+    assert rollback._inputs == {}
+    rollback.check(cache, committed + B)
+    for wrong in (committed + B - 1, committed + B + 1):
+        with pytest.raises(AssertionError, match=f"holds {committed + B} positions, committed length is {wrong}"):
+            rollback.check(cache, wrong)
 
 
 def test_check_sees_attention_buffers_that_lost_committed_rows(folders):
@@ -639,6 +663,17 @@ def test_every_committed_token_is_a_sample_of_the_tempered_target(runs):
         assert abs(gap.mean()) < bound < abs(np.mean(greedy[where])), (
             f"{where} tokens: surprisal - entropy {gap.mean():.3f} (bound {bound:.3f}, greedy "
             f"{np.mean(greedy[where]):.3f})")
+
+
+def test_each_verify_pass_samples_with_fresh_randomness(runs):
+    """The key is split anew for every draw: at a temperature where the target is all but uniform, the target's
+    tokens of successive cycles (one committed per cycle: the drafts are the greedy ones) are as many different
+    ids as draws, not one id drawn again from the same noise each cycle."""
+    target, seq, drafter = runs("qwen3")
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, 16,
+                          temperature=1e6, seed=0, eos_token_ids=[])
+    assert len(res.tokens) == 16 and res.acceptance_lengths == [1] * 15
+    assert len(set(res.tokens[1:])) >= 12
 
 
 def test_drafter_runs_in_the_target_compute_dtype(folders, tmp_path):

@@ -192,6 +192,51 @@ def test_an_error_inside_a_cycle_leaves_no_hook_on_the_target(runs):
     assert all(not m._forward_pre_hooks for _, m in target.linear_attention_modules())
 
 
+def test_a_rollback_that_leaves_the_target_cache_long_stops_the_loop(runs, monkeypatch):
+    """The loop checks the rollback every cycle: a commit that crops nothing is an error at the first partial
+    block (3 of 8 positions kept), not a generation that goes on from the wrong cache."""
+    from inference import rollback_torch
+
+    target, seq, drafter = runs("qwen3")
+    monkeypatch.setattr(rollback_torch.CacheRollback, "commit", lambda self, cache, keep, block_len: None)
+    proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
+    with pytest.raises(AssertionError, match=f"layer 0 holds {len(PROMPT) + B} positions, committed length is "
+                                             f"{len(PROMPT) + 3}"):
+        dflash_generate(target, proposer, PROMPT, 16, eos_token_ids=[])
+
+
+def test_a_proposer_without_a_context_count_is_not_checked(runs):
+    """context_length() == -1 means the proposer keeps no context of its own: the loop runs it as any other."""
+    target, seq, drafter = runs("qwen3")
+
+    class Untracked(ReferenceProposer):
+        def context_length(self) -> int:
+            return -1
+
+    res = dflash_generate(target, Untracked(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT, 24,
+                          eos_token_ids=[])
+    assert res.tokens == seq[len(PROMPT):len(PROMPT) + 24]
+    assert res.acceptance_lengths == expected_acceptance(len(PROMPT), 24, B, MISTAKES)
+
+
+def test_parts_add_each_part_up_over_the_cycles(runs, monkeypatch):
+    """With a clock that ticks once per reading, every part of every cycle lasts one tick: each part's total is
+    the number of cycles (each lap starts where the previous one ended, and adds to what the part had)."""
+    import itertools
+    import types
+
+    from inference import torch_loop
+
+    ticks = itertools.count()
+    monkeypatch.setattr(torch_loop, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    target, seq, drafter = runs("qwen3")
+    parts: dict[str, float] = {}
+    res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,
+                          24, eos_token_ids=[], parts=parts)
+    cycles = len(res.acceptance_lengths)
+    assert cycles > 3 and parts == dict.fromkeys(["draft", "verify", "accept", "host", "rollback"], float(cycles))
+
+
 def test_eos_inside_an_accepted_block_ends_generation_without_emitting_it(runs):
     target, seq, drafter = runs("qwen3")
     generated = seq[len(PROMPT):]
@@ -237,12 +282,28 @@ def test_temperature_sampling_is_seeded_and_exact_in_length(runs):
     assert cold.tokens == seq[len(PROMPT):len(PROMPT) + 30]
 
 
+def test_every_committed_token_is_drawn_at_the_temperature_from_the_seed(runs):
+    """The prefill's token and every verify pass's tokens are draws at the requested temperature from the seeded
+    generator: at a high temperature the first token moves with the seed, and what follows it is not the greedy
+    continuation of it."""
+    target, seq, drafter = runs("qwen3")
+    out = {s: dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288), PROMPT, 12,
+                              temperature=50.0, seed=s, eos_token_ids=[]).tokens for s in (0, 1, 2)}
+    assert len({tuple(t) for t in out.values()}) == 3
+    assert any(t[0] != seq[len(PROMPT)] for t in out.values())
+    for tokens in out.values():
+        assert len(tokens) == 12
+        assert tokens[1:] != target_generate(target, PROMPT + tokens[:1], 11, eos_token_ids=[]).tokens
+
+
 def test_sampling_follows_the_softmax():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     gen = torch.Generator().manual_seed(0)
     draws = sample(logits.expand(40000, 4), temperature=0.7, generator=gen)
     freq = torch.bincount(draws, minlength=4).double() / 40000
     assert_close(freq, torch.softmax(logits.double() / 0.7, 0), atol=0.01, what="sample frequencies")
+    greedy = torch.tensor([[[0.0, 1.0, 3.0], [3.0, 0.0, 1.0]]])  # row-wise argmax, the last id included
+    assert sample(greedy, 0.0).tolist() == [[2, 0]] and sample(greedy, 1e-6, gen).tolist() == [[2, 0]]
 
 
 def test_mismatched_drafter_and_target_is_refused(runs):
@@ -352,6 +413,29 @@ def test_check_names_an_attention_cache_at_another_length(tiny_targets):
     target.forward(torch.tensor([PROMPT]), cache=cache, with_logits=False)
     rollback = CacheRollback(target)
     rollback.check(cache, len(PROMPT))
-    with pytest.raises(AssertionError, match=f"layer 0 holds {len(PROMPT)} positions, committed length is "
-                                             f"{len(PROMPT) - 1}"):
-        rollback.check(cache, len(PROMPT) - 1)
+    for committed in (len(PROMPT) - 1, len(PROMPT) + 1):  # a cache too long, and one too short
+        with pytest.raises(AssertionError, match=f"layer 0 holds {len(PROMPT)} positions, committed length is "
+                                                 f"{committed}"):
+            rollback.check(cache, committed)
+
+
+def test_rollback_counts_each_verify_pass_once_and_keeps_nothing_after_commit(tiny_targets):
+    """Between a verify pass and its commit the states hold the whole block, and the check says so; a verify
+    pass recorded again before any commit (the first one abandoned) counts its tokens once, not through two sets
+    of hooks; a commit leaves no hook and no recorded input behind."""
+    target = tiny_targets("qwen3_5")
+    block = [11, 12, 13, 14, 15, 16, 17, 18]
+    cache, rollback = _verified_block(target, block)
+    rollback.check(cache, len(PROMPT) + len(block))  # nothing rolled back yet
+    rollback.commit(cache, keep=3, block_len=len(block))
+    rollback.check(cache, len(PROMPT) + 3)
+    assert rollback._inputs == {} and all(not m._forward_pre_hooks for _, m in rollback.linear)
+    committed = len(PROMPT) + 3
+    for _ in range(2):  # the first of these two passes is never committed
+        with rollback.recording(cache):
+            target.forward(torch.tensor([block]), cache=cache, with_logits=False)
+        committed += len(block)
+        rollback.check(cache, committed)  # the last commit's keep (3) is not this pass's
+    rollback.commit(cache, keep=len(block), block_len=len(block))
+    rollback.check(cache, committed)
+    assert rollback._inputs == {} and all(not m._forward_pre_hooks for _, m in rollback.linear)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from test_train_run import FAST, losses, run, tiny_input_dirs
 
@@ -615,3 +616,110 @@ def test_only_listed_keys_or_sections_are_harmless_on_resume():
     assert is_harmless("train.compile") and is_harmless("logging.every") and is_harmless("recipe")
     assert not is_harmless("train.compile_mode") and not is_harmless("train.attention_dropout")
     assert not is_harmless("recipes") and not is_harmless("train.lr")
+
+
+def _tiny_model():
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+
+    return DFlashDraftModel(DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300,
+                                         num_target_layers=8, target_layer_ids=[1, 3, 5], mask_token_id=290,
+                                         block_size=4, torch_dtype="float32"))
+
+
+def test_keep_last_removes_the_oldest_checkpoints_and_ctrl_c_mid_save_removes_only_the_half_written_one(tmp_path):
+    """keep_last=2 keeps the two newest steps (by number, past step 9); 0 keeps them all. A Ctrl-C while the state
+    is written leaves no step_N.tmp and the earlier checkpoints as they were."""
+    from train.checkpoint import save_checkpoint
+
+    model, root = _tiny_model(), tmp_path / "checkpoints"
+    for step in (8, 9, 10, 11):
+        save_checkpoint(_OneProcess(), model, tmp_path, step, {"step": step}, "x: 1\n", 2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_10", "step_11"]
+    for step in (12, 13):
+        save_checkpoint(_OneProcess(), model, tmp_path, step, {"step": step}, "x: 1\n", 0)
+    assert sorted(p.name for p in root.iterdir()) == ["step_10", "step_11", "step_12", "step_13"]
+
+    class Interrupted(_OneProcess):
+        def save_state(self, path):
+            super().save_state(path)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(Interrupted(), model, tmp_path, 14, {"step": 14}, "x: 1\n", 2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_10", "step_11", "step_12", "step_13"]
+
+
+def test_only_the_main_process_writes_the_drafter_folder_in_the_dtype_asked(tmp_path):
+    from safetensors.torch import load_file
+
+    from train.checkpoint import save_drafter
+
+    class Rank1(_OneProcess):
+        is_main_process = False
+
+    model = _tiny_model()
+    save_drafter(Rank1(), model, tmp_path / "rank1")
+    assert not (tmp_path / "rank1").exists()
+    save_drafter(_OneProcess(), model, tmp_path / "bf16", dtype=torch.bfloat16)
+    weights = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert weights.keys() == model.state_dict().keys()
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert torch.equal(weights["fc.weight"], model.fc.weight.detach().to(torch.bfloat16))
+
+
+def test_resume_changes_sorted_into_harmless_and_refused(tmp_path):
+    """Harmless: the listed keys (a dict value such as target.max_memory is one key, not a section), and a path
+    key (features.store) spelled another way for the same folder. Refused: any other key, and a path that does
+    not exist compared as text. A checkpoint without config.yaml is said to be unchecked."""
+    from train.checkpoint import check_resume_config, config_changes
+
+    (tmp_path / "store").mkdir()
+    saved = {"target": {"path": "gone/target", "max_memory": {"0": "10GiB"}},
+             "data": {"rebuild": False}, "features": {"store": str(tmp_path / "store")},
+             "train": {"ce_chunk": 1024, "lr": 6e-4}}
+    now = {"target": {"path": "./gone/target", "max_memory": {"0": "20GiB"}},
+           "data": {"rebuild": True}, "features": {"store": str(tmp_path) + "/./store"},
+           "train": {"ce_chunk": 2048, "lr": 6e-4}}
+    refused, harmless = config_changes(saved, now, {})
+    assert refused == ["target.path: 'gone/target' -> './gone/target'"]
+    assert harmless == ["data.rebuild: False -> True", "target.max_memory: {'0': '10GiB'} -> {'0': '20GiB'}",
+                        "train.ce_chunk: 1024 -> 2048"]
+    from train.config import RunConfig
+
+    cfg, ckpt = RunConfig(), tmp_path / "step_2"  # a checkpoint that predates train.kl_topk: its default there
+    ckpt.mkdir()
+    older = cfg.to_dict()
+    del older["train"]["kl_topk"]
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(older))
+    said = []
+    check_resume_config(ckpt, cfg, said.append)
+    assert said == []
+    said = []  # a checkpoint without its config.yaml cannot be compared: said so, not silently passed
+    check_resume_config(tmp_path / "step_3", None, said.append)
+    assert said == [f"warning: {tmp_path / 'step_3' / 'config.yaml'} is missing: cannot check that the settings "
+                    "match the checkpoint"]
+
+
+def test_fresh_start_over_no_earlier_run_says_nothing_and_an_unfinished_run_names_its_step(tmp_path):
+    """No checkpoint: nothing to clear, nothing logged. A checkpoint newer than final/ (or no final/) is an
+    unfinished run, refused with its step; a checkpoint without trainer_state.json under a final/ is finished."""
+    import os
+
+    from train.checkpoint import ResumeConfigError, clear_for_fresh_start, refuse_unfinished_run
+
+    said = []
+    clear_for_fresh_start(tmp_path, said.append, _OneProcess())
+    assert said == []
+    step = tmp_path / "checkpoints" / "step_7"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"step": 70}')
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.yaml").write_text("recipe: tiny\n")
+    os.utime(tmp_path / "final" / "config.yaml", (1_700_000_000, 1_700_000_000))
+    os.utime(step / "trainer_state.json", (1_700_000_100, 1_700_000_100))
+    with pytest.raises(ResumeConfigError, match="holds an unfinished run .*step_7, step 70\\)"):
+        refuse_unfinished_run(tmp_path)
+    (step / "trainer_state.json").unlink()
+    assert refuse_unfinished_run(tmp_path) is True
