@@ -4,11 +4,12 @@ Two validate runs into one ``--out`` shared ``partial.jsonl`` (the first to fini
 two training runs into one ``out_dir`` (the same command in two terminals, a requeued job while the old one
 still runs) wrote the same checkpoints and metrics. The second is refused with the holder's pid.
 
-The OS drops the lock when the process ends, however it ends, so a crashed run never blocks the next; the
-file itself stays (removing it would race a run that just opened it), unless the command created the
-folder and wrote nothing else there, or never wrote the one file it guards (a refusal): a mistake leaves
-nothing behind. POSIX only (Linux, macOS); elsewhere, and on file systems without ``flock`` (some cluster
-mounts), runs are not kept apart and a note says so.
+The OS drops the lock when the process ends, however it ends, so a crashed run never blocks the next; the file
+itself stays (removing it would race a run that just opened it), unless the command created the folder and
+wrote nothing else there, never wrote the one file it guards, or created the lock file and ended in an error
+(a refusal of a folder that is not its own): a mistake leaves nothing behind. POSIX only (Linux, macOS);
+elsewhere, and on file systems without ``flock`` (some cluster mounts), runs are not kept apart and a note
+says so.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def hold(folder: str | Path, name: str, flag: str, fix: str,
     folder = Path(folder)
     what = f"{flag} {output or folder}"
     created = not folder.exists()
+    fresh = created or not (folder / name).exists()  # this command's own lock file, not one an earlier run left
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(folder / name, "a+")
@@ -56,12 +58,17 @@ def hold(folder: str | Path, name: str, flag: str, fix: str,
                 handle.truncate()
                 handle.write(f"{os.getpid()}\n")
                 handle.flush()
+        failed = False
         try:
             yield folder
-        finally:  # a command refused before it wrote anything leaves no folder holding only the lock
-            if output is not None and not output.exists():
+        except BaseException:
+            failed = True
+            raise
+        finally:  # a command refused before it wrote anything leaves no folder holding only the lock, and a
+            # refusal of someone else's folder (not prepared data, not a store) leaves no lock file in it
+            if (output is not None and not output.exists()) or (failed and fresh):
                 (folder / name).unlink(missing_ok=True)
-            if created and [p.name for p in folder.iterdir()] == [name]:
+            if created and not [p for p in folder.iterdir() if p.name != name]:
                 (folder / name).unlink(missing_ok=True)
                 folder.rmdir()
 

@@ -833,7 +833,9 @@ def test_prepare_out_that_is_foreign_or_of_other_settings_is_refused_before_the_
     with pytest.raises(ValueError, match="--pack needs --max-length"):
         run(tmp_path / "new", "--pack")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "prepared"]
-    assert sorted(p.name for p in mine.iterdir()) == [".prepare.lock", "notes.txt"]  # the lock, as models.lock keeps
+    # the refusal leaves no lock file in the user's folder (it did: models.lock kept every lock file it made)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert ".prepare.lock" not in {p.name for p in prepared.iterdir()}
 
 
 def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
@@ -4612,6 +4614,26 @@ def test_a_checkpoints_drafter_folder_exports_with_the_checkpoints_steps_and_run
     out = export_hf(ckpt / "drafter", tmp_path / "out", remote_code_check=False, log=lambda *_: None)
     prov = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith"]
     assert (prov["steps"], prov["recipe"]) == (7, "tiny") and out["source"] == str(ckpt / "drafter")
+
+
+def test_a_lock_file_goes_with_a_failed_run_only_when_that_run_made_it(tmp_path):
+    """A refusal of someone else's folder left the command's lock file in it; a lock file already there (a killed
+    run's) stays, and so does the one of a run that ended well (its folder is its output)."""
+    from models.lock import hold
+
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError), hold(folder, ".x.lock", "--out", "-"):
+        raise RuntimeError("not a folder of ours")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    (folder / ".x.lock").write_text("123\n")  # a killed run's
+    with pytest.raises(RuntimeError), hold(folder, ".x.lock", "--out", "-"):
+        raise RuntimeError
+    assert (folder / ".x.lock").is_file()
+    with hold(tmp_path / "new", ".x.lock", "--out", "-") as out:
+        (out / "result.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [".x.lock", "result.json"]
 
 
 @pytest.mark.parametrize("resume", ["false", "true"])
