@@ -338,6 +338,35 @@ def test_checkpoints_sort_by_step_number_past_step_9(tmp_path):
     (tmp_path / "checkpoints" / "step_11.tmp").mkdir()  # a checkpoint being written: not one yet
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_9", "step_10", "step_100"]
     assert latest_checkpoint(tmp_path).name == "step_100"
+    (tmp_path / "checkpoints" / "step_200").write_text("")  # a file, not a checkpoint
+    (tmp_path / "checkpoints" / "old_step_300").mkdir()
+    assert latest_checkpoint(tmp_path).name == "step_100"
+    assert checkpoint_dirs(tmp_path / "none") == [] and latest_checkpoint(tmp_path / "none") is None
+
+
+def test_what_training_replaces_is_found_from_any_path_inside_it(tmp_path, monkeypatch):
+    """final/ (once it holds trained.json) and checkpoints/step_N themselves or anything below them, relative
+    paths too; a step_N folder outside checkpoints/ or a folder merely named like one is not training's."""
+    from models.provenance import refuse_training_output, replaced_by_training
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "trained.json").write_text('{"step": 2}')
+    for name in ("step_2", "xstep_2", "step_2x"):
+        (run / "checkpoints" / name).mkdir(parents=True)
+    step = run / "checkpoints" / "step_2"
+    assert replaced_by_training(step) == step and replaced_by_training(step / "a" / "b") == step
+    assert replaced_by_training(run / "final") == run / "final"
+    assert [replaced_by_training(p) for p in (run, run / "checkpoints", run / "checkpoints" / "xstep_2" / "a",
+                                              run / "checkpoints" / "step_2x", run / "other" / "step_2")] == [None] * 5
+    monkeypatch.chdir(tmp_path)
+    assert replaced_by_training("run/final/val") == run / "final"
+    refuse_training_output(run / "val", "report", "validate")  # beside the run: fine
+    with pytest.raises(ValueError) as e:
+        refuse_training_output(step / "val", "report", "validate")
+    assert str(e.value) == (f"--out {step / 'val'} is inside the training output {step}: newer checkpoints remove it, "
+                            f"and the report would go with it. Write it beside the run instead, e.g. --out "
+                            f"{run / 'validate'}")
 
 
 def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tmp_path, monkeypatch):
