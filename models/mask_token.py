@@ -9,7 +9,6 @@ the chat template or the data produce; never an ordinary text token.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -74,14 +73,16 @@ def forbidden_mask_ids(tokenizer, produced_ids: Iterable[int] = ()) -> dict[int,
     for i, content in _special_tokens(tokenizer).items():
         if content and content in template:
             bad.setdefault(i, "a chat-control token (the chat template writes it)")
-    with contextlib.suppress(Exception):  # a tokenizer without a usable template produces nothing here
-        convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "a"}]
-        for ids in (tokenizer.apply_chat_template(convo, tokenize=True, add_generation_prompt=False),
-                    tokenizer.apply_chat_template(convo[:2], tokenize=True, add_generation_prompt=True)):
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
-            for j in ids:
-                bad.setdefault(int(j), "produced by the chat template")
+    convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+             {"role": "assistant", "content": "a"}]
+    for messages, prompt in ((convo, False), (convo[:2], True)):
+        try:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+        except Exception:  # a tokenizer without a usable template produces nothing here
+            continue
+        # transformers 5 returns a BatchEncoding: a mapping, but no dict (iterating it gives its keys)
+        for j in ids["input_ids"] if hasattr(ids, "keys") else ids:
+            bad.setdefault(int(j), "produced by the chat template")
     for j in produced_ids:
         bad.setdefault(int(j), "present in the training data")
     return bad

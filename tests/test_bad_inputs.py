@@ -1230,7 +1230,9 @@ def test_drafter_shape_zero_from_code_is_refused_not_replaced_by_the_targets(key
     (256, "'<|endoftext|>', pad token"),  # pad
     (261, "'<|begin_of_text|>', a chat-control token"),  # BOS, written by the chat template
     (262, "'<|start_header_id|>', a chat-control token"),
-    (72, "the ordinary text token"),  # a byte of text
+    (39, "the ordinary text token 'H'"),  # a byte of text
+    (0, "the ordinary text token '!'"),  # the first row is inside the embedding
+    (72, "'i', produced by the chat template"),  # a byte the rendered template writes ("assistant")
     (288, "outside the target embedding (288 rows)"),
     (-1, "outside the target embedding"),
 ])
@@ -1270,6 +1272,21 @@ def test_a_bos_the_chat_template_never_writes_is_still_not_the_mask():
     assert resolve_mask_token(288, tok).id == 266  # the automatic choice passes over it
 
 
+def test_an_added_token_that_is_not_special_is_never_the_mask():
+    """A token added as ordinary text, even one named like a reserved token, is text the tokenizer writes: no
+    automatic choice takes it and giving it explicitly is refused."""
+    from models.config import ConfigError
+    from models.mask_token import resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3")
+    tok.add_tokens(["<|reserved_text|>"])  # 265, not special, the last row
+    with pytest.raises(ConfigError, match="no reserved special token"):
+        resolve_mask_token(len(tok), tok)
+    with pytest.raises(ConfigError, match=re.escape("is the ordinary text token '<|reserved_text|>'")):
+        resolve_mask_token(len(tok), tok, explicit=265)
+
+
 def test_no_spare_row_and_no_reserved_token_is_a_clear_error():
     from models.config import ConfigError
     from models.mask_token import resolve_mask_token
@@ -1291,7 +1308,8 @@ def test_inference_warns_about_a_mask_the_target_produces_but_not_a_reserved_spe
 
     tok = tiny_tokenizer("llama3", reserved=4)
     reserved = tok.convert_tokens_to_ids("<|reserved_special_token_0|>")
-    cases = {reserved: None, tok.eos_token_id: "eos token", tok.convert_tokens_to_ids("a"): "ordinary text token",
+    cases = {reserved: None, tok.eos_token_id: "eos token", tok.convert_tokens_to_ids("H"): "ordinary text token",
+             tok.convert_tokens_to_ids("a"): "produced by the chat template",  # "assistant"
              10_000: None}  # 10_000: a spare row past the tokenizer
     for mask_id, warned in cases.items():
         caplog.clear()

@@ -206,6 +206,69 @@ def test_mask_token_resolution_order():
     assert resolve_mask_token(TINY_VOCAB, tiny_tokenizer(), explicit=280).id == 280  # a spare row
 
 
+def test_each_mask_rule_gives_its_id_name_and_printed_reason():
+    """The choice is printed with its reason: a spare row has no name, a given special token is named; the very
+    last embedding row is still a spare row."""
+    from models.mask_token import MaskChoice, resolve_mask_token
+    from models.tiny import TINY_VOCAB, tiny_tokenizer
+
+    assert choose_mask_token(10, range(9)) == 9
+    assert resolve_mask_token(266, tiny_tokenizer()) == \
+        MaskChoice(265, None, "the first embedding row the tokenizer never emits")
+    llama = tiny_tokenizer("llama3", reserved=TINY_VOCAB - 265)
+    assert resolve_mask_token(TINY_VOCAB, llama, explicit=287) == MaskChoice(
+        287, "<|reserved_special_token_22|>", "given explicitly (the special token '<|reserved_special_token_22|>')")
+    assert resolve_mask_token(TINY_VOCAB, tiny_tokenizer(), explicit=280) == \
+        MaskChoice(280, None, "given explicitly (a spare embedding row)")
+
+
+def test_the_declared_mask_token_counts_whatever_its_name_and_only_when_usable():
+    """The tokenizer's declared mask token wins over a mask-named special at a lower id and over a spare row,
+    even under a name no list knows; one the data produces is passed over for the first spare row."""
+    from models.mask_token import MaskChoice, resolve_mask_token
+    from models.tiny import TINY_VOCAB, tiny_tokenizer
+
+    tok = tiny_tokenizer(mask_token="<|block_fill|>")  # id 265
+    assert resolve_mask_token(TINY_VOCAB, tok) == MaskChoice(265, "<|block_fill|>", "the tokenizer's own mask token")
+    assert resolve_mask_token(TINY_VOCAB, tok, produced_ids={265}) == \
+        MaskChoice(266, None, "the first embedding row the tokenizer never emits")
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[MASK]"]})  # 265
+    tok.add_special_tokens({"mask_token": "<|block_fill|>"})  # 266, the declared one
+    assert resolve_mask_token(TINY_VOCAB, tok).id == 266
+
+
+def test_an_unused_special_token_in_any_case_is_a_reserved_token():
+    """Gemma-style ``<unused0>`` tokens count as reserved, whatever their case, when no spare row exists."""
+    from models.mask_token import resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3")
+    tok.add_special_tokens({"additional_special_tokens": ["<UNUSED_0>"]})  # 265, the last row
+    got = resolve_mask_token(len(tok), tok)
+    assert (got.id, got.token) == (265, "<UNUSED_0>") and got.reason.startswith("a reserved special token")
+
+
+def test_tokens_the_rendered_template_produces_are_never_the_mask():
+    """A template may produce a special token it never spells out: both a rendered conversation (its assistant
+    turn) and a generation prompt are rendered, and what they produce is refused."""
+    from models.mask_token import forbidden_mask_ids, resolve_mask_token
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer("llama3", reserved=23)  # no spare row: 265.. are reserved specials
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.content }}"
+        "{% if m.role == 'assistant' %}{{ '<|reserved_special_token_' ~ 1 ~ '|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|reserved_special_token_' ~ 0 ~ '|>' }}{% endif %}")
+    bad = forbidden_mask_ids(tok)
+    assert bad[265] == bad[266] == bad[tok.convert_tokens_to_ids("u")] == "produced by the chat template"
+    assert 267 not in bad
+    assert resolve_mask_token(288, tok).id == 267
+    # A tokenizer without a chat template renders nothing: only its named specials are forbidden.
+    tok.chat_template = None
+    assert forbidden_mask_ids(tok) == {264: "eos token", 256: "pad token"}
+
+
 def test_every_training_key_is_in_the_readme_table():
     """The README's recipe-keys table is where users look a key up: a key added without a row is
     a key nobody finds (`--help` lists names only)."""
@@ -254,3 +317,24 @@ def test_every_id_of_a_list_valued_special_is_forbidden_as_the_mask():
                                 chat_template=None)
     assert forbidden_mask_ids(tok, produced_ids=[11]) == {5: "eos token", 7: "eos token", 9: "pad token",
                                                           11: "present in the training data"}
+    # One id with several roles keeps the first reason (EOS before pad); BOS and UNK are refused too.
+    tok = types.SimpleNamespace(eos_token_id=5, pad_token_id=5, bos_token_id=6, unk_token_id=7, chat_template=None)
+    assert forbidden_mask_ids(tok, produced_ids=[5, 8]) == {5: "eos token", 6: "bos token", 7: "unk token",
+                                                            8: "present in the training data"}
+
+
+def test_named_specials_outside_the_added_tokens_still_count():
+    """A tokenizer may list a special id that its added tokens do not hold: it is emitted, it is special (a
+    proper mask, no warning), and an ordinary vocabulary entry is not."""
+    import types
+
+    from models.mask_token import mask_problem, resolve_mask_token
+
+    tok = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1}, all_special_ids=[2], added_tokens_decoder={},
+                                convert_ids_to_tokens=lambda i: {0: "a", 1: "b", 2: "<reserved_2>"}[i],
+                                eos_token_id=None, pad_token_id=None, bos_token_id=None, unk_token_id=None,
+                                chat_template=None)
+    assert tokenizer_emitted_ids(tok) == {0, 1, 2}
+    assert mask_problem(tok, 2) is None and mask_problem(tok, 1) == "an ordinary text token"
+    got = resolve_mask_token(3, tok)
+    assert (got.id, got.token) == (2, "<reserved_2>") and got.reason.startswith("a reserved special token")

@@ -180,6 +180,83 @@ def test_provenance_records_what_the_drafter_was_trained_against(tmp_path):
     assert quant.startswith(f"mlx:{folder}") and "4" in quant and "32" in quant
 
 
+def test_provenance_keeps_every_recorded_key_with_falsy_values_and_drops_only_unset_ones():
+    """Every data and train key a run sets is recorded, 0 and False included (seed 0, thinking off, no
+    packing); None, empty text and empty sections are left out; a value this version cannot parse is
+    recorded as written."""
+    from models.provenance import provenance_from_run
+
+    data = {"source": "tiny", "split": "train", "subset": None, "limit": 0, "regenerate": "none",
+            "thinking": False, "max_length": 128, "pack": False, "cache_dir": "/x"}
+    train = {"epochs": 1, "max_steps": 0, "batch_size": 2, "grad_accum": 1, "lr": 6e-4, "schedule": "cosine",
+             "anchors": 8, "loss": "ce", "seed": 0, "log_dir": "/y"}
+    prov = provenance_from_run({"recipe": "tiny", "target": {"path": "Qwen/Qwen3-8B"}, "data": data,
+                                "features": {"mode": "online"}, "train": train})
+    assert prov == {"target": "Qwen/Qwen3-8B", "target_quantization": "none (unquantized weights)", "recipe": "tiny",
+                    "data": {k: v for k, v in data.items() if k not in ("subset", "cache_dir")}, "features": "online",
+                    "train": {k: v for k, v in train.items() if k != "log_dir"}}
+    assert provenance_from_run({"recipe": "", "target": {"path": "", "revision": None}, "data": {"subset": None},
+                                "train": {}}) == {"target_quantization": "none (unquantized weights)"}
+    assert provenance_from_run({"target": {"path": "t", "quantization": "weird-9bit"}})["target_quantization"] == \
+        "weird-9bit"
+
+
+def test_target_quantization_reads_the_folders_config(tmp_path):
+    """MLX (top level or the text tower, group size 64 and affine by default), a transformers quant_method, plain
+    weights; nothing to say for no folder, a folder without config.json or an unreadable one."""
+    from models.provenance import describe_target_quantization, target_quantization
+
+    def folder(name, cfg):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+        return str(tmp_path / name)
+
+    assert target_quantization(folder("mlx", {"quantization": {"bits": 8}})) == "mlx-affine-8bit-g64"
+    assert target_quantization(folder("vl", {"text_config": {"quantization": {"bits": 4, "group_size": 32,
+                                                                            "mode": "mxfp4"}}})) == "mlx-mxfp4-4bit-g32"
+    assert target_quantization(folder("nobits", {"quantization": {"group_size": 64}})) == "none"
+    fp8 = folder("fp8", {"quantization_config": {"quant_method": "fp8"}})
+    assert target_quantization(fp8) == "fp8" and describe_target_quantization(fp8) == "fp8"
+    assert target_quantization(folder("plain", {"model_type": "qwen3"})) == "none"
+    assert target_quantization(folder("broken", "{not json")) is None
+    (tmp_path / "empty").mkdir()
+    assert [target_quantization(t) for t in (None, "", str(tmp_path / "empty"), "Qwen/Qwen3-8B")] == [None] * 4
+
+
+def test_provenance_of_a_run_names_a_target_the_loops_can_load(tmp_path):
+    """``tiny:<arch>`` becomes the run's tiny_target folder (resolved, and described with the run's
+    quantization or the folder's own), only once that folder holds a config.json; a local folder becomes its
+    resolved path; a Hub id stays as it is."""
+    from models.provenance import provenance_of_run
+
+    (tmp_path / "x").mkdir()
+    run_root = tmp_path / "x" / ".." / "run"  # resolved in the block
+    tiny = {"target": {"path": "tiny:qwen3"}}
+    assert provenance_of_run(tiny, run_root)["target"] == "tiny:qwen3"  # not built yet
+    assert provenance_of_run(tiny, None)["target"] == "tiny:qwen3"
+    (tmp_path / "run" / "tiny_target").mkdir(parents=True)
+    (tmp_path / "run" / "tiny_target" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    built = str(tmp_path / "run" / "tiny_target")
+    assert provenance_of_run(tiny, run_root)["target"] == built
+    quantized = provenance_of_run({"target": {"path": "tiny:qwen3", "quantization": "mlx-4bit"}}, run_root)
+    assert (quantized["target"], quantized["target_quantization"]) == (built, "mlx-4bit-g64")
+    (tmp_path / "run" / "tiny_target" / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "quantization": {"bits": 4, "group_size": 64}}))
+    assert provenance_of_run(tiny, run_root)["target_quantization"].startswith(f"mlx:{built}")
+    (tmp_path / "local").mkdir()
+    local = provenance_of_run({"target": {"path": str(tmp_path / "x" / ".." / "local")}}, run_root)
+    assert local["target"] == str(tmp_path / "local")
+    assert provenance_of_run({"target": {"path": "Qwen/Qwen3-8B"}}, run_root)["target"] == "Qwen/Qwen3-8B"
+
+
+def test_data_provenance_records_what_the_prepared_folder_says():
+    """The prepared folder's ``packed`` is the block's ``pack``; 0 and False are recorded, unset keys are not."""
+    from models.provenance import data_provenance
+
+    meta = {"source": "tiny", "packed": False, "pack": True, "limit": 0, "split": None, "rows": 24}
+    assert data_provenance(meta) == {"source": "tiny", "limit": 0, "pack": False}
+
+
 def test_drafter_for_a_qwen35_target_keeps_plain_rope(tmp_path):
     """The Qwen3.5 multimodal target has partial rotary in its nested text_config; the export never copies it,
     and the target check reads the text tower's shape."""

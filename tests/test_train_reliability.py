@@ -338,6 +338,35 @@ def test_checkpoints_sort_by_step_number_past_step_9(tmp_path):
     (tmp_path / "checkpoints" / "step_11.tmp").mkdir()  # a checkpoint being written: not one yet
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_2", "step_9", "step_10", "step_100"]
     assert latest_checkpoint(tmp_path).name == "step_100"
+    (tmp_path / "checkpoints" / "step_200").write_text("")  # a file, not a checkpoint
+    (tmp_path / "checkpoints" / "old_step_300").mkdir()
+    assert latest_checkpoint(tmp_path).name == "step_100"
+    assert checkpoint_dirs(tmp_path / "none") == [] and latest_checkpoint(tmp_path / "none") is None
+
+
+def test_what_training_replaces_is_found_from_any_path_inside_it(tmp_path, monkeypatch):
+    """final/ (once it holds trained.json) and checkpoints/step_N themselves or anything below them, relative
+    paths too; a step_N folder outside checkpoints/ or a folder merely named like one is not training's."""
+    from models.provenance import refuse_training_output, replaced_by_training
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "trained.json").write_text('{"step": 2}')
+    for name in ("step_2", "xstep_2", "step_2x"):
+        (run / "checkpoints" / name).mkdir(parents=True)
+    step = run / "checkpoints" / "step_2"
+    assert replaced_by_training(step) == step and replaced_by_training(step / "a" / "b") == step
+    assert replaced_by_training(run / "final") == run / "final"
+    assert [replaced_by_training(p) for p in (run, run / "checkpoints", run / "checkpoints" / "xstep_2" / "a",
+                                              run / "checkpoints" / "step_2x", run / "other" / "step_2")] == [None] * 5
+    monkeypatch.chdir(tmp_path)
+    assert replaced_by_training("run/final/val") == run / "final"
+    refuse_training_output(run / "val", "report", "validate")  # beside the run: fine
+    with pytest.raises(ValueError) as e:
+        refuse_training_output(step / "val", "report", "validate")
+    assert str(e.value) == (f"--out {step / 'val'} is inside the training output {step}: newer checkpoints remove it, "
+                            f"and the report would go with it. Write it beside the run instead, e.g. --out "
+                            f"{run / 'validate'}")
 
 
 def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tmp_path, monkeypatch):
@@ -463,6 +492,88 @@ def test_metrics_rows_for_the_console_wandb_and_a_new_run(tmp_path):
     logger = open_metrics(cfg, tmp_path, True, 0, None, print)
     logger.log({"step": 1, "loss": 2.0})
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+def test_metrics_logger_appends_rows_sends_numbers_and_echoes_them_rounded(tmp_path):
+    """Rows are appended as JSON lines; wandb gets the numbers (no flags) at the row's step; the console
+    gets only echoed rows, prefixed and rounded (4 decimals, 4 significant digits below 0.001, flags and
+    ints as they are, lists and dicts left out); close() finishes the wandb run once."""
+    from train.metrics import MetricsLogger, rounded
+
+    assert json.dumps(rounded({"a": 0.0012346, "b": 0.00012346, "n": 7, "ok": True, "per_slot": {"1": 0.5},
+                               "hist": [1], "z": 0.0})) == '{"a": 0.0012, "b": 0.0001235, "n": 7, "ok": true, "z": 0.0}'
+    printed, sent, finished = [], [], []
+    run = types.SimpleNamespace(id="run-1", log=lambda numbers, step: sent.append((numbers, step)),
+                                finish=lambda: finished.append(True))
+    logger = MetricsLogger(tmp_path / "m.jsonl", printed.append, run)
+    assert logger.wandb_run_id == "run-1"
+    logger.log({"step": 1, "loss": 2.123456, "skipped": False})
+    logger.log({"step": 2, "eval_loss": 1.234567}, echo="eval")
+    assert (tmp_path / "m.jsonl").read_text() == \
+        '{"step": 1, "loss": 2.123456, "skipped": false}\n{"step": 2, "eval_loss": 1.234567}\n'
+    assert printed == ['eval {"step": 2, "eval_loss": 1.2346}']
+    assert sent == [({"step": 1, "loss": 2.123456}, 1), ({"step": 2, "eval_loss": 1.234567}, 2)]
+    logger.close()
+    logger.close()
+    assert finished == [True] and logger.wandb_run_id is None
+    MetricsLogger(None, printed.append).log({"step": 3, "loss": 1.0})  # a process that is not the main one
+    assert MetricsLogger(None).wandb_run_id is None and printed == ['eval {"step": 2, "eval_loss": 1.2346}']
+
+
+def _metrics_cfg(wandb: bool):
+    return types.SimpleNamespace(logging=types.SimpleNamespace(wandb=wandb, wandb_project="proj", wandb_mode="offline"),
+                                 to_dict=lambda: {"train": {"lr": 0.1}})
+
+
+def test_resume_keeps_the_metrics_rows_up_to_its_step(tmp_path):
+    """Resuming from step 2 keeps the rows of steps <= 2 (a step written as text or a float counts by its whole
+    number) and drops later steps, rows without a step and a line cut short by a kill; what the resumed run
+    logs follows on a line of its own. A process that is not the main one writes nothing."""
+    from train.metrics import open_metrics
+
+    rows = ['{"step": 0, "eval_loss": 9.0}', '{"step": 1, "loss": 3.0}', '{"step": 2, "loss": 2.0}',
+            '{"step": "2", "eval_loss": 8.0}', '{"step": 2.5, "x": 1}', '{"step": 3, "loss": 1.0}',
+            '{"loss": 5.0}', '{"step": null}', '{"step": 4, "lo']
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    printed = []
+    logger = open_metrics(_metrics_cfg(False), tmp_path, True, 2, "old-run", printed.append)
+    logger.log({"step": 3, "loss": 1.5}, echo="train")
+    assert path.read_text().splitlines() == rows[:5] + ['{"step": 3, "loss": 1.5}']
+    assert printed == ['train {"step": 3, "loss": 1.5}'] and logger.wandb_run is None
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    assert open_metrics(_metrics_cfg(False), other, True, 5, None, print).path == other / "metrics.jsonl"
+    assert not (other / "metrics.jsonl").exists()  # resuming where no metrics were written: none made up
+    assert open_metrics(_metrics_cfg(True), other, False, 0, None, print).path is None
+    assert list(other.iterdir()) == []
+
+
+def test_wandb_starts_a_new_run_or_resumes_the_checkpoints_one(tmp_path, monkeypatch):
+    """A fresh run starts a new wandb run (an old id is not reused) with the run config, folder and mode; a
+    resumed one continues the id it saved; without wandb a stand-in with no id logs nothing and says so once."""
+    from train.metrics import open_metrics
+
+    inits = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: (inits.append(kw), types.SimpleNamespace(id=kw["id"] or "new-run"))[1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    fresh = open_metrics(_metrics_cfg(True), tmp_path, True, 0, "old-run", print)
+    resumed = open_metrics(_metrics_cfg(True), tmp_path, True, 3, "old-run", print)
+    common = {"project": "proj", "config": {"train": {"lr": 0.1}}, "dir": str(tmp_path), "mode": "offline"}
+    assert inits == [{**common, "id": None, "resume": None}, {**common, "id": "old-run", "resume": "allow"}]
+    assert (fresh.wandb_run_id, resumed.wandb_run_id) == ("new-run", "old-run")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    said = []
+    with pytest.warns(UserWarning, match="wandb is not importable"):
+        logger = open_metrics(_metrics_cfg(True), tmp_path, True, 0, None, said.append)
+    assert said == [f"warning: logging.wandb=true but wandb is not importable (pip install wandb): logging to the "
+                    f"console and {tmp_path / 'metrics.jsonl'} only"]
+    assert logger.wandb_run_id is None
+    logger.log({"step": 1, "loss": 1.0})
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
 # ----------------------------------------------------------------------------- train/checkpoint.py, directly
