@@ -1297,6 +1297,10 @@ def test_inference_warns_about_a_mask_the_target_produces_but_not_a_reserved_spe
             warn_if_mask_is_emitted(mask_id, tok)
         text = " ".join(r.getMessage() for r in caplog.records)
         assert (warned in text) if warned else not text, (mask_id, text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_if_mask_is_emitted(tok.eos_token_id, None)  # no tokenizer to judge by: nothing to say
+    assert not caplog.records
 
 
 # ---------------------------------------------------------------- generate / validate (inference/)
