@@ -1317,6 +1317,10 @@ def test_inference_warns_about_a_mask_the_target_produces_but_not_a_reserved_spe
             warn_if_mask_is_emitted(mask_id, tok)
         text = " ".join(r.getMessage() for r in caplog.records)
         assert (warned in text) if warned else not text, (mask_id, text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_if_mask_is_emitted(tok.eos_token_id, None)  # no tokenizer to judge by: nothing to say
+    assert not caplog.records
 
 
 # ---------------------------------------------------------------- generate / validate (inference/)
@@ -3375,6 +3379,32 @@ def test_a_truncated_or_garbled_target_shard_is_named_by_every_loader(tmp_path, 
     for load in loaders:
         with pytest.raises(ValueError, match="t/model.safetensors is corrupt or truncated.*re-download"):
             load(folder)
+
+
+@pytest.mark.parametrize("header, said", [
+    (b"[]", "unreadable safetensors header"),  # JSON, but no table of tensors
+    (b'{"x": 1}', "unreadable safetensors header"),  # a tensor entry that is no table
+    (b'{"x": {"data_offsets": []}}', "unreadable safetensors header"),  # offsets without an end
+    (b"", "header length 0 in a file of 8 bytes"),
+    (b"{}" + b" " * 28, "header length 30 in a file of 36 bytes"),  # cut inside the header
+])
+def test_a_garbled_safetensors_header_is_named_as_such(tmp_path, header, said):
+    """Every way a header can be wrong ends in the same named error, never a KeyError / TypeError
+    traceback; a header length past the end of the file says both sizes. ``load_state_dict`` (no
+    up-front check) names a truncated file too."""
+    from safetensors.torch import save_file
+
+    from models.weights import check_complete, load_state_dict
+
+    path = tmp_path / "model.safetensors"
+    data = len(header).to_bytes(8, "little") + header
+    path.write_bytes(data[:36] if len(header) == 30 else data)
+    with pytest.raises(ValueError, match=f"model.safetensors is corrupt or truncated \\(.*{re.escape(said)}"):
+        check_complete(path)
+    save_file({"x": torch.ones(64)}, str(path))
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt or truncated .*re-download"):
+        load_state_dict(tmp_path)
 
 
 def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):

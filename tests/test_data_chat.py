@@ -84,6 +84,22 @@ def test_packing_keeps_document_boundaries():
     assert packed[1]["loss_mask"] == [0] * 6 + [1] + [0, 1, 1]
 
 
+def test_packing_edges_and_unpacked_rows():
+    """No rows pack into no rows (not one empty row), in the plan too; one-token documents are documents of their own;
+    an unpacked row is one document with positions from 0."""
+    from data.packing import document_columns, unpacked_rows
+    from data.rows import pack_plan
+
+    assert pack_rows([], max_length=10) == [] and pack_plan([], 10) == []
+    assert document_bounds([]) == [] and document_bounds([0]) == [(0, 1)]
+    assert document_bounds([0, 1, 1, 2]) == [(0, 1), (1, 3), (3, 4)]
+    assert document_columns([1, 3]) == ([0, 1, 1, 1], [0, 0, 1, 2])
+    rows = [([5, 6, 7], [0, 1, 1]), ([8], [1])]
+    assert unpacked_rows(rows) == [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "doc_ids": [0, 0, 0], "position_ids": [0, 1, 2]},
+        {"input_ids": [8], "loss_mask": [1], "doc_ids": [0], "position_ids": [0]}]
+
+
 def test_prepare_cli_end_to_end(tmp_path, capsys):
     from datasets import load_from_disk
 

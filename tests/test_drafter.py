@@ -252,6 +252,17 @@ def test_stray_embedding_and_head_are_dropped_with_a_warning(tmp_path, caplog):
     assert torch.equal(again.fc.weight, model.fc.weight)
 
 
+def test_stray_keys_are_the_targets_embedding_and_head_under_any_prefix_only():
+    """``model.embed_tokens`` (a prefixed export) is the target's; a name that merely contains the words
+    (``old_lm_head``, ``lm_head_gate``) is not, and a state without stray keys is left as it is."""
+    from models.weights import drop_stray_keys
+
+    keep = {"fc.weight": 1, "layers.0.old_lm_head.weight": 2, "layers.0.lm_head_gate.weight": 3, "embed_tokens": 4}
+    state = {**keep, "model.embed_tokens.weight": 5, "lm_head.weight": 6, "model.lm_head.bias": 7}
+    assert drop_stray_keys(state, "here") == keep
+    assert drop_stray_keys(dict(keep), "here") == keep
+
+
 def test_fc_width_mismatch_names_the_taps(tmp_path):
     random_drafter(make_config()).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -425,6 +425,10 @@ def test_norm_signature_and_its_comparison(tmp_path):
     assert norm_signature(tmp_path) == {"layers.0.input_layernorm.weight": [1.23457] * 4, "norm.weight": norm[:8]}
     assert same_signature({"n": [100.0, 1.0]}, {"n": [100.5, 1.005]})
     assert not same_signature({"n": [1.0, 1.02]}, {"n": [1.0, 1.0]})
+    assert not same_signature({"n": [1.0, 1.015]}, {"n": [1.0, 1.0]})  # 1.5e-2 relative: past the default 1e-2
+    assert same_signature({"n": [101.0]}, {"n": [100.0]})  # exactly 1e-2 relative: still the same
+    assert same_signature({"n": [1.5]}, {"n": [1.0]}, tol=0.5)
+    assert not same_signature({"n": [1.5]}, {"n": [1.0]}, tol=0.4)
     assert not same_signature({"n": [1.0, 2.0]}, {"n": [1.0]}) and not same_signature({"n": [1.0]}, {"n": [1.0, 2.0]})
     assert not same_signature({"n": [1.0]}, {"n": [1.0], "m": [1.0]})
 

@@ -70,6 +70,50 @@ def test_direct_block_mask_with_anchors_on_tile_edges():
     _same_as_create_block_mask(blocks, doc, block)
 
 
+@pytest.mark.parametrize("s,block,anchors,valid,second_doc", [
+    # Every block of a query tile has the same anchor: 128 makes context tile 0 full and tile 1
+    # empty, 129 makes tile 1 partial (it sees key 128 only), 256 makes tiles 0 and 1 full.
+    (400, 16, [128] * 8 + [129] * 8 + [256] * 8, None, None),
+    # s = 129 = 1 mod 16, 8 blocks: the last key (129 + 127 = 256) is alone in the last key tile.
+    (129, 16, list(range(5, 125, 15)), None, None),
+    # Padding blocks (valid False) whose anchors are not 0 see no context at all: only they reach
+    # past key 100, so key tiles 1 and 2 stay empty for the first query tile.
+    (300, 8, [3, 260, 10, 280, 20, 30, 40, 50, 60, 70, 80, 90, 95, 97, 98, 99],
+     [True, False, True, False] + [True] * 12, None),
+    # Anchors on the first token of the second document (key 200) see no context: not the first
+    # document before it.
+    (400, 16, [200] * 8 + [300] * 8, None, 200),
+    # A block of 128 is one query tile; its keys 256..355 fill the ragged last key tile, which is
+    # still partial (create_block_mask pads with False).
+    (100, 128, [50, 90], None, None),
+])
+def test_direct_block_mask_on_uniform_query_tiles(s, block, anchors, valid, second_doc):
+    """Tiles whose state hangs on one key: the end of the context interval (strictly before the
+    anchor), the last key of a block, the start of a document and the empty context of padding
+    blocks."""
+    from train.objective import build_blocks
+
+    ids = torch.randint(0, 90, (1, s), generator=torch.Generator().manual_seed(0))
+    lm, doc, pos = torch.ones(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long), torch.arange(s)[None]
+    if second_doc is not None:
+        doc[:, second_doc:] = 1
+        pos[:, second_doc:] -= second_doc
+    a = torch.tensor([anchors])
+    v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.tensor([valid])
+    blocks = build_blocks(ids, lm, doc, pos, a, v, block, 95)
+    _same_as_create_block_mask(blocks, doc, block)
+    partial, full = tile_states(a, v, doc, block)
+    if s == 400 and second_doc is None:  # the states themselves, not only agreement with the generic builder
+        assert full[0, 0, 0, :3].tolist() == [True, False, False]
+        assert partial[0, 0, 1, :3].tolist() == [False, True, False] and full[0, 0, 1, 0]
+        assert full[0, 0, 2, :3].tolist() == [True, True, False] and not partial[0, 0, 2, 2]
+    if second_doc is not None:  # query tile 0 (anchor 200) sees no context tile, tile 1 (300) sees 200..299
+        assert not (partial[0, 0, 0, :3] | full[0, 0, 0, :3]).any()
+        assert partial[0, 0, 1, :3].tolist() == [False, True, True] and not full[0, 0, 1, :3].any()
+    if block == 128:
+        assert partial[0, 0, 1, 2] and not full[0, 0, 1].any()
+
+
 def _same_as_create_block_mask(blocks, doc, block: int) -> None:
     b, s = doc.shape
     n = blocks.num_blocks

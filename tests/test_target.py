@@ -301,6 +301,34 @@ def test_a_sharded_folder_reads_the_shards_its_index_names_and_names_a_missing_o
         check_folder_weights(tmp_path)
 
 
+def test_weight_files_are_each_shard_once_in_name_order(tmp_path):
+    """An index names a shard once per tensor, in any order: each shard is read once, in name order; an
+    unindexed folder's files come in name order too, a folder without any is named, and a sharded save
+    returns its shards, not another safetensors file already beside them."""
+    from safetensors.torch import save_file
+
+    from models.weights import INDEX, save_state_dict, weight_files
+
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"x": torch.ones(2), "z": torch.ones(1)}, str(tmp_path / first))
+    save_file({"y": torch.ones(2), "w": torch.ones(1)}, str(tmp_path / second))
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {"y": second, "x": first, "w": second, "z": first}}))
+    assert weight_files(tmp_path) == [tmp_path / first, tmp_path / second]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("c.safetensors", "a.safetensors", "d.safetensors", "b.safetensors"):
+        save_file({"x": torch.ones(1)}, str(plain / name))
+    assert [p.name for p in weight_files(plain)] == ["a.safetensors", "b.safetensors", "c.safetensors", "d.safetensors"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights in .*empty"):
+        weight_files(tmp_path / "empty")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    save_file({"x": torch.ones(1)}, str(saved / "adapter.safetensors"))
+    written = save_state_dict({"a": torch.ones(1000), "b": torch.ones(1000)}, saved, max_shard_size=5000)
+    assert [p.name for p in written] == [first, second]
+
+
 @pytest.mark.parametrize("index", ['{"metadata": {}}', '["model.safetensors"]', '{"weight_map": '])
 def test_an_index_without_a_weight_map_is_named_as_a_broken_index(tmp_path, index):
     from models.weights import INDEX, shard_index

@@ -377,6 +377,30 @@ def test_a_cycles_numbers_from_hand_made_drafts():
 
 
 
+def test_a_cycle_cut_by_eos_commits_what_came_before_it():
+    """The first EOS is never emitted: an EOS among the accepted drafts ends the cycle at the tokens before
+    it (acceptance length and per-slot counts only for those), an EOS as the target's own token keeps every
+    accepted draft; ``keep`` still counts the verified block positions. A commit that fills the budget
+    says so even with no token left over. A result made without a stop reason or block size says
+    max_new_tokens and 0."""
+    from inference.stats import GenerationResult, commit_tokens
+
+    r = GenerationResult(tokens=[1], position_accepts=[0, 0, 0], block_size=4)
+    assert r.record_cycle([7, 2, 9], [7, 2, 5, 6], {2}, 10) == (3, "eos")
+    assert r.tokens == [1, 7] and r.acceptance_lengths == [1] and r.position_accepts == [1, 0, 0]
+    r = GenerationResult(tokens=[1], position_accepts=[0, 0, 0], block_size=4)
+    assert r.record_cycle([7, 8, 9], [7, 8, 9, 2], {2, 3}, 10) == (4, "eos")
+    assert r.tokens == [1, 7, 8, 9] and r.acceptance_lengths == [3] and r.position_accepts == [1, 1, 1]
+    assert r.record_cycle([3, 4, 5], [3, 4, 5, 6], {2, 3}, 10) == (4, "eos")  # EOS as the first token: nothing
+    assert r.tokens == [1, 7, 8, 9] and r.acceptance_lengths == [3, 0] and r.position_accepts == [1, 1, 1]
+    assert commit_tokens([5], out := [1], set(), 2) == "max_new_tokens" and out == [1, 5]  # the budget, reached
+    assert commit_tokens([5, 2], out := [1], {2}, 2) == "max_new_tokens" and out == [1, 5]  # before the EOS
+    assert commit_tokens([5, 6], out := [1], {2}, 4) is None and out == [1, 5, 6]
+    bare = GenerationResult(tokens=[4]).to_json()
+    assert bare["stop_reason"] == "max_new_tokens" and bare["block_size"] == 0
+    assert bare["acceptance_lengths"] == [] and bare["position_accepts"] == [] and bare["acceptance_histogram"] == {}
+
+
 def test_a_generations_json_carries_each_number_under_its_own_name():
     """What ``generate --json`` prints: tokens/s is not tau, the histogram counts cycles per length, every draft
     slot's count from slot 1 on; a decode of a few milliseconds still has its tokens/s (not 0)."""
