@@ -227,3 +227,86 @@ def test_a_prompt_that_does_not_end_with_the_user_is_not_regenerated(tmp_path):
     stats = ReadStats()
     convs = list(iter_conversations(src, stats=stats, need_answers=False))
     assert [roles(c) for c in convs] == [["user", "assistant"]] and dict(stats.skipped) == {"no user turn": 1}
+
+
+def test_skip_reasons_count_every_row_and_name_where_the_first_one_is(tmp_path):
+    """The summary counts rows, not reasons, and points at the first undecodable row (the one to look at first),
+    which stats.json keeps too."""
+    good = (FIX / "openai.jsonl").read_bytes()
+    bad = '{"messages": [{"role": "user", "content": "café"}, {"role": "assistant", "content": "oui"}]}\n'
+    src = tmp_path / "latin1.jsonl"
+    src.write_bytes(bad.encode("latin-1") + good + bad.encode("latin-1") + b'{"text": "x"}\n')
+    stats = ReadStats()
+    assert len(list(iter_conversations(src, stats=stats))) == 3
+    assert stats.summary() == (f"read 6 rows: kept 3 (layouts openai=3); skipped 3: 2 not UTF-8 text "
+                               f"(first: {src} line 1), 1 unknown layout")
+    assert stats.as_dict() == {"seen": 6, "kept": 3, "skipped": {"not UTF-8 text": 2, "unknown layout": 1},
+                               "layouts": {"openai": 3}, "first_at": {"not UTF-8 text": f"{src} line 1"}}
+    assert "first_at" not in load_conversations(FIX / "bad_rows.jsonl")[1].as_dict()  # no located reason: no key
+
+
+def test_rows_that_fit_no_layout_are_counted_as_such(tmp_path):
+    """An answer without a question, or a prompt that is not text, fits no layout: skipped under that reason,
+    never read as the nearest layout and counted as something else."""
+    src = _write_jsonl(tmp_path / "odd.jsonl", [{"output": "an answer alone"}, {"prompt": ["a", "list"]},
+                                                 {"prompt": "fine", "id": 1}])
+    stats = ReadStats()
+    convs = list(iter_conversations(src, stats=stats, need_answers=False))
+    assert [c["source_id"] for c in convs] == ["1"] and dict(stats.skipped) == {"unknown layout": 2}
+
+
+def test_prompts_only_nemotron_rows_are_kept_for_regeneration(tmp_path):
+    """A Nemotron row with its ``input`` and no ``output`` yet is a prompt: regeneration answers it."""
+    src = _write_jsonl(tmp_path / "nemo.jsonl", [{"input": "What is 2+2?", "system_prompt": "detailed thinking off"}])
+    convs, stats = load_conversations(src, need_answers=False)
+    assert convs[0]["messages"] == [{"role": "system", "content": "detailed thinking off"},
+                                    {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": ""}]
+    assert stats.layouts == {"nemotron": 1}
+
+
+def test_think_blocks_are_split_only_from_answers_and_only_when_closed():
+    """Templates that open ``<think>`` themselves leave answers with only the closing tag: what is before it is
+    the reasoning. An unclosed block is no reasoning (the text is kept whole), an empty one (thinking off) gives
+    no reasoning at all, and a user's turn that quotes think tags is kept as written."""
+    from data.readers import split_think, to_messages
+
+    assert split_think("steps</think>\n\nanswer") == ("steps", "answer")
+    assert split_think("<think>still thinking") == (None, "<think>still thinking")
+    quoted = "Why does <think>x</think> y show up?"
+    row = {"messages": [{"role": "user", "content": quoted},
+                        {"role": "assistant", "content": "<think>\n\n</think>\n\nA tag."}]}
+    assert to_messages(row, "openai") == [{"role": "user", "content": quoted},
+                                          {"role": "assistant", "content": "A tag."}]
+    row["messages"][1]["reasoning_content"] = "  "  # a blank reasoning given apart is none either
+    row["messages"][1]["content"] = "A tag."
+    assert to_messages(row, "openai")[1] == {"role": "assistant", "content": "A tag."}
+
+
+def test_blank_turns_and_answers_that_are_only_reasoning_are_skipped_as_empty(tmp_path):
+    """A turn of spaces or an answer that is all think block would train on nothing: "empty content"."""
+    src = _write_jsonl(tmp_path / "blank.jsonl", [
+        {"messages": [{"role": "user", "content": " \n "}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>\n\n"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "kept"}]}])
+    stats = ReadStats()
+    assert [c["messages"][-1]["content"] for c in iter_conversations(src, stats=stats)] == ["kept"]
+    assert dict(stats.skipped) == {"empty content": 2}
+
+
+def test_turn_lists_take_either_key_pair_and_refuse_turns_that_are_not_objects():
+    """ShareGPT exports also write role/content, OpenAI-style dumps sometimes from/value: both are read the
+    same in either layout. A turn that is not an object is a malformed row, with that reason."""
+    from data.readers import BadRow, to_messages
+
+    want = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    role_content = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    from_value = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    assert to_messages({"conversations": role_content}, "sharegpt") == want
+    assert to_messages({"messages": from_value}, "openai") == want
+    with pytest.raises(BadRow, match="malformed turns"):
+        to_messages({"messages": ["user: q", {"role": "assistant", "content": "a"}]}, "openai")
+
+
+def test_a_blank_alpaca_input_adds_nothing_to_the_instruction(tmp_path):
+    src = _write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say hi.", "input": "  \n", "output": "hi"}])
+    assert load_conversations(src)[0][0]["messages"][0] == {"role": "user", "content": "Say hi."}
