@@ -310,3 +310,80 @@ def test_turn_lists_take_either_key_pair_and_refuse_turns_that_are_not_objects()
 def test_a_blank_alpaca_input_adds_nothing_to_the_instruction(tmp_path):
     src = _write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say hi.", "input": "  \n", "output": "hi"}])
     assert load_conversations(src)[0][0]["messages"][0] == {"role": "user", "content": "Say hi."}
+
+
+def test_blank_and_crlf_lines_are_no_rows(tmp_path):
+    """Blank lines (a trailing one, or Windows line ends) between rows are not rows: nothing counted as skipped."""
+    lines = (FIX / "openai.jsonl").read_text().splitlines()
+    src = tmp_path / "gaps.jsonl"
+    src.write_bytes(("\r\n".join(lines[:2]) + "\r\n\r\n  \r\n" + lines[2] + "\n\n").encode())
+    convs, stats = load_conversations(src)
+    assert len(convs) == 3 and stats.seen == 3 and stats.skipped.total() == 0
+
+
+def test_a_hub_id_is_read_with_its_subset_split_streaming_and_revision(monkeypatch):
+    """A Hub id goes to datasets.load_dataset with every setting (a subset named with a Hub id is not refused as it
+    is for a local source); its failure names the data set and how it was asked for."""
+    import datasets
+
+    asked = []
+
+    def load_dataset(name, subset, split, streaming, revision):
+        asked.append((name, subset, split, streaming, revision))
+        if name == "org/missing":
+            raise FileNotFoundError("no such repo")
+        return [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    convs = list(iter_conversations("org/chats", split="test", subset="code", streaming=True, revision="v2"))
+    assert len(convs) == 1 and asked == [("org/chats", "code", "test", True, "v2")]
+    with pytest.raises(OSError, match="could not load data set 'org/missing' \\(subset=None, split=train\\): "
+                                      "FileNotFoundError: no such repo"):
+        list(iter_conversations("org/missing"))
+
+
+def test_a_hub_layout_folder_read_through_load_dataset_gives_the_split_asked(tmp_path):
+    from datasets import Dataset
+
+    (tmp_path / "data").mkdir()
+    rows = [json.loads(line) for line in (FIX / "openai.jsonl").read_text().splitlines()]
+    Dataset.from_list(rows[:2]).to_parquet(str(tmp_path / "data" / "train-00000-of-00001.parquet"))
+    Dataset.from_list(rows[2:]).to_parquet(str(tmp_path / "data" / "test-00000-of-00001.parquet"))
+    assert [r["id"] for r in _hub_rows(str(tmp_path), split="test", subset=None, streaming=False)] == ["oa-3"]
+
+
+def test_a_saved_data_set_is_read_as_its_rows_only(tmp_path):
+    """A save_to_disk folder is read through datasets: its own state.json / dataset_info.json are not rows too."""
+    from datasets import Dataset, DatasetDict
+
+    rows = [json.loads(line) for line in (FIX / "openai.jsonl").read_text().splitlines()]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:1])}).save_to_disk(
+        str(tmp_path / "dict"))
+    for folder, split, n in (("one", "train", 3), ("dict", "train", 3), ("dict", "test", 1)):
+        stats = ReadStats()
+        assert len(list(iter_conversations(tmp_path / folder, split=split, stats=stats))) == n
+        assert stats.seen == n and stats.skipped.total() == 0
+
+
+def test_check_source_takes_what_the_readers_read(tmp_path):
+    """The early check passes a folder of named splits (which split is read is decided later), a Hub id with a
+    subset and a save_to_disk folder; it refuses a missing local path, a file type no reader reads and an empty
+    folder."""
+    from data.readers import check_source
+
+    (tmp_path / "hub").mkdir()
+    for name in ("train", "test"):
+        (tmp_path / "hub" / f"{name}.jsonl").write_text((FIX / "openai.jsonl").read_text())
+    check_source(tmp_path / "hub")
+    check_source("org/name", subset="code")
+    with pytest.raises(FileNotFoundError, match="neither a local file/folder nor a Hub id"):
+        check_source(tmp_path / "missing.jsonl")
+    with pytest.raises(FileNotFoundError, match="neither a local file/folder nor a Hub id"):
+        check_source("chats.jsonl")  # relative and missing: no org/name either
+    (tmp_path / "t.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported file type '.csv'"):
+        check_source(tmp_path / "t.csv")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .jsonl/.json/.parquet files"):
+        check_source(tmp_path / "empty")
