@@ -208,7 +208,9 @@ def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path} is not a UTF-8 JSON document ({e}); a .jsonl file (one row a line) skips "
                              "bad rows instead") from None
-        yield from (data if isinstance(data, list) else [data])
+        # an item that is not an object gets the reason a .jsonl line gets (it was counted as "malformed turns")
+        for row in data if isinstance(data, list) else [data]:
+            yield row if isinstance(row, dict) else BadRow("JSON that is not an object")
         return
     # Decoded line by line: one Latin-1 row among millions aborted the whole read with "'utf-8' codec
     # can't decode byte 0xe9", naming no file. surrogateescape keeps the bad bytes visible per line.

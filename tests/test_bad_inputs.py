@@ -402,6 +402,21 @@ def test_a_row_that_is_not_utf8_is_skipped_counted_and_located(tmp_path):
         list(iter_conversations(str(doc)))
 
 
+def test_items_of_a_json_file_that_are_not_objects_are_skipped_as_such(tmp_path):
+    """A .json list holding strings or numbers beside the rows skipped them as "malformed turns", pointing at the
+    turns of rows that have none; a .jsonl line that is not an object already said what it is."""
+    import json
+
+    from data.readers import ReadStats, iter_conversations
+
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    src = tmp_path / "mixed.json"
+    src.write_text(json.dumps([row, "user messages: q", 7, ["nested"], row]))
+    stats = ReadStats()
+    assert len(list(iter_conversations(str(src), stats=stats))) == 2
+    assert dict(stats.skipped) == {"JSON that is not an object": 3}
+
+
 def test_a_parquet_file_cut_short_is_named(tmp_path):
     """In a folder of Parquet shards, one cut short by an interrupted download ended the read with pyarrow's "Parquet
     magic bytes not found in footer", naming no file."""
