@@ -387,3 +387,19 @@ def test_check_source_takes_what_the_readers_read(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no .jsonl/.json/.parquet files"):
         check_source(tmp_path / "empty")
+
+
+def test_limit_counts_kept_conversations_not_rows_read():
+    """limit=2 over rows where five of seven are bad keeps the two good ones, the second read last."""
+    convs, stats = load_conversations(FIX / "bad_rows.jsonl", limit=2)
+    assert [c["messages"][-1]["content"] for c in convs] == ["fine", "yes"] and stats.seen == 7
+
+
+def test_a_forced_layout_that_does_not_fit_skips_rows_as_malformed(tmp_path):
+    """layout="sharegpt" over OpenAI rows finds no ``conversations``: each row is counted as malformed turns (no
+    crash), and no usable row is the usual error."""
+    stats = ReadStats()
+    assert list(iter_conversations(FIX / "openai.jsonl", layout="sharegpt", stats=stats)) == []
+    assert dict(stats.skipped) == {"malformed turns": 3}
+    with pytest.raises(ValueError, match="unknown layout 'chatml'"):
+        list(iter_conversations(FIX / "openai.jsonl", layout="chatml"))
