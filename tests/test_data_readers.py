@@ -403,3 +403,13 @@ def test_a_forced_layout_that_does_not_fit_skips_rows_as_malformed(tmp_path):
     assert dict(stats.skipped) == {"malformed turns": 3}
     with pytest.raises(ValueError, match="unknown layout 'chatml'"):
         list(iter_conversations(FIX / "openai.jsonl", layout="chatml"))
+
+
+def test_ids_are_source_positions_and_the_source_id_prefers_id(tmp_path):
+    """``id`` is the row's line among all rows read, skipped ones included, so it points into the source; the
+    source's own id is taken from ``id`` before ``uuid`` and the others."""
+    assert [c["id"] for c in load_conversations(FIX / "bad_rows.jsonl")[0]] == ["0", "6"]
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    src = _write_jsonl(tmp_path / "ids.jsonl", [{"idx": 9, "uuid": "u-1", "id": "row-1", "messages": chat},
+                                                 {"idx": 9, "uuid": "u-2", "messages": chat}])
+    assert [c["source_id"] for c in load_conversations(src)[0]] == ["row-1", "u-2"]
