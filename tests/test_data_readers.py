@@ -413,3 +413,29 @@ def test_ids_are_source_positions_and_the_source_id_prefers_id(tmp_path):
     src = _write_jsonl(tmp_path / "ids.jsonl", [{"idx": 9, "uuid": "u-1", "id": "row-1", "messages": chat},
                                                  {"idx": 9, "uuid": "u-2", "messages": chat}])
     assert [c["source_id"] for c in load_conversations(src)[0]] == ["row-1", "u-2"]
+
+
+def test_the_conversation_key_sees_who_said_each_prompt():
+    """The same texts said by another role are another conversation: a system prompt turned into a user turn is
+    answered anew, not given the old answer."""
+    from data.readers import conversation_key
+
+    answer = {"role": "assistant", "content": "a"}
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}, answer]
+    as_user = [{"role": "user", "content": "Be brief."}, {"role": "user", "content": "q"}, answer]
+    assert conversation_key(as_system) != conversation_key(as_user)
+
+
+def test_model_is_an_assistant_role_and_limit_zero_reads_nothing(tmp_path):
+    """Gemini-style exports name the answering role "model"."""
+    src = _write_jsonl(tmp_path / "gemini.jsonl", [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "model", "content": "a"}]}])
+    assert roles(load_conversations(src)[0][0]) == ["user", "assistant"]
+    assert list(iter_conversations(src, limit=0)) == []
+
+
+def test_no_usable_rows_suggests_regeneration_only_for_prompts_only_data(tmp_path):
+    src = _write_jsonl(tmp_path / "text.jsonl", [{"text": "plain"}])
+    with pytest.raises(NoUsableRows) as e:
+        load_conversations(src)
+    assert "1 unknown layout" in str(e.value) and "Prompts-only" not in str(e.value)
