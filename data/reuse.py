@@ -181,10 +181,17 @@ def reusable(out: Path, wanted: dict) -> bool:
 def refuse_folder(out: Path, wanted: dict, rebuild: bool, keys=ROW_SETTINGS) -> dict | None:
     """Refuse an ``out`` a build with ``wanted`` settings must not write into (a file, a folder draftsmith did not
     write, data prepared with other settings among ``keys`` unless ``rebuild``); writes nothing. Returns the
-    settings the folder records (None: new, empty, or only what a failed regeneration left)."""
+    settings the folder records (None: new, empty, or only what a failed regeneration left; {}: its record is
+    unreadable and ``rebuild`` was asked)."""
     if out.exists() and not out.is_dir():
         raise NotPreparedFolder(f"{out} is a file, not a folder: choose a new or empty folder for the prepared data")
     recorded = (read_json(out / META_FILE) or read_json(out / PARTIAL_FILE)) if out.is_dir() else None
+    unreadable = [out / name for name in (META_FILE, PARTIAL_FILE) if recorded is None and (out / name).is_file()]
+    if unreadable:  # ours, but its settings are unknown: it was refused as "not a prepared-data folder"
+        if not rebuild:
+            raise DataMismatch(f"{unreadable[0]} is not readable JSON (cut short, or edited by hand), so the "
+                               f"settings {out} was prepared with are unknown: {FIX}")
+        return {}  # rebuilt from scratch: no answers kept, their settings are unknown too
     ours = {REGEN_FILE, REGEN_FILE + ".failed.jsonl", "regenerate-server.log",  # left by a failed regeneration
             LOCK}  # held by the data.prepare command that calls this
     if recorded is None and out.is_dir() and any(p.name not in ours for p in out.iterdir()):
@@ -206,7 +213,7 @@ def claim_folder(out: Path, wanted: dict, rebuild: bool) -> None:
     """
     recorded = refuse_folder(out, wanted, rebuild)
     if recorded is not None:
-        clear(out, keep_answers=not settings_diff(recorded, wanted, REGEN_SETTINGS))
+        clear(out, keep_answers=bool(recorded) and not settings_diff(recorded, wanted, REGEN_SETTINGS))
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTIAL_FILE).write_text(json.dumps(with_content(wanted), indent=2))
 

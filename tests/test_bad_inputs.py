@@ -35,6 +35,29 @@ def test_prepared_folder_that_is_not_prepared_data_is_never_written_into(data_ta
     assert sorted(p.name for p in drafter.iterdir()) == ["config.json"]  # untouched
 
 
+def test_a_prepared_folder_whose_record_is_unreadable_is_named_and_rebuilt_on_request(tmp_path):
+    """A draftsmith_data.json cut short or broken by hand was refused as "not a prepared-data folder (no
+    draftsmith_data.json)", naming a file that is there and offering no way to rebuild the folder."""
+    import json
+
+    from data.reuse import (META_FILE, PARTIAL_FILE, REGEN_FILE, DataMismatch, claim_folder, reusable,
+                            row_settings)
+
+    wanted = row_settings(source=str(_DATA_FIX / "openai.jsonl"), split="train", subset=None, limit=None,
+                          regenerate="local", thinking=None, max_length=None, pack=False, tokenizer_hash="t")
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / META_FILE).write_text(json.dumps(wanted)[:40])
+    (out / REGEN_FILE).write_text('{"key": "k"}\n')
+    (out / "data-00000-of-00001.arrow").write_text("rows")
+    assert not reusable(out, wanted)
+    with pytest.raises(DataMismatch, match=f"{META_FILE} is not readable JSON .*: rebuild it with the new settings "
+                                           "\\(data.rebuild=true"):
+        claim_folder(out, wanted, rebuild=False)
+    claim_folder(out, wanted, rebuild=True)  # answers of unknown settings are not kept
+    assert sorted(p.name for p in out.iterdir()) == [PARTIAL_FILE]
+
+
 @pytest.mark.parametrize("change, named", [
     ({"source": "sharegpt.jsonl"}, "source: "), ({"max_length": 64}, "max_length: None -> 64"),
     ({"thinking": True}, "thinking: None -> True"), ({"limit": 1}, "limit: None -> 1"),
