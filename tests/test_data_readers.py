@@ -305,6 +305,8 @@ def test_turn_lists_take_either_key_pair_and_refuse_turns_that_are_not_objects()
     assert to_messages({"messages": from_value}, "openai") == want
     with pytest.raises(BadRow, match="malformed turns"):
         to_messages({"messages": ["user: q", {"role": "assistant", "content": "a"}]}, "openai")
+    with pytest.raises(BadRow, match="malformed turns"):  # an Alpaca input that is not text
+        to_messages({"instruction": "q", "input": ["a", "b"], "output": "a"}, "alpaca")
 
 
 def test_a_blank_alpaca_input_adds_nothing_to_the_instruction(tmp_path):
