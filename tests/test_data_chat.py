@@ -320,3 +320,69 @@ def test_each_conversation_adds_its_counters_in_a_tally_row():
     assert {k: sum(out[k]) for k in TALLIES} == {"truncated": 0, "retokenized": 0, "dropped_no_loss": 2,
                                                  "template_errors": 0}
     assert [n for n in out["num_tokens"]] == [0, 0]  # two tally rows, no training row
+
+
+def test_tokenize_to_disk_counts_every_tally_and_saves_only_rows_with_tokens(tmp_path):
+    """stats.json's counts: conversations in, documents out, tokens and loss tokens of the saved rows, and the
+    summed tallies (two truncated conversations count 2, not the largest one); tally rows are never saved."""
+    from datasets import load_from_disk
+
+    from data.rows import COLUMNS, tokenize_to_disk
+
+    tok = tiny_tokenizer("chatml")
+    (full,), _ = tokenize_conversation(tok, SINGLE, None)
+    empty = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    convs = [{"messages": m} for m in (SINGLE, SINGLE, empty)]
+    out = tmp_path / "rows"
+    counts = tokenize_to_disk(tok, convs, out, tmp_path / "scratch", thinking=None, max_length=len(full.input_ids) - 1,
+                              pack=False, progress=False)
+    ds = load_from_disk(str(out))
+    assert ds.column_names == COLUMNS and len(ds) == 2
+    assert counts == {"truncated": 2, "retokenized": 0, "dropped_no_loss": 0, "template_errors": 1,
+                      "conversations": 3, "documents": 2, "tokens": sum(ds["num_tokens"]),
+                      "loss_tokens": sum(ds["num_loss_tokens"]), "rows": 2}
+    loss, tokens = list(ds["num_loss_tokens"]), list(ds["num_tokens"])
+    assert loss == [sum(m) for m in ds["loss_mask"]] and all(a < b for a, b in zip(loss, tokens))
+    assert ds[0]["doc_ids"] == [0] * ds[0]["num_tokens"] and ds[0]["position_ids"] == list(range(ds[0]["num_tokens"]))
+
+
+def test_tokenize_to_disk_packs_the_kept_rows_and_names_what_left_none(tmp_path):
+    from datasets import load_from_disk
+
+    from data.rows import tokenize_to_disk
+
+    tok = tiny_tokenizer("chatml")
+    empty = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yes"}]
+    run = lambda convs, **kw: tokenize_to_disk(tok, [{"messages": m} for m in convs], tmp_path / "out",  # noqa: E731
+                                               tmp_path / "scratch", thinking=None, progress=False,
+                                               **{"max_length": None, "pack": False, **kw})
+    (one,), _ = tokenize_conversation(tok, short, None)
+    n = len(one.input_ids)
+    counts = run([short, empty, short, short], max_length=2 * n, pack=True)  # the template error left out
+    ds = load_from_disk(str(tmp_path / "out"))
+    assert counts["documents"] == 3 and counts["rows"] == len(ds) == 2
+    assert list(ds["num_tokens"]) == [2 * n, n] and ds[0]["doc_ids"] == [0] * n + [1] * n
+    assert ds[0]["num_loss_tokens"] == 2 * sum(one.loss_mask)
+    with pytest.raises(ValueError, match="the chat template failed on every conversation \\(2\\)"):
+        run([empty, empty])
+    with pytest.raises(ValueError, match="no row has loss tokens after tokenization"):
+        run([short, empty], max_length=1)  # only prompt tokens left: dropped, not a template error
+    with pytest.raises(ValueError, match="no conversation to tokenize"):
+        run([])
+
+
+def test_rows_identity_sees_every_split_and_the_loss_counts():
+    """The held-out split is part of what a resume trains against, and so is how many tokens of each row are
+    labelled (relabelled data of the same tokens is other data)."""
+    from datasets import Dataset
+
+    from data.rows import rows_identity
+
+    def ds(rows, loss):
+        return Dataset.from_dict({"input_ids": rows, "num_tokens": [len(r) for r in rows], "num_loss_tokens": loss})
+
+    train, held_out = ds([[1, 2], [3, 4, 5], [6, 7]], [1, 2, 1]), ds([[8, 9]], [1])
+    base = rows_identity(train, held_out)
+    assert rows_identity(train, ds([[8, 10]], [1])) != base
+    assert rows_identity(ds([[1, 2], [3, 4, 5], [6, 7]], [1, 1, 1]), held_out) != base
