@@ -2090,6 +2090,43 @@ def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
 
 
+@pytest.mark.parametrize("config", [b"{not json", b"\xff\xfe", b'["DFlashDraftModel"]', b'"draftsmith"'])
+def test_overwrite_of_a_folder_whose_config_json_is_no_export_leaves_it_alone(tmp_path, export_drafter, config):
+    """A config.json that is not JSON, not text, or JSON but not an object is no earlier export: --overwrite
+    refuses the folder with the usual line (not a decoder's error, and never taking it for an export)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_bytes(config)
+    argv = ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out"), "--overwrite"]
+    assert "holds files that are not a draftsmith export" in _export_error("hf", argv + ["--no-remote-code-check"])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["config.json"]
+    assert (tmp_path / "out" / "config.json").read_bytes() == config
+
+
+def test_the_source_folder_spelled_another_way_as_out_is_refused(tmp_path, export_drafter, monkeypatch):
+    """--out naming the drafter being exported by a relative path or through `..`: with --overwrite the export
+    replaced the training output it read (an fp32 drafter by its bf16 export)."""
+    before = {p.name: p.read_bytes() for p in export_drafter.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    for out in ("drafter", str(tmp_path / "drafter" / ".." / "drafter")):
+        for module in ("hf", "mlx"):
+            message = _export_error(module, ["--checkpoint", str(export_drafter), "--out", out, "--overwrite"])
+            assert f"--out {out} is the folder being exported: pass a new folder" in message
+    assert {p.name: p.read_bytes() for p in export_drafter.iterdir()} == before
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_drafter_loads(tmp_path, export_drafter, monkeypatch):
+    """--out naming a file: refused up front with what to pass, the file kept (the export used to run in full
+    and then fail renaming its folder onto the file)."""
+    from models.drafter import DFlashDraftModel
+
+    (tmp_path / "out").write_text("mine")
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", lambda *a, **k: pytest.fail("the drafter was loaded"))
+    for module in ("hf", "mlx"):
+        message = _export_error(module, ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out")])
+        assert f"--out {tmp_path / 'out'} is a file: pass a folder path" in message
+    assert (tmp_path / "out").read_text() == "mine"
+
+
 def test_push_refuses_files_an_export_does_not_write(tmp_path, export_drafter, capsys):
     """Files in sub-folders (or beside the weights) were uploaded with the export, although the dry run listed
     only the top-level export files: a user's chats kept in the folder would have gone public."""

@@ -633,6 +633,7 @@ def test_staging_replaces_an_earlier_export_leaves_nothing_beside_it_and_shares_
     umask = os.umask(0o077)
     try:
         with staging(out, overwrite=True) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".hf.")  # beside --out: one rename moves it in
             (tmp / "config.json").write_text(json.dumps({"draftsmith": {}, "marker": "new"}))
             (tmp / "model.safetensors").write_bytes(b"weights")
     finally:
@@ -673,6 +674,63 @@ def test_a_staging_folder_with_a_recent_file_is_kept_however_old_the_folder(tmp_
         os.utime(folder, (now - 7200,) * 2)
     remove_stale_staging(tmp_path / "hf")
     assert [p.name for p in tmp_path.iterdir()] == [".hf.writing1.tmp"]
+
+
+def test_only_this_outs_staging_folders_are_stale_and_only_by_their_whole_name(tmp_path):
+    """Old folders named like a staging folder of ``hf`` but longer (a user's backup of one, another tool's) are
+    not removed; an old one of exactly that shape is."""
+    import time
+
+    from export.folder import remove_stale_staging
+
+    for name in (".hf.abcd1234.tmp", ".hf.abcd1234.tmp.keep", ".hf.abcd1234.tmpfiles", "x.hf.abcd1234.tmp"):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (time.time() - 7200,) * 2)
+    remove_stale_staging(tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.abcd1234.tmp.keep", ".hf.abcd1234.tmpfiles",
+                                                          "x.hf.abcd1234.tmp"]
+    for name in (".d.v2.abcd1234.tmp", ".dxv2.abcd1234.tmp"):  # the dot of --out d.v2 is a dot, not any character
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (time.time() - 7200,) * 2)
+    remove_stale_staging(tmp_path / "d.v2")
+    assert ".dxv2.abcd1234.tmp" in os.listdir(tmp_path) and ".d.v2.abcd1234.tmp" not in os.listdir(tmp_path)
+
+
+def test_files_put_into_out_during_an_export_are_kept_and_the_export_refused(setup, tmp_path, monkeypatch):
+    """--out is checked again when the new folder moves in: files that appeared there while the export ran
+    (another export, the user) are neither replaced nor mixed with the new folder, and no temp folder stays."""
+    _, _, _, ckpt = setup
+    out = tmp_path / "hf"
+    real = DFlashDraftModel.save_pretrained
+
+    def save_while_someone_writes_out(self, directory, **kw):
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        return real(self, directory, **kw)
+
+    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_while_someone_writes_out)
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        export_hf(ckpt, out, remote_code_check=False, log=quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_partial_copy_of_an_earlier_export_beside_out_is_not_put_back_nor_in_the_way(setup, tmp_path):
+    """A kill while the swap removed the previous export's copy (``.hf.old``) leaves part of it, without its
+    config.json: it is no export to put back over an empty --out, and an --overwrite export still swaps in."""
+    _, _, drafter, ckpt = setup
+    out, old = tmp_path / "hf", tmp_path / ".hf.old"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"half")
+    out.mkdir()  # an empty --out needs no --overwrite
+    export_hf(ckpt, out, remote_code_check=False, log=quiet)
+    assert json.loads((out / "config.json").read_text())["draftsmith"]["steps"] == 7
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+    old.mkdir(exist_ok=True)
+    (old / "model.safetensors").write_bytes(b"half")
+    export_hf(ckpt, out, dtype="fp32", overwrite=True, remote_code_check=False, log=quiet)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def _mlx_friendly_drafter(tmp_path) -> Path:
