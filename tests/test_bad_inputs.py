@@ -2041,6 +2041,20 @@ def _export_case(case: str, root, drafter) -> list[str]:
         for step in (50, 75):
             (root / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
         return ["--checkpoint", str(root / "run"), "--out", out]
+    if case == "config.json a JSON list":
+        (drafter / "config.json").write_text('["DFlashDraftModel"]')
+        return ["--checkpoint", str(drafter), "--out", out]
+    if case == "an incomplete checkpoint":  # killed while saving: drafter/ made, its config.json not yet
+        ckpt = root / "checkpoints" / "step_3"
+        (ckpt / "drafter").mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text('{"step": 3}')
+        return ["--checkpoint", str(ckpt), "--out", out]
+    if case in ("run config not YAML", "a run's final/ folder"):
+        (root / "run" / "final").mkdir(parents=True)
+        drafter.rename(root / "run" / "final" / "drafter")
+        (root / "run" / "final" / "config.yaml").write_text("recipe: [tiny\n" if "YAML" in case else "recipe: tiny\n")
+        given = root / "run" / "final" / ("drafter" if "YAML" in case else "")
+        return ["--checkpoint", str(given), "--out", out]
     if case == "damaged trainer state":
         ckpt = root / "checkpoints" / "step_3"
         ckpt.mkdir(parents=True)
@@ -2072,6 +2086,11 @@ EXPORT_CASES = {
     "truncated safetensors": "corrupt or truncated", "unfinished run": "run folder without final/drafter",
     "a resumed run that has not finished": "holds two drafters: final/drafter (60 steps) and the newer ",
     "damaged trainer state": "holds no integer 'step': the folder is damaged",
+    "config.json a JSON list": "config.json is not a DFlash drafter's",
+    "an incomplete checkpoint": "drafter/ holds no DFlash config.json (the checkpoint is incomplete)",
+    "run config not YAML": "config.yaml is not valid YAML (",
+    "a run's final/ folder": "final is not a drafter folder (no config.json), a checkpoint or a run folder: pass "
+                             "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME",
     "--out holds the user's files": "exists and is not empty",
     "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
     "a quantized MLX export as the source": "already a quantized MLX export",

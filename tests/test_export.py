@@ -163,6 +163,93 @@ def test_a_tiny_run_records_the_target_folder_it_built(setup, tmp_path):
     assert str(run / "tiny_target") in summary["commands"]["vllm"]
 
 
+def _bare_drafter(folder: Path, **config) -> Path:
+    """A folder that names the DFlash architecture: all that finding the drafter and its provenance read."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], **config}))
+    return folder
+
+
+def test_each_layout_reads_its_own_steps_run_config_and_the_drafters_own_block(tmp_path, monkeypatch):
+    """A run's final/drafter, the run folder and a checkpoint (or its drafter/) each take the steps the drafter
+    was saved at (final/trained.json over later metrics rows, trainer_state.json), the run config beside it
+    (a tiny target resolved to the run's tiny_target), and the block training wrote into the drafter over
+    the recipe's data keys. A checkpoint at final's own step is not newer than it."""
+    from export.source import NotADrafterError, resolve_source
+
+    run = (tmp_path / "run").resolve()
+    run_cfg = yaml.safe_dump({"recipe": "tiny", "target": {"path": "tiny:qwen3"}, "data": {"source": "tiny"}})
+    final = _bare_drafter(run / "final" / "drafter", draftsmith={"data": {"source": "/data/prepared"}})
+    (run / "final" / "config.yaml").write_text(run_cfg)
+    (run / "final" / "trained.json").write_text('{"step": 60}')
+    (run / "metrics.jsonl").write_text('{"step": 60}\n{"step": 75}\n')  # a resume killed after final/ was saved
+    _bare_drafter(run / "tiny_target")
+    ckpt = run / "checkpoints" / "step_60"
+    _bare_drafter(ckpt / "drafter")
+    (ckpt / "config.yaml").write_text(run_cfg)
+    (ckpt / "trainer_state.json").write_text('{"step": 60}')
+    expected = {"target": str(run / "tiny_target"), "target_quantization": "none (unquantized weights)",
+                "recipe": "tiny", "data": {"source": "/data/prepared"}, "steps": 60}
+    for given, kind, folder in ((final, "final", final), (run, "run", final), (ckpt, "checkpoint", ckpt / "drafter"),
+                                (ckpt / "drafter", "checkpoint", ckpt / "drafter")):
+        src = resolve_source(given)
+        assert (src.kind, src.drafter_dir) == (kind, folder), given
+        assert src.provenance == (expected if kind != "checkpoint" else {**expected, "data": {"source": "tiny"}})
+    (ckpt / "trainer_state.json").write_text('{"step": 0}')  # 0 steps is a count, not a missing one
+    assert resolve_source(ckpt).provenance["steps"] == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_source("~/run").drafter_dir == tmp_path / "run" / "final" / "drafter"
+    (ckpt / "state").mkdir()  # another folder of the checkpoint is no drafter
+    with pytest.raises(NotADrafterError, match="state is not a drafter folder"):
+        resolve_source(ckpt / "state")
+
+
+def test_steps_of_an_older_final_drafter_are_the_largest_logged_and_a_finished_run_needs_no_checkpoint(tmp_path):
+    """Without final/trained.json the steps are the largest step in metrics.jsonl, whatever the rows' order and
+    past rows that are not JSON or have no step; with it, a run whose checkpoints were all removed exports."""
+    from export.source import resolve_source
+
+    run = tmp_path / "run"
+    _bare_drafter(run / "final" / "drafter")
+    (run / "final" / "config.yaml").write_text("recipe: tiny\n")
+    (run / "metrics.jsonl").write_text('{"step": 10}\nnot json\n{"loss": 1.0}\n{"step": 20}\n{"step": 15}\n')
+    (run / "checkpoints" / "step_5").mkdir(parents=True)  # no trained.json to compare it with: final/ is taken
+    assert resolve_source(run).provenance["steps"] == 20
+    (run / "final" / "trained.json").write_text('{"step": 30}')
+    assert resolve_source(run).provenance["steps"] == 30
+
+
+def test_a_bare_drafter_reads_no_config_beside_it_and_one_named_by_its_dflash_block_is_a_drafter(tmp_path):
+    """A config.yaml beside a drafter folder that is not a run's final/ is someone else's: not the run config.
+    A config.json with a dflash_config block but no architectures (some exports drop it) is a drafter."""
+    from export.source import resolve_source
+
+    mine = _bare_drafter(tmp_path / "mine" / "drafter")
+    (tmp_path / "mine" / "config.yaml").write_text("recipe: qwen3-8b\n")
+    src = resolve_source(mine)
+    assert (src.kind, src.provenance) == ("drafter", {})
+    (mine / "config.json").write_text(json.dumps({"dflash_config": {"block_size": 8}}))
+    assert resolve_source(mine).drafter_dir == mine
+
+
+def test_training_output_names_what_export_takes_for_a_runs_drafter_folders(tmp_path):
+    """push refuses a training run's drafter folder and names the --checkpoint to export instead: final/drafter
+    beside the run config, a checkpoint's drafter/; any other folder (another name in final/, a copy of a
+    final/drafter without its run config) is not training output."""
+    from export.source import training_output
+
+    run = tmp_path / "run"
+    (run / "final" / "drafter").mkdir(parents=True)
+    (run / "final" / "hf").mkdir()
+    (run / "final" / "config.yaml").write_text("recipe: tiny\n")
+    ckpt = run / "checkpoints" / "step_3"
+    (ckpt / "drafter").mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 3}')
+    (tmp_path / "copy" / "final" / "drafter").mkdir(parents=True)
+    assert training_output(run / "final" / "drafter") == run and training_output(ckpt / "drafter") == ckpt
+    assert [training_output(p) for p in (run / "final" / "hf", tmp_path / "copy" / "final" / "drafter")] == [None] * 2
+
+
 def test_provenance_records_what_the_drafter_was_trained_against(tmp_path):
     from export.source import provenance_from_run
 
