@@ -159,6 +159,7 @@ def test_a_tiny_run_records_the_target_folder_it_built(setup, tmp_path):
     summary = export_hf(run, tmp_path / "hf", remote_code_check=False, log=quiet)
     prov = summary["provenance"]
     assert prov["target"] == str((run / "tiny_target").resolve()) and prov["steps"] == 20
+    assert summary["source"] == str(run / "final" / "drafter")  # the drafter found in the run folder
     assert prov["target_quantization"] == "none (unquantized weights)"
     assert str(run / "tiny_target") in summary["commands"]["vllm"]
 
@@ -428,9 +429,10 @@ def test_schema_check_names_each_wrong_value(setup, name):
     assert any(expected in p for p in problems), problems
 
 
-@pytest.mark.parametrize("corrupt", ["layer id", "mask id", "block size"])
+@pytest.mark.parametrize("corrupt", ["layer id", "mask id", "block size", "engine key"])
 def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypatch, corrupt):
-    """A writer bug (the written config.json differs from the drafter) is refused and nothing is placed."""
+    """A writer bug (the written config.json differs from the drafter, or carries a key engines must not read)
+    is refused and nothing is placed."""
     from models.config import DFlashConfig
 
     _, _, _, ckpt = setup
@@ -442,6 +444,8 @@ def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypa
             d["dflash_config"]["target_layer_ids"] = [i + 1 for i in d["dflash_config"]["target_layer_ids"]]
         elif corrupt == "mask id":
             d["dflash_config"]["mask_token_id"] += 1
+        elif corrupt == "engine key":
+            d["eagle_aux_hidden_state_layer_ids"] = d["dflash_config"]["target_layer_ids"]
         else:
             d["block_size"] = d["dflash_config"]["block_size"] = 16
         return d
@@ -450,7 +454,8 @@ def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypa
     export_hf(ckpt, out, remote_code_check=False, log=quiet)  # an earlier, good export: must survive
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     monkeypatch.setattr(DFlashConfig, "to_dict", wrong)
-    with pytest.raises(ExportCheckError, match="does not read back"):
+    said = "config.json fails the engine schema" if corrupt == "engine key" else "does not read back"
+    with pytest.raises(ExportCheckError, match=said):
         export_hf(ckpt, out, overwrite=True, remote_code_check=False, log=quiet)
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "a temp folder was left behind"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -565,6 +570,66 @@ def test_quantized_mlx_gate_refuses_non_finite_logits(setup, tmp_path, monkeypat
     assert not (tmp_path / "q4").exists()
 
 
+@pytest.mark.parametrize("loader", ["draftsmith", "AutoModel"])
+def test_an_fp32_export_is_held_to_fp32_parity_by_each_loader(setup, tmp_path, monkeypatch, loader):
+    """Weights that read back bit-equal through a loader that computes 0.1% off (within bf16's tolerance, not
+    fp32's): the reloaded folder's own logits are compared, at the export dtype's tolerance, for draftsmith's
+    loader and for AutoModel with the shipped file."""
+    import transformers
+
+    _, _, _, ckpt = setup
+
+    class OffByATenth(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            return self.model(*args) * 1.001
+
+    if loader == "draftsmith":
+        real = DFlashDraftModel.from_pretrained.__func__
+
+        def reload(cls, path, **kw):
+            model = real(cls, path, **kw)
+            return OffByATenth(model) if Path(path).name.endswith(".tmp") else model
+
+        monkeypatch.setattr(DFlashDraftModel, "from_pretrained", classmethod(reload))
+        # the weight comparison reads the wrapped model's names: keep them the drafter's
+        monkeypatch.setattr(OffByATenth, "state_dict", lambda self: self.model.state_dict())
+    else:
+        def auto_model(path, trust_remote_code, **kw):
+            return OffByATenth(DFlashDraftModel.from_pretrained(path, **kw))
+
+        monkeypatch.setattr(transformers.AutoModel, "from_pretrained", auto_model)
+    said = "with draftsmith" if loader == "draftsmith" else r"with AutoModel\(trust_remote_code=True\)"
+    with pytest.raises(ExportCheckError, match=f"reloaded {said}: logits differ .*tolerance 1e-04 for float32"):
+        export_hf(ckpt, tmp_path / "hf", dtype="fp32", log=quiet)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path, monkeypatch):
+    """The target's LM head saved into the drafter's weights (engines take it from the target) is named by the
+    weight check before any reload."""
+    from safetensors.torch import load_file, save_file
+
+    _, _, _, ckpt = setup
+    real = DFlashDraftModel.save_pretrained
+
+    def save_with_the_head(self, directory, **kw):
+        real(self, directory, **kw)
+        path = Path(directory) / "model.safetensors"
+        state = load_file(str(path))
+        state["lm_head.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+        save_file(state, str(path), metadata={"format": "pt"})
+        return Path(directory)
+
+    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_with_the_head)
+    with pytest.raises(ExportCheckError, match="the written weights do not match config.json: weight 'lm_head"):
+        export_hf(ckpt, tmp_path / "hf", remote_code_check=False, log=quiet)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_gate_refuses_a_drafter_that_does_not_fit_its_target(setup, tmp_path):
     """Checked against the target folder: a mask id the tokenizer emits, a layer count that differs."""
     from models.tiny import save_tiny_target
@@ -614,6 +679,32 @@ def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+
+
+def test_export_hf_cli_defaults_and_what_it_passes_on(tmp_path, monkeypatch):
+    """Defaults: bf16, shards of 5GB, the run's target, the remote-code check on; every flag reaches export_hf,
+    and a dtype or shard size the writer does not take is refused by name when called directly."""
+    import export.hf
+
+    args = export.hf.parse_args(["--checkpoint", "c", "--out", "o"])
+    assert (args.dtype, args.max_shard_size, args.target, args.target_revision, args.overwrite,
+            args.no_remote_code_check) == ("bf16", "5GB", None, None, False, False)
+    seen = {}
+    monkeypatch.setattr(export.hf, "export_hf", lambda checkpoint, out, **kw: seen.update(kw, at=(checkpoint, out)))
+    export.hf.main(["--checkpoint", "c", "--out", "o", "--dtype", "fp16", "--target", "org/t", "--target-revision",
+                    "r1", "--max-shard-size", "2GiB", "--overwrite", "--no-remote-code-check"])
+    assert seen == {"at": ("c", "o"), "dtype": "fp16", "target": "org/t", "target_revision": "r1",
+                    "max_shard_size": "2GiB", "overwrite": True, "remote_code_check": False}
+    seen.clear()
+    export.hf.main(["--checkpoint", "c", "--out", "o"])
+    assert (seen["remote_code_check"], seen["overwrite"], seen["max_shard_size"]) == (True, False, "5GB")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"--dtype 'int8': use one of \['bf16', 'fp16', 'fp32'\]"):
+        export_hf(tmp_path / "no-such-run", tmp_path / "out", dtype="int8")
+    for size in (True, False, 0.5):  # a flag or a fraction is no size: True was one byte, one shard per tensor
+        with pytest.raises(ValueError, match="--max-shard-size"):
+            export.hf.shard_bytes(size)
+    assert [export.hf.shard_bytes(v) for v in (1024, " 1.5 TB ", "3kib", "7")] == [1024, 15 * 10**11, 3 * 2**10, 7]
 
 
 # ------------------------------------------------------------------------------------- MLX
@@ -670,6 +761,7 @@ def test_provenance_drops_unset_values_and_records_the_revision_and_a_local_targ
     assert provenance(run, None, None, quiet) == {"target": "Qwen/Qwen3-8B", "target_quantization": "mlx-4bit-g64",
                                                   "steps": 7}
     assert provenance(run, None, "abc123", quiet)["target_revision"] == "abc123"
+    assert provenance({"steps": 0, "data": {"limit": 0}}, None, None, quiet) == {"steps": 0, "data": {"limit": 0}}
     assert provenance(run, "Qwen/Qwen3-8B-Base", None, quiet)["target_quantization"] == "mlx-4bit-g64"
     local = provenance(run, str(target_dir), None, quiet)
     assert local["target"] == str(target_dir) and local["target_quantization"] == "none (unquantized weights)"
