@@ -976,6 +976,26 @@ def test_mlx_gate_refuses_a_weight_missing_after_reload(setup, tmp_path, monkeyp
     assert not (tmp_path / "mlx").exists()
 
 
+def test_mlx_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path, monkeypatch):
+    """The target's LM head saved beside the drafter's weights is named by the weight check; nothing is placed."""
+    mx = pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    real = MLXDrafter.save_pretrained
+
+    def save_with_the_head(self, directory):
+        real(self, directory)
+        path = str(Path(directory) / "model.safetensors")
+        mx.save_safetensors(path, {**mx.load(path), "lm_head.weight": mx.zeros((4, 4))}, metadata={"format": "mlx"})
+        return Path(directory)
+
+    monkeypatch.setattr(MLXDrafter, "save_pretrained", save_with_the_head)
+    with mx.stream(mx.cpu), pytest.raises(ExportCheckError, match="do not match config.json: weight 'lm_head"):
+        export_mlx(setup[3], tmp_path / "mlx", log=quiet)
+    assert not (tmp_path / "mlx").exists()
+
+
 def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_path):
     pytest.importorskip("mlx.core")
     from export.mlx import export_mlx
