@@ -996,6 +996,28 @@ def test_mlx_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path,
     assert not (tmp_path / "mlx").exists()
 
 
+def test_an_fp32_mlx_export_is_held_to_fp32_parity_on_the_reloaded_folder(setup, tmp_path, monkeypatch):
+    """The reloaded MLX drafter computing 0.1% off (within bf16's tolerance, not fp32's) is refused: the gate
+    compares the folder's own reload, at the export dtype's tolerance."""
+    mx = pytest.importorskip("mlx.core")
+    import export.mlx
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    real_load, real_logits = MLXDrafter.from_pretrained, export.mlx.mlx_logits
+
+    def load(path, dtype=None, revision=None):
+        model = real_load(path, dtype=dtype, revision=revision)
+        model.reloaded = Path(path).name.endswith(".tmp")  # the gate's reload of the staging folder
+        return model
+
+    monkeypatch.setattr(MLXDrafter, "from_pretrained", staticmethod(load))
+    monkeypatch.setattr(export.mlx, "mlx_logits",
+                        lambda model, *a: real_logits(model, *a) * (1.001 if getattr(model, "reloaded", False) else 1))
+    with mx.stream(mx.cpu), pytest.raises(ExportCheckError, match="logits differ .*tolerance 1e-04 for float32"):
+        export.mlx.export_mlx(setup[3], tmp_path / "mlx", dtype="fp32", log=quiet)
+    assert not (tmp_path / "mlx").exists()
+
+
 def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_path):
     pytest.importorskip("mlx.core")
     from export.mlx import export_mlx
@@ -1004,6 +1026,8 @@ def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_pa
         export_mlx(setup[3], tmp_path / "q", quantize=4, group_size=16, log=quiet)
     with pytest.raises(ValueError, match="--quantize 3: use 4 or 8"):
         export_mlx(setup[3], tmp_path / "q", quantize=3, log=quiet)
+    with pytest.raises(ValueError, match=r"--dtype 'int8': use one of \['bf16', 'fp16', 'fp32'\]"):
+        export_mlx(setup[3], tmp_path / "q", dtype="int8", log=quiet)
     assert not (tmp_path / "q").exists()
 
 
