@@ -2079,6 +2079,20 @@ def _export_case(case: str, root, drafter) -> list[str]:
         for step in (50, 75):
             (root / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
         return ["--checkpoint", str(root / "run"), "--out", out]
+    if case == "config.json a JSON list":
+        (drafter / "config.json").write_text('["DFlashDraftModel"]')
+        return ["--checkpoint", str(drafter), "--out", out]
+    if case == "an incomplete checkpoint":  # killed while saving: drafter/ made, its config.json not yet
+        ckpt = root / "checkpoints" / "step_3"
+        (ckpt / "drafter").mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text('{"step": 3}')
+        return ["--checkpoint", str(ckpt), "--out", out]
+    if case in ("run config not YAML", "a run's final/ folder"):
+        (root / "run" / "final").mkdir(parents=True)
+        drafter.rename(root / "run" / "final" / "drafter")
+        (root / "run" / "final" / "config.yaml").write_text("recipe: [tiny\n" if "YAML" in case else "recipe: tiny\n")
+        given = root / "run" / "final" / ("drafter" if "YAML" in case else "")
+        return ["--checkpoint", str(given), "--out", out]
     if case == "damaged trainer state":
         ckpt = root / "checkpoints" / "step_3"
         ckpt.mkdir(parents=True)
@@ -2110,6 +2124,11 @@ EXPORT_CASES = {
     "truncated safetensors": "corrupt or truncated", "unfinished run": "run folder without final/drafter",
     "a resumed run that has not finished": "holds two drafters: final/drafter (60 steps) and the newer ",
     "damaged trainer state": "holds no integer 'step': the folder is damaged",
+    "config.json a JSON list": "config.json is not a DFlash drafter's",
+    "an incomplete checkpoint": "drafter/ holds no DFlash config.json (the checkpoint is incomplete)",
+    "run config not YAML": "config.yaml is not valid YAML (",
+    "a run's final/ folder": "final is not a drafter folder (no config.json), a checkpoint or a run folder: pass "
+                             "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME",
     "--out holds the user's files": "exists and is not empty",
     "--overwrite of the user's files": "not a draftsmith export", "--out is the source": "the folder being exported",
     "a quantized MLX export as the source": "already a quantized MLX export",
@@ -2126,6 +2145,43 @@ def test_export_mistakes_end_in_one_line_and_leave_files_alone(tmp_path, export_
     if "user's files" in case:
         assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt"]
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "a temp folder was left behind"
+
+
+@pytest.mark.parametrize("config", [b"{not json", b"\xff\xfe", b'["DFlashDraftModel"]', b'"draftsmith"'])
+def test_overwrite_of_a_folder_whose_config_json_is_no_export_leaves_it_alone(tmp_path, export_drafter, config):
+    """A config.json that is not JSON, not text, or JSON but not an object is no earlier export: --overwrite
+    refuses the folder with the usual line (not a decoder's error, and never taking it for an export)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_bytes(config)
+    argv = ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out"), "--overwrite"]
+    assert "holds files that are not a draftsmith export" in _export_error("hf", argv + ["--no-remote-code-check"])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["config.json"]
+    assert (tmp_path / "out" / "config.json").read_bytes() == config
+
+
+def test_the_source_folder_spelled_another_way_as_out_is_refused(tmp_path, export_drafter, monkeypatch):
+    """--out naming the drafter being exported by a relative path or through `..`: with --overwrite the export
+    replaced the training output it read (an fp32 drafter by its bf16 export)."""
+    before = {p.name: p.read_bytes() for p in export_drafter.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    for out in ("drafter", str(tmp_path / "drafter" / ".." / "drafter")):
+        for module in ("hf", "mlx"):
+            message = _export_error(module, ["--checkpoint", str(export_drafter), "--out", out, "--overwrite"])
+            assert f"--out {out} is the folder being exported: pass a new folder" in message
+    assert {p.name: p.read_bytes() for p in export_drafter.iterdir()} == before
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_drafter_loads(tmp_path, export_drafter, monkeypatch):
+    """--out naming a file: refused up front with what to pass, the file kept (the export used to run in full
+    and then fail renaming its folder onto the file)."""
+    from models.drafter import DFlashDraftModel
+
+    (tmp_path / "out").write_text("mine")
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", lambda *a, **k: pytest.fail("the drafter was loaded"))
+    for module in ("hf", "mlx"):
+        message = _export_error(module, ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "out")])
+        assert f"--out {tmp_path / 'out'} is a file: pass a folder path" in message
+    assert (tmp_path / "out").read_text() == "mine"
 
 
 def test_push_refuses_files_an_export_does_not_write(tmp_path, export_drafter, capsys):

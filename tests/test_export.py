@@ -159,8 +159,96 @@ def test_a_tiny_run_records_the_target_folder_it_built(setup, tmp_path):
     summary = export_hf(run, tmp_path / "hf", remote_code_check=False, log=quiet)
     prov = summary["provenance"]
     assert prov["target"] == str((run / "tiny_target").resolve()) and prov["steps"] == 20
+    assert summary["source"] == str(run / "final" / "drafter")  # the drafter found in the run folder
     assert prov["target_quantization"] == "none (unquantized weights)"
     assert str(run / "tiny_target") in summary["commands"]["vllm"]
+
+
+def _bare_drafter(folder: Path, **config) -> Path:
+    """A folder that names the DFlash architecture: all that finding the drafter and its provenance read."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], **config}))
+    return folder
+
+
+def test_each_layout_reads_its_own_steps_run_config_and_the_drafters_own_block(tmp_path, monkeypatch):
+    """A run's final/drafter, the run folder and a checkpoint (or its drafter/) each take the steps the drafter
+    was saved at (final/trained.json over later metrics rows, trainer_state.json), the run config beside it
+    (a tiny target resolved to the run's tiny_target), and the block training wrote into the drafter over
+    the recipe's data keys. A checkpoint at final's own step is not newer than it."""
+    from export.source import NotADrafterError, resolve_source
+
+    run = (tmp_path / "run").resolve()
+    run_cfg = yaml.safe_dump({"recipe": "tiny", "target": {"path": "tiny:qwen3"}, "data": {"source": "tiny"}})
+    final = _bare_drafter(run / "final" / "drafter", draftsmith={"data": {"source": "/data/prepared"}})
+    (run / "final" / "config.yaml").write_text(run_cfg)
+    (run / "final" / "trained.json").write_text('{"step": 60}')
+    (run / "metrics.jsonl").write_text('{"step": 60}\n{"step": 75}\n')  # a resume killed after final/ was saved
+    _bare_drafter(run / "tiny_target")
+    ckpt = run / "checkpoints" / "step_60"
+    _bare_drafter(ckpt / "drafter")
+    (ckpt / "config.yaml").write_text(run_cfg)
+    (ckpt / "trainer_state.json").write_text('{"step": 60}')
+    expected = {"target": str(run / "tiny_target"), "target_quantization": "none (unquantized weights)",
+                "recipe": "tiny", "data": {"source": "/data/prepared"}, "steps": 60}
+    for given, kind, folder in ((final, "final", final), (run, "run", final), (ckpt, "checkpoint", ckpt / "drafter"),
+                                (ckpt / "drafter", "checkpoint", ckpt / "drafter")):
+        src = resolve_source(given)
+        assert (src.kind, src.drafter_dir) == (kind, folder), given
+        assert src.provenance == (expected if kind != "checkpoint" else {**expected, "data": {"source": "tiny"}})
+    (ckpt / "trainer_state.json").write_text('{"step": 0}')  # 0 steps is a count, not a missing one
+    assert resolve_source(ckpt).provenance["steps"] == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_source("~/run").drafter_dir == tmp_path / "run" / "final" / "drafter"
+    (ckpt / "state").mkdir()  # another folder of the checkpoint is no drafter
+    with pytest.raises(NotADrafterError, match="state is not a drafter folder"):
+        resolve_source(ckpt / "state")
+
+
+def test_steps_of_an_older_final_drafter_are_the_largest_logged_and_a_finished_run_needs_no_checkpoint(tmp_path):
+    """Without final/trained.json the steps are the largest step in metrics.jsonl, whatever the rows' order and
+    past rows that are not JSON or have no step; with it, a run whose checkpoints were all removed exports."""
+    from export.source import resolve_source
+
+    run = tmp_path / "run"
+    _bare_drafter(run / "final" / "drafter")
+    (run / "final" / "config.yaml").write_text("recipe: tiny\n")
+    (run / "metrics.jsonl").write_text('{"step": 10}\nnot json\n{"loss": 1.0}\n{"step": 20}\n{"step": 15}\n')
+    (run / "checkpoints" / "step_5").mkdir(parents=True)  # no trained.json to compare it with: final/ is taken
+    assert resolve_source(run).provenance["steps"] == 20
+    (run / "final" / "trained.json").write_text('{"step": 30}')
+    assert resolve_source(run).provenance["steps"] == 30
+
+
+def test_a_bare_drafter_reads_no_config_beside_it_and_one_named_by_its_dflash_block_is_a_drafter(tmp_path):
+    """A config.yaml beside a drafter folder that is not a run's final/ is someone else's: not the run config.
+    A config.json with a dflash_config block but no architectures (some exports drop it) is a drafter."""
+    from export.source import resolve_source
+
+    mine = _bare_drafter(tmp_path / "mine" / "drafter")
+    (tmp_path / "mine" / "config.yaml").write_text("recipe: qwen3-8b\n")
+    src = resolve_source(mine)
+    assert (src.kind, src.provenance) == ("drafter", {})
+    (mine / "config.json").write_text(json.dumps({"dflash_config": {"block_size": 8}}))
+    assert resolve_source(mine).drafter_dir == mine
+
+
+def test_training_output_names_what_export_takes_for_a_runs_drafter_folders(tmp_path):
+    """push refuses a training run's drafter folder and names the --checkpoint to export instead: final/drafter
+    beside the run config, a checkpoint's drafter/; any other folder (another name in final/, a copy of a
+    final/drafter without its run config) is not training output."""
+    from export.source import training_output
+
+    run = tmp_path / "run"
+    (run / "final" / "drafter").mkdir(parents=True)
+    (run / "final" / "hf").mkdir()
+    (run / "final" / "config.yaml").write_text("recipe: tiny\n")
+    ckpt = run / "checkpoints" / "step_3"
+    (ckpt / "drafter").mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 3}')
+    (tmp_path / "copy" / "final" / "drafter").mkdir(parents=True)
+    assert training_output(run / "final" / "drafter") == run and training_output(ckpt / "drafter") == ckpt
+    assert [training_output(p) for p in (run / "final" / "hf", tmp_path / "copy" / "final" / "drafter")] == [None] * 2
 
 
 def test_provenance_records_what_the_drafter_was_trained_against(tmp_path):
@@ -341,9 +429,10 @@ def test_schema_check_names_each_wrong_value(setup, name):
     assert any(expected in p for p in problems), problems
 
 
-@pytest.mark.parametrize("corrupt", ["layer id", "mask id", "block size"])
+@pytest.mark.parametrize("corrupt", ["layer id", "mask id", "block size", "engine key"])
 def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypatch, corrupt):
-    """A writer bug (the written config.json differs from the drafter) is refused and nothing is placed."""
+    """A writer bug (the written config.json differs from the drafter, or carries a key engines must not read)
+    is refused and nothing is placed."""
     from models.config import DFlashConfig
 
     _, _, _, ckpt = setup
@@ -355,6 +444,8 @@ def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypa
             d["dflash_config"]["target_layer_ids"] = [i + 1 for i in d["dflash_config"]["target_layer_ids"]]
         elif corrupt == "mask id":
             d["dflash_config"]["mask_token_id"] += 1
+        elif corrupt == "engine key":
+            d["eagle_aux_hidden_state_layer_ids"] = d["dflash_config"]["target_layer_ids"]
         else:
             d["block_size"] = d["dflash_config"]["block_size"] = 16
         return d
@@ -363,7 +454,8 @@ def test_gate_refuses_a_writer_that_gets_a_value_wrong(setup, tmp_path, monkeypa
     export_hf(ckpt, out, remote_code_check=False, log=quiet)  # an earlier, good export: must survive
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     monkeypatch.setattr(DFlashConfig, "to_dict", wrong)
-    with pytest.raises(ExportCheckError, match="does not read back"):
+    said = "config.json fails the engine schema" if corrupt == "engine key" else "does not read back"
+    with pytest.raises(ExportCheckError, match=said):
         export_hf(ckpt, out, overwrite=True, remote_code_check=False, log=quiet)
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "a temp folder was left behind"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -478,6 +570,66 @@ def test_quantized_mlx_gate_refuses_non_finite_logits(setup, tmp_path, monkeypat
     assert not (tmp_path / "q4").exists()
 
 
+@pytest.mark.parametrize("loader", ["draftsmith", "AutoModel"])
+def test_an_fp32_export_is_held_to_fp32_parity_by_each_loader(setup, tmp_path, monkeypatch, loader):
+    """Weights that read back bit-equal through a loader that computes 0.1% off (within bf16's tolerance, not
+    fp32's): the reloaded folder's own logits are compared, at the export dtype's tolerance, for draftsmith's
+    loader and for AutoModel with the shipped file."""
+    import transformers
+
+    _, _, _, ckpt = setup
+
+    class OffByATenth(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            return self.model(*args) * 1.001
+
+    if loader == "draftsmith":
+        real = DFlashDraftModel.from_pretrained.__func__
+
+        def reload(cls, path, **kw):
+            model = real(cls, path, **kw)
+            return OffByATenth(model) if Path(path).name.endswith(".tmp") else model
+
+        monkeypatch.setattr(DFlashDraftModel, "from_pretrained", classmethod(reload))
+        # the weight comparison reads the wrapped model's names: keep them the drafter's
+        monkeypatch.setattr(OffByATenth, "state_dict", lambda self: self.model.state_dict())
+    else:
+        def auto_model(path, trust_remote_code, **kw):
+            return OffByATenth(DFlashDraftModel.from_pretrained(path, **kw))
+
+        monkeypatch.setattr(transformers.AutoModel, "from_pretrained", auto_model)
+    said = "with draftsmith" if loader == "draftsmith" else r"with AutoModel\(trust_remote_code=True\)"
+    with pytest.raises(ExportCheckError, match=f"reloaded {said}: logits differ .*tolerance 1e-04 for float32"):
+        export_hf(ckpt, tmp_path / "hf", dtype="fp32", log=quiet)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path, monkeypatch):
+    """The target's LM head saved into the drafter's weights (engines take it from the target) is named by the
+    weight check before any reload."""
+    from safetensors.torch import load_file, save_file
+
+    _, _, _, ckpt = setup
+    real = DFlashDraftModel.save_pretrained
+
+    def save_with_the_head(self, directory, **kw):
+        real(self, directory, **kw)
+        path = Path(directory) / "model.safetensors"
+        state = load_file(str(path))
+        state["lm_head.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+        save_file(state, str(path), metadata={"format": "pt"})
+        return Path(directory)
+
+    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_with_the_head)
+    with pytest.raises(ExportCheckError, match="the written weights do not match config.json: weight 'lm_head"):
+        export_hf(ckpt, tmp_path / "hf", remote_code_check=False, log=quiet)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_gate_refuses_a_drafter_that_does_not_fit_its_target(setup, tmp_path):
     """Checked against the target folder: a mask id the tokenizer emits, a layer count that differs."""
     from models.tiny import save_tiny_target
@@ -527,6 +679,32 @@ def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+
+
+def test_export_hf_cli_defaults_and_what_it_passes_on(tmp_path, monkeypatch):
+    """Defaults: bf16, shards of 5GB, the run's target, the remote-code check on; every flag reaches export_hf,
+    and a dtype or shard size the writer does not take is refused by name when called directly."""
+    import export.hf
+
+    args = export.hf.parse_args(["--checkpoint", "c", "--out", "o"])
+    assert (args.dtype, args.max_shard_size, args.target, args.target_revision, args.overwrite,
+            args.no_remote_code_check) == ("bf16", "5GB", None, None, False, False)
+    seen = {}
+    monkeypatch.setattr(export.hf, "export_hf", lambda checkpoint, out, **kw: seen.update(kw, at=(checkpoint, out)))
+    export.hf.main(["--checkpoint", "c", "--out", "o", "--dtype", "fp16", "--target", "org/t", "--target-revision",
+                    "r1", "--max-shard-size", "2GiB", "--overwrite", "--no-remote-code-check"])
+    assert seen == {"at": ("c", "o"), "dtype": "fp16", "target": "org/t", "target_revision": "r1",
+                    "max_shard_size": "2GiB", "overwrite": True, "remote_code_check": False}
+    seen.clear()
+    export.hf.main(["--checkpoint", "c", "--out", "o"])
+    assert (seen["remote_code_check"], seen["overwrite"], seen["max_shard_size"]) == (True, False, "5GB")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"--dtype 'int8': use one of \['bf16', 'fp16', 'fp32'\]"):
+        export_hf(tmp_path / "no-such-run", tmp_path / "out", dtype="int8")
+    for size in (True, False, 0.5):  # a flag or a fraction is no size: True was one byte, one shard per tensor
+        with pytest.raises(ValueError, match="--max-shard-size"):
+            export.hf.shard_bytes(size)
+    assert [export.hf.shard_bytes(v) for v in (1024, " 1.5 TB ", "3kib", "7")] == [1024, 15 * 10**11, 3 * 2**10, 7]
 
 
 # ------------------------------------------------------------------------------------- MLX
@@ -583,6 +761,7 @@ def test_provenance_drops_unset_values_and_records_the_revision_and_a_local_targ
     assert provenance(run, None, None, quiet) == {"target": "Qwen/Qwen3-8B", "target_quantization": "mlx-4bit-g64",
                                                   "steps": 7}
     assert provenance(run, None, "abc123", quiet)["target_revision"] == "abc123"
+    assert provenance({"steps": 0, "data": {"limit": 0}}, None, None, quiet) == {"steps": 0, "data": {"limit": 0}}
     assert provenance(run, "Qwen/Qwen3-8B-Base", None, quiet)["target_quantization"] == "mlx-4bit-g64"
     local = provenance(run, str(target_dir), None, quiet)
     assert local["target"] == str(target_dir) and local["target_quantization"] == "none (unquantized weights)"
@@ -633,6 +812,7 @@ def test_staging_replaces_an_earlier_export_leaves_nothing_beside_it_and_shares_
     umask = os.umask(0o077)
     try:
         with staging(out, overwrite=True) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".hf.")  # beside --out: one rename moves it in
             (tmp / "config.json").write_text(json.dumps({"draftsmith": {}, "marker": "new"}))
             (tmp / "model.safetensors").write_bytes(b"weights")
     finally:
@@ -673,6 +853,63 @@ def test_a_staging_folder_with_a_recent_file_is_kept_however_old_the_folder(tmp_
         os.utime(folder, (now - 7200,) * 2)
     remove_stale_staging(tmp_path / "hf")
     assert [p.name for p in tmp_path.iterdir()] == [".hf.writing1.tmp"]
+
+
+def test_only_this_outs_staging_folders_are_stale_and_only_by_their_whole_name(tmp_path):
+    """Old folders named like a staging folder of ``hf`` but longer (a user's backup of one, another tool's) are
+    not removed; an old one of exactly that shape is."""
+    import time
+
+    from export.folder import remove_stale_staging
+
+    for name in (".hf.abcd1234.tmp", ".hf.abcd1234.tmp.keep", ".hf.abcd1234.tmpfiles", "x.hf.abcd1234.tmp"):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (time.time() - 7200,) * 2)
+    remove_stale_staging(tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.abcd1234.tmp.keep", ".hf.abcd1234.tmpfiles",
+                                                          "x.hf.abcd1234.tmp"]
+    for name in (".d.v2.abcd1234.tmp", ".dxv2.abcd1234.tmp"):  # the dot of --out d.v2 is a dot, not any character
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (time.time() - 7200,) * 2)
+    remove_stale_staging(tmp_path / "d.v2")
+    assert ".dxv2.abcd1234.tmp" in os.listdir(tmp_path) and ".d.v2.abcd1234.tmp" not in os.listdir(tmp_path)
+
+
+def test_files_put_into_out_during_an_export_are_kept_and_the_export_refused(setup, tmp_path, monkeypatch):
+    """--out is checked again when the new folder moves in: files that appeared there while the export ran
+    (another export, the user) are neither replaced nor mixed with the new folder, and no temp folder stays."""
+    _, _, _, ckpt = setup
+    out = tmp_path / "hf"
+    real = DFlashDraftModel.save_pretrained
+
+    def save_while_someone_writes_out(self, directory, **kw):
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        return real(self, directory, **kw)
+
+    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_while_someone_writes_out)
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        export_hf(ckpt, out, remote_code_check=False, log=quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_partial_copy_of_an_earlier_export_beside_out_is_not_put_back_nor_in_the_way(setup, tmp_path):
+    """A kill while the swap removed the previous export's copy (``.hf.old``) leaves part of it, without its
+    config.json: it is no export to put back over an empty --out, and an --overwrite export still swaps in."""
+    _, _, drafter, ckpt = setup
+    out, old = tmp_path / "hf", tmp_path / ".hf.old"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"half")
+    out.mkdir()  # an empty --out needs no --overwrite
+    export_hf(ckpt, out, remote_code_check=False, log=quiet)
+    assert json.loads((out / "config.json").read_text())["draftsmith"]["steps"] == 7
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+    old.mkdir(exist_ok=True)
+    (old / "model.safetensors").write_bytes(b"half")
+    export_hf(ckpt, out, dtype="fp32", overwrite=True, remote_code_check=False, log=quiet)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def _mlx_friendly_drafter(tmp_path) -> Path:
@@ -739,6 +976,48 @@ def test_mlx_gate_refuses_a_weight_missing_after_reload(setup, tmp_path, monkeyp
     assert not (tmp_path / "mlx").exists()
 
 
+def test_mlx_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path, monkeypatch):
+    """The target's LM head saved beside the drafter's weights is named by the weight check; nothing is placed."""
+    mx = pytest.importorskip("mlx.core")
+    from export.mlx import export_mlx
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    real = MLXDrafter.save_pretrained
+
+    def save_with_the_head(self, directory):
+        real(self, directory)
+        path = str(Path(directory) / "model.safetensors")
+        mx.save_safetensors(path, {**mx.load(path), "lm_head.weight": mx.zeros((4, 4))}, metadata={"format": "mlx"})
+        return Path(directory)
+
+    monkeypatch.setattr(MLXDrafter, "save_pretrained", save_with_the_head)
+    with mx.stream(mx.cpu), pytest.raises(ExportCheckError, match="do not match config.json: weight 'lm_head"):
+        export_mlx(setup[3], tmp_path / "mlx", log=quiet)
+    assert not (tmp_path / "mlx").exists()
+
+
+def test_an_fp32_mlx_export_is_held_to_fp32_parity_on_the_reloaded_folder(setup, tmp_path, monkeypatch):
+    """The reloaded MLX drafter computing 0.1% off (within bf16's tolerance, not fp32's) is refused: the gate
+    compares the folder's own reload, at the export dtype's tolerance."""
+    mx = pytest.importorskip("mlx.core")
+    import export.mlx
+    from models.drafter_mlx import DFlashDraftModel as MLXDrafter
+
+    real_load, real_logits = MLXDrafter.from_pretrained, export.mlx.mlx_logits
+
+    def load(path, dtype=None, revision=None):
+        model = real_load(path, dtype=dtype, revision=revision)
+        model.reloaded = Path(path).name.endswith(".tmp")  # the gate's reload of the staging folder
+        return model
+
+    monkeypatch.setattr(MLXDrafter, "from_pretrained", staticmethod(load))
+    monkeypatch.setattr(export.mlx, "mlx_logits",
+                        lambda model, *a: real_logits(model, *a) * (1.001 if getattr(model, "reloaded", False) else 1))
+    with mx.stream(mx.cpu), pytest.raises(ExportCheckError, match="logits differ .*tolerance 1e-04 for float32"):
+        export.mlx.export_mlx(setup[3], tmp_path / "mlx", dtype="fp32", log=quiet)
+    assert not (tmp_path / "mlx").exists()
+
+
 def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_path):
     pytest.importorskip("mlx.core")
     from export.mlx import export_mlx
@@ -747,6 +1026,8 @@ def test_export_mlx_refuses_bits_and_group_sizes_it_does_not_write(setup, tmp_pa
         export_mlx(setup[3], tmp_path / "q", quantize=4, group_size=16, log=quiet)
     with pytest.raises(ValueError, match="--quantize 3: use 4 or 8"):
         export_mlx(setup[3], tmp_path / "q", quantize=3, log=quiet)
+    with pytest.raises(ValueError, match=r"--dtype 'int8': use one of \['bf16', 'fp16', 'fp32'\]"):
+        export_mlx(setup[3], tmp_path / "q", dtype="int8", log=quiet)
     assert not (tmp_path / "q").exists()
 
 
