@@ -2997,6 +2997,8 @@ def test_an_empty_value_of_a_key_that_needs_one_is_named_not_read_as_none(tmp_pa
     ("gptq", "not a quantization draftsmith knows: use none | mlx:PATH_OR_ID"),
     ("mlx-7bit", "7 bits is not an MLX affine width"),
     ("mlx-4bit-g48", "group size 48 is not supported; use one of \\[32, 64, 128\\]"),
+    ("mlx-4bit-g256", "group size 256 is not supported"),  # a multiple of 32, still not an MLX group size
+    ("bnb-8bit", "not a quantization draftsmith knows"),  # only bnb-4bit is wired up: never read as it
     ("mlx:", "needs a folder or Hub id after 'mlx:'"),  # once read as the YAML mapping {'mlx': None}
 ])
 def test_bad_quantization_value_fails_at_config_time(value, message):
@@ -3028,10 +3030,35 @@ def test_mlx_prefix_without_a_path_is_refused():
 
 def test_group_size_not_dividing_the_hidden_size_is_refused(mlx_q4_folder, tmp_path):
     from models.quant import QuantizationError, quantize_to_mlx
+    from models.tiny import save_tiny_target
 
     with pytest.raises(QuantizationError, match="group size 128 does not divide the target's hidden size 64.*"
                                                 "use group size \\[32, 64\\]"):
         quantize_to_mlx(mlx_q4_folder[0], tmp_path / "q", bits=4, group_size=128)
+    # A vision-language config keeps the text tower's hidden size under text_config.
+    nested = save_tiny_target(tmp_path / "vl", arch="qwen3_5_vl", num_layers=2)
+    with pytest.raises(QuantizationError, match="group size 128 does not divide the target's hidden size 64"):
+        quantize_to_mlx(nested, tmp_path / "q", bits=4, group_size=128)
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantizing_to_a_width_or_family_mlx_lm_cannot_take_is_refused_before_it_loads(mlx_q4_folder, tmp_path):
+    """A direct call (python API, the quantization experiment) is checked as target.quantization is: a width MLX
+    does not pack, or a model family draftsmith does not train for, is named before mlx_lm reads the weights."""
+    import json
+    import shutil
+
+    from models.quant import QuantizationError, quantize_to_mlx
+    from models.target import UnsupportedTarget
+
+    with pytest.raises(QuantizationError, match="7 bits is not an MLX affine width; use one of \\[2, 3, 4, 5, 6, 8\\]"):
+        quantize_to_mlx(mlx_q4_folder[0], tmp_path / "q", bits=7, group_size=32)
+    other = shutil.copytree(mlx_q4_folder[0], tmp_path / "gpt2")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedTarget, match="not supported yet: gpt2"):
+        quantize_to_mlx(other, tmp_path / "q", bits=4, group_size=32)
+    assert not (tmp_path / "q").exists()
 
 
 def test_missing_scales_is_refused(mlx_q4_folder, tmp_path):
@@ -3060,7 +3087,8 @@ def test_config_bits_that_do_not_match_the_weights_are_refused(mlx_q4_folder, tm
 
 
 def test_dequantize_refuses_scales_and_biases_of_other_shapes():
-    """Biases with fewer groups than the scales must not broadcast (every group would get the first bias)."""
+    """Biases with fewer groups than the scales must not broadcast (every group would get the first bias); nor may
+    one row's groups, read at the wrong group size, spread over the rows."""
     import torch
 
     from models.quant import QuantizationError, dequantize
@@ -3070,6 +3098,10 @@ def test_dequantize_refuses_scales_and_biases_of_other_shapes():
     for s, b in ((scales, torch.zeros(4, 1)), (torch.ones(3, 2), torch.zeros(3, 2))):
         with pytest.raises(QuantizationError, match="wrong bits \\(4\\) or group size"):
             dequantize(packed, s, b, 32, 4)
+    # One row of 64 4-bit values with one scale: group 64, not 32 (its 64 values would read as two rows of 32).
+    assert dequantize(packed[:1], scales[:1, :1], biases[:1, :1], 64, 4).shape == (1, 64)
+    with pytest.raises(QuantizationError, match="holds 64 values per row, but scales \\(1, 1\\) .* expect 32"):
+        dequantize(packed[:1], scales[:1, :1], biases[:1, :1], 32, 4)
 
 
 def test_scales_without_their_weight_are_refused():
@@ -3083,10 +3115,43 @@ def test_scales_without_their_weight_are_refused():
 
 
 def test_mlx_path_that_is_not_quantized_is_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, resolve_target
+    import json
+
+    from models.quant import QuantizationError, load_mlx_target, resolve_target
 
     with pytest.raises(QuantizationError, match="has no MLX 'quantization' in its config.json"):
         resolve_target(str(mlx_q4_folder[0]), f"mlx:{mlx_q4_folder[0]}", tmp_path)
+    with pytest.raises(QuantizationError, match="has no MLX 'quantization: {bits, group_size}'.*not an MLX affine"):
+        load_mlx_target(mlx_q4_folder[0])  # never loaded as if quantized, named "mlx-Nonebit-gNone"
+    partial = _copy_with(mlx_q4_folder[1], tmp_path / "partial")
+    config = json.loads((partial / "config.json").read_text())
+    del config["quantization"]["bits"]
+    (partial / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match="has no MLX 'quantization: {bits, group_size}'"):
+        load_mlx_target(partial)
+
+
+def test_an_mlx_checkpoint_that_does_not_fit_the_model_names_the_tensors(mlx_q4_folder):
+    """A tensor missing, left over or of another shape is named with the model's own names (not the bare
+    load_state_dict error, nor a model with a tensor of the wrong size)."""
+    import json
+
+    import torch
+
+    from models.quant import QuantizationError, build_hf_model, dequantize_weights, read_safetensors, to_hf_state_dict
+
+    folder = mlx_q4_folder[1]
+    config = json.loads((folder / "config.json").read_text())
+    state = to_hf_state_dict(dequantize_weights(read_safetensors(folder), config, torch.float32), "qwen3")
+    missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    with pytest.raises(QuantizationError, match="does not map onto Qwen3ForCausalLM: missing \\['model.norm.weight"):
+        build_hf_model(config, missing, torch.float32)
+    extra = {**state, "model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64)}
+    with pytest.raises(QuantizationError, match="missing \\[\\], unexpected \\['model.layers.2.mlp.up_proj.weight"):
+        build_hf_model(config, extra, torch.float32)
+    with pytest.raises(QuantizationError, match="^model.norm.weight: checkpoint shape \\(32,\\) != model shape "
+                                                "\\(64,\\)"):
+        build_hf_model(config, {**state, "model.norm.weight": torch.ones(32)}, torch.float32)
 
 
 def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
@@ -3095,6 +3160,9 @@ def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
     (tmp_path / "mine.txt").write_text("not yours")
     with pytest.raises(QuantizationError, match="was not written by draftsmith's quantizer"):
         quantize_to_mlx(mlx_q4_folder[0], tmp_path, bits=4, group_size=32)
+    (tmp_path / "empty").mkdir()  # an empty folder made beforehand is not foreign
+    assert quantize_to_mlx(mlx_q4_folder[0], tmp_path / "empty", bits=4, group_size=32, log=lambda *_: None) == \
+        tmp_path / "empty"
 
 
 @pytest.mark.parametrize("module, args", [
@@ -3113,16 +3181,18 @@ def test_quantization_flag_without_in_process_generation_is_refused(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
-def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch):
+def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch, tmp_path):
     import importlib.util
 
-    from models.quant import QuantizationError, transformers_quantization_config
+    from models.quant import QuantizationError, resolve_target, transformers_quantization_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(QuantizationError, match="bnb-4bit needs bitsandbytes: pip install bitsandbytes"):
         transformers_quantization_config("bnb-4bit")
+    with pytest.raises(QuantizationError, match="bnb-4bit needs bitsandbytes"):  # resolved before any weight loads
+        resolve_target("Qwen/Qwen3-8B", "bnb-4bit", tmp_path)
 
 
 def test_fp8_without_cuda_says_so(monkeypatch):
