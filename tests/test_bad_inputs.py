@@ -3396,6 +3396,10 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
     with pytest.raises(FileNotFoundError, match=f"{weight_map['lm_head.weight']} \\(named in .*index.json for "
                                                 "lm_head.weight\\) is missing: an incomplete download"):
         TargetModel.borrowed_parts(folder)
+    # A local folder is never fetched into: the whole load names the missing shard too, not a Hub download.
+    with pytest.raises(FileNotFoundError, match=f"{weight_map['lm_head.weight']} is listed in .*index.json but "
+                                                "missing: the download or export is incomplete"):
+        TargetModel.from_pretrained(folder)
     index.write_text(index.read_text()[:40])
     with pytest.raises(ValueError, match="index.json is not a safetensors shard index .*truncated download"):
         TargetModel.borrowed_parts(folder)
@@ -3492,6 +3496,35 @@ def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, 
     message = str(e.value)
     assert "\n" not in message and "Name or service not known)" in message
     assert f"there is no local folder {tmp_path / 'runs' / 'small-target'}" in message and "build it first" in message
+
+
+def test_a_file_given_for_a_model_folder_is_named(tmp_path, monkeypatch):
+    """``--target runs/t/model.safetensors`` (or its config.json) names the folder to pass instead, also when the
+    file's path looks like an org/name Hub id."""
+    from models.hub import resolve_model_dir
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("the Hub was asked"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{}")
+    for given in ("t/config.json", str(tmp_path / "t" / "config.json")):
+        with pytest.raises(NotADirectoryError, match=f"target {re.escape(repr(given))} is a file; pass the folder "
+                                                     "that holds config.json"):
+            resolve_model_dir(given, what="target")
+
+
+@pytest.mark.parametrize("given", ["./small-target", "../small-target", "/small-target", "-org/name", ".hidden/name"])
+def test_a_missing_path_that_cannot_be_a_hub_id_is_named_without_asking_the_hub(tmp_path, monkeypatch, given):
+    """A Hub id starts with a letter or digit: ``./small-target`` (or an absolute path) that is not there is a
+    missing folder, said at once, not a repo to look up (retries, then a network error that hides the typo)."""
+    from models.hub import is_hub_id, resolve_model_dir
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("the Hub was asked"))
+    monkeypatch.chdir(tmp_path)
+    assert not is_hub_id(given)
+    with pytest.raises(FileNotFoundError, match=f"target {re.escape(repr(given))} is neither a local folder nor a "
+                                                "Hub id of the form org/name"):
+        resolve_model_dir(given, what="target")
 
 
 def test_forward_of_a_target_loaded_without_its_layers():
