@@ -3091,6 +3091,8 @@ def test_an_empty_value_of_a_key_that_needs_one_is_named_not_read_as_none(tmp_pa
     ("gptq", "not a quantization draftsmith knows: use none | mlx:PATH_OR_ID"),
     ("mlx-7bit", "7 bits is not an MLX affine width"),
     ("mlx-4bit-g48", "group size 48 is not supported; use one of \\[32, 64, 128\\]"),
+    ("mlx-4bit-g256", "group size 256 is not supported"),  # a multiple of 32, still not an MLX group size
+    ("bnb-8bit", "not a quantization draftsmith knows"),  # only bnb-4bit is wired up: never read as it
     ("mlx:", "needs a folder or Hub id after 'mlx:'"),  # once read as the YAML mapping {'mlx': None}
 ])
 def test_bad_quantization_value_fails_at_config_time(value, message):
@@ -3122,10 +3124,35 @@ def test_mlx_prefix_without_a_path_is_refused():
 
 def test_group_size_not_dividing_the_hidden_size_is_refused(mlx_q4_folder, tmp_path):
     from models.quant import QuantizationError, quantize_to_mlx
+    from models.tiny import save_tiny_target
 
     with pytest.raises(QuantizationError, match="group size 128 does not divide the target's hidden size 64.*"
                                                 "use group size \\[32, 64\\]"):
         quantize_to_mlx(mlx_q4_folder[0], tmp_path / "q", bits=4, group_size=128)
+    # A vision-language config keeps the text tower's hidden size under text_config.
+    nested = save_tiny_target(tmp_path / "vl", arch="qwen3_5_vl", num_layers=2)
+    with pytest.raises(QuantizationError, match="group size 128 does not divide the target's hidden size 64"):
+        quantize_to_mlx(nested, tmp_path / "q", bits=4, group_size=128)
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantizing_to_a_width_or_family_mlx_lm_cannot_take_is_refused_before_it_loads(mlx_q4_folder, tmp_path):
+    """A direct call (python API, the quantization experiment) is checked as target.quantization is: a width MLX
+    does not pack, or a model family draftsmith does not train for, is named before mlx_lm reads the weights."""
+    import json
+    import shutil
+
+    from models.quant import QuantizationError, quantize_to_mlx
+    from models.target import UnsupportedTarget
+
+    with pytest.raises(QuantizationError, match="7 bits is not an MLX affine width; use one of \\[2, 3, 4, 5, 6, 8\\]"):
+        quantize_to_mlx(mlx_q4_folder[0], tmp_path / "q", bits=7, group_size=32)
+    other = shutil.copytree(mlx_q4_folder[0], tmp_path / "gpt2")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedTarget, match="not supported yet: gpt2"):
+        quantize_to_mlx(other, tmp_path / "q", bits=4, group_size=32)
+    assert not (tmp_path / "q").exists()
 
 
 def test_missing_scales_is_refused(mlx_q4_folder, tmp_path):
@@ -3154,7 +3181,8 @@ def test_config_bits_that_do_not_match_the_weights_are_refused(mlx_q4_folder, tm
 
 
 def test_dequantize_refuses_scales_and_biases_of_other_shapes():
-    """Biases with fewer groups than the scales must not broadcast (every group would get the first bias)."""
+    """Biases with fewer groups than the scales must not broadcast (every group would get the first bias); nor may
+    one row's groups, read at the wrong group size, spread over the rows."""
     import torch
 
     from models.quant import QuantizationError, dequantize
@@ -3164,6 +3192,10 @@ def test_dequantize_refuses_scales_and_biases_of_other_shapes():
     for s, b in ((scales, torch.zeros(4, 1)), (torch.ones(3, 2), torch.zeros(3, 2))):
         with pytest.raises(QuantizationError, match="wrong bits \\(4\\) or group size"):
             dequantize(packed, s, b, 32, 4)
+    # One row of 64 4-bit values with one scale: group 64, not 32 (its 64 values would read as two rows of 32).
+    assert dequantize(packed[:1], scales[:1, :1], biases[:1, :1], 64, 4).shape == (1, 64)
+    with pytest.raises(QuantizationError, match="holds 64 values per row, but scales \\(1, 1\\) .* expect 32"):
+        dequantize(packed[:1], scales[:1, :1], biases[:1, :1], 32, 4)
 
 
 def test_scales_without_their_weight_are_refused():
@@ -3177,10 +3209,43 @@ def test_scales_without_their_weight_are_refused():
 
 
 def test_mlx_path_that_is_not_quantized_is_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, resolve_target
+    import json
+
+    from models.quant import QuantizationError, load_mlx_target, resolve_target
 
     with pytest.raises(QuantizationError, match="has no MLX 'quantization' in its config.json"):
         resolve_target(str(mlx_q4_folder[0]), f"mlx:{mlx_q4_folder[0]}", tmp_path)
+    with pytest.raises(QuantizationError, match="has no MLX 'quantization: {bits, group_size}'.*not an MLX affine"):
+        load_mlx_target(mlx_q4_folder[0])  # never loaded as if quantized, named "mlx-Nonebit-gNone"
+    partial = _copy_with(mlx_q4_folder[1], tmp_path / "partial")
+    config = json.loads((partial / "config.json").read_text())
+    del config["quantization"]["bits"]
+    (partial / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match="has no MLX 'quantization: {bits, group_size}'"):
+        load_mlx_target(partial)
+
+
+def test_an_mlx_checkpoint_that_does_not_fit_the_model_names_the_tensors(mlx_q4_folder):
+    """A tensor missing, left over or of another shape is named with the model's own names (not the bare
+    load_state_dict error, nor a model with a tensor of the wrong size)."""
+    import json
+
+    import torch
+
+    from models.quant import QuantizationError, build_hf_model, dequantize_weights, read_safetensors, to_hf_state_dict
+
+    folder = mlx_q4_folder[1]
+    config = json.loads((folder / "config.json").read_text())
+    state = to_hf_state_dict(dequantize_weights(read_safetensors(folder), config, torch.float32), "qwen3")
+    missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    with pytest.raises(QuantizationError, match="does not map onto Qwen3ForCausalLM: missing \\['model.norm.weight"):
+        build_hf_model(config, missing, torch.float32)
+    extra = {**state, "model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64)}
+    with pytest.raises(QuantizationError, match="missing \\[\\], unexpected \\['model.layers.2.mlp.up_proj.weight"):
+        build_hf_model(config, extra, torch.float32)
+    with pytest.raises(QuantizationError, match="^model.norm.weight: checkpoint shape \\(32,\\) != model shape "
+                                                "\\(64,\\)"):
+        build_hf_model(config, {**state, "model.norm.weight": torch.ones(32)}, torch.float32)
 
 
 def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
@@ -3189,6 +3254,9 @@ def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
     (tmp_path / "mine.txt").write_text("not yours")
     with pytest.raises(QuantizationError, match="was not written by draftsmith's quantizer"):
         quantize_to_mlx(mlx_q4_folder[0], tmp_path, bits=4, group_size=32)
+    (tmp_path / "empty").mkdir()  # an empty folder made beforehand is not foreign
+    assert quantize_to_mlx(mlx_q4_folder[0], tmp_path / "empty", bits=4, group_size=32, log=lambda *_: None) == \
+        tmp_path / "empty"
 
 
 @pytest.mark.parametrize("module, args", [
@@ -3207,16 +3275,18 @@ def test_quantization_flag_without_in_process_generation_is_refused(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
-def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch):
+def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch, tmp_path):
     import importlib.util
 
-    from models.quant import QuantizationError, transformers_quantization_config
+    from models.quant import QuantizationError, resolve_target, transformers_quantization_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(QuantizationError, match="bnb-4bit needs bitsandbytes: pip install bitsandbytes"):
         transformers_quantization_config("bnb-4bit")
+    with pytest.raises(QuantizationError, match="bnb-4bit needs bitsandbytes"):  # resolved before any weight loads
+        resolve_target("Qwen/Qwen3-8B", "bnb-4bit", tmp_path)
 
 
 def test_fp8_without_cuda_says_so(monkeypatch):
@@ -3420,6 +3490,10 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
     with pytest.raises(FileNotFoundError, match=f"{weight_map['lm_head.weight']} \\(named in .*index.json for "
                                                 "lm_head.weight\\) is missing: an incomplete download"):
         TargetModel.borrowed_parts(folder)
+    # A local folder is never fetched into: the whole load names the missing shard too, not a Hub download.
+    with pytest.raises(FileNotFoundError, match=f"{weight_map['lm_head.weight']} is listed in .*index.json but "
+                                                "missing: the download or export is incomplete"):
+        TargetModel.from_pretrained(folder)
     index.write_text(index.read_text()[:40])
     with pytest.raises(ValueError, match="index.json is not a safetensors shard index .*truncated download"):
         TargetModel.borrowed_parts(folder)
@@ -3516,6 +3590,35 @@ def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, 
     message = str(e.value)
     assert "\n" not in message and "Name or service not known)" in message
     assert f"there is no local folder {tmp_path / 'runs' / 'small-target'}" in message and "build it first" in message
+
+
+def test_a_file_given_for_a_model_folder_is_named(tmp_path, monkeypatch):
+    """``--target runs/t/model.safetensors`` (or its config.json) names the folder to pass instead, also when the
+    file's path looks like an org/name Hub id."""
+    from models.hub import resolve_model_dir
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("the Hub was asked"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{}")
+    for given in ("t/config.json", str(tmp_path / "t" / "config.json")):
+        with pytest.raises(NotADirectoryError, match=f"target {re.escape(repr(given))} is a file; pass the folder "
+                                                     "that holds config.json"):
+            resolve_model_dir(given, what="target")
+
+
+@pytest.mark.parametrize("given", ["./small-target", "../small-target", "/small-target", "-org/name", ".hidden/name"])
+def test_a_missing_path_that_cannot_be_a_hub_id_is_named_without_asking_the_hub(tmp_path, monkeypatch, given):
+    """A Hub id starts with a letter or digit: ``./small-target`` (or an absolute path) that is not there is a
+    missing folder, said at once, not a repo to look up (retries, then a network error that hides the typo)."""
+    from models.hub import is_hub_id, resolve_model_dir
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("the Hub was asked"))
+    monkeypatch.chdir(tmp_path)
+    assert not is_hub_id(given)
+    with pytest.raises(FileNotFoundError, match=f"target {re.escape(repr(given))} is neither a local folder nor a "
+                                                "Hub id of the form org/name"):
+        resolve_model_dir(given, what="target")
 
 
 def test_forward_of_a_target_loaded_without_its_layers():

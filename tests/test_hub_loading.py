@@ -8,6 +8,7 @@ read from the small files plus 2 MiB ranges of the others, equal to a local copy
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,9 +46,121 @@ def test_fingerprint_of_a_hub_id_reads_no_shard_and_equals_a_local_copy(hub, tmp
     snapshot = hub.cache / "models--org--tiny" / "snapshots" / COMMIT
     spans = list(weight_file_spans(snapshot, "org/tiny", span=4096))
     assert [s[0] for s in spans] == sorted(shards) and hub.ranged == {s: 8192 for s in shards}
+    assert spans == list(weight_file_spans(hub.folder, span=4096))  # the very bytes a local copy gives
     # A fine-tune with the very same shapes and files (another seed) has another fingerprint.
     hub.add("org/tiny-ft", save_tiny_target(tmp_path / "remote" / "tiny-ft", seed=1, max_shard_size="200KB"))
     assert target_identity("org/tiny-ft")["target_fingerprint"] != ident["target_fingerprint"]
+
+
+def test_an_unsharded_hub_target_is_fingerprinted_by_ranges_until_its_weights_are_here(hub, tmp_path, monkeypatch):
+    """A repo with one model.safetensors and no index: with only the small files fetched its weights are read by
+    ranges (never fingerprinted from no weights at all); once downloaded, from disk. Both equal a local copy's."""
+    from data.store import target_identity
+    from models.hub import fetch_model
+    from models.tiny import save_tiny_target
+
+    folder = save_tiny_target(tmp_path / "remote" / "single", num_layers=2, seed=3)
+    hub.add("org/single", folder)
+    local = target_identity(folder)["target_fingerprint"]
+    assert target_identity("org/single")["target_fingerprint"] == local
+    assert hub.downloaded_weights() == set() and set(hub.ranged) == {"model.safetensors"}
+    hub.ranged.clear()
+    fetch_model("org/single")
+    assert hub.downloaded_weights() == {"model.safetensors"}
+
+    class Unreachable:  # a complete snapshot is read from disk: the Hub is not even listed (works offline)
+        def __init__(self):
+            raise ConnectionError("no route to host")
+
+    monkeypatch.setattr("huggingface_hub.HfFileSystem", Unreachable)
+    assert target_identity("org/single")["target_fingerprint"] == local and hub.ranged == {}
+
+
+def test_a_revision_reaches_the_hub_and_the_shards_come_from_the_snapshots_commit(hub, monkeypatch):
+    """target.revision=main asks the Hub for main; the shards fetched afterwards are asked for at the commit the
+    small files came from (main may have moved on meanwhile); a second load asks for the small files only."""
+    import huggingface_hub
+
+    from models.hub import fetch_model
+
+    asked, real = [], huggingface_hub.snapshot_download
+    monkeypatch.setattr("huggingface_hub.snapshot_download",
+                        lambda repo_id, **kw: asked.append(kw["revision"]) or real(repo_id, **kw))
+    folder = fetch_model("org/tiny", revision="main")
+    assert asked == ["main", COMMIT] and folder.name == COMMIT
+    assert hub.downloaded_weights() == set(weight_map(hub.folder).values())
+    asked.clear()
+    assert fetch_model("org/tiny") == folder and asked == [None]  # its shards are on disk already
+
+
+def test_names_of_one_model_are_the_same_model_and_two_folders_are_compared_as_folders(tmp_path):
+    """A drafter records its target by the name it was given: a Hub id, a Hub cache folder, a quantized copy's id,
+    in any case and with a trailing slash, all name one model; two folders that exist here are the same model
+    only when they are the same folder (not two folders of the same name)."""
+    from models.hub import same_model
+
+    cache = "/home/me/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/0123abcd"
+    for a, b in (("Qwen/Qwen3-8B", cache), (cache + "/", "qwen/qwen3-8b"),
+                 ("Qwen/Qwen3-8B/", "mlx-community/Qwen3-8B-4bit"), ("mlx-community/Qwen3-8B-4bit", "Qwen/Qwen3-8B")):
+        assert same_model(a, b), (a, b)
+    for a, b in (("Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B"), (cache, "Qwen/Qwen3-14B"),
+                 ("Qwen/Qwen3-8B/", "meta-llama/Llama-3.1-8B")):
+        assert not same_model(a, b), (a, b)
+    for name in ("a", "b"):
+        (tmp_path / name / "t").mkdir(parents=True)
+    assert same_model(str(tmp_path / "a" / "t"), str(tmp_path / "a" / "t" / ".." / "t"))
+    assert not same_model(str(tmp_path / "a" / "t"), str(tmp_path / "b" / "t"))
+
+
+def test_the_spans_of_a_local_folder_are_both_ends_of_each_weight_file_in_name_order(tmp_path):
+    """Safetensors shards in name order, then .bin weights; each with its size, first and last ``span`` bytes (a
+    file shorter than the span is both), and no other file."""
+    from models.hub import weight_file_spans
+
+    files = {"model-00002-of-00002.safetensors": bytes(range(256)) * 40,
+             "model-00001-of-00002.safetensors": bytes(reversed(range(256))) * 40,
+             "pytorch_model.bin": bytes(range(100)) * 30, "config.json": b"{}"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    spans = list(weight_file_spans(tmp_path, span=4096))
+    assert [(name, size) for name, size, _, _ in spans] == [
+        ("model-00001-of-00002.safetensors", 10240), ("model-00002-of-00002.safetensors", 10240),
+        ("pytorch_model.bin", 3000)]
+    for name, _, head, tail in spans:
+        assert head == files[name][:4096] and tail == files[name][-4096:], name
+    # A local folder is read as it is, even one holding only .bin weights (nothing to complete from the Hub).
+    for name in list(files)[:2]:
+        (tmp_path / name).unlink()
+    assert list(weight_file_spans(tmp_path, span=4096)) == [spans[-1]]
+
+
+def test_ranged_spans_come_in_name_order_whatever_order_the_hub_lists_them(hub, monkeypatch):
+    import huggingface_hub
+
+    from models.hub import SMALL_FILES, resolve_model_dir, weight_file_spans
+
+    class Listed(huggingface_hub.HfFileSystem):  # the fake Hub's, listing the repo backwards
+        def ls(self, *args, **kwargs):
+            return list(reversed(super().ls(*args, **kwargs)))
+
+    monkeypatch.setattr("huggingface_hub.HfFileSystem", Listed)
+    directory = resolve_model_dir("org/tiny", allow_patterns=SMALL_FILES)
+    names = [name for name, *_ in weight_file_spans(directory, "org/tiny", span=4096)]
+    assert names == sorted(set(weight_map(hub.folder).values()))
+
+
+def test_shards_that_land_outside_the_snapshot_are_named(hub, monkeypatch):
+    """The shards of a Hub target are fetched into the snapshot its small files came from: a fetch that lands in
+    another folder (another commit) would mix two versions of the repo, and is refused with both folders."""
+    from models.hub import SMALL_FILES, fetch_files, resolve_model_dir
+
+    directory = resolve_model_dir("org/tiny", allow_patterns=SMALL_FILES)
+    other = hub.cache / "models--org--tiny" / "snapshots" / "fedcba9876543210"
+    other.mkdir(parents=True)
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: str(other))
+    shard = sorted(set(weight_map(hub.folder).values()))[0]
+    with pytest.raises(OSError, match=f"target 'org/tiny': fetched \\['{shard}'\\] into {other}, expected {directory}"):
+        fetch_files("org/tiny", directory, [shard], what="target")
 
 
 def test_borrowed_parts_of_a_hub_id_download_only_the_shards_of_embedding_and_head(hub):
@@ -93,6 +206,55 @@ def test_a_whole_hub_target_downloads_its_index_shards_not_a_consolidated_copy(h
         from models.target import TargetModel as Target
     Target.from_pretrained("org/both")
     assert hub.downloaded_weights() == set(weight_map(repo).values())
+
+
+def test_a_local_folder_named_like_a_hub_id_or_under_home_is_used_as_it_is(hub, tmp_path, monkeypatch):
+    """As in transformers, a local folder wins over a Hub id of the same name (``org/tiny`` copied here), and
+    ``~/...`` is the user's home: both load from disk, nothing is fetched."""
+    import shutil
+
+    from models.hub import fetch_model, is_hub_id, resolve_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    shutil.copytree(hub.folder, tmp_path / "org" / "tiny")
+    shutil.copytree(hub.folder, tmp_path / "home" / "targets" / "tiny")
+    assert not is_hub_id("org/tiny") and is_hub_id("org/elsewhere")
+    assert fetch_model("org/tiny") == Path("org/tiny")
+    home = tmp_path / "home" / "targets" / "tiny"
+    assert fetch_model("~/targets/tiny") == resolve_model_dir("~/targets/tiny") == home
+    assert hub.downloaded == []
+
+
+def test_the_small_files_of_a_hub_target_are_all_a_load_reads_but_its_weights(hub):
+    """Tokenizers without a tokenizer.json ship merges/vocab .txt, a sentencepiece .model or a .tiktoken file, and
+    a repo with its own modeling code ships .py: planning or tokenizing a Hub target fetches all of them (the
+    tokenizer would not load without them), and no weights or training leftovers."""
+    from models.hub import SMALL_FILES, resolve_model_dir
+
+    extra = ["merges.txt", "vocab.txt", "tokenizer.model", "qwen.tiktoken", "modeling_tiny.py", "training_args.bin",
+             "optimizer.pt"]
+    for name in extra:
+        (hub.folder / name).write_bytes(b"x")
+    directory = resolve_model_dir("org/tiny", what="target", allow_patterns=SMALL_FILES)
+    small = {f.name for f in hub.folder.iterdir() if not f.name.endswith((".safetensors", ".bin", ".pt"))}
+    assert {"config.json", "tokenizer.json", "chat_template.jinja", *extra[:5]} <= small
+    assert set(hub.downloaded) == small and sorted(f.name for f in directory.iterdir()) == sorted(small)
+
+
+def test_a_hub_target_quantized_at_a_pinned_revision_is_quantized_from_that_revision(hub, tmp_path):
+    """target.revision reaches the quantizer and its cache key: a folder quantized from the repo's head is not
+    handed back for a pinned commit (which may hold other weights), and the pinned one is then reused."""
+    pytest.importorskip("mlx_lm")
+    from models.quant import QUANT_MARKER, resolve_target
+
+    said = []
+    head, _ = resolve_target("org/tiny", "mlx-4bit-g32", tmp_path, log=said.append)
+    pinned, _ = resolve_target("org/tiny", "mlx-4bit-g32", tmp_path, revision=COMMIT, log=said.append)
+    assert pinned == head and len(said) == 2
+    assert json.loads((tmp_path / "target-mlx-4bit-g32" / QUANT_MARKER).read_text())["revision"] == COMMIT
+    assert resolve_target("org/tiny", "mlx-4bit-g32", tmp_path, revision=COMMIT, log=said.append)[0] == pinned
+    assert len(said) == 2
 
 
 def test_preparing_data_for_a_hub_target_downloads_its_tokenizer_not_its_weights(hub, tmp_path):

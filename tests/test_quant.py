@@ -141,6 +141,8 @@ def test_dequantized_torch_target_matches_the_mlx_quantized_target(sources, tmp_
     torch_target = load_mlx_target(out, dtype=torch.float32)
     mlx_target = MlxTarget.from_pretrained(out, dtype=mx.float32)
     assert torch_target.quantization == mlx_target.quantization == "mlx-4bit-g32" and torch_target.num_layers == 4
+    # The weights it holds are dequantized: its config must not tell transformers it is a quantized model.
+    assert getattr(torch_target.model.config, "quantization_config", None) is None
     if arch == "qwen3":  # the unquantized source: the same word from both adapters
         assert MlxTarget.from_pretrained(sources(arch)).quantization == TargetModel.from_pretrained(
             sources(arch)).quantization == "none"
@@ -185,6 +187,9 @@ def test_quantization_values_parse():
     assert parse_quantization("mlx-3bit-g32").describe() == "mlx-3bit-g32"
     assert parse_quantization("mlx:mlx-community/Qwen3-4B-4bit").path == "mlx-community/Qwen3-4B-4bit"
     assert parse_quantization("bnb-4bit").kind == "bnb" and parse_quantization("fp8").kind == "fp8"
+    # An unset key (YAML null, an empty override, false) is no quantization; spaces around a value are not read.
+    assert [parse_quantization(v).kind for v in (None, "", False, " none ")] == ["none"] * 4
+    assert parse_quantization(" mlx: /q4 ").path == "/q4"
 
 
 def test_trained_against_names_what_the_run_used(sources, tmp_path):
@@ -212,6 +217,10 @@ def test_resolve_target_quantizes_once_and_loads_dequantized(sources, tmp_path):
     assert target.quantization == "mlx-8bit-g64" and bf16.quantization == "none"
     w, w0 = target.layers[0].mlp.up_proj.weight, bf16.layers[0].mlp.up_proj.weight
     assert 0 < (w - w0).abs().max() < 0.02 * w0.abs().max()  # 8-bit: close, not equal
+    g32, _ = resolve_target(src, "mlx-4bit-g32", tmp_path, log=logs.append)  # the group size asked is the one made
+    assert json.loads((tmp_path / "target-mlx-4bit-g32" / "config.json").read_text())["quantization"] == {
+        "group_size": 32, "bits": 4, "mode": "affine"} and g32.endswith("target-mlx-4bit-g32")
+    assert load_mlx_target(g32, dtype=torch.float32, device="meta").model.lm_head.weight.device.type == "meta"
 
 
 def test_train_config_key_and_data_provenance(sources, tmp_path, capsys):
@@ -277,6 +286,9 @@ def test_layer_params_take_a_layers_own_entry_and_name_the_layer_that_does_not_f
         layer_params(quant, "model.layers.1.mlp.down_proj", 8, 2)
     with pytest.raises(QuantizationError, match="mode 'mxfp4' is not supported"):
         layer_params({**quant, "mode": "mxfp4"}, "model.layers.1.mlp.down_proj", 8, 1)
+    # A row wider than the config says (8-bit weights under a 4-bit config) is refused as well, not read in part.
+    with pytest.raises(QuantizationError, match="packed width 16 words and 1 scale groups do not fit 4 bits"):
+        layer_params(quant, "model.layers.1.mlp.down_proj", 16, 1)
 
 
 @pytest.mark.parametrize("sanitized", [True, False])
@@ -325,6 +337,9 @@ def test_unpack_reads_a_little_endian_bit_stream_and_refuses_a_partial_pack():
     assert unpack(words[None], 3).tolist() == [values]
     with pytest.raises(QuantizationError, match="packed row of 16 bytes is not a whole number of 3-bit packs"):
         unpack(torch.zeros(2, 4, dtype=torch.uint32), 3)
+    # 7 bits would divide these 28 bytes into packs, and unpack noise: only MLX's widths are read.
+    with pytest.raises(QuantizationError, match="7-bit packing is not an MLX affine width"):
+        unpack(torch.zeros(2, 7, dtype=torch.uint32), 7)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -366,10 +381,13 @@ def test_dequantize_weights_casts_the_unquantized_tensors_and_needs_a_quantizati
     w = (mx.random.normal((4, 64), key=mx.random.key(0)) * 0.05).astype(mx.bfloat16)
     packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
     weights = {"lin.weight": to_torch(packed), "lin.scales": to_torch(scales), "lin.biases": to_torch(biases),
-               "norm.weight": torch.tensor([1.0078125, 2.0], dtype=torch.bfloat16)}
+               "norm.weight": torch.tensor([1.0078125, 2.0], dtype=torch.bfloat16),
+               "rope.position_ids": torch.arange(3, dtype=torch.int32)}  # an integer buffer, not packed weights
     out = dequantize_weights(weights, {"quantization": {"bits": 4, "group_size": 32}}, torch.float32)
     assert out["norm.weight"].dtype == torch.float32 and out["lin.weight"].dtype == torch.float32
-    assert out["norm.weight"].tolist() == [1.0078125, 2.0] and sorted(out) == ["lin.weight", "norm.weight"]
+    assert out["norm.weight"].tolist() == [1.0078125, 2.0]
+    assert sorted(out) == ["lin.weight", "norm.weight", "rope.position_ids"]
+    assert out["rope.position_ids"].dtype == torch.int32 and out["rope.position_ids"].tolist() == [0, 1, 2]
     with pytest.raises(QuantizationError, match="^lin is quantized but config.json has no 'quantization' entry"):
         dequantize_weights(weights, {}, torch.float32)
 
@@ -388,6 +406,11 @@ def test_a_checkpoint_without_lm_head_needs_tied_embeddings(sources, tmp_path):
         build_hf_model(config, dict(state), torch.float32)
     model = build_hf_model({**config, "tie_word_embeddings": True}, dict(state), torch.float32)
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+    # Tied: one parameter, so moving the model to a device moves one embedding, not two copies of it.
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # The model holds the dtype asked for, whatever the dtype of the tensors handed in.
+    assert {p.dtype for p in build_hf_model(config, {**state, "lm_head.weight": torch.zeros(
+        config["vocab_size"], config["hidden_size"])}, torch.bfloat16).parameters()} == {torch.bfloat16}
 
 
 def test_quantizing_to_bf16_keeps_the_layers_mlx_lm_keeps_in_float32(sources, tmp_path):
@@ -418,3 +441,28 @@ def test_transformers_quantizers_are_configured_as_documented(sources, tmp_path,
                         else real(name, *a))
     cfg = transformers_quantization_config("bnb-4bit")
     assert (cfg.load_in_4bit, cfg.bnb_4bit_quant_type, cfg.bnb_4bit_compute_dtype) == (True, "nf4", torch.bfloat16)
+    # MLX values are no transformers quantizer: loading a bf16 target "as mlx-4bit" would train on bf16 weights.
+    for value in ("mlx-4bit", "mlx:/q4"):
+        with pytest.raises(QuantizationError, match="MLX quantization is resolved to a folder first"):
+            transformers_quantization_config(value)
+
+
+def test_the_quantized_folders_cache_key_reads_the_first_and_last_mib_of_each_weight_file(tmp_path):
+    """A target retrained in place keeps its path and config: its weight files' names, sizes and both ends are
+    hashed, so a change in the first or the last MiB (the last layers and the head of a large shard), or a shard
+    renamed, quantizes it again."""
+    from models.quant import weights_digest
+
+    shard = tmp_path / "model.safetensors"
+    data = bytearray(bytes(range(256)) * (3 << 12))  # 3 MiB: a middle MiB neither end covers
+    shard.write_bytes(bytes(data))
+    (tmp_path / "config.json").write_text("{}")
+    digests = {weights_digest(tmp_path)}
+    for at in (10, len(data) - 10):
+        data[at] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        digests.add(weights_digest(tmp_path))
+    shard.rename(tmp_path / "model-00001-of-00001.safetensors")
+    digests.add(weights_digest(tmp_path))
+    (tmp_path / "config.json").write_text('{"changed": true}')  # not a weight file: the config is keyed apart
+    assert len(digests) == 4 and weights_digest(tmp_path) in digests

@@ -241,7 +241,9 @@ def test_an_mlx_quantized_bf16_target_loads_in_bf16_by_default(tmp_path):
 
 def test_quantizing_again_with_other_bits_rebuilds_the_cached_folder(tmp_path):
     """The cache is keyed on every argument: asking for 8 bits where a 4-bit folder was made rebuilds it,
-    never hands back the 4-bit weights under an 8-bit name."""
+    never hands back the 4-bit weights under an 8-bit name; so does another group size or dtype."""
+    from models.quant import quantize_to_mlx
+
     src = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
     out = tmp_path / "q"
     _quantize(src, out, 4, 32)
@@ -249,6 +251,10 @@ def test_quantizing_again_with_other_bits_rebuilds_the_cached_folder(tmp_path):
     _quantize(src, out, 8, 32)
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
     assert TargetModel.from_pretrained(out).quantization == "mlx-8bit-g32"
+    _quantize(src, out, 8, 64)
+    assert TargetModel.from_pretrained(out).quantization == "mlx-8bit-g64"
+    quantize_to_mlx(src, out, bits=8, group_size=64, dtype="bfloat16", log=lambda *_: None)
+    assert TargetModel.from_pretrained(out).dtype == torch.bfloat16  # the source is float32: rebuilt in bf16
 
 
 def test_a_group_size_that_does_not_divide_the_hidden_size_is_refused(tmp_path):
@@ -273,6 +279,25 @@ def test_an_mlx_folder_reads_its_model_shards_not_other_safetensors_beside_them(
     save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.zeros(64, 8),
                "model.layers.0.self_attn.q_proj.lora_b": torch.zeros(8, 64)}, str(q / "adapters.safetensors"))
     assert torch.equal(TargetModel.from_pretrained(q, dtype="float32").embed_tokens.weight, before)
+
+
+def test_an_mlx_folder_of_the_older_weights_nn_layout_reads_every_file(tmp_path):
+    """mlx-examples' converter named the shards weights.00.safetensors, weights.01.safetensors, ...: a folder
+    without model*.safetensors reads all of its safetensors files."""
+    from safetensors.torch import load_file, save_file
+
+    from models.quant import read_safetensors
+
+    q = _quantize(save_tiny_target(tmp_path / "t", "qwen3", num_layers=2), tmp_path / "q", 4, 32)
+    weights = load_file(str(q / "model.safetensors"))
+    embed = sorted(k for k in weights if k.startswith("model.embed_tokens."))
+    save_file({k: weights[k] for k in embed}, str(q / "weights.00.safetensors"))
+    save_file({k: v for k, v in weights.items() if k not in embed}, str(q / "weights.01.safetensors"))
+    for old in ("model.safetensors", "model.safetensors.index.json"):
+        (q / old).unlink()
+    assert sorted(read_safetensors(q)) == sorted(weights)
+    target = TargetModel.from_pretrained(q, dtype="float32")
+    assert target.quantization == "mlx-4bit-g32" and target.embed_tokens.weight.shape == (target.vocab_size, 64)
 
 
 # ------------------------------------------------------------------ safetensors folders (models/weights.py)
