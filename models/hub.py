@@ -60,15 +60,30 @@ def fetch_model(path_or_id: str | Path, revision: str | None = None, what: str =
     return directory
 
 
+# Words a quantized or converted copy adds after the model's name (``Qwen3-8B-MLX-4bit``, ``-AWQ``,
+# ``-unsloth-bnb-4bit``); ``Base`` and ``Instruct`` are not among them: those are other weights.
+COPY_SUFFIXES = re.compile(r"(?:[-_](?:\d+bit|mlx|bf16|fp16|fp8|fp4|int4|int8|awq|gptq|dwq|bnb|nf4|unsloth|"
+                           r"quantized|dynamic|w4a16|w8a8|g\d+|q\d+(?:_\w+)?))+$")
+
+
+def model_name(path_or_id: str) -> str:
+    """The model a folder or Hub id names, lower case, without a copy's suffixes; a Hub cache folder
+    (``models--Qwen--Qwen3-8B/snapshots/..``) names its repo."""
+    cached = re.search(r"models--[^/]+--([^/]+)/snapshots/", str(path_or_id))
+    name = cached.group(1) if cached else str(path_or_id).rstrip("/").split("/")[-1]
+    return COPY_SUFFIXES.sub("", name.lower()) or name.lower()
+
+
 def same_model(recorded: str, given: str) -> bool:
-    """Two folders that exist here: the same folder. Otherwise by model name, one containing the other
-    (``Qwen/Qwen3-8B`` and ``mlx-community/Qwen3-8B-4bit``, a Hub cache's ``models--Qwen--Qwen3-8B/snapshots/..``)."""
+    """Two folders that exist here: the same folder. Otherwise by model name once a quantized copy's
+    suffixes are dropped (``Qwen/Qwen3-8B`` and ``mlx-community/Qwen3-8B-4bit``), one name may carry a
+    longer family prefix (``Meta-Llama-3.1-8B-Instruct`` and ``Llama-3.1-8B-Instruct``); ``Qwen3-8B-Base``
+    is another model than ``Qwen3-8B`` (names that merely contain one another once counted as one)."""
     paths = [Path(str(x)).expanduser() for x in (recorded, given)]
     if all(p.is_dir() for p in paths):
         return paths[0].resolve() == paths[1].resolve()
-    cached = [re.search(r"models--[^/]+--([^/]+)/snapshots/", str(x)) for x in (recorded, given)]
-    norm = [(m.group(1) if m else str(x).rstrip("/").split("/")[-1]).lower() for m, x in zip(cached, (recorded, given))]
-    return norm[0] == norm[1] or norm[0] in norm[1] or norm[1] in norm[0]
+    a, b = sorted((model_name(recorded), model_name(given)), key=len)
+    return a == b or b.endswith("-" + a)
 
 
 def snapshot_commit(directory: Path) -> str | None:

@@ -1664,6 +1664,24 @@ def test_recorded_target_differs_warns(infer_dirs, caplog):
     assert "records its target as Qwen/Qwen3-8B" in caplog.text
 
 
+def test_a_base_or_instruct_sibling_of_the_recorded_target_warns_and_a_quantized_copy_does_not(infer_dirs, tmp_path,
+                                                                                            caplog):
+    """A drafter trained against Qwen3-8B, run against Qwen3-8B-Base: the name contains the recorded one, and
+    containment once counted as the same model, so no warning came although the weights differ; a 4-bit copy of
+    the same model is still the same model."""
+    from inference.checks import preflight
+
+    draft = _drafter_variant(infer_dirs, "recorded-8b")
+    (infer_dirs["root"] / "recorded-8b" / "README.md").write_text("---\nbase_model: Qwen/Qwen3-8B\n---\n# card\n")
+    for name, warns in (("Qwen3-8B-Base", True), ("Qwen3-8B-MLX-4bit", False), ("qwen3-8b", False)):
+        target = tmp_path / name
+        target.symlink_to(Path(infer_dirs["target"]).resolve(), target_is_directory=True)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="inference"):
+            preflight(str(target), draft)
+        assert ("records its target as Qwen/Qwen3-8B" in caplog.text) == warns, name
+
+
 def test_exported_provenance_target_differs_warns(infer_dirs, caplog):
     """export.hf records the target in config.json's ``draftsmith`` block; pre-flight once ignored it."""
     from inference.checks import preflight

@@ -95,16 +95,21 @@ def test_a_revision_reaches_the_hub_and_the_shards_come_from_the_snapshots_commi
 
 def test_names_of_one_model_are_the_same_model_and_two_folders_are_compared_as_folders(tmp_path):
     """A drafter records its target by the name it was given: a Hub id, a Hub cache folder, a quantized copy's id,
-    in any case and with a trailing slash, all name one model; two folders that exist here are the same model
-    only when they are the same folder (not two folders of the same name)."""
+    in any case and with a trailing slash, all name one model, and a base or instruct sibling names another; two
+    folders that exist here are the same model only when they are the same folder (not two folders of the same name)."""
     from models.hub import same_model
 
     cache = "/home/me/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/0123abcd"
     for a, b in (("Qwen/Qwen3-8B", cache), (cache + "/", "qwen/qwen3-8b"),
-                 ("Qwen/Qwen3-8B/", "mlx-community/Qwen3-8B-4bit"), ("mlx-community/Qwen3-8B-4bit", "Qwen/Qwen3-8B")):
+                 ("Qwen/Qwen3-8B/", "mlx-community/Qwen3-8B-4bit"), ("mlx-community/Qwen3-8B-4bit", "Qwen/Qwen3-8B"),
+                 ("Qwen/Qwen3-8B", "lmstudio-community/Qwen3-8B-MLX-8bit"), ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B-FP8"),
+                 ("unsloth/Qwen3-8B-unsloth-bnb-4bit", "Qwen/Qwen3-8B"),
+                 ("meta-llama/Meta-Llama-3.1-8B-Instruct", "mlx-community/Llama-3.1-8B-Instruct-4bit")):
         assert same_model(a, b), (a, b)
     for a, b in (("Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B"), (cache, "Qwen/Qwen3-14B"),
-                 ("Qwen/Qwen3-8B/", "meta-llama/Llama-3.1-8B")):
+                 ("Qwen/Qwen3-8B/", "meta-llama/Llama-3.1-8B"), ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B-Base"),
+                 ("meta-llama/Llama-3.1-8B", "mlx-community/Llama-3.1-8B-Instruct-4bit"),
+                 ("Qwen/Qwen3-1", "Qwen/Qwen3-14B")):
         assert not same_model(a, b), (a, b)
     for name in ("a", "b"):
         (tmp_path / name / "t").mkdir(parents=True)
