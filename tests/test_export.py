@@ -608,23 +608,32 @@ def test_an_fp32_export_is_held_to_fp32_parity_by_each_loader(setup, tmp_path, m
     assert not (tmp_path / "hf").exists()
 
 
-def test_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path, monkeypatch):
-    """The target's LM head saved into the drafter's weights (engines take it from the target) is named by the
-    weight check before any reload."""
+def _edit_saved_weights(monkeypatch, edit) -> None:
+    """Every drafter save in this test writes its weights, then ``edit`` changes them on disk."""
     from safetensors.torch import load_file, save_file
 
-    _, _, _, ckpt = setup
     real = DFlashDraftModel.save_pretrained
 
-    def save_with_the_head(self, directory, **kw):
+    def save_then_edit(self, directory, **kw):
         real(self, directory, **kw)
         path = Path(directory) / "model.safetensors"
         state = load_file(str(path))
-        state["lm_head.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+        edit(state)
         save_file(state, str(path), metadata={"format": "pt"})
         return Path(directory)
 
-    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_with_the_head)
+    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_then_edit)
+
+
+def test_gate_refuses_a_stray_tensor_in_the_written_weights(setup, tmp_path, monkeypatch):
+    """The target's LM head saved into the drafter's weights (engines take it from the target) is named by the
+    weight check before any reload."""
+    _, _, _, ckpt = setup
+
+    def add_the_head(state):
+        state["lm_head.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+
+    _edit_saved_weights(monkeypatch, add_the_head)
     with pytest.raises(ExportCheckError, match="the written weights do not match config.json: weight 'lm_head"):
         export_hf(ckpt, tmp_path / "hf", remote_code_check=False, log=quiet)
     assert not (tmp_path / "hf").exists()
@@ -778,20 +787,12 @@ def test_fp16_export_writes_fp16_weights_and_config(setup, tmp_path):
 def test_gate_refuses_weights_that_change_on_the_way_to_disk(setup, tmp_path, monkeypatch):
     """One weight one bf16 step off after writing: the logits would still pass the parity rule, the
     bit-equality of the reloaded weights does not."""
-    from safetensors.torch import load_file, save_file
-
     _, _, _, ckpt = setup
-    real = DFlashDraftModel.save_pretrained
 
-    def save_then_nudge(self, directory, **kw):
-        real(self, directory, **kw)
-        path = Path(directory) / "model.safetensors"
-        state = load_file(str(path))
+    def nudge(state):
         state["norm.weight"][0] = state["norm.weight"][0] * 1.01
-        save_file(state, str(path), metadata={"format": "pt"})
-        return Path(directory)
 
-    monkeypatch.setattr(DFlashDraftModel, "save_pretrained", save_then_nudge)
+    _edit_saved_weights(monkeypatch, nudge)
     with pytest.raises(ExportCheckError, match="norm.weight changed on the way to disk"):
         export_hf(ckpt, tmp_path / "hf", remote_code_check=False, log=quiet)
     assert not (tmp_path / "hf").exists()
