@@ -338,3 +338,176 @@ def test_named_specials_outside_the_added_tokens_still_count():
     assert mask_problem(tok, 2) is None and mask_problem(tok, 1) == "an ordinary text token"
     got = resolve_mask_token(3, tok)
     assert (got.id, got.token) == (2, "<reserved_2>") and got.reason.startswith("a reserved special token")
+
+
+@pytest.mark.parametrize("layers,taps", [(7, 5), (3, 2), (36, 0)])
+def test_too_few_layers_or_no_taps_is_refused_not_collapsed(layers, taps):
+    # 7 layers leave only [1, 4] for 5 taps: the rule would tap layer 2 twice; 0 taps would return [].
+    with pytest.raises(ConfigError) as err:
+        default_layer_ids(layers, taps)
+    assert err.value.field == ("num_taps" if taps == 0 else "num_target_layers")
+
+
+def test_the_shallowest_target_for_n_taps_taps_every_layer_from_1_to_l_minus_3():
+    assert default_layer_ids(8, 5) == [1, 2, 3, 4, 5]
+    assert default_layer_ids(5, 2) == [1, 2]
+
+
+def cfg_dict(**kw):
+    """The flat fixture with ``kw`` set at top level (None deletes a key)."""
+    d = load("config_flat.json")
+    for k, v in kw.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+def test_written_engine_values_are_exact():
+    d = DFlashConfig.from_dict(load("config_flat.json")).to_dict()
+    assert d["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert d["tie_word_embeddings"] is False and d["num_target_layers"] == 36
+    assert d["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33], "block_size": 16,
+                                  "sliding_block_attention": "bidirectional"}
+
+
+def test_mlx_quantization_is_written_under_both_keys_and_mlx_only_drops_auto_map():
+    from models.config import mlx_only
+
+    d = DFlashConfig.from_dict(cfg_dict(quantization={"bits": 4, "group_size": 64})).to_dict()
+    assert d["quantization"] == d["quantization_config"] == {"bits": 4, "group_size": 64, "mode": "affine"}
+    mlx = mlx_only(d)
+    assert "auto_map" not in mlx and mlx["quantization"] == d["quantization"]
+    assert set(mlx) == set(d) - {"auto_map"}
+
+
+@pytest.mark.parametrize("q", [{"bits": 16, "group_size": 64}, {"bits": 4, "group_size": 64, "mode": "mxfp4"}])
+def test_quantization_that_is_not_mlx_affine_is_refused(q):
+    with pytest.raises(ConfigError, match="MLX affine"):
+        DFlashConfig.from_dict(cfg_dict(quantization=q))
+
+
+def test_describe_quantization_names_bits_mode_and_group():
+    from models.config import describe_quantization
+
+    assert describe_quantization({"bits": 4, "group_size": 64}) == "4-bit affine, group 64"
+    assert describe_quantization({"quant_method": "fp8"}) == "fp8"
+    assert describe_quantization(None) is None and describe_quantization({}) is None
+
+
+def test_a_sliding_drafter_writes_use_sliding_window_and_reads_its_window_from_layer_types_alone():
+    types = ["sliding_attention", "full_attention"] * 2 + ["full_attention"]
+    cfg = DFlashConfig.from_dict(cfg_dict(layer_types=types, sliding_window=64, use_sliding_window=None,
+                                          is_causal=False))
+    assert cfg.sliding_window == 64 and cfg.sliding_block_attention == "bidirectional"
+    d = cfg.to_dict()
+    assert d["use_sliding_window"] is True and d["sliding_window"] == 64 and d["is_causal"] is False
+    assert DFlashConfig.from_dict(d) == cfg
+
+
+def test_a_window_without_sliding_layers_is_dropped_and_the_block_stays_bidirectional():
+    # Qwen3 configs carry sliding_window=4096 with use_sliding_window=false: no layer slides.
+    cfg = DFlashConfig.from_dict(cfg_dict(sliding_window=4096))
+    assert cfg.sliding_window is None and cfg.sliding_block_attention == "bidirectional"
+    assert "is_causal" not in cfg.to_dict()
+
+
+def test_use_sliding_window_without_layer_types_is_refused():
+    with pytest.raises(ConfigError) as err:
+        DFlashConfig.from_dict(cfg_dict(layer_types=None, use_sliding_window=True, sliding_window=64))
+    assert err.value.field == "layer_types"
+
+
+def test_omitted_shape_keys_fall_back_to_the_attention_shape_and_dtype_alias():
+    d = cfg_dict(head_dim=None, num_key_value_heads=None, torch_dtype=None, dtype="float16")
+    cfg = DFlashConfig.from_dict(d)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.torch_dtype) == (4096 // 32, 32, "float16")
+    assert DFlashConfig.from_dict(cfg_dict(head_dim=None, hidden_size=2048)).head_dim == 64
+
+
+def test_every_key_may_sit_at_top_level_only():
+    # Older exports put the DFlash keys flat; rope_scaling is the transformers 4 spelling of rope_parameters.
+    d = cfg_dict(dflash_config=None, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], rope_theta=None,
+                 rope_scaling={"type": "default", "rope_theta": 5e5})
+    cfg = DFlashConfig.from_dict(d)
+    assert (cfg.mask_token_id, cfg.target_layer_ids, cfg.block_size, cfg.rope_theta) == \
+        (151669, [1, 9, 17, 25, 33], 16, 5e5)
+    with pytest.raises(ConfigError, match="plain full-head RoPE"):
+        DFlashConfig.from_dict({**d, "rope_scaling": {"type": "yarn", "rope_theta": 5e5}})
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"head_dim": 127}, "head_dim"),
+    ({"rope_theta": float("inf")}, "rope_theta"),
+    ({"layer_types": ["full_attention"] * 4 + ["linear_attention"]}, "layer_types"),
+    ({"layer_types": ["sliding_attention"] * 5, "sliding_window": 0}, "sliding_window"),
+    ({"layer_types": ["sliding_attention"] * 5, "sliding_window": -64}, "sliding_window"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    ({"intermediate_size": None}, "intermediate_size"),  # named, not a KeyError
+    ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 9]}}, "target_layer_ids"),
+    ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1], "sliding_block_attention": "full"}},
+     "sliding_block_attention"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
+])
+def test_each_bad_value_is_refused_by_field(change, field):
+    with pytest.raises(ConfigError) as err:
+        DFlashConfig.from_dict(cfg_dict(**change))
+    assert err.value.field == field
+
+
+def test_layer_zero_and_the_layer_before_the_last_may_be_tapped():
+    cfg = DFlashConfig.from_dict(cfg_dict(dflash_config={"mask_token_id": 0, "target_layer_ids": [0, 34]}))
+    assert cfg.target_layer_ids == [0, 34] and cfg.mask_token_id == 0
+
+
+def test_replace_refuses_an_unknown_field_and_load_names_a_truncated_file(tmp_path):
+    cfg = DFlashConfig.from_dict(load("config_flat.json"))
+    assert cfg.replace(block_size=8).block_size == 8
+    with pytest.raises(ConfigError) as err:
+        cfg.replace(blocksize=8)
+    assert err.value.field == "blocksize"
+    (tmp_path / "config.json").write_text('{"hidden_size": 4')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        DFlashConfig.load(tmp_path)
+
+
+def test_resolver_takes_the_targets_eps_and_head_dim_and_derives_heads_from_head_dim():
+    from models.config import TargetShape
+
+    shape = TargetShape(hidden_size=2048, vocab_size=1000, num_layers=36, num_attention_heads=16, head_dim=256,
+                        num_key_value_heads=4, rms_norm_eps=1e-5, intermediate_size=6144)
+    cfg = DFlashConfig.for_target(shape, mask_token_id=999)
+    assert (cfg.head_dim, cfg.rms_norm_eps, cfg.num_key_value_heads, cfg.target_layer_ids) == \
+        (256, 1e-5, 4, [1, 9, 17, 25, 33])
+    bare = DFlashConfig.for_target(hidden_size=4096, vocab_size=1000, num_target_layers=36, mask_token_id=0,
+                                   head_dim=64)
+    assert (bare.num_attention_heads, bare.num_key_value_heads) == (64, 64)
+
+
+def test_target_shape_reads_explicit_head_dim_and_the_full_attention_rope_block():
+    from models.config import TargetShape
+
+    shape = TargetShape.from_config({"hidden_size": 2560, "vocab_size": 1000, "num_hidden_layers": 34,
+                                     "num_attention_heads": 8, "head_dim": 256, "rope_parameters": {
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}})
+    assert (shape.head_dim, shape.rope_theta) == (256, 1e6)
+    assert TargetShape.from_config({"hidden_size": 64, "vocab_size": 10, "num_hidden_layers": 8,
+                                    "num_attention_heads": 4, "rope_theta": 5e5,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}).rope_theta == 5e5
+
+
+def test_a_drafter_config_is_known_by_its_architecture_or_its_dflash_block():
+    from models.config import is_drafter_config
+
+    assert is_drafter_config({"architectures": ["DFlashDraftModel"]})
+    assert is_drafter_config({"architectures": ["Qwen3ForCausalLM"], "dflash_config": {"block_size": 16}})
+    assert not is_drafter_config({"architectures": ["Qwen3ForCausalLM"]})
+    assert not is_drafter_config([{"architectures": ["DFlashDraftModel"]}])
+
+
+def test_flops_without_the_lm_head():
+    cfg = DFlashConfig.from_dict(load("config_flat.json"))
+    assert cfg.flops_per_token(0) - cfg.flops_per_token(0, lm_head=False) == 2 * 4096 * 151936
+    assert cfg.flops_per_token(1, lm_head=False) - cfg.flops_per_token(0, lm_head=False) == 5 * 4 * 32 * 128
