@@ -54,6 +54,19 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name}={value!r}: {problem}. Fix: {fix}")
 
 
+def whole_number(name: str, value: Any) -> int:
+    """``value`` as an int; a fraction (``block_size: 16.5``) is refused, not cut to 16 without a word."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer") from None
+    if not number.is_integer():
+        raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer")
+    return int(number)
+
+
 def default_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
     """Taps spread evenly from layer 1 to layer L-3: ``round(1 + i (L-4) / (n-1))``.
 
@@ -128,19 +141,19 @@ class TargetShape:
 
 
 def _sliding_block_mode(d: dict[str, Any], nested: dict[str, Any], layer_types: list[str]) -> str:
-    """Our explicit field if present; else z-lab's convention (sliding layers causal unless is_causal=false)."""
-    if "sliding_block_attention" in nested:
-        return nested["sliding_block_attention"]
-    if "sliding_attention" not in layer_types:
-        return "bidirectional"
+    """Our explicit field if present; else z-lab's convention (sliding layers causal unless is_causal=false).
+    ``is_causal: true`` is refused with or without sliding layers: runtimes that read it make full-attention
+    layers causal inside the block, and running such a drafter bidirectionally would draft other tokens."""
     is_causal = d.get("is_causal")
-    if is_causal is None:
-        return "causal"
     if is_causal:
         raise ConfigError("is_causal", is_causal, "makes every layer causal inside the block, full-attention "
                           "layers included, which draftsmith does not implement",
                           "set dflash_config.sliding_block_attention to 'causal' (sliding layers only) instead")
-    return "bidirectional"
+    if "sliding_block_attention" in nested:
+        return nested["sliding_block_attention"]
+    if "sliding_attention" not in layer_types:
+        return "bidirectional"
+    return "causal" if is_causal is None else "bidirectional"
 
 
 def drafter_inside_hint(folder: str | Path) -> str:
@@ -182,7 +195,7 @@ class DFlashConfig:
     draftsmith: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.target_layer_ids = [whole_number("target_layer_ids", i) for i in self.target_layer_ids]
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
@@ -400,8 +413,8 @@ class DFlashConfig:
             vocab_size=d["vocab_size"],
             num_target_layers=num_target_layers,
             target_layer_ids=list(layer_ids),
-            mask_token_id=int(mask_token_id),
-            block_size=int(block_size),
+            mask_token_id=whole_number("mask_token_id", mask_token_id),
+            block_size=whole_number("block_size", block_size),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),

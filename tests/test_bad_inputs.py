@@ -1262,6 +1262,33 @@ def test_drafter_shape_zero_from_code_is_refused_not_replaced_by_the_targets(key
     assert (config.rms_norm_eps, config.max_position_embeddings) == (1e-6, 40960)
 
 
+@pytest.mark.parametrize("edit, problem", [
+    ({"block_size": 16.5}, "block_size=16.5: must be a whole number"),  # was cut to 16 without a word
+    ({"dflash_config": {"target_layer_ids": [1, 8.5, 17]}}, "target_layer_ids=8.5: must be a whole number"),
+    ({"mask_token_id": True, "dflash_config": {"mask_token_id": True}}, "mask_token_id=True: must be a whole number"),
+    # runtimes that read is_causal make full-attention layers causal too; without sliding layers it was
+    # accepted and the drafter run bidirectionally, drafting other tokens than those runtimes
+    ({"is_causal": True}, "is_causal=True: makes every layer causal inside the block"),
+])
+def test_a_drafter_config_with_a_fractional_number_or_is_causal_true_is_refused(edit, problem):
+    import copy
+    import json
+
+    from models.config import ConfigError, DFlashConfig
+
+    d = json.loads((Path(__file__).parent / "fixtures" / "config_flat.json").read_text())
+    assert "sliding_attention" not in (d.get("layer_types") or [])
+    edited = copy.deepcopy(d)
+    for key, value in edit.items():
+        if isinstance(value, dict):
+            edited[key] = {**edited[key], **value}
+        else:
+            edited[key] = value
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        DFlashConfig.from_dict(edited)
+    assert DFlashConfig.from_dict({**d, "block_size": 16.0, "is_causal": False}).block_size == 16  # 16.0 is 16
+
+
 # ---------------------------------------------------------------- mask token
 @pytest.mark.parametrize("mask_id, problem", [
     (264, "'<|eot_id|>', eos token"),  # EOS
