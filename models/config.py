@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -56,7 +57,7 @@ class ConfigError(ValueError):
 
 def whole_number(name: str, value: Any) -> int:
     """``value`` as an int; a fraction (``block_size: 16.5``) is refused, not cut to 16 without a word."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):  # numpy and torch ints are Real
         raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer")
     try:
         number = float(value)
