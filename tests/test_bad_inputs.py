@@ -1474,6 +1474,22 @@ def test_recorded_target_prefers_the_provenance_block_and_unquotes_the_card(tmp_
     assert recorded_target(tmp_path, {}) == "Qwen/Qwen3-4B"
 
 
+@pytest.mark.parametrize("front, recorded", [
+    ("base_model:\n- Qwen/Qwen3-8B\nlicense: mit\n", "Qwen/Qwen3-8B"),  # the Hub editor's list form
+    ("base_model:\n  - 'Qwen/Qwen3-8B'\n", "Qwen/Qwen3-8B"),
+    ("base_model:\n- Qwen/Qwen3-8B\ntags:\n- dflash\n", "Qwen/Qwen3-8B"),  # the next key's list is not its
+    ("base_model:\n- a/B\n- c/D\n", None),  # a merge: no single target to compare with
+    ("base_model:\nlicense: mit\n", None),
+])
+def test_a_cards_base_model_list_names_its_one_target(tmp_path, front, recorded):
+    """A card listing its base model as a YAML list was read as no recorded target, so a drafter for another
+    target ran without the warning."""
+    from inference.checks import recorded_target
+
+    (tmp_path / "README.md").write_text(f"---\n{front}---\n# card\n")
+    assert recorded_target(tmp_path, {}) == recorded
+
+
 def test_draft_cache_ahead_of_the_target_is_an_error_too():
     """The drafter must have seen exactly the committed context: one position too many is as wrong as one
     too few (-1: a proposer that does not track it)."""
