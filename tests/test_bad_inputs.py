@@ -1501,6 +1501,37 @@ def test_recorded_target_prefers_the_provenance_block_and_unquotes_the_card(tmp_
     assert recorded_target(tmp_path, {}) == "Qwen/Qwen3-4B"
 
 
+def test_recorded_target_reads_every_key_a_drafter_may_carry_and_skips_what_names_no_model(tmp_path):
+    """z-lab drafters name their target under dflash_config or at the top level; a ``draftsmith`` key that is
+    not the provenance block, or a key that holds no name, must not stop the search (nor crash it)."""
+    from inference.checks import recorded_target
+
+    assert recorded_target(tmp_path, {"dflash_config": {"target_model": "a/B"}, "base_model": "c/D"}) == "a/B"
+    assert recorded_target(tmp_path, {"target_model": "a/C", "base_model": "c/D"}) == "a/C"
+    assert recorded_target(tmp_path, {"draftsmith": "0.3.0", "base_model": "c/D"}) == "c/D"
+    assert recorded_target(tmp_path, {"draftsmith": {"target": None}, "target_model": ["a/B"],
+                                      "base_model": "c/D"}) == "c/D"
+    card = tmp_path / "README.md"
+    card.write_text("# card\nbase_model: a/B\n")  # no front matter: prose, not metadata
+    assert recorded_target(tmp_path, {}) is None
+
+
+@pytest.mark.parametrize("front, recorded", [
+    ("base_model:\n- Qwen/Qwen3-8B\nlicense: mit\n", "Qwen/Qwen3-8B"),  # the Hub editor's list form
+    ("base_model:\n  - 'Qwen/Qwen3-8B'\n", "Qwen/Qwen3-8B"),
+    ("base_model:\n- Qwen/Qwen3-8B\ntags:\n- dflash\n", "Qwen/Qwen3-8B"),  # the next key's list is not its
+    ("base_model:\n- a/B\n- c/D\n", None),  # a merge: no single target to compare with
+    ("base_model:\nlicense: mit\n", None),
+])
+def test_a_cards_base_model_list_names_its_one_target(tmp_path, front, recorded):
+    """A card listing its base model as a YAML list was read as no recorded target, so a drafter for another
+    target ran without the warning."""
+    from inference.checks import recorded_target
+
+    (tmp_path / "README.md").write_text(f"---\n{front}---\n# card\n")
+    assert recorded_target(tmp_path, {}) == recorded
+
+
 def test_draft_cache_ahead_of_the_target_is_an_error_too():
     """The drafter must have seen exactly the committed context: one position too many is as wrong as one
     too few (-1: a proposer that does not track it)."""
@@ -1511,6 +1542,23 @@ def test_draft_cache_ahead_of_the_target_is_an_error_too():
             check_draft_context(held, 12)
     check_draft_context(12, 12)
     check_draft_context(-1, 12)
+
+
+def test_binding_a_drafter_whose_mask_the_target_emits_warns(infer_dirs, caplog):
+    """Generation stays lossless with such a mask, so binding warns instead of refusing; without the warning
+    a low acceptance had no visible cause."""
+    import logging
+
+    from conftest import tiny_drafter_config
+    from inference.torch_loop import DrafterProposer
+    from models.drafter import DFlashDraftModel
+
+    target = infer_dirs["full"]
+    cfg = tiny_drafter_config(target)
+    cfg.mask_token_id = target.tokenizer.eos_token_id  # as a hand-edited or foreign config.json may say
+    with caplog.at_level(logging.WARNING):
+        DrafterProposer(DFlashDraftModel(cfg), target)
+    assert "mask_token_id" in caplog.text and "eos token" in caplog.text
 
 
 # Every case here ends before any weights load: the target folders below hold config.json and the
@@ -1577,6 +1625,18 @@ def test_generate_prompt_ids_outside_the_vocabulary(infer_dirs, ids, shown):
         _generate(infer_dirs, f"--prompt-ids={ids}")
 
 
+def test_prompt_ids_empty_or_just_below_zero_are_refused():
+    from inference.checks import check_prompt_ids
+
+    with pytest.raises(ValueError, match="--prompt-ids is empty: give at least one token id"):
+        check_prompt_ids([], 288)
+    with pytest.raises(ValueError, match=r"outside the target's vocabulary \(0\.\.287\): \[-1\]"):
+        check_prompt_ids([0, -1, 287], 288)
+    with pytest.raises(ValueError, match=r"\(non-negative\): \[-1\]"):
+        check_prompt_ids([5, -1], None)  # a target config without vocab_size still refuses negatives
+    assert check_prompt_ids(iter([0, 287]), 288) == [0, 287]
+
+
 @pytest.mark.parametrize("ids", ["1,,2", "a,b", "1, x"])
 def test_generate_prompt_ids_that_are_not_integers(infer_dirs, ids):
     """"1,,2" was read as [1, 2]; "a,b" ended without the one-line "error:" form."""
@@ -1610,6 +1670,14 @@ def test_swapped_target_and_draft(infer_dirs, run):
         run(infer_dirs, *extra, target=infer_dirs["draft"], draft=infer_dirs["target"])
 
 
+def test_a_drafter_as_target_beside_a_drafter_is_named_not_compared(infer_dirs):
+    """Both folders drafters: nothing to swap, and a drafter's config has the target's sizes, so only this
+    check keeps the pair from passing every comparison."""
+    with pytest.raises(ValueError, match=r"--target .*draft is a DFlash drafter \(.*draft/config.json names "
+                                         r"DFlashDraftModel\), not a target model"):
+        _generate(infer_dirs, "--prompt-ids", "1", target=infer_dirs["draft"])
+
+
 def test_draft_that_is_a_target_names_the_file(infer_dirs):
     with pytest.raises(ValueError, match=r"is not a DFlash drafter: .*target/config.json describes a "
                                          r"Qwen3ForCausalLM model .* Did you swap --target and --draft\?"):
@@ -1622,6 +1690,8 @@ def test_draft_that_is_a_target_names_the_file(infer_dirs):
     ({"num_target_layers": 60, "target_layer_ids": [1, 5, 50]}, r"taps target layers \[50\] but the target has only 8"),
     ({"num_target_layers": 12, "target_layer_ids": [1, 3, 5]}, "trained on a 12-layer target; this target has 8"),
     ({"num_target_layers": 12, "target_layer_ids": [1, 5, 8]}, r"taps target layers \[8\] but the target has only 8"),
+    # taps that exist in the deeper target, from a drafter trained on a shallower one
+    ({"num_target_layers": 4, "target_layer_ids": [0, 1, 2]}, "trained on a 4-layer target; this target has 8"),
 ])
 def test_drafter_for_another_target(infer_dirs, changes, message):
     draft = _drafter_variant(infer_dirs, "variant-" + "-".join(changes), **changes)
@@ -1665,6 +1735,19 @@ def test_a_target_folder_without_a_tokenizer_is_named_before_the_target_loads(in
             run(infer_dirs, "--prompt-ids", "1", target=str(bare))
 
 
+def test_a_target_with_only_a_sentencepiece_tokenizer_passes_the_tokenizer_check(infer_dirs, tmp_path):
+    """Older Llama / Mistral folders ship tokenizer.model and tokenizer_config.json, no tokenizer.json: the
+    load reads them, so the pre-flight must not refuse them."""
+    import shutil
+
+    from inference.checks import check_target_tokenizer, read_target_facts
+
+    shutil.copy(Path(infer_dirs["target"]) / "config.json", tmp_path / "config.json")
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (tmp_path / name).write_text("{}")
+    check_target_tokenizer(read_target_facts(tmp_path), str(tmp_path), "add them")
+
+
 def test_mask_id_outside_the_target_embedding(infer_dirs):
     draft = _drafter_variant(infer_dirs, "mask-out-of-range", mask_token_id=999)
     for run in (_generate, _validate):
@@ -1678,6 +1761,32 @@ def test_block_size_above_trained(infer_dirs):
         extra = ("--prompt-ids", "1") if run is _generate else ()
         with pytest.raises(ValueError, match="--block-size 32 must be between 2 and the drafter's trained block "):
             run(infer_dirs, *extra, "--block-size", "32")
+
+
+
+def test_preflight_gives_the_block_size_asked_for_or_the_trained_one(infer_dirs):
+    from inference.checks import preflight
+
+    assert preflight(infer_dirs["target"], infer_dirs["draft"], block_size=4).block_size == 4
+    assert preflight(infer_dirs["target"], infer_dirs["draft"]).block_size == 8
+
+
+def test_preflight_fetches_the_model_cards_of_hub_ids_but_no_weights(infer_dirs, monkeypatch):
+    """The recorded target may live only in a Hub drafter's README.md: without it no warning could come."""
+    import models.hub
+    from inference.checks import preflight
+
+    asked = {}
+
+    def resolve(name, what="model", allow_patterns=None, **_):
+        asked[what] = allow_patterns
+        return Path(infer_dirs["target"] if what == "target" else infer_dirs["draft"])
+
+    monkeypatch.setattr(models.hub, "resolve_model_dir", resolve)
+    preflight("org/target", "org/drafter")
+    for patterns in asked.values():
+        assert "*.md" in patterns and "*.json" in patterns
+        assert not any("safetensors" in p or p == "*" for p in patterns)
 
 
 def test_recorded_target_differs_warns(infer_dirs, caplog):

@@ -160,6 +160,20 @@ def test_a_multimodal_target_is_checked_by_its_text_config(folders, tmp_path):
         preflight(str(vl), wide)
 
 
+def test_a_multimodal_targets_top_level_vocab_size_is_read_when_the_text_config_has_none(folders, tmp_path):
+    """Some multimodal configs keep vocab_size beside text_config, not inside it: a drafter for another
+    vocabulary must still be refused."""
+    from inference.checks import preflight
+
+    target, draft = folders
+    vl = tmp_path / "vl"
+    vl.mkdir()
+    text = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 8}
+    (vl / "config.json").write_text(json.dumps({"model_type": "vl", "vocab_size": 512, "text_config": text}))
+    with pytest.raises(ValueError, match="has vocab_size 288 but the target's is 512"):
+        preflight(str(vl), draft)
+
+
 def test_a_drafter_config_named_by_its_dflash_block_alone_is_a_drafter(folders, tmp_path):
     """A drafter config.json without ``architectures`` (some exports drop it) is still recognised by its
     ``dflash_config`` block, so it is neither refused as "not a DFlash drafter" nor taken for a target."""
