@@ -118,21 +118,16 @@ def recorded_target(directory: str | Path, raw: dict) -> str | None:
     if card.is_file():
         text = card.read_text(errors="replace")
         if text.startswith("---"):
-            lines = text.split("---", 2)[1].splitlines()
-            for n, line in enumerate(lines):
-                key, _, value = line.partition(":")
-                if key.strip() != "base_model":
-                    continue
-                if value.strip():
-                    return value.strip().strip("'\"")
-                # the YAML list form (``base_model:`` then ``- org/name``, as the Hub's card editor writes it):
-                # one item is the target; several (a merge) name no single one
-                items = []
-                for item in lines[n + 1:]:
-                    if not item.strip().startswith("-"):
-                        break
-                    items.append(item.strip()[1:].strip().strip("'\""))
-                return items[0] if len(items) == 1 and items[0] else None
+            import yaml
+
+            try:
+                meta = yaml.safe_load(text.split("---", 2)[1])
+            except yaml.YAMLError:  # metadata that is not YAML records no target
+                return None
+            base = meta.get("base_model") if isinstance(meta, dict) else None
+            if isinstance(base, list):  # the list form the Hub's card editor writes: one item is the target,
+                base = base[0] if len(base) == 1 else None  # several (a merge) name no single one
+            return base if isinstance(base, str) and base else None
     return None
 
 
