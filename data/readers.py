@@ -237,18 +237,14 @@ def _parquet_rows(path: Path) -> Iterator[dict]:
     import pyarrow.parquet as pq
 
     # pyarrow's own message ("Parquet magic bytes not found in footer") named no file: in a folder of many shards,
-    # the one cut short by an interrupted download could not be found.
-    batches = None
-    while True:
-        try:
-            batches = batches or pq.ParquetFile(path).iter_batches(batch_size=1024)
-            batch = next(batches, None)
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{path} is not a readable Parquet file ({e}): it may be cut short (an interrupted "
-                             "download or copy): fetch or write it again, or move it out of the source") from None
-        if batch is None:
-            return
-        yield from batch.to_pylist()
+    # the one cut short by an interrupted download could not be found. (The consumer's own errors never reach
+    # this try: they are raised in its frame, not at the yield.)
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path} is not a readable Parquet file ({e}): it may be cut short (an interrupted "
+                         "download or copy): fetch or write it again, or move it out of the source") from None
 
 
 def _hub_rows(name: str, split: str, subset: str | None, streaming: bool,
