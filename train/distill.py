@@ -89,7 +89,7 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     from data.sync import run_on_main
     from train.checkpoint import refuse_unfinished_run, resume_checkpoint
     from train.export_stage import check_export_stage
-    from train.loop import Run
+    from train.loop import Run, true_tau_cadence_note
 
     cuda = torch.cuda.is_available()
     if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
@@ -132,8 +132,6 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
                                     "out_dir=...", log))
         out_dir.mkdir(parents=True, exist_ok=True)
         log(f"resolved config:\n{run.config_yaml}")
-        from train.loop import true_tau_cadence_note
-
         if note := true_tau_cadence_note(cfg):
             log(f"note: {note}")
     if not replaces:

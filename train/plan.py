@@ -197,9 +197,9 @@ def plan(cfg) -> dict:
     steps = None
     if rows:
         from train.loop import make_schedule
+        from train.setup import held_out_rows
 
-        held_out = min(cfg.data.eval_rows, rows // 5) if cfg.data.eval_rows else 0  # as train.setup.load_data
-        steps = make_schedule(cfg, rows - held_out, processes, 0).total_steps
+        steps = make_schedule(cfg, rows - held_out_rows(cfg.data.eval_rows, rows), processes, 0).total_steps
 
     # Memory per GPU (bf16 target, fp32 drafter + AdamW, bf16 activations). Rough, on purpose.
     gib = 1024 ** 3

@@ -105,6 +105,11 @@ def _fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
+def held_out_rows(eval_rows: int, rows: int) -> int:
+    """Rows held out from the end of a prepared set of ``rows``: ``data.eval_rows``, at most a fifth of them."""
+    return min(eval_rows, rows // 5) if eval_rows else 0
+
+
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
     from data.engine import offloaded
@@ -139,7 +144,7 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
         raise ValueError(f"{prepared} was prepared with pack={bool(meta.get('packed'))}, the recipe says "
                          f"data.pack={cfg.data.pack}: set data.pack={str(bool(meta.get('packed'))).lower()}, or point "
                          "data.prepared elsewhere")
-    n_eval = min(cfg.data.eval_rows, len(ds) // 5) if cfg.data.eval_rows else 0
+    n_eval = held_out_rows(cfg.data.eval_rows, len(ds))
     train_ds = ds.select(range(len(ds) - n_eval))
     # datasets refuses an empty range that starts at len(ds); data.eval_rows=0 means "no held-out rows"
     eval_ds = ds.select(range(len(ds) - n_eval, len(ds))) if n_eval else ds.select([])
