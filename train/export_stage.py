@@ -39,15 +39,12 @@ def check_export_stage(export_cfg) -> None:
     if not repos:
         return
     from huggingface_hub import get_token
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from export.push import repo_id_problem
 
     for key, repo in repos.items():
-        try:
-            if repo.count("/") != 1:
-                raise HFValidationError("use user/name or org/name (one '/')")
-            validate_repo_id(repo)
-        except HFValidationError as e:
-            raise ExportStageError(f"{key}={repo!r} is not a Hub repo id: {str(e).splitlines()[0]}") from None
+        if problem := repo_id_problem(repo):
+            raise ExportStageError(f"{key}={repo!r} is not a Hub repo id: {problem}")
     if get_token() is None:
         raise ExportStageError(f"{' and '.join(repos)} push to the Hub after training, and there is no Hugging Face "
                                "token: run `hf auth login` or set HF_TOKEN first, or drop the push and run python -m "
