@@ -56,20 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def repo_id_problem(repo: str) -> str | None:
-    """What is wrong with a Hub repo id (None: nothing); ``check_repo_id`` and training's export stage say it."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if repo.count("/") != 1:
-        return "use user/name or org/name (one '/')"
-    try:
-        validate_repo_id(repo)
-    except HFValidationError as e:
-        return str(e).splitlines()[0]
-    return None
-
-
 def check_repo_id(repo: str) -> str:
+    from models.hub import repo_id_problem
+
     if problem := repo_id_problem(repo):
         said = ":" if repo.count("/") != 1 else " is not a valid Hub repo id:"
         raise ValueError(f"--repo {repo!r}{said} {problem}")

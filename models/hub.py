@@ -46,6 +46,20 @@ def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what:
                       "the folder (build it first if a recipe names one)") from e
 
 
+def repo_id_problem(repo: str) -> str | None:
+    """What is wrong with a Hub repo id (None: nothing); ``export.push --repo`` and training's
+    ``export.push_repo`` say it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if repo.count("/") != 1:
+        return "use user/name or org/name (one '/')"
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
 def fetch_model(path_or_id: str | Path, revision: str | None = None, what: str = "model") -> Path:
     """Everything a full load reads: a local folder as is; a Hub id's small files, then the shards its
     index names (a repo that also ships a consolidated copy or stray ``*.safetensors`` is not downloaded

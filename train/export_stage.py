@@ -40,7 +40,7 @@ def check_export_stage(export_cfg) -> None:
         return
     from huggingface_hub import get_token
 
-    from export.push import repo_id_problem
+    from models.hub import repo_id_problem
 
     for key, repo in repos.items():
         if problem := repo_id_problem(repo):
