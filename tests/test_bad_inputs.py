@@ -3169,6 +3169,35 @@ def test_online_kl_top_k_larger_than_the_vocabulary():
         make_features(cfg, SimpleNamespace(vocab_size=288), [1, 2, 3], [], [], "cpu")
 
 
+@pytest.mark.parametrize("missing", ["topk_ids", "topk_logprobs"])
+def test_kl_loss_with_half_of_the_teacher_is_refused(missing):
+    """A KL loss given the teacher's top-k ids without their log-probs (or the reverse) is refused by
+    name, not left to fail on None inside the loss."""
+    import torch
+
+    from train.objective import block_loss, draw_blocks
+
+    ids = torch.arange(8)[None]
+    blocks = draw_blocks(ids, torch.ones_like(ids), None, None, 4, 4, 0, torch.Generator().manual_seed(0))
+    teacher = {"topk_ids": torch.zeros(1, 8, 2, dtype=torch.long), "topk_logprobs": torch.zeros(1, 8, 2)}
+    teacher[missing] = None
+    with pytest.raises(ValueError, match="train.loss=kl needs the target's top-k log-probs"):
+        block_loss(torch.randn(1, blocks.num_blocks * 4, 8), blocks, torch.randn(16, 8), 4.0, mode="kl", **teacher)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_anchor_draw_with_a_generator_count_other_than_the_rows(count):
+    """One generator per row: a list of another length is refused (zip would drop the extra rows or
+    generators silently)."""
+    import torch
+
+    from train.objective import sample_anchors
+
+    gens = [torch.Generator().manual_seed(i) for i in range(count)]
+    with pytest.raises(ValueError, match=f"{count} generators for 2 rows: pass one per row"):
+        sample_anchors(torch.ones(2, 6, dtype=torch.bool), 3, gens)
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.batch_size=2.5", "train.batch_size=2.5: expected an integer"),  # never truncated to 2
     ("train.anchors=true", "train.anchors=True: expected an integer"),

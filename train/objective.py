@@ -98,7 +98,8 @@ def sample_anchors(candidates: torch.Tensor, num_anchors: int,
         keys = torch.rand(b, s, generator=generator).to(candidates.device)
     else:
         if len(generator) != b:
-            raise ValueError(f"{len(generator)} generators for {b} rows")
+            raise ValueError(f"{len(generator)} generators for {b} rows: pass one per row, "
+                             "or a single torch.Generator for the whole batch")
         keys = torch.zeros(b, s)
         for r, (row, g) in enumerate(zip(candidates.cpu(), generator)):
             span = int(row.nonzero().max()) + 1 if bool(row.any()) else 0  # up to the row's last candidate
