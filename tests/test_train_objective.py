@@ -376,6 +376,16 @@ def test_per_row_anchors_do_not_depend_on_the_padding_width():
         assert torch.equal(padded.anchors, alone.anchors), width
 
 
+def test_each_row_draws_from_its_own_generator():
+    """A batch with one generator per row gives each row the anchors it gets alone with its generator."""
+    ids, lm, doc, pos = _rows()
+    gens = lambda: [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]  # noqa: E731
+    both = draw_blocks(ids, lm, doc, pos, 3, B, MASK, gens())
+    for r, g in enumerate(gens()):
+        alone = draw_blocks(ids[r:r + 1], lm[r:r + 1], doc[r:r + 1], pos[r:r + 1], 3, B, MASK, [g])
+        assert torch.equal(both.anchors[r], alone.anchors[0]), r
+
+
 def test_padding_blocks_come_after_the_real_ones():
     """Chosen anchors are sorted by position with the invalid (padding) blocks last."""
     ids, lm, doc, pos = _rows()
@@ -394,6 +404,9 @@ def test_no_slot_is_scored_past_the_end_of_the_row():
     blocks = draw_blocks(ids, lm, None, None, 16, B, MASK, torch.Generator().manual_seed(0))
     assert blocks.anchors[0].tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert blocks.label_mask[0, -3:].tolist() == [[True, True, True], [True, True, False], [True, False, False]]
+    assert blocks.labels[0, -3:][blocks.label_mask[0, -3:]].tolist() == [5, 6, 7, 6, 7, 7]  # the last token included
+    # No position ids given: the row's own positions, so slot k of the block at a sits at a + k.
+    assert torch.equal(blocks.positions[0], blocks.anchors[0, :, None] + torch.arange(B))
 
 
 def test_labels_stop_at_a_document_boundary():
@@ -457,6 +470,87 @@ def test_flex_mask_with_window_or_causal_block_equals_naive_reference(window, ca
     assert torch.equal(dense, naive_mask(blocks, doc, window, causal, pos))
 
 
+@pytest.mark.parametrize("flex", [False, True])
+def test_window_mask_without_position_ids_uses_the_row_positions(flex):
+    """No position ids: the window counts plain row positions 0..s-1 (an unpacked row)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    ids, lm, doc, pos = _rows()
+    ids, lm, doc, pos = ids[:1], lm[:1], doc[:1], pos[:1]  # row 0: its positions are 0..s-1
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    if flex:
+        bm = flex_block_mask(blocks, doc, window=6)
+        got = create_mask(bm.mask_mod, 1, 1, 6 * B, doc.shape[1] + 6 * B, device="cpu")
+    else:
+        got = dense_mask(blocks, doc, window=6)
+    assert torch.equal(got, naive_mask(blocks, doc, 6, False, pos))
+
+
+def test_correct_marks_the_scored_slots_whose_argmax_is_the_label():
+    """``correct`` (the simulated tau's input) is True exactly where the drafter's top token is the
+    label: an identity head makes the logits the hidden states, and about half the scored slots get
+    a large value at their label (the others a large negative one)."""
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 6, B, V, generator=torch.Generator().manual_seed(1))
+    hit = blocks.label_mask & (torch.rand(blocks.label_mask.shape, generator=torch.Generator().manual_seed(2)) < 0.5)
+    slots = hidden[:, :, 1:]
+    slots.scatter_add_(-1, blocks.labels[..., None], 20.0 * (2 * hit[..., None].float() - 1))
+    out = block_loss(hidden.view(2, 6 * B, V), blocks, torch.eye(V), 4.0, chunk=5)
+    assert hit.any() and (blocks.label_mask & ~hit).any()
+    assert torch.equal(out.correct, hit)
+
+
+def test_simulated_acceptance_leaves_padding_blocks_out():
+    """Sums over valid blocks only; a scored slot after a miss still counts for pos_correct, not for
+    pos_accept."""
+    T, F = True, False
+    correct = torch.tensor([[[T, F, T], [T, T, F], [F, F, F]]])
+    label_mask = torch.tensor([[[T, T, T], [T, T, F], [F, F, F]]])
+    valid = torch.tensor([[T, T, F]])  # the third block is padding
+    acc = simulated_acceptance(correct, label_mask, valid)
+    assert acc["tau_sum"].item() == 2 + 3 and acc["blocks"].item() == 2
+    assert acc["pos_correct"].tolist() == [2, 1, 1] and acc["pos_count"].tolist() == [2, 2, 1]
+    assert acc["pos_accept"].tolist() == [2, 1, 0]
+
+
+@pytest.mark.parametrize("mode", ["kl", "ce+kl"])
+def test_half_precision_teacher_log_probs_give_the_fp32_loss_and_gradient(mode):
+    """An offline store keeps the top-k log-probs in float16: the loss and the frozen head's gradient
+    are those of the same values in float32 (the loss math runs in fp32)."""
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 6 * B, H, requires_grad=True)
+    head = torch.randn(V, H) / H ** 0.5
+    lp, ti = torch.log_softmax(torch.randn(2, ids.shape[1], V), -1).topk(8, dim=-1)
+    got, ref = (block_loss(hidden, blocks, head, 4.0, chunk=7, mode=mode, topk_ids=ti, topk_logprobs=t)
+                for t in (lp.half(), lp.half().float()))
+    assert_close(got.loss, ref.loss, atol=1e-6, what=f"{mode} loss from float16 log-probs")
+    (g,), (g_ref,) = (torch.autograd.grad(o.loss, hidden) for o in (got, ref))
+    assert_close(g, g_ref, atol=1e-7, what=f"{mode} gradient from float16 log-probs")
+
+
+@pytest.mark.parametrize("trained_head", [False, True])
+def test_backward_keeps_no_chunk_by_vocab_tensor_and_a_trained_head_gets_its_gradient(trained_head):
+    """Nothing of shape ``[rows, vocab]`` is kept for the backward (the frozen head keeps ``d loss / d h``,
+    a trained head recomputes its chunk), and the gradients equal plain autograd through whole logits."""
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 6 * B, H, dtype=torch.float64, requires_grad=True)
+    head = (torch.randn(V, H, dtype=torch.float64) / H ** 0.5).requires_grad_(trained_head)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(tuple(t.shape)), t)[1], lambda t: t):
+        out = block_loss(hidden, blocks, head, 4.0, chunk=7)
+    assert not [shape for shape in kept if shape[-1:] == (V,)], kept
+    params = (hidden, head) if trained_head else (hidden,)
+    grads = torch.autograd.grad(out.loss, params)
+    logits = (hidden.view(2, 6, B, H)[:, :, 1:] @ head.t())[blocks.label_mask]
+    ce = torch.nn.functional.cross_entropy(logits, blocks.labels[blocks.label_mask], reduction="none")
+    w = slot_weights(B, 4.0).double().expand_as(blocks.labels)[blocks.label_mask]
+    for g, g_ref, name in zip(grads, torch.autograd.grad((w * ce).sum() / w.sum(), params), ("hidden", "head")):
+        assert_close(g, g_ref, atol=1e-6, what=f"gradient of {name}")
+
+
 def test_loss_and_sums_do_not_depend_on_the_chunk_size():
     """Every chunk size, down to 1 and past the number of scored slots, gives the same loss, CE
     and KL sums; ce_sum and kl_sum are unweighted sums over the scored slots."""
@@ -474,6 +568,13 @@ def test_loss_and_sums_do_not_depend_on_the_chunk_size():
     assert ref.scored == m and m > 3
     assert_close(ref.ce_sum, ce.sum(), atol=1e-4, what="unweighted CE sum")  # the loss math runs in fp32
     assert_close(ref.ce, ce.mean(), atol=1e-5, what="mean CE")
+    # top-k covers the whole vocabulary: the exact KL; slot k's teacher is at anchor + k - 1.
+    src = (blocks.anchors[:, :, None] + torch.arange(B - 1)).flatten(1)
+    t = teacher.gather(1, src[..., None].expand(-1, -1, V)).view(2, 5, B - 1, V)[blocks.label_mask]
+    kl = (t.exp() * (t - torch.log_softmax(logits, -1))).sum(-1)
+    w = slot_weights(B, 4.0).double().expand_as(blocks.labels)[blocks.label_mask]
+    assert_close(ref.kl_sum, kl.sum(), atol=1e-4, what="unweighted KL sum")
+    assert_close(ref.loss, (w * (ce + kl)).sum() / w.sum(), atol=1e-5, what="ce+kl loss")
     for chunk in range(1, m + 2):
         out = block_loss(hidden, blocks, head, 4.0, chunk=chunk, mode="ce+kl", topk_ids=ti, topk_logprobs=lp)
         for name in ("loss", "ce_sum", "kl_sum", "weight"):
