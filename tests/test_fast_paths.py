@@ -146,6 +146,19 @@ def test_block_mask_falls_back_when_documents_repeat():
     assert bm.kv_num_blocks.shape == partial.sum(-1).shape
 
 
+
+def test_causal_block_mask_has_no_full_tile_inside_a_block():
+    """Blocks of 128 slots fill whole tiles: bidirectional, a block's own tile is full; causal inside the
+    block, it is only partial, so flex_block_mask must build the tiles from the causal rule too."""
+    ids, lm, doc, pos = _packed_rows(1, 256, seed=5)
+    blocks = draw_blocks(ids, lm, doc, pos, 2, 128, 95, torch.Generator().manual_seed(0))
+    for causal in (False, True):
+        bm = flex_block_mask(blocks, doc, block_causal=causal)
+        ref = create_block_mask(bm.mask_mod, B=1, H=None, Q_LEN=2 * 128, KV_LEN=256 + 2 * 128, device="cpu")
+        for a, z, what in zip(_tiles(bm), _tiles(ref), ("partial", "full")):
+            assert torch.equal(a, z), f"causal={causal}: {what} tiles differ"
+        assert bool(_tiles(bm)[1][0, 0, 0, 2]) != causal  # block 0's own keys start at 256: tile 2
+
 # ----------------------------------------------------------------------------- static loop (graphs off on CPU)
 PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
 NEW, B = 24, 8
