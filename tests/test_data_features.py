@@ -118,6 +118,20 @@ def test_fp8_codec_edge_values():
     assert bool(((x - y).abs() <= fp8_error_bound(x, scale)).all())
 
 
+def test_fp8_uses_the_whole_e4m3_range_and_its_bound_is_half_an_ulp():
+    """Each group's largest value lands on e4m3's largest, 448 (a smaller range wastes mantissa steps); values
+    come back as bf16 unless asked otherwise; the bound is 2^-4 of a value, or 2^-10 of the scale near zero, with
+    1 + 2^-7 of slack for the bf16 scale."""
+    from data.store import dequantize_fp8
+
+    x = torch.tensor([[1000.0, -3.0, 0.5, -0.25], [2.0, -7.0, 1.0, 0.0]])
+    q, scale = quantize_fp8(x, taps=2)
+    assert q.float().reshape(2, 2, 2).abs().amax(dim=-1).eq(448).all()
+    assert dequantize_fp8(q, scale).dtype == torch.bfloat16
+    bound = fp8_error_bound(torch.tensor([[16.0, 0.0]]), torch.ones(1, 1, dtype=torch.bfloat16))
+    assert bound.tolist() == [[1.0 * (1 + 2 ** -7), 2 ** -10 * (1 + 2 ** -7)]]
+
+
 def test_truncated_or_tampered_shard_is_a_clear_error(setup, tmp_path):
     store_dir = tmp_path / "store"
     shutil.copytree(setup["stores"]["plain", "bf16"], store_dir)
