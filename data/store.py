@@ -112,10 +112,12 @@ def target_identity(target) -> dict:
     revision = getattr(config, "_commit_hash", None)
     h = hashlib.sha256()
     folder, repo_id = Path(str(name)).expanduser(), None
-    if not folder.is_dir() and (isinstance(target, (str, Path)) or is_hub_id(name)):
+    if not str(name) and not isinstance(target, (str, Path)):
+        folder = None  # built in memory, unnamed: Path("") is the working directory, and a model there is another
+    elif not folder.is_dir() and (isinstance(target, (str, Path)) or is_hub_id(name)):
         repo_id = str(name) if is_hub_id(name) else None  # a path that is neither is refused here, by name
         folder = resolve_model_dir(name, revision=revision, what="target", allow_patterns=SMALL_FILES)
-    if folder.is_dir() and (folder / "config.json").is_file():
+    if folder is not None and folder.is_dir() and (folder / "config.json").is_file():
         h.update((folder / "config.json").read_bytes())
         for file_name, size, head, tail in weight_file_spans(folder, repo_id):
             h.update(f"{file_name}:{size}".encode())

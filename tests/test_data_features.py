@@ -398,3 +398,48 @@ def test_the_target_fingerprint_reads_the_end_of_each_weight_file(tmp_path):
         (folder / "model.safetensors").write_bytes(body + bytes([last]))
         prints.append(target_identity(str(folder))["target_fingerprint"])
     assert prints[0] != prints[1]
+
+
+def test_the_target_fingerprint_is_its_config_then_each_weight_files_name_size_and_ends(tmp_path):
+    """Stores record this fingerprint and later runs compare it: the recipe is pinned, so a store made by an
+    earlier version still matches. A file under 1 MiB is its own first and last MiB."""
+    import hashlib
+
+    from data.store import target_identity
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    config, body = b'{"model_type": "qwen3"}', bytes(range(100))
+    (folder / "config.json").write_bytes(config)
+    (folder / "model.safetensors").write_bytes(body)
+    expected = hashlib.sha256(config + b"model.safetensors:100" + body + body).hexdigest()[:16]
+    assert target_identity(str(folder)) == {"target": str(folder), "target_revision": None,
+                                            "target_fingerprint": expected}
+
+
+def test_a_target_built_in_memory_is_fingerprinted_by_its_config_wherever_it_runs(tmp_path, monkeypatch):
+    """An unnamed target has no folder: its config is its fingerprint. Its name "" once read as the working
+    directory, so run from a model's folder it took that model's fingerprint (and that model's stores)."""
+    import hashlib
+
+    from data.store import is_same_target, target_identity
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target, tiny_target
+
+    def built(arch):  # a fresh target: the identity is kept on the target once computed
+        return TargetModel(tiny_target(arch, seed=0))
+
+    target = built("qwen3")
+    ident = target_identity(target)
+    config = target.model.config.to_json_string(use_diff=False).encode()
+    assert ident == {"target": "", "target_revision": None,
+                     "target_fingerprint": hashlib.sha256(config).hexdigest()[:16]}
+    assert target.identity == ident and target_identity(built("llama"))["target_fingerprint"] != \
+        ident["target_fingerprint"]
+    monkeypatch.chdir(save_tiny_target(tmp_path / "cwd", "qwen3", num_layers=2))  # a model's folder
+    assert target_identity(built("qwen3")) == ident
+    target.identity = {**ident, "target_fingerprint": "kept"}  # computed once per target, then reused
+    assert target_identity(target)["target_fingerprint"] == "kept"
+    fingerprint = ident["target_fingerprint"]
+    assert is_same_target(fingerprint, built("qwen3"), fingerprint)
+    assert not is_same_target("0123456789abcdef", built("qwen3"), fingerprint)
