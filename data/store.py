@@ -135,7 +135,10 @@ def target_identity(target) -> dict:
 def is_same_target(recorded: str, target, fingerprint: str) -> bool:
     """Whether a fingerprint recorded by a store or prepared data is this target's (``fingerprint``, from
     ``target_identity``), earlier versions' config-only fingerprint of a Hub-named target included."""
-    return recorded in (fingerprint, legacy_hub_fingerprint(target))
+    # Not ``recorded in (fingerprint, legacy)``: the legacy one is None for every other target, so a store
+    # recording no fingerprint (null) would pass for any of them.
+    legacy = legacy_hub_fingerprint(target)
+    return recorded == fingerprint or (legacy is not None and recorded == legacy)
 
 
 def legacy_hub_fingerprint(target) -> str | None:

@@ -4862,6 +4862,23 @@ def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_pa
     assert prepared_fingerprint(Dataset.from_dict({"x": [1]})) is None  # in memory: nothing to compare
 
 
+def test_a_store_index_recording_no_target_fingerprint_matches_no_target(tmp_path, tiny_targets):
+    """A null target_fingerprint in index.json (written by hand, or by another tool) passed for every target not
+    named by a Hub id: the legacy fingerprint of those is None too, and None was "in" (fingerprint, None)."""
+    import json
+
+    from data.store import FeatureStore, StoreMismatch
+
+    store = tmp_path / "feats"
+    store.mkdir()
+    index = {"format": "draftsmith-features", "version": 1, "target": "t", "target_revision": None,
+             "target_fingerprint": None, "layer_ids": [1], "plan": [], "shards": {}, "complete": True}
+    (store / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreMismatch, match="target: store was extracted from 't' \\(fingerprint None\\).*"
+                                            "Re-extract with python -m data.extract"):
+        FeatureStore(store, verify=False).check_compatible(target=tiny_targets("qwen3"))
+
+
 def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_what_differs(tmp_path, monkeypatch):
     """--target T then --target T/ (the same folder) was "measured with other settings: set aside ... starting over"
     (the key hashed the raw strings); the note did not say which setting differed, and a second set-aside file
