@@ -109,7 +109,8 @@ def target_identity(target) -> dict:
         return dict(target.identity)
     name = target if isinstance(target, (str, Path)) else getattr(target, "name", "")
     config = getattr(getattr(target, "model", None), "config", None)
-    revision = getattr(config, "_commit_hash", None)
+    # a config read from a folder carries no ``_commit_hash`` (transformers 5): the loaders keep the commit
+    revision = getattr(target, "revision", None) or getattr(config, "_commit_hash", None)
     h = hashlib.sha256()
     folder, repo_id = Path(str(name)).expanduser(), None
     if not str(name) and not isinstance(target, (str, Path)):
