@@ -443,3 +443,52 @@ def test_a_target_built_in_memory_is_fingerprinted_by_its_config_wherever_it_run
     fingerprint = ident["target_fingerprint"]
     assert is_same_target(fingerprint, built("qwen3"), fingerprint)
     assert not is_same_target("0123456789abcdef", built("qwen3"), fingerprint)
+
+
+def test_the_reader_names_a_missing_shard_and_checks_sizes_even_unverified(setup, tmp_path, monkeypatch):
+    """A shard deleted, or absent from the index, is named; verify=False (the index alone is trusted) hashes
+    nothing but still refuses a shard of another size, longer or shorter; verify_all checks the first shard too;
+    with one shard open at a time, shards are reopened as rows go back and forth."""
+    import json
+
+    import data.store
+
+    store_dir = tmp_path / "store"
+    shutil.copytree(setup["stores"]["plain", "bf16"], store_dir)
+    second = FeatureStore(store_dir).index["plan"][1][0]
+    reference = FeatureStore(setup["stores"]["plain", "bf16"])
+    one_open = FeatureStore(store_dir, max_open=1)
+    for i in (0, second, 0, second):
+        assert torch.equal(one_open.row(i).features, reference.row(i).features)
+    monkeypatch.setattr(data.store, "sha256_file", lambda f: pytest.fail("hashed with verify=False"))
+    shard = store_dir / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes() + b"x")
+    with pytest.raises(StoreCorrupt, match=r"shard-00001.safetensors: \d+ bytes, index says \d+: the shard is"):
+        FeatureStore(store_dir, verify=False).row(second)
+    assert FeatureStore(store_dir, verify=False).row(0).features.shape[-1] == 192
+    monkeypatch.undo()
+    shard.unlink()
+    with pytest.raises(StoreCorrupt, match="shard-00001.safetensors: shard missing; re-run data.extract"):
+        FeatureStore(store_dir).row(second)
+    first = store_dir / "shard-00000.safetensors"
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(StoreCorrupt, match="shard-00000.safetensors: sha256 .* does not match the index"):
+        FeatureStore(store_dir).verify_all()
+    index = json.loads((store_dir / "index.json").read_text())
+    del index["shards"]["shard-00000.safetensors"]  # a hand-edited index that still says complete
+    (store_dir / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreCorrupt, match="shard-00000.safetensors: shard missing"):
+        FeatureStore(store_dir).row(0)
+
+
+def test_a_store_is_compatible_only_with_its_layers_in_their_order_and_its_tokenizer_hash(setup):
+    """Features are laid out tap by tap in the store's layer order: the same layers in another order are other
+    features. A tokenizer may be given as its fingerprint."""
+    store = FeatureStore(setup["stores"]["plain", "bf16"])
+    with pytest.raises(StoreMismatch, match=r"layer ids: store \[1, 3, 5\], training asks \[5, 3, 1\]"):
+        store.check_compatible(layer_ids=[5, 3, 1])
+    store.check_compatible(tokenizer=store.index["tokenizer_hash"])
+    with pytest.raises(StoreMismatch, match="tokenizer: store .*, training 0123456789abcdef"):
+        store.check_compatible(tokenizer="0123456789abcdef")
