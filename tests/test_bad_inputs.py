@@ -4879,6 +4879,18 @@ def test_a_store_index_recording_no_target_fingerprint_matches_no_target(tmp_pat
         FeatureStore(store, verify=False).check_compatible(target=tiny_targets("qwen3"))
 
 
+def test_a_store_index_of_another_kind_is_named(tmp_path):
+    """index.json holding a JSON list, or another tool's format at the same version, is no store of ours."""
+    from data.store import StoreCorrupt, StoreError, read_index
+
+    (tmp_path / "index.json").write_text("[]")
+    with pytest.raises(StoreCorrupt, match="index.json: not a feature store index \\(a JSON list\\): delete"):
+        read_index(tmp_path)
+    (tmp_path / "index.json").write_text('{"format": "other-features", "version": 1}')
+    with pytest.raises(StoreError, match="format other-features v1, this reader reads draftsmith-features v1"):
+        read_index(tmp_path)
+
+
 def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_what_differs(tmp_path, monkeypatch):
     """--target T then --target T/ (the same folder) was "measured with other settings: set aside ... starting over"
     (the key hashed the raw strings); the note did not say which setting differed, and a second set-aside file
