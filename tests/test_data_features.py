@@ -492,3 +492,39 @@ def test_a_store_is_compatible_only_with_its_layers_in_their_order_and_its_token
     store.check_compatible(tokenizer=store.index["tokenizer_hash"])
     with pytest.raises(StoreMismatch, match="tokenizer: store .*, training 0123456789abcdef"):
         store.check_compatible(tokenizer="0123456789abcdef")
+
+
+def shard_dtypes(shard) -> dict:
+    """Each tensor's dtype as the safetensors header of a shard records it."""
+    import json
+    import struct
+
+    with open(shard, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return {k: v["dtype"] for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+
+
+def test_shard_columns_are_stored_in_the_documented_dtypes(setup, tmp_path):
+    """The format (module docstring of data.store): ids and positions int32, mask int8, features bf16 (float32
+    rows included) or e4m3 with bf16 scales, top-k ids int32 and log-probs float16: what the bytes per token
+    and --shard-mb assume. An fp8 shard of rows quantized by the writer equals one of rows quantized beforehand."""
+    from test_bad_inputs import _tiny_store_rows
+
+    from data.store_writer import StoreWriter
+
+    ids = {"row_offsets": "I64", "input_ids": "I32", "loss_mask": "I8", "doc_ids": "I32", "position_ids": "I32"}
+    assert shard_dtypes(setup["stores"]["plain", "bf16"] / "shard-00000.safetensors") == \
+        {**ids, "features": "BF16", "topk_ids": "I32", "topk_logprobs": "F16"}
+    assert shard_dtypes(setup["stores"]["plain", "fp8"] / "shard-00000.safetensors") == \
+        {**ids, "features": "F8_E4M3", "feature_scales": "BF16"}
+    rows = _tiny_store_rows()
+    assert rows[0].features.dtype == torch.float32
+    StoreWriter(tmp_path / "bf16", {"dtype": "bf16", "layer_ids": [1], "topk": 0}, [(0, 2)]).write_shard(0, rows)
+    assert shard_dtypes(tmp_path / "bf16" / "shard-00000.safetensors")["features"] == "BF16"
+    shards = {}
+    for how in ("rows", "quantized"):
+        w = StoreWriter(tmp_path / how, {"dtype": "fp8", "layer_ids": [1, 2], "topk": 0}, [(0, 2)])
+        whole = torch.cat([r.features for r in rows])
+        w.write_shard(0, rows, quantized=quantize_fp8(whole, 2) if how == "quantized" else None)
+        shards[how] = (tmp_path / how / "shard-00000.safetensors").read_bytes()
+    assert shards["rows"] == shards["quantized"]  # one scale per token per tap (2 taps of 2 here)
