@@ -422,7 +422,9 @@ def test_a_target_built_in_memory_is_fingerprinted_by_its_config_wherever_it_run
     directory, so run from a model's folder it took that model's fingerprint (and that model's stores)."""
     import hashlib
 
-    from data.store import is_same_target, target_identity
+    from types import SimpleNamespace
+
+    from data.store import is_same_target, legacy_hub_fingerprint, target_identity
     from models.target import TargetModel
     from models.tiny import save_tiny_target, tiny_target
 
@@ -443,6 +445,7 @@ def test_a_target_built_in_memory_is_fingerprinted_by_its_config_wherever_it_run
     fingerprint = ident["target_fingerprint"]
     assert is_same_target(fingerprint, built("qwen3"), fingerprint)
     assert not is_same_target("0123456789abcdef", built("qwen3"), fingerprint)
+    assert legacy_hub_fingerprint(SimpleNamespace(name="org/t")) is None  # a Hub name, no loaded config
 
 
 def test_the_reader_names_a_missing_shard_and_checks_sizes_even_unverified(setup, tmp_path, monkeypatch):
