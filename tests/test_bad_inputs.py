@@ -4848,6 +4848,38 @@ def test_a_sidecar_whose_shard_was_cut_is_not_adopted(tmp_path, capsys):
     assert "shard-00001.safetensors.json: damaged or does not match its shard" in capsys.readouterr().err
 
 
+def test_sidecars_that_name_another_shard_or_are_not_an_entry_are_not_adopted(tmp_path, capsys):
+    """A sidecar copied under another shard's name, or one holding JSON that is no entry (a list, a key missing),
+    leaves its shard to be computed again, with a note; a damaged sidecar of a shard the index holds already is
+    no news, so no note. Writers that are not the main one leave index.json alone, and a finished store holds
+    no sidecar."""
+    import json
+
+    from data.store_writer import StoreWriter
+
+    out = tmp_path / "feats"
+    header, plan = {"dtype": "bf16", "layer_ids": [1], "topk": 0}, [(0, 2), (2, 4), (4, 6)]
+    w = StoreWriter(out, header, plan)
+    index = (out / "index.json").read_bytes()
+    for k in range(3):
+        StoreWriter(out, header, plan, main=False).write_shard(k, _tiny_store_rows())
+    assert (out / "index.json").read_bytes() == index  # only the main writer writes the index
+    assert w.finalise()
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", *(f"shard-0000{k}.safetensors" for k in range(3))]
+    for k in (1, 2):
+        w.index["shards"].pop(f"shard-0000{k}.safetensors")
+    w.flush_index()
+    entry = w.index["shards"]["shard-00000.safetensors"]
+    (out / "shard-00001.safetensors.json").write_text(json.dumps({**entry, "sha256": "0" * 64}))  # names shard 0
+    (out / "shard-00002.safetensors.json").write_text("[]")
+    (out / "shard-00000.safetensors.json").write_text("{}")  # shard 0 is in the index: its sidecar is not read
+    again = StoreWriter(out, header, plan)
+    assert again.index["shards"] == {"shard-00000.safetensors": entry}
+    err = capsys.readouterr().err
+    assert "shard-00001.safetensors.json: damaged or does not match its shard" in err
+    assert "shard-00002.safetensors.json: damaged" in err and "shard-00000" not in err
+
+
 def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_path):
     """The training split is a selection with a fingerprint of its own: the store records the folder's, so the
     folder's is what make_features compares before it compares rows (tests/test_train_modes.py)."""
