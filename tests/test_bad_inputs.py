@@ -4880,6 +4880,64 @@ def test_sidecars_that_name_another_shard_or_are_not_an_entry_are_not_adopted(tm
     assert "shard-00002.safetensors.json: damaged" in err and "shard-00000" not in err
 
 
+def test_a_store_folder_that_is_a_file_or_holds_much_else_is_named(tmp_path):
+    """--out naming a file is refused as a file; a folder of other things names the first three and counts the
+    rest (sub-folders included); a folder holding only a killed first run's index.json.tmp is a store's."""
+    from data.store import StoreMismatch
+    from data.store_writer import check_store_folder
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="--out .*f is a file: give a new or empty folder"):
+        check_store_folder(tmp_path / "f")
+    mine = tmp_path / "mine"
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (mine / name).parent.mkdir(exist_ok=True)
+        (mine / name).write_text("x")
+    check = lambda: check_store_folder(mine)  # noqa: E731
+    with pytest.raises(StoreMismatch, match="it holds a.txt, b.txt, c.txt\\): data.extract"):
+        check()
+    (mine / "d").mkdir()
+    with pytest.raises(StoreMismatch, match="it holds a.txt, b.txt, c.txt \\(\\+1 more\\)\\): data.extract"):
+        check()
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "index.json.tmp").write_text('{"form')
+    check_store_folder(killed)
+
+
+def test_writers_of_one_store_agree_on_its_settings_and_data(tmp_path, capsys):
+    """A writer that is not the main one, started with other settings, is refused (its shards would join the
+    store); only the main writer finalises. The data is the same when named the same or the same folder spelled
+    another way; two names without a fingerprint are two data sets. A reopened store
+    adopts the shards other writers finished, drops a shard of another size even unhashed, and the leftover temp
+    files of killed writes."""
+    from data.store import StoreMismatch
+    from data.store_writer import StoreWriter
+
+    out = tmp_path / "feats"
+    data = tmp_path / "prepared"
+    header, plan = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "data": str(data), "data_fingerprint": None}, \
+        [(0, 2), (2, 4), (4, 6)]
+    main = StoreWriter(out, header, plan)
+    with pytest.raises(StoreMismatch, match="already holds a store with layer_ids=\\[1\\], this run asks for \\[2\\]"):
+        StoreWriter(out, {**header, "layer_ids": [2]}, plan, main=False)
+    other = StoreWriter(out, header, plan, main=False)
+    with pytest.raises(RuntimeError, match="only the main writer finalises a store"):
+        other.finalise()
+    main.write_shard(0, _tiny_store_rows())
+    other.write_shard(1, _tiny_store_rows())
+    other.write_shard(2, _tiny_store_rows())
+    shard = out / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1])  # cut after the index recorded it
+    (out / "shard-00002.safetensors.json.tmp").write_text("{")  # a kill while writing a sidecar
+    for named in (str(data), str(data / ".." / "prepared")):
+        again = StoreWriter(out, {**header, "data": named}, plan, verify_existing=False)
+        assert (again.done(0), again.done(1), again.done(2)) == (False, True, True)
+    assert not list(out.glob("*.tmp"))
+    with pytest.raises(StoreMismatch, match="already holds a store with data="):
+        StoreWriter(out, {**header, "data": str(tmp_path / "other")}, plan)
+
+
 def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_path):
     """The training split is a selection with a fingerprint of its own: the store records the folder's, so the
     folder's is what make_features compares before it compares rows (tests/test_train_modes.py)."""
