@@ -4519,6 +4519,13 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
     (out / "shard-00000.safetensors").write_bytes(b"x")
     with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
         StoreWriter(out, {"topk": 4}, [(0, 2)])
+    recorded = tmp_path / "recorded"  # nor is one whose index records a shard, its files deleted by hand
+    header = {"topk": 0, "dtype": "bf16", "layer_ids": [1]}
+    StoreWriter(recorded, header, [(0, 2)]).write_shard(0, _tiny_store_rows())
+    for f in recorded.glob("shard-*"):
+        f.unlink()
+    with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
+        StoreWriter(recorded, {**header, "topk": 4}, [(0, 2)])
 
 
 def test_an_extraction_into_a_folder_that_is_no_store_is_refused_before_its_target_loads(tmp_path, monkeypatch):
