@@ -127,6 +127,9 @@ def target_identity(target) -> dict:
         revision = revision or snapshot_commit(folder)
     elif config is not None:
         h.update(config.to_json_string(use_diff=False).encode())
+    else:  # a folder that holds no model: never the fingerprint of nothing
+        raise FileNotFoundError(f"target {str(name)!r}: {folder} has no config.json, so it is not a model folder: "
+                                "give the target model's folder or its Hub id")
     ident = {"target": str(name), "target_revision": revision, "target_fingerprint": h.hexdigest()[:16]}
     if not isinstance(target, (str, Path)):
         target.identity = dict(ident)

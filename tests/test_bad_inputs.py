@@ -3665,6 +3665,10 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
         target_identity("org/t")
     with pytest.raises(FileNotFoundError, match="target 'no/such/folder' is neither a local folder nor a Hub id"):
         target_identity("no/such/folder")  # never the fingerprint of nothing
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="target '.*empty': .*empty has no config.json, so it is not a model "
+                                                "folder: give the target model's folder or its Hub id"):
+        target_identity(str(tmp_path / "empty"))
     # Offline with only the small files cached: the shards to read are named, with the command that fetches them.
     hub.offline = True
     with pytest.raises(OSError, match=r"target 'org/t': \['model-0000\d-of-0000\d\.safetensors'.*\] not in the "
