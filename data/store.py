@@ -109,13 +109,16 @@ def target_identity(target) -> dict:
         return dict(target.identity)
     name = target if isinstance(target, (str, Path)) else getattr(target, "name", "")
     config = getattr(getattr(target, "model", None), "config", None)
-    revision = getattr(config, "_commit_hash", None)
+    # a config read from a folder carries no ``_commit_hash`` (transformers 5): the loaders keep the commit
+    revision = getattr(target, "revision", None) or getattr(config, "_commit_hash", None)
     h = hashlib.sha256()
     folder, repo_id = Path(str(name)).expanduser(), None
-    if not folder.is_dir() and (isinstance(target, (str, Path)) or is_hub_id(name)):
+    if not str(name) and not isinstance(target, (str, Path)):
+        folder = None  # built in memory, unnamed: Path("") is the working directory, and a model there is another
+    elif not folder.is_dir() and (isinstance(target, (str, Path)) or is_hub_id(name)):
         repo_id = str(name) if is_hub_id(name) else None  # a path that is neither is refused here, by name
         folder = resolve_model_dir(name, revision=revision, what="target", allow_patterns=SMALL_FILES)
-    if folder.is_dir() and (folder / "config.json").is_file():
+    if folder is not None and folder.is_dir() and (folder / "config.json").is_file():
         h.update((folder / "config.json").read_bytes())
         for file_name, size, head, tail in weight_file_spans(folder, repo_id):
             h.update(f"{file_name}:{size}".encode())
@@ -124,6 +127,9 @@ def target_identity(target) -> dict:
         revision = revision or snapshot_commit(folder)
     elif config is not None:
         h.update(config.to_json_string(use_diff=False).encode())
+    else:  # a folder that holds no model: never the fingerprint of nothing
+        raise FileNotFoundError(f"target {str(name)!r}: {folder} has no config.json, so it is not a model folder: "
+                                "give the target model's folder or its Hub id")
     ident = {"target": str(name), "target_revision": revision, "target_fingerprint": h.hexdigest()[:16]}
     if not isinstance(target, (str, Path)):
         target.identity = dict(ident)
@@ -133,7 +139,10 @@ def target_identity(target) -> dict:
 def is_same_target(recorded: str, target, fingerprint: str) -> bool:
     """Whether a fingerprint recorded by a store or prepared data is this target's (``fingerprint``, from
     ``target_identity``), earlier versions' config-only fingerprint of a Hub-named target included."""
-    return recorded in (fingerprint, legacy_hub_fingerprint(target))
+    # Not ``recorded in (fingerprint, legacy)``: the legacy one is None for every other target, so a store
+    # recording no fingerprint (null) would pass for any of them.
+    legacy = legacy_hub_fingerprint(target)
+    return recorded == fingerprint or (legacy is not None and recorded == legacy)
 
 
 def legacy_hub_fingerprint(target) -> str | None:

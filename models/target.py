@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from models.config import read_json_file, refuse_drafter_as_target
-from models.hub import SMALL_FILES, fetch_files, fetch_model, is_hub_id, resolve_model_dir
+from models.hub import SMALL_FILES, fetch_files, fetch_model, is_hub_id, resolve_model_dir, snapshot_commit
 
 # model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
 SUPPORTED = {
@@ -173,6 +173,9 @@ class TargetModel:
         self.has_layers = True
         # Name, revision and weight fingerprint, set by ``data.store.target_identity`` the first time.
         self.identity: dict | None = None
+        # The Hub commit of the snapshot the weights were read from (None for a local folder): the fingerprint
+        # reads that commit's files, not those of a branch that may have moved on since.
+        self.revision: str | None = None
 
     # ------------------------------------------------------------------ facts
     @property
@@ -367,6 +370,7 @@ class TargetModel:
         if any(directory.glob("tokenizer*")):
             tokenizer = load_tokenizer(directory)
         target = cls(model, tokenizer=tokenizer, name=str(path_or_id))
+        target.revision = snapshot_commit(directory)
         if quant_config is not None:
             target.quantization = quantization
         return target
@@ -407,6 +411,7 @@ class TargetModel:
             model.generation_config = GenerationConfig.from_pretrained(directory)
         tokenizer = load_tokenizer(directory) if any(directory.glob("tokenizer*")) else None
         target = cls(model, tokenizer=tokenizer, name=str(path_or_id))
+        target.revision = snapshot_commit(directory)
         target.has_layers = False
         return target
 

@@ -3694,6 +3694,10 @@ def test_embedding_and_head_from_a_broken_sharded_checkpoint_or_an_unreachable_h
         target_identity("org/t")
     with pytest.raises(FileNotFoundError, match="target 'no/such/folder' is neither a local folder nor a Hub id"):
         target_identity("no/such/folder")  # never the fingerprint of nothing
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="target '.*empty': .*empty has no config.json, so it is not a model "
+                                                "folder: give the target model's folder or its Hub id"):
+        target_identity(str(tmp_path / "empty"))
     # Offline with only the small files cached: the shards to read are named, with the command that fetches them.
     hub.offline = True
     with pytest.raises(OSError, match=r"target 'org/t': \['model-0000\d-of-0000\d\.safetensors'.*\] not in the "
@@ -4548,6 +4552,13 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
     (out / "shard-00000.safetensors").write_bytes(b"x")
     with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
         StoreWriter(out, {"topk": 4}, [(0, 2)])
+    recorded = tmp_path / "recorded"  # nor is one whose index records a shard, its files deleted by hand
+    header = {"topk": 0, "dtype": "bf16", "layer_ids": [1]}
+    StoreWriter(recorded, header, [(0, 2)]).write_shard(0, _tiny_store_rows())
+    for f in recorded.glob("shard-*"):
+        f.unlink()
+    with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
+        StoreWriter(recorded, {**header, "topk": 4}, [(0, 2)])
 
 
 def test_an_extraction_into_a_folder_that_is_no_store_is_refused_before_its_target_loads(tmp_path, monkeypatch):
@@ -4877,6 +4888,96 @@ def test_a_sidecar_whose_shard_was_cut_is_not_adopted(tmp_path, capsys):
     assert "shard-00001.safetensors.json: damaged or does not match its shard" in capsys.readouterr().err
 
 
+def test_sidecars_that_name_another_shard_or_are_not_an_entry_are_not_adopted(tmp_path, capsys):
+    """A sidecar copied under another shard's name, or one holding JSON that is no entry (a list, a key missing),
+    leaves its shard to be computed again, with a note; a damaged sidecar of a shard the index holds already is
+    no news, so no note. Writers that are not the main one leave index.json alone, and a finished store holds
+    no sidecar."""
+    import json
+
+    from data.store_writer import StoreWriter
+
+    out = tmp_path / "feats"
+    header, plan = {"dtype": "bf16", "layer_ids": [1], "topk": 0}, [(0, 2), (2, 4), (4, 6)]
+    w = StoreWriter(out, header, plan)
+    index = (out / "index.json").read_bytes()
+    for k in range(3):
+        StoreWriter(out, header, plan, main=False).write_shard(k, _tiny_store_rows())
+    assert (out / "index.json").read_bytes() == index  # only the main writer writes the index
+    assert w.finalise()
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", *(f"shard-0000{k}.safetensors" for k in range(3))]
+    for k in (1, 2):
+        w.index["shards"].pop(f"shard-0000{k}.safetensors")
+    w.flush_index()
+    entry = w.index["shards"]["shard-00000.safetensors"]
+    (out / "shard-00001.safetensors.json").write_text(json.dumps({**entry, "sha256": "0" * 64}))  # names shard 0
+    (out / "shard-00002.safetensors.json").write_text("[]")
+    (out / "shard-00000.safetensors.json").write_text("{}")  # shard 0 is in the index: its sidecar is not read
+    again = StoreWriter(out, header, plan)
+    assert again.index["shards"] == {"shard-00000.safetensors": entry}
+    err = capsys.readouterr().err
+    assert "shard-00001.safetensors.json: damaged or does not match its shard" in err
+    assert "shard-00002.safetensors.json: damaged" in err and "shard-00000" not in err
+
+
+def test_a_store_folder_that_is_a_file_or_holds_much_else_is_named(tmp_path):
+    """--out naming a file is refused as a file; a folder of other things names the first three and counts the
+    rest (sub-folders included); a folder holding only a killed first run's index.json.tmp is a store's."""
+    from data.store import StoreMismatch
+    from data.store_writer import check_store_folder
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="--out .*f is a file: give a new or empty folder"):
+        check_store_folder(tmp_path / "f")
+    mine = tmp_path / "mine"
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (mine / name).parent.mkdir(exist_ok=True)
+        (mine / name).write_text("x")
+    check = lambda: check_store_folder(mine)  # noqa: E731
+    with pytest.raises(StoreMismatch, match="it holds a.txt, b.txt, c.txt\\): data.extract"):
+        check()
+    (mine / "d").mkdir()
+    with pytest.raises(StoreMismatch, match="it holds a.txt, b.txt, c.txt \\(\\+1 more\\)\\): data.extract"):
+        check()
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "index.json.tmp").write_text('{"form')
+    check_store_folder(killed)
+
+
+def test_writers_of_one_store_agree_on_its_settings_and_data(tmp_path, capsys):
+    """A writer that is not the main one, started with other settings, is refused (its shards would join the
+    store); only the main writer finalises. The data is the same when named the same or the same folder spelled
+    another way; two names without a fingerprint are two data sets. A reopened store
+    adopts the shards other writers finished, drops a shard of another size even unhashed, and the leftover temp
+    files of killed writes."""
+    from data.store import StoreMismatch
+    from data.store_writer import StoreWriter
+
+    out = tmp_path / "feats"
+    data = tmp_path / "prepared"
+    header, plan = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "data": str(data), "data_fingerprint": None}, \
+        [(0, 2), (2, 4), (4, 6)]
+    main = StoreWriter(out, header, plan)
+    with pytest.raises(StoreMismatch, match="already holds a store with layer_ids=\\[1\\], this run asks for \\[2\\]"):
+        StoreWriter(out, {**header, "layer_ids": [2]}, plan, main=False)
+    other = StoreWriter(out, header, plan, main=False)
+    with pytest.raises(RuntimeError, match="only the main writer finalises a store"):
+        other.finalise()
+    main.write_shard(0, _tiny_store_rows())
+    other.write_shard(1, _tiny_store_rows())
+    other.write_shard(2, _tiny_store_rows())
+    shard = out / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1])  # cut after the index recorded it
+    (out / "shard-00002.safetensors.json.tmp").write_text("{")  # a kill while writing a sidecar
+    for named in (str(data), str(data / ".." / "prepared")):
+        again = StoreWriter(out, {**header, "data": named}, plan, verify_existing=False)
+        assert (again.done(0), again.done(1), again.done(2)) == (False, True, True)
+    assert not list(out.glob("*.tmp"))
+    with pytest.raises(StoreMismatch, match="already holds a store with data="):
+        StoreWriter(out, {**header, "data": str(tmp_path / "other")}, plan)
+
+
 def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_path):
     """The training split is a selection with a fingerprint of its own: the store records the folder's, so the
     folder's is what make_features compares before it compares rows (tests/test_train_modes.py)."""
@@ -4889,6 +4990,35 @@ def test_the_prepared_fingerprint_is_the_saved_folders_not_the_selections(tmp_pa
     a, b = load_from_disk(str(tmp_path / "a")), load_from_disk(str(tmp_path / "b"))
     assert prepared_fingerprint(a.select(range(1))) == a._fingerprint != prepared_fingerprint(b.select(range(1)))
     assert prepared_fingerprint(Dataset.from_dict({"x": [1]})) is None  # in memory: nothing to compare
+
+
+def test_a_store_index_recording_no_target_fingerprint_matches_no_target(tmp_path, tiny_targets):
+    """A null target_fingerprint in index.json (written by hand, or by another tool) passed for every target not
+    named by a Hub id: the legacy fingerprint of those is None too, and None was "in" (fingerprint, None)."""
+    import json
+
+    from data.store import FeatureStore, StoreMismatch
+
+    store = tmp_path / "feats"
+    store.mkdir()
+    index = {"format": "draftsmith-features", "version": 1, "target": "t", "target_revision": None,
+             "target_fingerprint": None, "layer_ids": [1], "plan": [], "shards": {}, "complete": True}
+    (store / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreMismatch, match="target: store was extracted from 't' \\(fingerprint None\\).*"
+                                            "Re-extract with python -m data.extract"):
+        FeatureStore(store, verify=False).check_compatible(target=tiny_targets("qwen3"))
+
+
+def test_a_store_index_of_another_kind_is_named(tmp_path):
+    """index.json holding a JSON list, or another tool's format at the same version, is no store of ours."""
+    from data.store import StoreCorrupt, StoreError, read_index
+
+    (tmp_path / "index.json").write_text("[]")
+    with pytest.raises(StoreCorrupt, match="index.json: not a feature store index \\(a JSON list\\): delete"):
+        read_index(tmp_path)
+    (tmp_path / "index.json").write_text('{"format": "other-features", "version": 1}')
+    with pytest.raises(StoreError, match="format other-features v1, this reader reads draftsmith-features v1"):
+        read_index(tmp_path)
 
 
 def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_what_differs(tmp_path, monkeypatch):

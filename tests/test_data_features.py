@@ -118,6 +118,20 @@ def test_fp8_codec_edge_values():
     assert bool(((x - y).abs() <= fp8_error_bound(x, scale)).all())
 
 
+def test_fp8_uses_the_whole_e4m3_range_and_its_bound_is_half_an_ulp():
+    """Each group's largest value lands on e4m3's largest, 448 (a smaller range wastes mantissa steps); values
+    come back as bf16 unless asked otherwise; the bound is 2^-4 of a value, or 2^-10 of the scale near zero, with
+    1 + 2^-7 of slack for the bf16 scale."""
+    from data.store import dequantize_fp8
+
+    x = torch.tensor([[1000.0, -3.0, 0.5, -0.25], [2.0, -7.0, 1.0, 0.0]])
+    q, scale = quantize_fp8(x, taps=2)
+    assert q.float().reshape(2, 2, 2).abs().amax(dim=-1).eq(448).all()
+    assert dequantize_fp8(q, scale).dtype == torch.bfloat16
+    bound = fp8_error_bound(torch.tensor([[16.0, 0.0]]), torch.ones(1, 1, dtype=torch.bfloat16))
+    assert bound.tolist() == [[1.0 * (1 + 2 ** -7), 2 ** -10 * (1 + 2 ** -7)]]
+
+
 def test_truncated_or_tampered_shard_is_a_clear_error(setup, tmp_path):
     store_dir = tmp_path / "store"
     shutil.copytree(setup["stores"]["plain", "bf16"], store_dir)
@@ -384,3 +398,136 @@ def test_the_target_fingerprint_reads_the_end_of_each_weight_file(tmp_path):
         (folder / "model.safetensors").write_bytes(body + bytes([last]))
         prints.append(target_identity(str(folder))["target_fingerprint"])
     assert prints[0] != prints[1]
+
+
+def test_the_target_fingerprint_is_its_config_then_each_weight_files_name_size_and_ends(tmp_path):
+    """Stores record this fingerprint and later runs compare it: the recipe is pinned, so a store made by an
+    earlier version still matches. A file under 1 MiB is its own first and last MiB."""
+    import hashlib
+
+    from data.store import target_identity
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    config, body = b'{"model_type": "qwen3"}', bytes(range(100))
+    (folder / "config.json").write_bytes(config)
+    (folder / "model.safetensors").write_bytes(body)
+    expected = hashlib.sha256(config + b"model.safetensors:100" + body + body).hexdigest()[:16]
+    assert target_identity(str(folder)) == {"target": str(folder), "target_revision": None,
+                                            "target_fingerprint": expected}
+
+
+def test_a_target_built_in_memory_is_fingerprinted_by_its_config_wherever_it_runs(tmp_path, monkeypatch):
+    """An unnamed target has no folder: its config is its fingerprint. Its name "" once read as the working
+    directory, so run from a model's folder it took that model's fingerprint (and that model's stores)."""
+    import hashlib
+
+    from types import SimpleNamespace
+
+    from data.store import is_same_target, legacy_hub_fingerprint, target_identity
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target, tiny_target
+
+    def built(arch):  # a fresh target: the identity is kept on the target once computed
+        return TargetModel(tiny_target(arch, seed=0))
+
+    target = built("qwen3")
+    ident = target_identity(target)
+    config = target.model.config.to_json_string(use_diff=False).encode()
+    assert ident == {"target": "", "target_revision": None,
+                     "target_fingerprint": hashlib.sha256(config).hexdigest()[:16]}
+    assert target.identity == ident and target_identity(built("llama"))["target_fingerprint"] != \
+        ident["target_fingerprint"]
+    monkeypatch.chdir(save_tiny_target(tmp_path / "cwd", "qwen3", num_layers=2))  # a model's folder
+    assert target_identity(built("qwen3")) == ident
+    target.identity = {**ident, "target_fingerprint": "kept"}  # computed once per target, then reused
+    assert target_identity(target)["target_fingerprint"] == "kept"
+    fingerprint = ident["target_fingerprint"]
+    assert is_same_target(fingerprint, built("qwen3"), fingerprint)
+    assert not is_same_target("0123456789abcdef", built("qwen3"), fingerprint)
+    assert legacy_hub_fingerprint(SimpleNamespace(name="org/t")) is None  # a Hub name, no loaded config
+
+
+def test_the_reader_names_a_missing_shard_and_checks_sizes_even_unverified(setup, tmp_path, monkeypatch):
+    """A shard deleted, or absent from the index, is named; verify=False (the index alone is trusted) hashes
+    nothing but still refuses a shard of another size, longer or shorter; verify_all checks the first shard too;
+    with one shard open at a time, shards are reopened as rows go back and forth."""
+    import json
+
+    import data.store
+
+    store_dir = tmp_path / "store"
+    shutil.copytree(setup["stores"]["plain", "bf16"], store_dir)
+    second = FeatureStore(store_dir).index["plan"][1][0]
+    reference = FeatureStore(setup["stores"]["plain", "bf16"])
+    one_open = FeatureStore(store_dir, max_open=1)
+    for i in (0, second, 0, second):
+        assert torch.equal(one_open.row(i).features, reference.row(i).features)
+    monkeypatch.setattr(data.store, "sha256_file", lambda f: pytest.fail("hashed with verify=False"))
+    shard = store_dir / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes() + b"x")
+    with pytest.raises(StoreCorrupt, match=r"shard-00001.safetensors: \d+ bytes, index says \d+: the shard is"):
+        FeatureStore(store_dir, verify=False).row(second)
+    assert FeatureStore(store_dir, verify=False).row(0).features.shape[-1] == 192
+    monkeypatch.undo()
+    shard.unlink()
+    with pytest.raises(StoreCorrupt, match="shard-00001.safetensors: shard missing; re-run data.extract"):
+        FeatureStore(store_dir).row(second)
+    first = store_dir / "shard-00000.safetensors"
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(StoreCorrupt, match="shard-00000.safetensors: sha256 .* does not match the index"):
+        FeatureStore(store_dir).verify_all()
+    index = json.loads((store_dir / "index.json").read_text())
+    del index["shards"]["shard-00000.safetensors"]  # a hand-edited index that still says complete
+    (store_dir / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreCorrupt, match="shard-00000.safetensors: shard missing"):
+        FeatureStore(store_dir).row(0)
+
+
+def test_a_store_is_compatible_only_with_its_layers_in_their_order_and_its_tokenizer_hash(setup):
+    """Features are laid out tap by tap in the store's layer order: the same layers in another order are other
+    features. A tokenizer may be given as its fingerprint."""
+    store = FeatureStore(setup["stores"]["plain", "bf16"])
+    with pytest.raises(StoreMismatch, match=r"layer ids: store \[1, 3, 5\], training asks \[5, 3, 1\]"):
+        store.check_compatible(layer_ids=[5, 3, 1])
+    store.check_compatible(tokenizer=store.index["tokenizer_hash"])
+    with pytest.raises(StoreMismatch, match="tokenizer: store .*, training 0123456789abcdef"):
+        store.check_compatible(tokenizer="0123456789abcdef")
+
+
+def shard_dtypes(shard) -> dict:
+    """Each tensor's dtype as the safetensors header of a shard records it."""
+    import json
+    import struct
+
+    with open(shard, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return {k: v["dtype"] for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+
+
+def test_shard_columns_are_stored_in_the_documented_dtypes(setup, tmp_path):
+    """The format (module docstring of data.store): ids and positions int32, mask int8, features bf16 (float32
+    rows included) or e4m3 with bf16 scales, top-k ids int32 and log-probs float16: what the bytes per token
+    and --shard-mb assume. An fp8 shard of rows quantized by the writer equals one of rows quantized beforehand."""
+    from test_bad_inputs import _tiny_store_rows
+
+    from data.store_writer import StoreWriter
+
+    ids = {"row_offsets": "I64", "input_ids": "I32", "loss_mask": "I8", "doc_ids": "I32", "position_ids": "I32"}
+    assert shard_dtypes(setup["stores"]["plain", "bf16"] / "shard-00000.safetensors") == \
+        {**ids, "features": "BF16", "topk_ids": "I32", "topk_logprobs": "F16"}
+    assert shard_dtypes(setup["stores"]["plain", "fp8"] / "shard-00000.safetensors") == \
+        {**ids, "features": "F8_E4M3", "feature_scales": "BF16"}
+    rows = _tiny_store_rows()
+    assert rows[0].features.dtype == torch.float32
+    StoreWriter(tmp_path / "bf16", {"dtype": "bf16", "layer_ids": [1], "topk": 0}, [(0, 2)]).write_shard(0, rows)
+    assert shard_dtypes(tmp_path / "bf16" / "shard-00000.safetensors")["features"] == "BF16"
+    shards = {}
+    for how in ("rows", "quantized"):
+        w = StoreWriter(tmp_path / how, {"dtype": "fp8", "layer_ids": [1, 2], "topk": 0}, [(0, 2)])
+        whole = torch.cat([r.features for r in rows])
+        w.write_shard(0, rows, quantized=quantize_fp8(whole, 2) if how == "quantized" else None)
+        shards[how] = (tmp_path / how / "shard-00000.safetensors").read_bytes()
+    assert shards["rows"] == shards["quantized"]  # one scale per token per tap (2 taps of 2 here)

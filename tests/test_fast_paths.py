@@ -446,6 +446,22 @@ def test_direct_safetensors_writer_is_read_back_by_safetensors(tmp_path):
     assert size == (tmp_path / "s.safetensors").stat().st_size and digest == sha256_file(tmp_path / "s.safetensors")
 
 
+def test_direct_safetensors_writer_bytes_do_not_depend_on_the_order_tensors_are_given(tmp_path):
+    """Tensors are written by sorted name, so equal shards are equal bytes (and equal sha256) whichever order a
+    writer built them in; a 0-dim tensor keeps its empty shape."""
+    from safetensors.torch import load_file
+
+    from data.store_writer import write_safetensors
+
+    tensors = {"b": torch.arange(4, dtype=torch.int32), "a": torch.ones(2, 3), "step": torch.tensor(7)}
+    written = []
+    for order in (tensors, dict(reversed(tensors.items()))):
+        with open(tmp_path / "s.safetensors", "wb") as f:
+            written.append((write_safetensors(f, order), (tmp_path / "s.safetensors").read_bytes()))
+    assert written[0] == written[1]
+    assert load_file(tmp_path / "s.safetensors")["step"].shape == ()
+
+
 # ----------------------------------------------------------------------------- loop choice of generate / validate
 def test_session_static_loop_equals_eager_loop(tmp_path):
     """generate / validate --loop static (the default on a GPU for full-attention targets): same tokens,

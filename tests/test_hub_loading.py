@@ -363,3 +363,22 @@ def test_a_hub_drafter_downloads_what_a_load_reads_not_every_file_of_its_repo(hu
     assert "model.safetensors" in hub.downloaded and "config.json" in hub.downloaded
     assert not {"optimizer.bin", "pytorch_model.bin"} & set(hub.downloaded)
     assert drafter.config.hidden_size == target.hidden_size
+
+
+def test_a_loaded_hub_target_is_fingerprinted_from_the_commit_it_was_loaded_at(hub, monkeypatch):
+    """A target loaded by Hub id is fingerprinted from its files (never its config alone), asked for at the commit
+    its config came from: with main moved on, files of another revision would fingerprint another target."""
+    import huggingface_hub
+
+    from data.store import target_identity
+    from models.target import TargetModel
+
+    target = TargetModel.borrowed_parts("org/tiny")
+    assert target.revision == COMMIT and not target.identity
+    asked, real = [], huggingface_hub.snapshot_download
+    monkeypatch.setattr("huggingface_hub.snapshot_download",
+                        lambda repo_id, **kw: asked.append(kw["revision"]) or real(repo_id, **kw))
+    assert target_identity(target) == {"target": "org/tiny", "target_revision": COMMIT,
+                                       "target_fingerprint": target_identity(hub.folder)["target_fingerprint"]}
+    assert asked == [COMMIT] and TargetModel.from_pretrained("org/tiny").revision == COMMIT  # a whole load too
+    assert TargetModel.from_pretrained(hub.folder).revision is None  # a local folder: no commit
