@@ -4317,12 +4317,16 @@ def test_static_loop_on_an_unsupported_layer_kind_says_to_use_the_eager_loop():
 
 
 def test_static_gated_delta_net_pass_outside_its_kept_states(tiny_targets):
-    """The GatedDeltaNet rollback picks a kept state: a pass that skips ahead or goes back too far is refused."""
+    """The GatedDeltaNet rollback picks a kept state: a pass that skips ahead or goes back too far is refused, and
+    so is a first pass that does not start at 0 (its message named positions -1 to -1)."""
     import torch
 
     from inference.static_loop import StaticTarget
 
     st = StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
+    with pytest.raises(RuntimeError, match="no state kept yet: a sequence's first pass starts at 0; a pass cannot "
+                                           "start at 1"):
+        st.forward(torch.tensor([[1]]), 1)
     st.forward(torch.tensor([[1, 2, 3, 4, 5]]), 0)
     st.forward(torch.tensor([[1] * 8]), 5)
     with pytest.raises(RuntimeError, match="kept for positions 5 to 12; a pass cannot start at 14"):
