@@ -4306,14 +4306,17 @@ def test_bench_with_an_unknown_recipe_shape(module, argv):
 
 
 def test_static_loop_on_an_unsupported_layer_kind_says_to_use_the_eager_loop():
+    """Sliding-window layers, and linear-attention layers of a family other than Qwen3.5 (whose GatedDeltaNet
+    is the only one the static loop keeps states for), are refused by name."""
     from inference.static_loop import StaticTarget
     from models.target import TargetModel
     from models.tiny import tiny_target
 
     target = TargetModel(tiny_target("qwen3", num_layers=2))
-    target.layer_types = ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="supports full-attention and Qwen3.5 GatedDeltaNet.*use the eager loop"):
-        StaticTarget(target, [0], max_len=64, block_size=8)
+    for kinds in (["full_attention", "sliding_attention"], ["full_attention", "linear_attention"]):
+        target.layer_types = kinds
+        with pytest.raises(ValueError, match="supports full-attention and Qwen3.5 GatedDeltaNet.*use the eager loop"):
+            StaticTarget(target, [0], max_len=64, block_size=8)
 
 
 def test_static_gated_delta_net_pass_outside_its_kept_states(tiny_targets):
@@ -4373,6 +4376,8 @@ def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
     flash.model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(StaticLoopUnsupported, match="needs attn_implementation 'sdpa' or 'eager'"):
         StaticTarget(flash, [0], max_len=64, block_size=8)
+    with pytest.raises(ValueError, match="the target has 2 decoder layers"):  # a drafter of another target
+        StaticDrafterProposer(drafter, flash, max_len=64)
     feats = torch.zeros(1, 5, drafter.config.fc_in_features)
     with pytest.raises(StaticLoopUnsupported, match="built for blocks of 8; got 4"):
         proposer.propose(1, feats, 5, 4)
