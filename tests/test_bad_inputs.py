@@ -4332,8 +4332,10 @@ def test_static_gated_delta_net_pass_outside_its_kept_states(tiny_targets):
         st.forward(torch.tensor([[1]]), 1)
     st.forward(torch.tensor([[1, 2, 3, 4, 5]]), 0)
     st.forward(torch.tensor([[1] * 8]), 5)
-    with pytest.raises(RuntimeError, match="kept for positions 5 to 12; a pass cannot start at 14"):
-        st.forward(torch.tensor([[1]]), 14)
+    for start in (14, 5):  # past the last kept state; before the first (no position of the last pass committed)
+        with pytest.raises(RuntimeError, match=f"kept for positions 5 to 12; a pass cannot start at {start}"):
+            st.forward(torch.tensor([[1]]), start)
+    st.forward(torch.tensor([[1]]), 13)  # every position of the last pass committed
 
 
 def test_static_loop_past_its_preallocated_length(tiny_targets):
