@@ -481,7 +481,7 @@ def test_a_short_prompts_own_costs_and_the_tables_wording():
     """A prompt of 3 cycles (a quarter rounds up to one cycle, never to none); its own cycle seconds,
     baseline seconds per decoded token and their ratio; categories in prompt-set order; "-" for a number that
     does not apply, "none" when nothing diverged; compare keeps each category's speedup."""
-    from inference.report import PromptRun, _fmt, compare_rows, markdown, table_rows
+    from inference.report import PromptRun, _fmt, compare_rows, markdown, markdown_table, table_rows
     from inference.stats import GenerationResult
 
     def result(n_tokens, lengths, decode_s):
@@ -507,6 +507,7 @@ def test_a_short_prompts_own_costs_and_the_tables_wording():
     names = [row[0] for row in compare_rows([{**report, "per_category": {}}, report], ["a", "b"])]
     assert "math: tau" in names  # a category only a later report has
     assert _fmt([1, 2], "{:.4g}") == "[1, 2]"  # a value of another shape (an older report.json): as it is
+    assert markdown_table([["a", "b"], ["1", "2"], ["3", "4"]]) == "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |"
     assert next(r for r in compare_rows([report, sampled], ["a", "b"]) if r[0] == "math: tau")[1:] == ["2", "2",
                                                                                                       "1.000"]
 
