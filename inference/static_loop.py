@@ -220,8 +220,9 @@ class StaticTarget:
             self._last_start, self._last_len = -1, 1
         keep = start - self._last_start
         if not 1 <= keep <= self._last_len:
-            raise RuntimeError(f"GatedDeltaNet states are kept for positions {self._last_start} to "
-                               f"{self._last_start + self._last_len - 1}; a pass cannot start at {start}")
+            kept = (f"kept for positions {self._last_start} to {self._last_start + self._last_len - 1}"
+                    if self._last_start >= 0 else "no state kept yet: a sequence's first pass starts at 0")
+            raise RuntimeError(f"GatedDeltaNet states: {kept}; a pass cannot start at {start}")
         self._keep.fill_(keep)
         # A pass longer than a block (the prompt) keeps only its final state, as if it had started at its end.
         self._last_start, self._last_len = (start, T) if T <= self.block_size else (start + T - 1, 1)

@@ -4339,27 +4339,36 @@ def test_bench_with_an_unknown_recipe_shape(module, argv):
 
 
 def test_static_loop_on_an_unsupported_layer_kind_says_to_use_the_eager_loop():
+    """Sliding-window layers, and linear-attention layers of a family other than Qwen3.5 (whose GatedDeltaNet
+    is the only one the static loop keeps states for), are refused by name."""
     from inference.static_loop import StaticTarget
     from models.target import TargetModel
     from models.tiny import tiny_target
 
     target = TargetModel(tiny_target("qwen3", num_layers=2))
-    target.layer_types = ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="supports full-attention and Qwen3.5 GatedDeltaNet.*use the eager loop"):
-        StaticTarget(target, [0], max_len=64, block_size=8)
+    for kinds in (["full_attention", "sliding_attention"], ["full_attention", "linear_attention"]):
+        target.layer_types = kinds
+        with pytest.raises(ValueError, match="supports full-attention and Qwen3.5 GatedDeltaNet.*use the eager loop"):
+            StaticTarget(target, [0], max_len=64, block_size=8)
 
 
 def test_static_gated_delta_net_pass_outside_its_kept_states(tiny_targets):
-    """The GatedDeltaNet rollback picks a kept state: a pass that skips ahead or goes back too far is refused."""
+    """The GatedDeltaNet rollback picks a kept state: a pass that skips ahead or goes back too far is refused, and
+    so is a first pass that does not start at 0 (its message named positions -1 to -1)."""
     import torch
 
     from inference.static_loop import StaticTarget
 
     st = StaticTarget(tiny_targets("qwen3_5"), [1, 3], max_len=64, block_size=8)
+    with pytest.raises(RuntimeError, match="no state kept yet: a sequence's first pass starts at 0; a pass cannot "
+                                           "start at 1"):
+        st.forward(torch.tensor([[1]]), 1)
     st.forward(torch.tensor([[1, 2, 3, 4, 5]]), 0)
     st.forward(torch.tensor([[1] * 8]), 5)
-    with pytest.raises(RuntimeError, match="kept for positions 5 to 12; a pass cannot start at 14"):
-        st.forward(torch.tensor([[1]]), 14)
+    for start in (14, 5):  # past the last kept state; before the first (no position of the last pass committed)
+        with pytest.raises(RuntimeError, match=f"kept for positions 5 to 12; a pass cannot start at {start}"):
+            st.forward(torch.tensor([[1]]), start)
+    st.forward(torch.tensor([[1]]), 13)  # every position of the last pass committed
 
 
 def test_static_loop_past_its_preallocated_length(tiny_targets):
@@ -4402,6 +4411,8 @@ def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
     flash.model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(StaticLoopUnsupported, match="needs attn_implementation 'sdpa' or 'eager'"):
         StaticTarget(flash, [0], max_len=64, block_size=8)
+    with pytest.raises(ValueError, match="the target has 2 decoder layers"):  # a drafter of another target
+        StaticDrafterProposer(drafter, flash, max_len=64)
     feats = torch.zeros(1, 5, drafter.config.fc_in_features)
     with pytest.raises(StaticLoopUnsupported, match="built for blocks of 8; got 4"):
         proposer.propose(1, feats, 5, 4)

@@ -282,12 +282,56 @@ def test_static_target_passes_attend_grouped_and_leave_the_attention_setting_as_
                         lambda q, *a, **k: lengths.append(q.shape[2]) or real(q, *a, **k))
     st = StaticTarget(target, [1], max_len=len(PROMPT) + 8 + 2 * B, block_size=B)
     assert st._attn_configs
+    # K/V buffers for the attention layers only (a GatedDeltaNet layer keeps its own states)
+    assert sorted(st.kv.keys) == [i for i, kind in enumerate(target.layer_types) if kind == "full_attention"]
     static_target_generate(st, PROMPT, 4, eos_token_ids=[])
     st.forward(torch.tensor([PROMPT[:B]]), len(PROMPT) + 3)  # after the decode steps at +0, +1, +2
     full = sum(kind == "full_attention" for kind in target.layer_types)
     assert lengths == [1] * (3 * full) + [B] * full  # 3 decode steps, then one verify; the prompt not
     assert {c._attn_implementation for c in st._attn_configs} == {"sdpa"}
     assert target.model.config._attn_implementation == "sdpa"
+
+
+def test_static_target_takes_the_configs_head_dim():
+    """Qwen3 configs set head_dim on their own (0.6B: 128, where hidden / heads is 64): the K/V buffers take it."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.static_loop import StaticTarget, static_target_generate
+    from inference.torch_loop import target_generate
+    from models.target import TargetModel
+    from models.tiny import TINY_VOCAB, tiny_config, tiny_tokenizer
+
+    config = tiny_config("qwen3", TINY_VOCAB, 2)
+    config.head_dim = 32  # hidden 64 over 4 heads would say 16
+    torch.manual_seed(0)
+    target = TargetModel(AutoModelForCausalLM.from_config(config).eval(), tiny_tokenizer())
+    st = StaticTarget(target, [1], max_len=len(PROMPT) + 8, block_size=B)
+    assert st.kv.keys[0].shape[-1] == 32
+    assert (static_target_generate(st, PROMPT, 6, eos_token_ids=[]).tokens
+            == target_generate(target, PROMPT, 6, eos_token_ids=[]).tokens)
+
+
+def test_static_loop_runs_again_on_its_caches_and_stops_at_the_targets_eos(tiny_targets, monkeypatch):
+    """A second generation on the same static caches gives the first one's tokens (the drafter cache and the
+    GatedDeltaNet states start over); without eos_token_ids the target's own EOS ends the output, not emitted."""
+    from conftest import tiny_drafter_config
+    from inference.static_loop import build_static_loop, static_dflash_generate
+    from models.drafter import DFlashDraftModel
+
+    target = tiny_targets("qwen3_5")
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st, proposer = build_static_loop(target, drafter, max_len=len(PROMPT) + NEW + 2 * B)
+    first = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
+    again = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
+    assert again.tokens == first.tokens and again.acceptance_lengths == first.acceptance_lengths
+    short = torch.tensor([PROMPT[:5]])  # within one block: the pass starts from the cleared state, no prefill
+    assert_close(st.forward(short, 0)[1], target.forward(short, [1], with_logits=True).logits, atol=1e-4,
+                 what="a new short sequence's logits on used static caches")
+    cut = next(i for i in range(2, NEW) if first.tokens[i] not in first.tokens[:i])
+    monkeypatch.setattr(target, "eos_token_ids", lambda: [first.tokens[cut]])
+    stopped = static_dflash_generate(st, proposer, PROMPT, NEW)
+    assert stopped.tokens == first.tokens[:cut] and stopped.stop_reason == "eos"
 
 
 def test_static_baseline_counts_the_eos_step_as_emitting_nothing(tiny_targets):
@@ -303,6 +347,7 @@ def test_static_baseline_counts_the_eos_step_as_emitting_nothing(tiny_targets):
                                     PROMPT, NEW, eos_token_ids=[gen[cut]])
     assert static.tokens == eager.tokens == gen[:cut] and static.stop_reason == "eos"
     assert static.acceptance_lengths == eager.acceptance_lengths == [1] * (cut - 1) + [0]
+    assert static.block_size == eager.block_size == 1  # one token per step in generate --json
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -319,6 +364,8 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
     from models.drafter import DFlashDraftModel
 
     def emulated_capture(self):
+        if not self.use_graph:
+            return self.fn()
         if self.graph is None:
             self.warm_up()
             self.graph = "captured"
@@ -333,10 +380,24 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
     assert static_target_generate(st, PROMPT, NEW, eos_token_ids=[]).tokens == \
         target_generate(target, PROMPT, NEW, eos_token_ids=[]).tokens
     eager = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
-    graphed = static_dflash_generate(st, StaticDrafterProposer(drafter, target, max_len=st.max_len, graphs=True),
-                                     PROMPT, NEW, eos_token_ids=[])
+    proposer = StaticDrafterProposer(drafter, target, max_len=st.max_len, graphs=True)
+    graphed = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
     assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
-    assert all(p.graph == "captured" for p in st._passes.values())
+    assert all(p.graph == "captured" for p in [*st._passes.values(), proposer.graphed_pass()])
+
+
+def test_graph_warm_up_runs_twice_each_from_the_saved_state():
+    """Both untimed runs before a capture start from the committed state, and leave it as it was."""
+    from inference.static_loop import _Graphed
+
+    state, seen = torch.zeros(1), []
+
+    def step():  # a pass that reads its state and advances it, as a GatedDeltaNet pass does
+        seen.append(state.item())
+        state.add_(1)
+
+    _Graphed(step, use_graph=False, mutable=[state]).warm_up()
+    assert seen == [0.0, 0.0] and state.item() == 0.0
 
 
 def test_qwen35_on_cuda_without_fla_warns_once_with_the_install_command(monkeypatch, caplog):

@@ -267,6 +267,8 @@ def test_pooled_and_per_prompt_tau_differ_and_drift_is_per_quarter():
 def test_repeats_are_reduced_by_their_median_and_a_cut_output_is_not_identical():
     """--repeats 3: decode time and time to first token are each prompt's median (one slow outlier
     moves nothing); an output that stops early differs from the baseline at the first missing index."""
+    from dataclasses import replace
+
     from inference.report import PromptRun, first_divergence, prompt_numbers
     from inference.stats import GenerationResult
 
@@ -284,6 +286,27 @@ def test_repeats_are_reduced_by_their_median_and_a_cut_output_is_not_identical()
     assert first_divergence([1, 2], [1, 2]) is None and first_divergence([1, 5, 3], [1, 2, 3]) == 1
     cut = PromptRun("p", "x", 10, [result(1.0, 0.1, tokens=5)], [result(1.0, 0.1)])
     assert prompt_numbers(cut, greedy=True)["identical"] is False
+    at_once = PromptRun("p", "x", 10, [replace(result(1.0, 0.1), tokens=[7, 1, 2])], [result(1.0, 0.1)])
+    assert build_report([at_once], 4, greedy=True, environment={})["first_divergence_min"] == 0  # not "none"
+
+
+def test_a_prompts_tokens_and_cycles_come_from_its_first_repeat():
+    """Sampled repeats differ: a prompt's tokens, cycles and stop reason are its first repeat's (each side's
+    first), not the last one's; only the timings are medians."""
+    from inference.report import PromptRun, prompt_numbers
+    from inference.stats import GenerationResult
+
+    def result(n_tokens, lengths, stop):
+        pos = [sum(1 for a in lengths if a - 1 > k) for k in range(3)]
+        return GenerationResult(tokens=list(range(n_tokens)), acceptance_lengths=lengths, position_accepts=pos,
+                                block_size=4, decode_s=1.0, stop_reason=stop)
+
+    run = PromptRun("p", "x", 10, [result(7, [4, 2], "eos"), result(9, [2, 2, 2, 2], "max_new_tokens")],
+                    [result(5, [1] * 4, "eos"), result(9, [1] * 8, "max_new_tokens")])
+    numbers = prompt_numbers(run, greedy=False)
+    assert numbers["acceptance_lengths"] == [4, 2] and numbers["tau"] == 3.0 and numbers["stop_reason"] == "eos"
+    assert numbers["new_tokens"] == 7 and numbers["baseline_new_tokens"] == 5
+    assert numbers["baseline_stop_reason"] == "eos" and numbers["position_accepts"] == [2, 1, 1]
 
 
 def test_target_quantization_is_described():
@@ -335,6 +358,8 @@ def test_report_numbers_each_side_and_each_prompt_on_its_own():
     assert "| 4 | 4 | 36.4% |" in markdown(report)  # share of the 11 cycles
     assert "Outputs that hit --max-new-tokens: DFlash 2, baseline 3." in markdown(report)
     assert "| 1 | 6 | 54.5% |\n| 2 | 1 | 9.1% |\n| 4 | 4 | 36.4% |\n" in markdown(report)  # in length order
+    later_short = build_report([same, cut], 4, greedy=True, environment={"temperature": 0.0})
+    assert list(later_short["acceptance_histogram"]) == ["1", "2", "4"]  # pooled, still in length order
     assert list(GenerationResult([], acceptance_lengths=[3, 1, 3, 2]).histogram().items()) == [(1, 1), (2, 1), (3, 2)]
     rows = compare_rows([report, {**report, "tau": 2 * report["tau"]}], ["a", "b"])
     assert next(r for r in rows if r[0] == "tau")[-1] == "2.000"  # later report / first one
@@ -446,6 +471,9 @@ def test_even_repeats_sampled_divergence_and_a_report_without_cycles():
     nothing = build_report([instant], 4, greedy=True, environment={"temperature": 0.0})
     assert nothing["tau"] == 0.0 and nothing["num_cycles"] == 0 and nothing["per_category"]["x"]["tau"] == 0.0
     assert nothing["cycle_s"] is None and nothing["speedup"] is None and nothing["cycle_cost"] is None  # "-", not 0
+    assert [nothing["per_prompt"][0][k] for k in ("cycle_s", "cycle_cost", "tau_first_quarter", "tau_last_quarter")
+            ] == [None] * 4
+    assert nothing["per_prompt"][0]["dflash_tok_s"] == 0.0 == nothing["per_prompt"][0]["baseline_tok_s"]  # no decode
     rows = compare_rows([nothing, sampled], ["none", "some"])
     assert next(r for r in rows if r[0] == "dflash_tok_s")[1:] == ["0", "5.333", "-"]  # no ratio to a 0
 
@@ -453,7 +481,7 @@ def test_a_short_prompts_own_costs_and_the_tables_wording():
     """A prompt of 3 cycles (a quarter rounds up to one cycle, never to none); its own cycle seconds,
     baseline seconds per decoded token and their ratio; categories in prompt-set order; "-" for a number that
     does not apply, "none" when nothing diverged; compare keeps each category's speedup."""
-    from inference.report import PromptRun, compare_rows, markdown, table_rows
+    from inference.report import PromptRun, _fmt, compare_rows, markdown, markdown_table, table_rows
     from inference.stats import GenerationResult
 
     def result(n_tokens, lengths, decode_s):
@@ -473,9 +501,13 @@ def test_a_short_prompts_own_costs_and_the_tables_wording():
     assert "earliest divergence at token none." in markdown(report)
     sampled = build_report([short, other], 4, greedy=False, environment={"temperature": 0.7})
     header, *_, total = table_rows(sampled)
-    assert total[header.index("identical")] == "-"
+    assert total[header.index("identical")] == "-" and table_rows(report)[-1][header.index("identical")] == "100%"
     names = [row[0] for row in compare_rows([report, sampled], ["a", "b"])]
     assert "math: speedup" in names and "code: tau" in names
+    names = [row[0] for row in compare_rows([{**report, "per_category": {}}, report], ["a", "b"])]
+    assert "math: tau" in names  # a category only a later report has
+    assert _fmt([1, 2], "{:.4g}") == "[1, 2]"  # a value of another shape (an older report.json): as it is
+    assert markdown_table([["a", "b"], ["1", "2"], ["3", "4"]]) == "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |"
     assert next(r for r in compare_rows([report, sampled], ["a", "b"]) if r[0] == "math: tau")[1:] == ["2", "2",
                                                                                                       "1.000"]
 
