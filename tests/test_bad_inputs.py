@@ -1040,6 +1040,41 @@ def test_other_trainers_key_names_suggest_ours_and_list_the_section(override, su
     assert f"({section}. keys: " in str(e.value)  # the valid names, not just one guess
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("train.Learning_Rate=1e-3", "train.lr"), ("train.learning-rate=1e-3", "train.lr"),  # any case, dashes
+    ("eval.path=x", "target.path"),  # a section without the aliased key: the key's usual home
+    ("optim.weight_decay=0.1", "train.weight_decay"),  # no such section: the leaf of that name
+    ("featuresmode=offline", "features.mode"),  # no leaf name close to it: the closest whole key
+    ("trn.ep=2", "train.epochs"),  # the whole key is compared, not only its last part
+    ("opt.train=1", "train.lr"),  # a section's name is no key to set: a leaf is suggested
+])
+def test_a_misspelled_key_suggests_the_key_it_was_meant_for(override, suggestion):
+    from train.config import load_config
+    from train.overrides import ConfigKeyError
+
+    with pytest.raises(ConfigKeyError, match=f"did you mean '{suggestion}'"):
+        load_config(["recipe=tiny", override])
+
+
+def test_an_unknown_key_lists_the_names_of_the_section_it_belongs_in():
+    """The names listed are the section's own (the suggestion's section when the one typed does not exist);
+    a top-level suggestion lists the top-level keys alone."""
+    from dataclasses import fields
+
+    from train.config import RunConfig, TrainConfig, load_config
+    from train.overrides import ConfigKeyError
+
+    with pytest.raises(ConfigKeyError) as e:
+        load_config(["recipe=tiny", "optim.weight_decay=0.1"])
+    names = ", ".join(f.name for f in fields(TrainConfig))
+    assert str(e.value).endswith(f"did you mean 'train.weight_decay'? (train. keys: {names}; `--help` lists every key)")
+    with pytest.raises(ConfigKeyError) as e:
+        load_config(["recipe=tiny", "optim.out_dirr=x"])
+    top = ", ".join(f.name for f in fields(RunConfig))
+    assert str(e.value) == (f"unknown config key 'optim.out_dirr'; did you mean 'out_dir'? (top-level keys: {top}; "
+                            "`--help` lists every key)")
+
+
 @pytest.mark.parametrize("changes, refused", [
     (["drafter.block_size=16"], ["drafter.block_size: 8 -> 16"]),
     (["drafter.target_layer_ids=[1,2,4]", "drafter.num_hidden_layers=3"],
@@ -3203,9 +3238,11 @@ def test_anchor_draw_with_a_generator_count_other_than_the_rows(count):
     ("train.anchors=true", "train.anchors=True: expected an integer"),
     ("train.lr=fast", "train.lr='fast': expected a number"),
     ("data.pack=maybe", "data.pack='maybe': expected true or false"),
-    ("drafter.target_layer_ids=abc", "drafter.target_layer_ids="),
+    ("drafter.target_layer_ids=abc", "drafter.target_layer_ids='abc': expected a list or null"),
     ("train=3", "train is a section: give keys under it"),
     ("train.lr=true", "train.lr=True: expected a number"),  # a boolean is no learning rate (True == 1.0)
+    ("train.lr=3e-4:", "train.lr='3e-4:': expected a number"),  # as typed, not YAML's mapping {'3e-4': None}
+    ("train.betas=0.9", "train.betas=0.9: expected a list"),
 ])
 def test_values_of_the_wrong_type_are_refused(override, message):
     from train.config import load_config
@@ -3226,7 +3263,8 @@ def test_string_keys_keep_the_text_as_typed_and_bad_yaml_is_named(tmp_path):
     assert (cfg.out_dir, cfg.data.subset, cfg.target.revision) == ("0123", "off", "12:30")
     assert load_config(["recipe=tiny", "data.subset=null"]).data.subset is None
     assert load_config(["recipe=tiny", "out_dir=/r/{recipe}-{name}"]).resolved_out_dir() == Path("/r/tiny-{name}")
-    with pytest.raises(ConfigValueError, match=re.escape("drafter.target_layer_ids='[1,2' is not a value")):
+    with pytest.raises(ConfigValueError, match=re.escape("drafter.target_layer_ids='[1,2' is not a value (expected ',' "
+                                                         "or ']', but got '<stream end>')")):
         load_config(["recipe=tiny", "drafter.target_layer_ids=[1,2"])
     broken = tmp_path / "mine.yaml"
     broken.write_text("train:\n  lr: [3e-4\n  epochs: 2\n")
@@ -3252,6 +3290,46 @@ def test_command_line_spellings_a_recipe_file_reads_alike(tmp_path):
         load_config(["recipe=tiny", "lr"])
     with pytest.raises(FileNotFoundError, match="recipe file .*gone.yml not found"):
         load_config([f"recipe={tmp_path / 'gone.yml'}"])
+
+
+def test_a_mapping_under_a_recipe_key_is_named_as_the_wrong_type(tmp_path):
+    """`lr:` followed by an indented mapping is a value of the wrong type for train.lr, not a key train.lr.value."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train:\n  lr:\n    value: 3.0e-4\n")
+    with pytest.raises(ConfigValueError, match=re.escape("train.lr={'value': 0.0003}: expected a number")):
+        load_config([f"recipe={mine}"])
+
+
+def test_flag_spellings_and_a_recipe_name_with_a_typo():
+    """--dry_run, --dry-run=true and --key=value read as key=value; a value may hold '='; the same recipe named
+    twice is one recipe; a misspelled recipe name suggests the shipped one."""
+    from train.config import load_config
+    from train.overrides import parse_args
+
+    assert parse_args(["--dry_run", "--dry-run=true", "--train.lr=1e-3", "data.subset=a=b", "recipe=tiny",
+                       "recipe=tiny"]) == ("tiny", [("dry_run", "true"), ("dry_run", "true"), ("train.lr", "1e-3"),
+                                                    ("data.subset", "a=b")])
+    with pytest.raises(FileNotFoundError, match="unknown recipe 'tinny' .*; did you mean 'tiny'"):
+        load_config(["recipe=tinny"])
+    cfg = load_config(["recipe=tiny", "target.revision=~", "data.subset=None"])  # YAML's and Python's null
+    assert (cfg.target.revision, cfg.data.subset) == (None, None)
+
+
+def test_values_given_as_text_or_a_tuple_read_like_the_command_line():
+    """load_config's overrides (and values quoted in a recipe) arrive as Python text, not YAML: "Yes" and "no" are
+    booleans, " [0.8, 0.9]" a list; a tuple is a list; a list is no string."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    cfg = load_config(["recipe=tiny"], overrides={"train.grad_checkpointing": "Yes", "train.compile": "no",
+                                                  "train.betas": " [0.8, 0.9]", "drafter.target_layer_ids": (1, 2, 3)})
+    assert (cfg.train.grad_checkpointing, cfg.train.compile, cfg.train.betas) == (True, False, [0.8, 0.9])
+    assert cfg.drafter.target_layer_ids == [1, 2, 3]
+    with pytest.raises(ConfigValueError, match=re.escape("out_dir=['runs', 'x']: expected a string")):
+        load_config(["recipe=tiny"], overrides={"out_dir": ["runs", "x"]})  # never the text "['runs', 'x']"
 
 
 def test_an_empty_value_of_a_key_that_needs_one_is_named_not_read_as_none(tmp_path):
@@ -3541,6 +3619,17 @@ def test_dry_run_without_network_reads_the_cache_instead_of_retrying(monkeypatch
     config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b"]))
     assert config is None
     assert "the Hub's host name does not resolve (no network?) and it is not in the local cache" in source
+
+
+def test_a_hub_endpoint_whose_host_is_not_a_valid_name_means_no_network(monkeypatch):
+    """An endpoint host with a label over 63 characters makes getaddrinfo raise UnicodeError (the IDNA codec), not
+    gaierror: the dry run reads the cache alone, as with no network, instead of ending in that error."""
+    from huggingface_hub import constants
+
+    from train import plan as plan_module
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://" + "a" * 64 + ".example")
+    assert plan_module._hub_resolves() is False
 
 
 def test_dry_run_steps_count_every_process_of_the_node(tmp_path):

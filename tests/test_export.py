@@ -28,6 +28,12 @@ from models.target import TargetModel
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
 quiet = lambda *_: None  # noqa: E731
+# Every top-level key vLLM dflash, SGLang DFLASH, z-lab's code and the MLX runtimes read (auto_map: AutoModel).
+ENGINE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "attention_bias",
+               "max_position_embeddings", "vocab_size", "tie_word_embeddings", "layer_types", "sliding_window",
+               "use_sliding_window", "torch_dtype", "num_target_layers", "block_size", "rope_theta", "rope_parameters",
+               "dflash_config", "auto_map")
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +117,7 @@ def test_schema_lists_every_key_engines_read(setup, tmp_path):
     out = tmp_path / "hf"
     summary = export_hf(ckpt, out, log=quiet)  # default bf16
     d = json.loads((out / "config.json").read_text())
-    for key in ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
-                "attention_bias", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "layer_types",
-                "sliding_window", "use_sliding_window", "torch_dtype", "num_target_layers", "block_size",
-                "rope_theta", "rope_parameters", "dflash_config", "auto_map"):
+    for key in ENGINE_KEYS:
         assert key in d, key
     cfg = drafter.config
     assert d["architectures"] == ["DFlashDraftModel"] and d["torch_dtype"] == "bfloat16"
@@ -394,27 +396,36 @@ BAD_CONFIGS = {
     "last-layer tap": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 7]), "never tapped"),
     "layer id past the target": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 9]), "outside"),
     "block sizes disagree": (lambda d: d["dflash_config"].update(block_size=16), "block_size=8 but"),
+    "top-level block size larger": (lambda d: d.update(block_size=16), "block_size=16 but dflash_config.block_size=8"),
+    "block size not a number": (lambda d: d["dflash_config"].update(block_size="8"), "a block is the bonus token"),
     "block size 1": (lambda d: (d.update(block_size=1), d["dflash_config"].update(block_size=1)), "bonus token"),
     "mask id outside the vocabulary": (lambda d: d["dflash_config"].update(mask_token_id=288), "not a row"),
     "rope places disagree": (lambda d: d.update(rope_theta=1e6), "rope_theta=1000000.0 but"),
+    "rope base only top-level": (lambda d: d["rope_parameters"].pop("rope_theta"),
+                                 "rope_theta=10000.0 but rope_parameters.rope_theta=None"),
+    "rope type missing": (lambda d: d["rope_parameters"].pop("rope_type"), "rope_type=None, expected 'default'"),
     "partial rotary copied from a Qwen3.5 target": (
         lambda d: d["rope_parameters"].update(partial_rotary_factor=0.25), "full-head"),
     "mrope copied from a VL target": (lambda d: d["rope_parameters"].update(mrope_section=[1, 1]), "full-head"),
     "eagle aux ids": (lambda d: d.update(eagle_aux_hidden_state_layer_ids=[1, 3, 5]), "must not be written"),
     "num_target_layers missing": (lambda d: d.pop("num_target_layers"), "missing key 'num_target_layers'"),
-    "mask id missing": (lambda d: d["dflash_config"].pop("mask_token_id"), "dflash_config.mask_token_id"),
+    "mask id missing": (lambda d: d["dflash_config"].pop("mask_token_id"), "missing key 'dflash_config.mask_token_id'"),
+    "negative mask id": (lambda d: d["dflash_config"].update(mask_token_id=-1), "mask_token_id=-1 is not a row"),
     "layer_types short": (lambda d: d.update(layer_types=["full_attention"]), "layer_types has 1"),
+    "layer_types long": (lambda d: d.update(layer_types=["full_attention"] * 3), "layer_types has 3"),
     "rope_scaling copied from a target": (lambda d: d.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
                                           "'rope_scaling' must not be written"),
     "the target's architecture first": (lambda d: d.update(architectures=["Qwen3ForCausalLM", "DFlashDraftModel"]),
                                         "expected ['DFlashDraftModel']"),
     "scaled rope": (lambda d: d["rope_parameters"].update(rope_type="linear", factor=2.0), "rope_type='linear'"),
     "negative layer id": (lambda d: d["dflash_config"].update(target_layer_ids=[-1, 3, 5]), "outside 0..6"),
+    "fractional layer id": (lambda d: d["dflash_config"].update(target_layer_ids=[1.5, 3, 5]), "has [1.5] outside"),
     "repeated layer id": (lambda d: d["dflash_config"].update(target_layer_ids=[1, 3, 3]), "repeats a layer"),
     "block size only top-level": (lambda d: d["dflash_config"].pop("block_size"), "dflash_config.block_size'"),
     "quantization mirror differs": (lambda d: d.update(quantization={"bits": 4, "group_size": 32, "mode": "affine"},
                                                        quantization_config={"bits": 8, "group_size": 32,
                                                                             "mode": "affine"}), "differ"),
+    "quantization without its mirror": (lambda d: d.update(quantization={"bits": 4, "group_size": 32}), "differ"),
 }
 
 
@@ -427,6 +438,30 @@ def test_schema_check_names_each_wrong_value(setup, name):
     mutate(d)
     problems = schema_problems(d, hf=True)
     assert any(expected in p for p in problems), problems
+
+
+def test_schema_requires_every_key_engines_read_and_takes_the_first_and_the_last_tappable_layer(setup):
+    """Each engine key left out is named; auto_map only for a folder AutoModel loads (hf), not an MLX-only one."""
+    d = setup[2].config.to_dict()
+    for key in ENGINE_KEYS:
+        problems = schema_problems({k: v for k, v in d.items() if k != key}, hf=True)
+        assert any(p.startswith(f"missing key {key!r}") for p in problems), (key, problems)
+    assert schema_problems({k: v for k, v in d.items() if k != "auto_map"}, hf=False) == []
+    d["dflash_config"]["target_layer_ids"] = [0, 3, 6]  # layer 0 and the layer before the last of 8
+    assert schema_problems(d, hf=True) == []
+
+
+def test_config_differences_and_the_gate_message_name_every_problem(setup):
+    from export.check import config_differences, raise_if
+
+    cfg = setup[2].config
+    assert config_differences(cfg, cfg) == []
+    got = cfg.replace(block_size=16, mask_token_id=cfg.mask_token_id + 1)
+    assert config_differences(cfg, got) == ["block_size: wrote 8, read back 16",
+                                            f"mask_token_id: wrote {cfg.mask_token_id}, read back {got.mask_token_id}"]
+    raise_if([], "config.json")
+    with pytest.raises(ExportCheckError, match=r"^config.json: a; b\. Nothing was exported: fix the drafter"):
+        raise_if(["a", "b"], "config.json")
 
 
 @pytest.mark.parametrize("corrupt", ["layer id", "mask id", "block size", "engine key"])
@@ -469,6 +504,9 @@ def test_parity_rule_tolerances_and_non_finite_logits():
     stats = logit_stats(np.array([[10.0, 0.0]]), np.array([[9.0, 0.0]]))
     assert stats["rel"] == pytest.approx(0.1) and stats["max_abs"] == pytest.approx(1.0) and stats["top1"] == 1.0
     check_parity({"max_abs": 0.3, "rel": 0.03, "top1": 1.0}, "bfloat16", "x")  # within 4e-2
+    check_parity({"max_abs": 0.4, "rel": 4e-2, "top1": 1.0}, "bfloat16", "x")  # the tolerance itself passes
+    zeros = np.zeros((2, 3))  # all-zero logits agree exactly: no 0 / 0
+    assert logit_stats(zeros, zeros) == {"max_abs": 0.0, "mean_abs": 0.0, "rel": 0.0, "top1": 1.0}
     for rel, dtype in ((0.05, "bfloat16"), (0.02, "float16"), (2e-4, "float32")):
         with pytest.raises(ExportCheckError, match=f"tolerance .* for {dtype}"):
             check_parity({"max_abs": rel * 10, "rel": rel, "top1": 1.0}, dtype, "x")
@@ -501,12 +539,17 @@ def test_an_auto_map_to_a_file_the_folder_lacks_is_named(tmp_path):
         (tmp_path / "modeling_dflash.py").write_text("")
         assert not [p for p in schema_problems(d, tmp_path) if "auto_map" in p]
         (tmp_path / "modeling_dflash.py").unlink()
+        assert not [p for p in schema_problems(d, tmp_path, hf=False) if "auto_map" in p]  # MLX reads no auto_map
+        (tmp_path / "modeling_dflash.py").write_text("")
+        (tmp_path / "modeling_dflash.py").unlink()
 
 
 @pytest.mark.parametrize("damage, said", [
     ("stray embed_tokens", "weight 'embed_tokens.weight' is the target's, not the drafter's"),
     ("stray lm_head", "weight 'lm_head.weight' is the target's, not the drafter's"),
+    ("stray model.embed_tokens", "weight 'model.embed_tokens.weight' is the target's, not the drafter's"),
     ("a layer missing", "weights hold layers [0], config.json says 2"),
+    ("a layer renumbered", "weights hold layers [0, 2], config.json says 2"),
     ("fc missing", "weight 'fc.weight' is missing"),
 ])
 def test_weight_check_names_stray_and_missing_tensors(setup, tmp_path, damage, said):
@@ -525,11 +568,25 @@ def test_weight_check_names_stray_and_missing_tensors(setup, tmp_path, damage, s
     state = load_file(str(tmp_path / "model.safetensors"))
     if damage.startswith("stray"):
         state[damage.split()[1] + ".weight"] = torch.zeros(4, 4)
+    elif damage == "a layer renumbered":
+        state = {k.replace("layers.1.", "layers.2."): v for k, v in state.items()}
     else:
         prefix = "layers.1." if damage == "a layer missing" else "fc."
         state = {k: v for k, v in state.items() if not k.startswith(prefix)}
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     assert said in weight_problems(tmp_path, config)
+
+
+def test_weight_check_names_a_truncated_file_alone(setup, tmp_path):
+    """A cut-off safetensors file is named as such, not as the tensors it no longer shows."""
+    from export.check import weight_problems
+    from models.config import DFlashConfig
+
+    setup[2].save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    problems = weight_problems(tmp_path, DFlashConfig.load(tmp_path))
+    assert len(problems) == 1 and problems[0].startswith("model.safetensors is corrupt or truncated ("), problems
 
 
 @pytest.mark.parametrize("how", ["off by 10%", "NaN"])
@@ -652,6 +709,28 @@ def test_gate_refuses_a_drafter_that_does_not_fit_its_target(setup, tmp_path):
     with pytest.raises(ExportCheckError, match="the target has 6 decoder layers"):
         export_hf(setup[3], tmp_path / "out", target=str(short), log=quiet)
     assert not (tmp_path / "out").exists()
+
+
+def test_target_check_reads_a_nested_text_tower_and_says_what_it_could_not_check(setup, tmp_path):
+    """A multimodal target nests its text tower under text_config; a tokenizer that does not load leaves the shape
+    checked and says so; a folder without config.json is not checked (and said so), not an error."""
+    from export.check import target_problems
+
+    target_dir, _, drafter, _ = setup
+    text = json.loads((target_dir / "config.json").read_text())
+    nested = tmp_path / "vl"
+    nested.mkdir()
+    (nested / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": text}))
+    assert target_problems(drafter.config, nested) == ([], f"target shape ({nested})")
+    (nested / "config.json").write_text(json.dumps({"text_config": {**text, "num_hidden_layers": 6}}))
+    (nested / "tokenizer_config.json").write_text("{not json")
+    problems, checked = target_problems(drafter.config, nested)
+    assert len(problems) == 1 and "the target has 6 decoder layers" in problems[0]
+    assert checked.startswith("target shape (tokenizer not readable: ")
+    assert target_problems(drafter.config, tmp_path / "elsewhere") == (
+        [], "target not checked (neither a local folder with config.json nor a Hub id)")
+    with pytest.raises(ExportCheckError, match="is a DFlash drafter .*not a target model: pass --target"):
+        target_problems(drafter.config, setup[3] / "drafter")
 
 
 def test_gate_checks_a_hub_target_from_its_small_files(setup, tmp_path, monkeypatch):

@@ -177,11 +177,18 @@ def test_dry_run_plans_memory_per_device(monkeypatch):
     monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's shape facts (test)"))
     whole = plan_module.plan(load_config(["recipe=qwen35-35b-a3b", "devices=8x80"]))["devices"]
     assert whole["count"] == 8 and not whole["fits"] and len(set(whole["per_device_gib"])) == 1
-    assert whole["per_device_gib"][0] > 80 and "target.device_map=auto" in whole["warning"]
+    assert whole["per_device_gib"][0] > 80 and whole["from"] == "devices=8x80"
     spread = plan_module.plan(load_config(["recipe=qwen35-35b-a3b", "devices=8x80", "target.device_map=auto"]))
     per = spread["devices"]["per_device_gib"]
     assert spread["devices"]["fits"] and "warning" not in spread["devices"] and per[0] > per[1]
     assert abs(sum(per) - whole["per_device_gib"][0]) < 0.5  # the target is counted once, spread
+    # Every fix is offered, spreading at what the spread plan puts on GPU 0 (its drafter included).
+    assert whole["warning"].startswith(f"does not fit: ~{whole['per_device_gib'][0]} GiB needed on GPU 0, which "
+                                       "has 80 GiB. Use target.device_map=auto (one process per node spreads the "
+                                       f"target over its 8 GPUs: ~{per[0]} GiB on GPU 0); or more or larger GPUs")
+    # Already spread and still too large: spreading is not offered again.
+    small = plan_module.plan(load_config(["recipe=qwen35-35b-a3b", "devices=8x8", "target.device_map=auto"]))
+    assert not small["devices"]["fits"] and "target.device_map" not in small["devices"]["warning"]
 
 
 # ----------------------------------------------------------------------------- FSDP and two "nodes"
@@ -295,8 +302,22 @@ def test_offline_features_plan_the_embedding_and_head_alone(monkeypatch):
     assert per[0] == online["devices"]["per_device_gib"][0] and per[0] > 80 >= per[1]
     assert abs((per[0] - per[1]) / 1.15 - (mem["target_weights_gib"] - mem["embedding_lm_head_gib"])) < 0.1
     assert not with_tau["fits"] and "eval.true_tau_prompts=0" in with_tau["warning"]
+    assert with_tau["layout"].endswith("(offline features), the whole target on GPU 0 for true tau")
     no_tau = plan_module.plan(load_config([*common, "eval.true_tau_prompts=0"]))["devices"]
     assert no_tau["fits"] and no_tau["per_device_gib"] == [per[1]] * 8
+    assert no_tau["layout"].endswith("(offline features)")
+    # GPUs too small even for the embedding and head: dropping true tau would not make it fit.
+    tiny_gpus = plan_module.plan(load_config([*common, "devices=8x1"]))["devices"]
+    assert not tiny_gpus["fits"] and "eval.true_tau_prompts" not in tiny_gpus["warning"]
+
+
+def local_target(folder: Path, **text) -> Path:
+    """A target folder holding only a multimodal config.json: the text tower nested, without head_dim."""
+    text = {"num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096, **text}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "text_config": text}))
+    return folder
 
 
 def test_dry_run_plans_from_a_local_config_and_the_prepared_data(tmp_path):
@@ -308,11 +329,7 @@ def test_dry_run_plans_from_a_local_config_and_the_prepared_data(tmp_path):
     from train.config import load_config
     from train.plan import plan
 
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "text_config": {
-        "num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}}))
+    target = local_target(tmp_path / "target")
     data = tmp_path / "data"
     data.mkdir()
     (data / "stats.json").write_text(json.dumps({"rows": 103, "tokens": 5000}))
@@ -331,6 +348,102 @@ def test_dry_run_plans_from_a_local_config_and_the_prepared_data(tmp_path):
     assert mem["total_gib"] == round(parts * 1.15, 1)  # the embedding and head are part of the target's weights
     ckpt = plan(load_config([*args, "train.grad_checkpointing=true"]))["memory_per_gpu"]
     assert math.isclose(ckpt["drafter_activations_gib"], mem["drafter_activations_gib"] / 4, abs_tol=0.01)
+
+
+def test_dry_run_reads_the_stats_of_the_data_prepared_under_out_dir(tmp_path):
+    """Without data.prepared the plan reads {out_dir}/data/stats.json, where training prepares the data."""
+    from train.config import load_config
+    from train.plan import plan
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "stats.json").write_text(json.dumps({"rows": 103, "tokens": 5000}))
+    data = plan(load_config(["recipe=tiny", f"out_dir={tmp_path}", "devices=1x80"]))["data"]
+    assert (data["prepared"], data["rows"], data["tokens"]) == (str(tmp_path / "data"), 103, 5000)
+
+
+def test_dry_run_memory_and_compute_figures(tmp_path):
+    """Each memory part and the FLOPs per row, from the target's shape and the drafter the resolver gives it:
+    bf16 target weights, fp32 drafter weights + grads + two AdamW moments (16 bytes a parameter), bf16
+    features of every tap, the LM head's fp32 logits for at most ce_chunk queries; a MoE target's forward
+    costs its active parameters. No stats.json: the steps are left to the data, per process of the node."""
+    from models.config import DFlashConfig, TargetShape
+    from train.config import load_config
+    from train.plan import plan
+
+    target = local_target(tmp_path / "target", rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    p = plan(load_config(["recipe=tiny", f"target.path={target}", f"data.prepared={tmp_path}", "data.max_length=4096",
+                          "train.batch_size=2", "target.active_params_b=0.1", "devices=8x80"]))
+    draft = DFlashConfig.for_target(TargetShape.from_config(json.loads((target / "config.json").read_text())),
+                                    mask_token_id=0, num_hidden_layers=2, num_taps=3, block_size=8)
+    L, H, V, inter, S, q, gib = 8, 2048, 32000, 6144, 4096, 48 * 8, 1024 ** 3  # tiny: 48 anchors of block 8
+    params_b = (12 * L * H * H + 2 * V * H) / 1e9
+    assert p["target_params_b"] == params_b and p["objective"]["query_tokens_per_row"] == q
+    assert (p["drafter"]["hidden"], p["drafter"]["intermediate"], p["drafter"]["rope_theta"]) == (H, inter, 5e6)
+    mem = p["memory_per_gpu"]
+    assert mem == {"target_weights_gib": round(params_b * 1e9 * 2 / gib, 2),
+                   "embedding_lm_head_gib": round(2 * V * H * 2 / gib, 2),
+                   "drafter_weights_grads_adam_gib": round(draft.num_parameters() * 16 / gib, 2),
+                   "features_gib": round(2 * S * 3 * H * 2 / gib, 3),
+                   "drafter_activations_gib": round(2 * 2 * q * (12 * H + 3 * inter) * 2 / gib, 2),
+                   "lm_head_chunk_gib": round(q * V * 4 * 3 / gib, 2),  # ce_chunk 2048 > q
+                   "total_gib": mem["total_gib"]}
+    flops = 3 * draft.flops_per_token(S / 2 + 8) * q + 2 * 0.1e9 * S  # drafter fwd+bwd, target fwd (active)
+    assert p["tflops_per_row"] == round(flops / 1e12, 2)
+    schedule = p["schedule"]
+    assert (schedule["epochs"], schedule["processes"], schedule["steps"]) == (2.5, 8, None)
+    assert schedule["note"].endswith("steps = epochs x rows / 16 rows per step")  # 2 rows x 8 processes
+
+
+def test_dry_run_fetches_the_hub_config_when_the_hub_resolves_and_reads_a_home_folder(monkeypatch, tmp_path):
+    """A resolving Hub host: config.json at the recipe's revision, from the network (not the cache alone).
+    A target under ~ is the home folder's; a null fact keeps the recipe's; the model type is the checkpoint's."""
+    import socket
+
+    import huggingface_hub
+
+    from train import plan as plan_module
+    from train.config import load_config
+
+    asked = []
+
+    def download(repo_id, filename, revision=None, local_files_only=False):
+        asked.append((repo_id, filename, revision, local_files_only))
+        return str(local_target(tmp_path / "hub") / "config.json")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    config, source = plan_module._fetch_config(load_config(["recipe=qwen3-8b", "target.path=org/model",
+                                                            "target.revision=v2"]))
+    assert asked == [("org/model", "config.json", "v2", False)] and config["text_config"]["hidden_size"] == 2048
+    assert source == "Hub config.json of org/model (config only, no weights)"
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    local_target(tmp_path / "t", model_type="qwen3_text", vocab_size=None)
+    shape, source = plan_module.target_shape(load_config(["recipe=tiny", "target.path=~/t", "target.vocab_size=320"]))
+    assert source == f"local {tmp_path / 't' / 'config.json'}"
+    assert (shape["hidden_size"], shape["vocab_size"], shape["model_type"]) == (2048, 320, "qwen3")
+
+
+def test_dry_run_prints_each_gpus_load_and_what_does_not_fit(monkeypatch, capsys):
+    """The devices line: one figure when every GPU holds the same, GPU 0 apart from the others when not;
+    a layout that does not fit says so, and the warning with its fixes follows."""
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's shape facts (test)"))
+
+    def printed(*more: str) -> tuple[dict, list[str]]:
+        devices = plan_module.print_plan(load_config(["recipe=qwen35-35b-a3b", "devices=8x80", *more]))["devices"]
+        lines = [x.strip() for x in capsys.readouterr().out.splitlines()]
+        return devices, [x for x in lines if x.startswith(("devices:", "warning:"))]
+
+    whole, lines = printed()
+    assert lines == [f"devices: 8 x 80 GiB (devices=8x80): {whole['layout']}: ~{whole['per_device_gib'][0]} GiB each "
+                     "(DOES NOT FIT)", f"warning: {whole['warning']}"]
+    spread, lines = printed("target.device_map=auto")
+    per = spread["per_device_gib"]
+    assert lines == [f"devices: 8 x 80 GiB (devices=8x80): {spread['layout']}: GPU 0 ~{per[0]} GiB, GPUs 1-7 "
+                     f"~{per[1]} GiB each"]
 
 
 def test_devices_default_to_this_machines_gpus(monkeypatch):
