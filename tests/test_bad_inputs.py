@@ -3253,6 +3253,21 @@ def test_values_of_the_wrong_type_are_refused(override, message):
     assert load_config(["recipe=tiny", "train.batch_size=2.0"]).train.batch_size == 2  # a whole number is fine
 
 
+def test_a_section_given_a_plain_value_is_refused_even_with_keys_under_it(tmp_path):
+    """A recipe's ``train: 3`` beside ``train.lr=...`` was silently replaced by the override's section."""
+    from train.config import load_config
+    from train.overrides import ConfigValueError
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train: 3\n")
+    message = "train is a section, but it was given the value 3: give keys under it (e.g. train.lr=...)"
+    with pytest.raises(ConfigValueError, match=re.escape(message)):
+        load_config([f"recipe={recipe}", "train.lr=1e-4"])
+    with pytest.raises(ConfigValueError, match=re.escape(message)):
+        load_config(["recipe=tiny"], overrides={"train": 3, "train.lr": 1e-4})
+    assert load_config(["recipe=tiny", "train.lr=1e-4"]).train.lr == 1e-4  # a real section still takes keys
+
+
 def test_string_keys_keep_the_text_as_typed_and_bad_yaml_is_named(tmp_path):
     """YAML 1.1 read out_dir=0123 as 83 and out_dir=12:30 as 750; out_dir=.../{name} was a KeyError traceback;
     an unclosed list or a broken recipe file a yaml traceback; a second recipe= silently won."""

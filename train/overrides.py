@@ -186,9 +186,14 @@ def build(cls, values: dict[str, Any], root, prefix: str = ""):
 def set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         child = node.get(p)
-        if not isinstance(child, dict):
+        if child is not None and not isinstance(child, dict):
+            # a recipe's ``train: 3`` would otherwise be replaced, unseen, by the overrides' section
+            section = ".".join(parts[:i + 1])
+            raise ConfigValueError(f"{section} is a section, but it was given the value {child!r}: "
+                                   f"give keys under it (e.g. {key}=...)")
+        if child is None:
             child = {}
             node[p] = child
         node = child
