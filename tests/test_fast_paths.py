@@ -680,13 +680,14 @@ def bench_lines(capsys, module: str, argv: list[str]) -> list[dict]:
 
 def test_inference_bench_profiles_each_pass_of_the_static_loop(capsys):
     lines = bench_lines(capsys, "inference", ["--random-target", "tiny", "--loop", "static", "--max-new-tokens", "8",
-                                              "--prompts", "x", "--prompt-tokens", "8", "--profile", "3"])
+                                              "--prompts", "x", "--prompt-tokens", "8", "--profile", "100"])
     profiles = {x["what"]: x for x in lines if x["bench"] == "profile"}
     assert list(profiles) == ["decode", "verify", "draft"]
     for prof in profiles.values():
-        assert prof["loop"] == "static" and prof["calls"] == 10 and 1 <= len(prof["ops"]) <= 3
+        assert prof["loop"] == "static" and prof["calls"] == 10 and 1 <= len(prof["ops"]) <= 100
         assert prof["total_ms_per_call"] > 0 and all(0 <= op["share"] <= 1 for op in prof["ops"])
-    # the tiny drafter's block pass: 2 layers x 7 projections (4 attention incl. the context's k, v: 6) + fc + head
+    # the tiny drafter's block pass: 2 layers x 7 projections (4 attention incl. the context's k, v: 6) + fc + head.
+    # Every op of the pass is listed (N=100), so this does not hang on how the ops rank by time.
     assert any(op["name"] == "aten::mm" for op in profiles["draft"]["ops"])
 
 
