@@ -5309,6 +5309,40 @@ def test_a_lock_file_goes_with_a_failed_run_only_when_that_run_made_it(tmp_path)
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [".x.lock", "result.json"]
 
 
+def test_a_killed_runs_lock_file_names_only_the_run_holding_it_now(tmp_path):
+    """A lock file a killed run left holds its pid: the next holder writes over it, so a refused run names the
+    holder, not "<old pid> <pid>"."""
+    import os
+
+    from models.lock import hold
+
+    (tmp_path / ".x.lock").write_text("99999999\n")
+    with hold(tmp_path, ".x.lock", "--out", "-"):
+        assert (tmp_path / ".x.lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(ValueError) as err, hold(tmp_path, ".x.lock", "--out", "wait"):
+            pass
+    assert str(err.value) == f"--out {tmp_path} is in use by another run (pid {os.getpid()}): wait"
+
+
+def test_a_file_system_without_locks_runs_with_a_note(tmp_path, monkeypatch):
+    """Some cluster mounts refuse flock (ENOLCK): the run goes on, saying that a second run is not kept out,
+    instead of failing on an OSError."""
+    import errno
+    import fcntl
+
+    from models.lock import hold
+
+    def no_locks(handle, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    notes = []
+    with hold(tmp_path / "out", ".x.lock", "--out", "-", log=notes.append) as out:
+        (out / "result.json").write_text("{}")
+    assert len(notes) == 1 and "cannot be locked on this file system (No locks available)" in notes[0]
+    assert "a second run into the same folder is not refused" in notes[0]
+
+
 @pytest.mark.parametrize("resume", ["false", "true"])
 def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, resume):
     """The same command in two terminals (or a requeued job while the first still ran, resume=true) trained into
