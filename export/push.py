@@ -25,10 +25,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from export.card import MARKER, is_hub_id, render_card
+from export.card import MARKER, render_card
 from export.check import raise_if, schema_problems, weight_problems
 from export.source import NotADrafterError, is_drafter_dir, training_output
 from models.config import MODELING_FILE, DFlashConfig
+from models.hub import is_hub_id
 from models.weights import INDEX
 
 IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
