@@ -57,13 +57,13 @@ class ConfigError(ValueError):
 
 def whole_number(name: str, value: Any) -> int:
     """``value`` as an int; a fraction (``block_size: 16.5``) is refused, not cut to 16 without a word."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):  # numpy and torch ints are Real
-        raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer") from None
-    if not number.is_integer():
+    number = None
+    if not isinstance(value, bool) and isinstance(value, (numbers.Real, str)):  # numpy and torch ints are Real
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None or not number.is_integer():
         raise ConfigError(name, value, "must be a whole number", f"write {name} as an integer")
     return int(number)
 
