@@ -117,3 +117,11 @@ def pyarrow_pickled_by_value(monkeypatch):
     def no_random_hash(*args, **kwargs):
         raise AssertionError("datasets could not hash a transform or its arguments and fell back to a random hash")
     monkeypatch.setattr(datasets.fingerprint, "generate_random_fingerprint", no_random_hash)
+
+
+def tiny_store_rows(n: int = 2):
+    """``n`` feature rows of 3 tokens and 4 feature columns, for writing small stores."""
+    from data.features import FeatureRow
+
+    return [FeatureRow(torch.arange(3), torch.ones(3, dtype=torch.int8), torch.zeros(3, dtype=torch.int32),
+                       torch.arange(3, dtype=torch.int32), torch.randn(3, 4)) for _ in range(n)]

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest  # noqa: F401  (used by the sections below)
+from conftest import tiny_store_rows
 
 # ---------------------------------------------------------------- config, resume, data re-use (train/, data/)
 # data re-use and preparation (data/reuse.py, data/prepare.py, data/regenerate.py, models/cli.py)
@@ -2572,7 +2573,7 @@ def test_an_offline_store_that_is_missing_or_unfinished_is_named_before_the_targ
     with pytest.raises(FileNotFoundError, match="feats-typo is not a feature store .*python -m data.extract"):
         main([*run, f"features.store={tmp_path / 'feats-typo'}"])
     StoreWriter(tmp_path / "feats", {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4},
-                [(0, 2), (2, 4)]).write_shard(0, _tiny_store_rows())
+                [(0, 2), (2, 4)]).write_shard(0, tiny_store_rows())
     with pytest.raises(ValueError, match="extraction not finished \\(1/2 shards\\); re-run the same data.extract"):
         main([*run, f"features.store={tmp_path / 'feats'}"])
     assert not (tmp_path / "run").exists()
@@ -4669,7 +4670,7 @@ def test_a_store_that_failed_before_its_first_shard_takes_the_corrected_rerun(tm
         StoreWriter(out, {"topk": 4}, [(0, 2)])
     recorded = tmp_path / "recorded"  # nor is one whose index records a shard, its files deleted by hand
     header = {"topk": 0, "dtype": "bf16", "layer_ids": [1]}
-    StoreWriter(recorded, header, [(0, 2)]).write_shard(0, _tiny_store_rows())
+    StoreWriter(recorded, header, [(0, 2)]).write_shard(0, tiny_store_rows())
     for f in recorded.glob("shard-*"):
         f.unlink()
     with pytest.raises(StoreMismatch, match="already holds a store with topk=0, this run asks for 4"):
@@ -4952,13 +4953,6 @@ def test_an_overwrite_export_whose_last_rename_fails_keeps_the_previous_one(tmp_
 
 # ----------------------------------------------------------------------------- store, data fingerprint, validate
 # resume and static-loop buffers (one block, kept at the end of the file)
-def _tiny_store_rows(n: int = 2):
-    from data.features import FeatureRow
-
-    return [FeatureRow(torch.arange(3), torch.ones(3, dtype=torch.int8), torch.zeros(3, dtype=torch.int32),
-                       torch.arange(3, dtype=torch.int32), torch.randn(3, 4)) for _ in range(n)]
-
-
 def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
     """A cut index.json gave "Unterminated string starting at: line 17 column 20" naming no file, and extraction
     could not repair it; a cut sidecar stopped the rerun the same way instead of computing its shard again."""
@@ -4968,8 +4962,8 @@ def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
     out = tmp_path / "feats"
     header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}
     w = StoreWriter(out, header, [(0, 2), (2, 4)])
-    w.write_shard(0, _tiny_store_rows())
-    w.write_shard(1, _tiny_store_rows())
+    w.write_shard(0, tiny_store_rows())
+    w.write_shard(1, tiny_store_rows())
     side = out / "shard-00001.safetensors.json"
     side.write_text(side.read_text()[:40])
     w.index["shards"].pop("shard-00001.safetensors")  # as if killed before the index took it in
@@ -4977,7 +4971,7 @@ def test_a_damaged_store_index_or_sidecar_is_named(tmp_path, capsys):
     again = StoreWriter(out, header, [(0, 2), (2, 4)])  # the rerun: shard 1 is computed again
     assert again.done(0) and not again.done(1)
     assert f"{side}: damaged or does not match its shard: that shard is computed again" in capsys.readouterr().err
-    again.write_shard(1, _tiny_store_rows())
+    again.write_shard(1, tiny_store_rows())
     assert again.finalise()
     index = out / "index.json"
     index.write_text(index.read_text()[:300])
@@ -4995,8 +4989,8 @@ def test_a_sidecar_whose_shard_was_cut_is_not_adopted(tmp_path, capsys):
     out = tmp_path / "feats"
     header = {"dtype": "bf16", "layer_ids": [1], "topk": 0, "rows": 4}
     main = StoreWriter(out, header, [(0, 2), (2, 4)])
-    main.write_shard(0, _tiny_store_rows())
-    StoreWriter(out, header, [(0, 2), (2, 4)], main=False).write_shard(1, _tiny_store_rows())
+    main.write_shard(0, tiny_store_rows())
+    StoreWriter(out, header, [(0, 2), (2, 4)], main=False).write_shard(1, tiny_store_rows())
     shard = out / "shard-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-8])
     assert not main.finalise() and main.done(0) and not main.done(1)
@@ -5017,7 +5011,7 @@ def test_sidecars_that_name_another_shard_or_are_not_an_entry_are_not_adopted(tm
     w = StoreWriter(out, header, plan)
     index = (out / "index.json").read_bytes()
     for k in range(3):
-        StoreWriter(out, header, plan, main=False).write_shard(k, _tiny_store_rows())
+        StoreWriter(out, header, plan, main=False).write_shard(k, tiny_store_rows())
     assert (out / "index.json").read_bytes() == index  # only the main writer writes the index
     assert w.finalise()
     assert sorted(p.name for p in out.iterdir()) == ["index.json", *(f"shard-0000{k}.safetensors" for k in range(3))]
@@ -5079,9 +5073,9 @@ def test_writers_of_one_store_agree_on_its_settings_and_data(tmp_path, capsys):
     other = StoreWriter(out, header, plan, main=False)
     with pytest.raises(RuntimeError, match="only the main writer finalises a store"):
         other.finalise()
-    main.write_shard(0, _tiny_store_rows())
-    other.write_shard(1, _tiny_store_rows())
-    other.write_shard(2, _tiny_store_rows())
+    main.write_shard(0, tiny_store_rows())
+    other.write_shard(1, tiny_store_rows())
+    other.write_shard(2, tiny_store_rows())
     shard = out / "shard-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1])  # cut after the index recorded it
     (out / "shard-00002.safetensors.json.tmp").write_text("{")  # a kill while writing a sidecar

@@ -511,7 +511,7 @@ def test_shard_columns_are_stored_in_the_documented_dtypes(setup, tmp_path):
     """The format (module docstring of data.store): ids and positions int32, mask int8, features bf16 (float32
     rows included) or e4m3 with bf16 scales, top-k ids int32 and log-probs float16: what the bytes per token
     and --shard-mb assume. An fp8 shard of rows quantized by the writer equals one of rows quantized beforehand."""
-    from test_bad_inputs import _tiny_store_rows
+    from conftest import tiny_store_rows
 
     from data.store_writer import StoreWriter
 
@@ -520,7 +520,7 @@ def test_shard_columns_are_stored_in_the_documented_dtypes(setup, tmp_path):
         {**ids, "features": "BF16", "topk_ids": "I32", "topk_logprobs": "F16"}
     assert shard_dtypes(setup["stores"]["plain", "fp8"] / "shard-00000.safetensors") == \
         {**ids, "features": "F8_E4M3", "feature_scales": "BF16"}
-    rows = _tiny_store_rows()
+    rows = tiny_store_rows()
     assert rows[0].features.dtype == torch.float32
     StoreWriter(tmp_path / "bf16", {"dtype": "bf16", "layer_ids": [1], "topk": 0}, [(0, 2)]).write_shard(0, rows)
     assert shard_dtypes(tmp_path / "bf16" / "shard-00000.safetensors")["features"] == "BF16"
