@@ -834,3 +834,53 @@ def test_fresh_start_over_no_earlier_run_says_nothing_and_an_unfinished_run_name
         refuse_unfinished_run(tmp_path)
     (step / "trainer_state.json").unlink()
     assert refuse_unfinished_run(tmp_path) is True
+
+
+@pytest.mark.parametrize("attention, device, flex", [("flex", "cpu", True), ("auto", "cuda", True),
+                                                     ("auto", "cpu", False), ("dense", "cuda", False)])
+def test_flex_attention_where_asked_or_with_auto_on_cuda(attention, device, flex):
+    from train.config import load_config
+    from train.loop import Run
+
+    accelerator = types.SimpleNamespace(device=torch.device(device))
+    cfg = load_config(["recipe=tiny", f"train.attention={attention}"])
+    assert Run(cfg, accelerator, Path("run"), "", "no", print).use_flex == flex
+
+
+def test_an_older_checkpoints_loop_state_loads_with_the_keys_it_lacks_at_their_defaults():
+    """Older trainer_state.json files carry keys the loop no longer keeps (total_steps, seed) and lack
+    world_size: such a run was trained by one process, so its data shards are one process's."""
+    from train.loop import LoopState
+
+    state = LoopState.from_dict({"step": 6, "epoch": 1, "step_in_epoch": 2, "tokens_seen": 900, "total_steps": 10,
+                                 "seed": 0})
+    assert (state.step, state.epoch, state.step_in_epoch, state.tokens_seen) == (6, 1, 2, 900)
+    assert (state.world_size, state.rows, state.wandb_run_id) == (1, None, None)
+
+
+def test_the_rows_that_do_not_fill_a_micro_batch_are_left_out_of_the_epoch():
+    """5 rows in micro-batches of 2: 2 micro-batches per epoch (the fifth row waits for another epoch's
+    order), not 3 with a short last one."""
+    from train.config import load_config
+    from train.loop import make_schedule
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=2", "train.grad_accum=1", "train.epochs=1"])
+    schedule = make_schedule(cfg, 5, 1, 0)
+    assert (schedule.micro_per_epoch, schedule.steps_per_epoch, schedule.total_steps) == (2, 2, 2)
+
+
+def test_a_step_takes_batch_size_rows_per_micro_batch_and_draws_its_anchors_from_the_epoch():
+    """Micro-batch k of a step is rows k*batch .. (k+1)*batch of the order, and the same rows are given
+    new anchors in another epoch (their generators are seeded by the epoch, as in the paper)."""
+    from train.config import load_config
+    from train.loop import LoopState, draw_step, make_schedule
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=2", "train.grad_accum=2", "train.anchors=2"])
+    rows = [{"input_ids": list(range(i, i + 32)), "loss_mask": [0] + [1] * 31, "doc_ids": [0] * 32,
+             "position_ids": list(range(32))} for i in range(8)]
+    run_ = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
+    order, sched = [5, 2, 7, 0, 1, 3, 4, 6], make_schedule(cfg, len(rows), 1, 0)
+    drafter_cfg = types.SimpleNamespace(block_size=4, mask_token_id=0)
+    epochs = [draw_step(run_, rows, order, LoopState(epoch=e, step_in_epoch=1), sched, drafter_cfg) for e in (0, 1)]
+    assert [m.rows for m in epochs[0]] == [m.rows for m in epochs[1]] == [[1, 3], [4, 6]]
+    assert any(not torch.equal(a.blocks.anchors, b.blocks.anchors) for a, b in zip(*epochs))
