@@ -194,6 +194,70 @@ def test_training_loads_the_target_in_its_dtype_and_only_the_parts_it_needs(tmp_
     assert path == str(folder) and target.has_layers == whole and target.dtype == loaded
 
 
+def test_a_tiny_target_is_built_in_its_own_folder_of_the_run_and_loaded_from_it(tmp_path, monkeypatch):
+    """tiny:<arch> is built in out_dir/tiny_target, beside the run's data and checkpoints, and that folder
+    (not "tiny:<arch>") is the path training loads and records. The main process builds it; every process
+    waits for it before reading it."""
+    import models.quant
+    import train.tiny
+    from train.config import load_config
+    from train.setup import load_target
+
+    events, resolve = [], models.quant.resolve_target
+
+    def build(path, arch, log):
+        events.append(("build", path, arch))
+        return save_tiny_target(path, arch, num_layers=2)
+
+    class Recorded(_Process):
+        def wait_for_everyone(self):
+            events.append("wait")
+
+    monkeypatch.setattr(train.tiny, "build_tiny_target", build)
+    monkeypatch.setattr(models.quant, "resolve_target", lambda *a, **kw: events.append("read") or resolve(*a, **kw))
+    cfg = load_config(["recipe=tiny", "target.path=tiny:llama", "eval.true_tau_prompts=0"])
+    _, path = load_target(cfg, tmp_path, Recorded(), log=lambda *_: None)
+    assert path == str(tmp_path / "tiny_target")
+    assert events == [("build", path, "llama"), "wait", "read", "wait", "read"]
+
+
+def test_offline_features_load_the_whole_target_when_its_weights_are_no_safetensors(tmp_path):
+    """Only safetensors shards let the embedding and LM head be read alone: a target saved as
+    pytorch_model.bin is loaded whole instead of failing to borrow its parts."""
+    from safetensors.torch import load_file
+
+    from train.config import load_config
+    from train.setup import load_target
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    cfg = load_config(["recipe=tiny", f"target.path={folder}", "features.mode=offline",
+                       f"features.store={tmp_path / 'store'}", "eval.true_tau_prompts=0"])
+    target, _ = load_target(cfg, tmp_path, _Process(), log=lambda *_: None)
+    assert target.has_layers and target.num_layers == 2
+
+
+def test_a_target_spread_by_device_map_is_loaded_with_its_memory_budget(tmp_path, monkeypatch):
+    from train.config import load_config
+    from train.setup import load_target
+
+    asked = {}
+
+    def from_pretrained(path, **kwargs):
+        asked.update(kwargs)
+        raise KeyboardInterrupt  # what was asked is all this test needs
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(TargetModel, "from_pretrained", from_pretrained)
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    cfg = load_config(["recipe=tiny", f"target.path={folder}", "target.device_map=auto",
+                       "target.max_memory=0=1GiB,cpu=2GiB"])
+    with pytest.raises(KeyboardInterrupt):
+        load_target(cfg, tmp_path, _Process(), log=lambda *_: None)
+    assert asked["device_map"] == "auto" and asked["max_memory"] == "0=1GiB,cpu=2GiB" and "device" not in asked
+
+
 def test_who_loads_the_whole_target_and_who_borrows_its_embedding_and_head():
     """Offline features with true tau: the main process generates, and under FSDP every process takes part
     in the drafter's all-gathers, so each needs the decoder layers; a target spread by device_map is never
