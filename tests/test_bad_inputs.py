@@ -3004,6 +3004,24 @@ def test_more_held_out_rows_than_the_data_allows_are_said_to_be_capped(tmp_path_
     assert re.search(r"held out \(data.eval_rows=1000 capped at a fifth of the rows\)", capsys.readouterr().out)
 
 
+def test_held_out_rows_are_the_last_ones_and_at_most_a_fifth(tmp_path_factory, tmp_path):
+    """data.eval_rows rows from the end of the prepared set are held out (at most a fifth of them); the
+    rest, in their order, are trained on."""
+    from data.prepare import load_prepared
+    from models.target import TargetModel
+    from test_train_run import tiny_input_dirs
+    from train.config import load_config
+    from train.setup import held_out_rows, load_data
+
+    assert [held_out_rows(e, 240) for e in (0, 10, 48, 1000)] == [0, 10, 48, 48]
+    d = tiny_input_dirs(tmp_path_factory)
+    rows = load_prepared(d["data"])[0]["input_ids"]
+    cfg = load_config(["recipe=tiny", f"data.prepared={d['data']}", "data.eval_rows=3"])
+    train_ds, eval_ds, _ = load_data(cfg, str(d["target"]), TargetModel.from_pretrained(d["target"]), tmp_path, None,
+                                     lambda *_: None)
+    assert train_ds["input_ids"] == rows[:-3] and eval_ds["input_ids"] == rows[-3:]
+
+
 @pytest.mark.parametrize("caught_by", ["logged loss", "checkpoint"])
 def test_a_diverged_run_stops_and_saves_nothing_non_finite(tmp_path_factory, tmp_path, monkeypatch, caught_by):
     """Weights gone NaN once trained on and were saved as checkpoints (keep_last then deleting the good
@@ -3679,6 +3697,47 @@ def test_dry_run_devices_that_are_not_count_x_gib(spec):
 
     with pytest.raises(ValueError, match=r"devices=.*: write COUNTxGiB, e.g. devices=8x80"):
         parse_devices(spec)
+
+
+def test_fewer_training_rows_than_one_micro_batch_per_process_are_refused():
+    from train.config import load_config
+    from train.loop import make_schedule
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=4"])
+    with pytest.raises(ValueError, match=re.escape("7 training rows is less than one micro-batch per process "
+                                                   "(4 x 2): lower train.batch_size or add data")):
+        make_schedule(cfg, 7, 2, 0)
+
+
+def test_a_run_without_a_target_path_says_what_to_give(tmp_path):
+    """No recipe and no target.path: the target is named before anything tries to load ""."""
+    from train.config import load_config
+    from train.setup import load_target
+
+    with pytest.raises(ValueError, match="target.path is empty: set it to a local folder, a Hub id, or tiny:<arch>"):
+        load_target(load_config([]), tmp_path, None, log=lambda *_: None)
+
+
+def test_a_training_target_without_tokenizer_files_is_named(tmp_path):
+    """Training tokenizes the data with the target's chat template: a folder of weights alone is refused."""
+    from models.tiny import save_tiny_target
+    from train.config import load_config
+    from train.setup import load_target
+
+    folder = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink()
+
+    class OneProcess:
+        is_main_process, device, distributed_type = True, torch.device("cpu"), "NO"
+
+        def wait_for_everyone(self):
+            pass
+
+    cfg = load_config(["recipe=tiny", f"target.path={folder}", "eval.true_tau_prompts=0"])
+    said = f"target {folder} has no tokenizer files: training needs its tokenizer"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_target(cfg, tmp_path, OneProcess(), log=lambda *_: None)
 
 
 def test_target_device_map_with_one_process_per_gpu(monkeypatch, tmp_path):
