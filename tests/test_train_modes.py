@@ -70,6 +70,10 @@ def test_grad_accumulation_is_exact(tiny, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert_close(wb[k], wa[k], atol=2e-5, what=f"drafter weight {k} after 2 steps")
+    # The logged CE and tau are the whole step's, not its last micro-batch's.
+    for key in ("ce", "tau"):
+        assert_close(list(losses(tmp_path / "ga2", key).values()), list(losses(tmp_path / "bs2", key).values()),
+                     atol=1e-4, what=f"logged {key}, batch 2 vs 1 x accumulation 2")
     # Held-out blocks are drawn per row too: the simulated tau does not depend on the batch size.
     tau = [losses(tmp_path / name, "eval_tau_sim")[2] for name in ("bs2", "ga2")]
     assert abs(tau[0] - tau[1]) <= 5e-3, tau
