@@ -80,6 +80,30 @@ def test_grad_accumulation_is_exact(tiny, tmp_path):
     assert losses(tmp_path / "bs2", "eval_blocks")[2] == losses(tmp_path / "ga2", "eval_blocks")[2]
 
 
+def test_logged_tau_adds_up_every_micro_batch(tiny, tmp_path, monkeypatch):
+    """A step's logged tau is its micro-batches' summed tau over their summed blocks. The barely trained
+    drafter scores tau 1 on every block, so the first micro-batch's sums are set to tau 3 here: keeping
+    only the last micro-batch's would log 1."""
+    import train.loop
+
+    real, seen = train.loop.simulated_acceptance, []
+
+    def first_of_step_at_tau_3(*args):
+        out = real(*args)
+        if len(seen) % 2 == 0:
+            out = {**out, "tau_sum": 3 * out["blocks"]}
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(train.loop, "simulated_acceptance", first_of_step_at_tau_3)
+    run(tmp_path / "ga2", *tiny["args"], *FAST, *STEPS, "train.max_steps=1", "train.anchors=8",
+        "train.batch_size=1", "train.grad_accum=2")
+    assert len(seen) == 2 and float(seen[0]["blocks"]) > 0 and float(seen[1]["blocks"]) > 0
+    want = float(sum(s["tau_sum"] for s in seen) / sum(s["blocks"] for s in seen))
+    assert want > 1.5
+    assert_close(losses(tmp_path / "ga2", "tau")[1], want, atol=1e-5, what="logged tau of a 2-micro-batch step")
+
+
 def test_two_processes_take_the_same_step_as_one(tiny, tmp_path):
     """DDP (2 CPU processes, gloo) with 1 row each == 1 process with 2 rows: the step's weight sum is
     reduced over processes and gradients are scaled by the world size (DDP averages them).
