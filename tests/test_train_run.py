@@ -70,6 +70,8 @@ def test_two_step_loss_matches_golden(tiny_inputs, tmp_path, pyarrow_pickled_by_
     assert_close([got[1], got[2]], golden["losses"], atol=1e-4,
                  what="tiny 2-step loss (regenerate with python tests/golden/make_train_golden.py)")
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "final" / "drafter" / "config.json").is_file()
+    # data.prepared is read where it is: nothing is prepared again under out_dir
+    assert not (tmp_path / "data").exists()
 
 
 def test_resume_reproduces_uninterrupted_losses(tiny_inputs, tmp_path):
