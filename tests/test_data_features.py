@@ -218,6 +218,26 @@ def test_extract_cli(setup, tmp_path, capsys):
     assert store.index["tokens"] == line["tokens"] and len(store.index["tokenizer_hash"]) == 16
 
 
+def test_extract_cli_hands_every_flag_on(setup, tmp_path, monkeypatch):
+    """Each flag reaches the target's load or the extraction: one dropped on the way ran with its default."""
+    import data.extract
+    import models.target
+    from data.extract import ExtractReport
+
+    loaded, given = {}, {}
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda path, **kw: loaded.update(kw))
+    monkeypatch.setattr(data.extract, "extract", lambda *a, **kw: given.update(kw) or ExtractReport(complete=True))
+    data.extract.main(["--target", str(setup["target_dir"]), "--data", str(setup["root"] / "plain"),
+                       "--out", str(tmp_path / "s"), "--layers", "2", "4", "--dtype", "fp8", "--topk", "8",
+                       "--batch-size", "3", "--writers", "1", "--shard-mb", "0.5", "--force-target", "--no-progress",
+                       "--device-map", "auto", "--max-memory", "cpu=1GiB", "--target-dtype", "float32"])
+    assert loaded == {"dtype": "float32", "device_map": "auto", "max_memory": {"cpu": "1GiB"}}
+    ranks = given.pop("ranks")
+    assert (ranks.rank, ranks.world) == (0, 1)
+    assert given == {"layer_ids": [2, 4], "dtype": "fp8", "topk": 8, "batch_size": 3, "shard_mb": 0.5,
+                     "progress": False, "writers": 1, "force_target": True}
+
+
 def test_fp8_scale_is_per_token_per_tap():
     """One scale per token per tapped layer: a layer of small activations next to one of huge ones (deep layers'
     massive activations) keeps its own scale; one scale per token would crush it into e4m3 subnormals."""
@@ -265,14 +285,15 @@ def test_shard_plan_has_no_empty_range():
 
 def test_every_shard_holds_the_rows_of_its_plan(setup, tmp_path):
     """Rows are computed --batch-size at a time inside a shard: each shard holds its planned rows once."""
-    extract(setup["target"], setup["root"] / "plain", tmp_path / "store", layer_ids=LAYERS, batch_size=1,
-            shard_tokens=SHARD_TOKENS, progress=False)
+    report = extract(setup["target"], setup["root"] / "plain", tmp_path / "store", layer_ids=LAYERS, batch_size=1,
+                     shard_tokens=SHARD_TOKENS, progress=False)
     store = FeatureStore(tmp_path / "store")
     plan = store.index["plan"]
     assert max(b - a for a, b in plan) > 1  # some shard takes more than one batch
     shards = sorted(store.index["shards"].values(), key=lambda s: s["row_start"])
     assert [(s["row_start"], s["rows"]) for s in shards] == [(a, b - a) for a, b in plan]
     assert store.index["tokens_done"] == store.index["tokens"] == sum(s["tokens"] for s in shards)
+    assert report.bytes_written == sum(p.stat().st_size for p in (tmp_path / "store").glob("shard-*.safetensors"))
 
 
 def test_stored_bytes_per_token():
@@ -285,16 +306,67 @@ def test_stored_bytes_per_token():
     assert bytes_per_token(64, 3, "fp8") == 3 * 64 + 3 * 2 + 13
 
 
-def test_prepared_data_of_another_tokenizer_is_refused(setup):
+def test_shard_mb_is_mib_of_stored_bytes(setup, tmp_path):
+    """--shard-mb MiB over the bytes per token is the tokens per shard the plan is cut by."""
+    import json
+
+    from data.extract import bytes_per_token, shard_plan
+
+    per_token = bytes_per_token(setup["target"].hidden_size, len(LAYERS), "bf16")
+    out = tmp_path / "store"
+    extract(setup["target"], setup["root"] / "plain", out, layer_ids=LAYERS, shard_mb=(SHARD_TOKENS + 0.5) * per_token
+            / 2 ** 20, max_shards=0, progress=False)  # the index holds the plan; no shard is needed
+    lengths = load_prepared(setup["root"] / "plain")[0]["num_tokens"]
+    plan = [tuple(r) for r in json.loads((out / "index.json").read_text())["plan"]]
+    assert plan == shard_plan(lengths, SHARD_TOKENS) and max(b - a for a, b in plan) > 1
+
+
+def test_the_index_records_the_default_taps_their_width_and_the_datas_meta(setup, tmp_path):
+    """No layer ids (None or an empty list) are the drafter's default taps; the index records them, the
+    feature width they make and the prepared data's meta."""
+    import json
+
+    from models.config import default_layer_ids
+
+    target = setup["target"]
+    taps = default_layer_ids(target.num_layers)
+    for i, layer_ids in enumerate((None, [])):
+        out = tmp_path / f"store{i}"
+        extract(target, setup["root"] / "plain", out, layer_ids=layer_ids, max_shards=0, progress=False)
+        index = json.loads((out / "index.json").read_text())
+        assert index["layer_ids"] == taps and index["feature_dim"] == len(taps) * target.hidden_size
+        assert index["data_meta"] == load_prepared(setup["root"] / "plain")[1]
+
+
+def test_top_k_may_be_the_whole_vocabulary(tiny_targets, tmp_path):
+    """--topk up to the vocabulary size: every token's log-prob under the target, largest first."""
+    from data.bench import random_data
+
+    target = tiny_targets("qwen3")
+    extract(target, random_data(1, 6, 250), tmp_path / "s", layer_ids=[1], topk=target.vocab_size, progress=False)
+    row = FeatureStore(tmp_path / "s", dtype=torch.float32).row(0)
+    assert sorted(row.topk_ids[0].tolist()) == list(range(target.vocab_size))
+    logits = target.forward(row.input_ids[None], [1], with_logits=True).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, row.topk_ids.long())
+    assert (row.topk_logprobs.float() - expected).abs().max().item() <= 2 ** -10 * expected.abs().max().item()
+    assert bool((row.topk_logprobs.diff(dim=-1) <= 0).all())
+
+
+def test_prepared_data_of_another_tokenizer_is_refused(setup, tmp_path):
     """Token ids mean nothing under another vocabulary or template: loading prepared data with another tokenizer
     fails, naming the tokenizer, instead of training on garbage."""
     from data.reuse import DataMismatch
+    from models.target import TargetModel
     from models.tiny import tiny_tokenizer
 
     ds, meta = load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("chatml"))  # the one it was made with
     assert len(ds) > 0 and len(meta["tokenizer_hash"]) == 16
     with pytest.raises(DataMismatch, match="was tokenized for target .* not for this tokenizer .*re-run data.prepare"):
         load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("llama3"))  # same vocabulary, other template
+    other = TargetModel(setup["target"].model, tiny_tokenizer("llama3"))  # extraction refuses it too, before a write
+    with pytest.raises(DataMismatch, match="not for this tokenizer"):
+        extract(other, setup["root"] / "plain", tmp_path / "s", layer_ids=LAYERS, progress=False)
+    assert not (tmp_path / "s").exists()
 
 
 def test_store_rows_outside_the_store_are_an_index_error(setup):
