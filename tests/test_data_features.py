@@ -54,9 +54,10 @@ def test_offline_bf16_is_bitwise_the_online_provider(setup, data):
     ds, _ = load_prepared(setup["root"] / data)
     online = OnlineFeatures(setup["target"], LAYERS, ds, topk=4)
     store = FeatureStore(setup["stores"][data, "bf16"])
-    assert len(store) == len(ds) and len(store.index["plan"]) >= 3
+    assert len(store) == len(online) == len(ds) and len(store.index["plan"]) >= 3
     if data == "packed":
         assert max(max(d) for d in ds["doc_ids"]) >= 1  # some rows really hold several documents
+    padded = 0
     for group in shard_groups(store):
         on, off = online.get_batch(group), store.get_batch(group)
         assert on.features.dtype == off.features.dtype == torch.bfloat16
@@ -67,11 +68,19 @@ def test_offline_bf16_is_bitwise_the_online_provider(setup, data):
         on_row, off_row = online.row(group[0]), store.row(group[0])  # rows too (positions: collate widens them)
         for name in ("input_ids", "loss_mask", "doc_ids", "features"):
             assert getattr(on_row, name).dtype == getattr(off_row, name).dtype, name
+        alone, n = online.get_batch(group[:1]), int(off.lengths[0])  # an online row is its one-row batch's
+        for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "features", "topk_ids", "topk_logprobs"):
+            assert torch.equal(getattr(on_row, name), getattr(alone, name)[0, :n]), name
+        for name in ("input_ids", "loss_mask", "doc_ids", "position_ids"):  # the prepared row's columns
+            assert getattr(on_row, name).tolist() == ds[group[0]][name], name
         for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "lengths", "features", "topk_ids"):
             assert torch.equal(getattr(on, name), getattr(off, name)), name
         valid = on.doc_ids >= 0
         diff = (on.topk_logprobs[valid] - off.topk_logprobs[valid]).abs().max().item()
         assert diff <= 2 ** -10 * on.topk_logprobs[valid].abs().max().item() + 1e-6  # float16 storage
+        assert torch.equal(on.topk_logprobs[~valid], off.topk_logprobs[~valid])  # padding: -inf, no teacher mass
+        padded += int((~valid).sum())
+    assert data == "packed" or padded > 0  # plain rows of a batch differ in length
 
 
 def test_packed_documents_get_the_features_of_their_own_forward(setup):
@@ -88,6 +97,34 @@ def test_packed_documents_get_the_features_of_their_own_forward(setup):
         assert (solo - r.features[m].float()).abs().max().item() < 0.1
         if d > 0:  # ... and far from what the document would get with the previous one as context
             assert (leaky[m] - r.features[m].float()).abs().max().item() > 1.0
+
+
+def test_packed_documents_get_the_top_k_of_their_own_forward(setup):
+    """Each document of a packed row gets the top-k ids and log-probs of the target run on it alone (a float32
+    target: no rounding apart between batch shapes)."""
+    from data.features import topk_logprobs
+    from models.target import TargetModel
+
+    target = TargetModel.from_pretrained(setup["target_dir"], dtype=torch.float32)
+    ds, _ = load_prepared(setup["root"] / "packed")
+    r = OnlineFeatures(target, LAYERS, ds, topk=4).row(next(i for i in range(len(ds)) if max(ds[i]["doc_ids"]) >= 1))
+    for d in r.doc_ids.unique():
+        m = r.doc_ids == d
+        ids, lps = topk_logprobs(target.forward(r.input_ids[m][None], LAYERS, with_logits=True).logits[0], 4)
+        assert torch.equal(r.topk_ids[m], ids) and (r.topk_logprobs[m] - lps).abs().max().item() < 1e-4
+
+
+def test_the_online_pad_id_is_the_one_given_else_the_tokenizers_else_0(setup):
+    from models.target import TargetModel
+
+    ds, _ = load_prepared(setup["root"] / "plain")
+    target, lengths = setup["target"], ds["num_tokens"]
+    other = next(j for j in range(len(ds)) if lengths[j] != lengths[0])
+    batch = OnlineFeatures(target, LAYERS, ds, pad_id=7).get_batch([0, other])
+    pad = batch.doc_ids < 0
+    assert pad.any() and batch.input_ids[pad].eq(7).all()
+    assert OnlineFeatures(target, LAYERS).pad_id == target.tokenizer.pad_token_id == 256
+    assert OnlineFeatures(TargetModel(target.model), LAYERS).pad_id == 0  # a target without a tokenizer
 
 
 def test_fp8_within_e4m3_bound_and_half_the_bytes(setup):
@@ -414,6 +451,18 @@ def test_shard_headers_are_padded_to_8_bytes(setup):
                 (n,) = struct.unpack("<Q", f.read(8))
                 head = f.read(n)
             assert n % 8 == 0 and head.rstrip(b" ").endswith(b"}"), shard.name
+
+
+def test_top_k_log_probs_are_float32_largest_first_over_any_chunking():
+    """bf16 logits: log_softmax runs in float32 (in bf16 the log-probs are off by ~2^-8 of their size); the k
+    largest come first, the same whichever chunk of positions each one falls in (9 positions in chunks of 4)."""
+    from data.features import topk_logprobs
+
+    logits = (torch.randn(3, 3, 50, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    ids, lps = topk_logprobs(logits, 5, chunk=4)
+    expected, expected_ids = torch.log_softmax(logits.float(), dim=-1).topk(5, dim=-1)
+    assert ids.dtype == torch.int32 and lps.dtype == torch.float32 and ids.shape == lps.shape == (3, 3, 5)
+    assert torch.equal(ids.long(), expected_ids) and (lps - expected).abs().max().item() <= 1e-6
 
 
 def test_collate_pads_every_column_with_its_own_value():
