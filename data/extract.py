@@ -170,6 +170,9 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
                            tokens=sum(lengths), out=str(out))
     start = time.time()
     todo = [k for k in range(len(plan)) if not writer.done(k)]
+    # Every rank reads the missing shards before any is written: a rank that read the index after rank 0 had
+    # finished a shard took another share (shards left out, and one written by two processes at once).
+    ranks.barrier()
     report.shards_skipped = len(plan) - len(todo)
     mine = ranks.share(todo)
     mine_tokens = sum(sum(lengths[slice(*plan[k])]) for k in mine)

@@ -4623,6 +4623,26 @@ def test_extract_layers_past_the_targets_depth_are_refused_before_its_weights_lo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
+def test_extract_layers_of_a_multimodal_target_are_checked_against_its_text_config(tmp_path, monkeypatch):
+    """Qwen3.5 checkpoints keep their depth under text_config: --layers past it is refused from there too,
+    before the weights load."""
+    import json
+
+    import data.extract
+    import models.target
+
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("target loaded"))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({"model_type": "qwen3_5",
+                                                            "text_config": {"num_hidden_layers": 8}}))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "draftsmith_data.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"layer ids \[7\] are outside \[0, 7\) for a 8-layer target"):
+        data.extract.main(["--target", str(tmp_path / "t"), "--data", str(tmp_path / "data"),
+                           "--out", str(tmp_path / "feats"), "--device", "cpu", "--layers", "1", "7"])
+    assert not (tmp_path / "feats").exists()
+
+
 def test_export_mlx_group_size_without_quantize(capsys):
     """It was ignored: a bf16 export when the user asked for a group size."""
     from export.mlx import parse_args
@@ -4712,6 +4732,8 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
         data.extract.extract(target, "no-data", tmp_path / "o", topk=100000)
     with pytest.raises(ValueError, match="--batch-size 0: use 1 or more rows per target forward"):
         data.extract.extract(target, "no-data", tmp_path / "o", batch_size=0)
+    with pytest.raises(ValueError, match="--dtype 'fp16': use one of \\('bf16', 'fp8'\\)"):
+        data.extract.extract(target, "no-data", tmp_path / "o", dtype="fp16")
     assert not (tmp_path / "o").exists()
 
 

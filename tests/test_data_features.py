@@ -54,9 +54,10 @@ def test_offline_bf16_is_bitwise_the_online_provider(setup, data):
     ds, _ = load_prepared(setup["root"] / data)
     online = OnlineFeatures(setup["target"], LAYERS, ds, topk=4)
     store = FeatureStore(setup["stores"][data, "bf16"])
-    assert len(store) == len(ds) and len(store.index["plan"]) >= 3
+    assert len(store) == len(online) == len(ds) and len(store.index["plan"]) >= 3
     if data == "packed":
         assert max(max(d) for d in ds["doc_ids"]) >= 1  # some rows really hold several documents
+    padded = 0
     for group in shard_groups(store):
         on, off = online.get_batch(group), store.get_batch(group)
         assert on.features.dtype == off.features.dtype == torch.bfloat16
@@ -67,11 +68,19 @@ def test_offline_bf16_is_bitwise_the_online_provider(setup, data):
         on_row, off_row = online.row(group[0]), store.row(group[0])  # rows too (positions: collate widens them)
         for name in ("input_ids", "loss_mask", "doc_ids", "features"):
             assert getattr(on_row, name).dtype == getattr(off_row, name).dtype, name
+        alone, n = online.get_batch(group[:1]), int(off.lengths[0])  # an online row is its one-row batch's
+        for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "features", "topk_ids", "topk_logprobs"):
+            assert torch.equal(getattr(on_row, name), getattr(alone, name)[0, :n]), name
+        for name in ("input_ids", "loss_mask", "doc_ids", "position_ids"):  # the prepared row's columns
+            assert getattr(on_row, name).tolist() == ds[group[0]][name], name
         for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "lengths", "features", "topk_ids"):
             assert torch.equal(getattr(on, name), getattr(off, name)), name
         valid = on.doc_ids >= 0
         diff = (on.topk_logprobs[valid] - off.topk_logprobs[valid]).abs().max().item()
         assert diff <= 2 ** -10 * on.topk_logprobs[valid].abs().max().item() + 1e-6  # float16 storage
+        assert torch.equal(on.topk_logprobs[~valid], off.topk_logprobs[~valid])  # padding: -inf, no teacher mass
+        padded += int((~valid).sum())
+    assert data == "packed" or padded > 0  # plain rows of a batch differ in length
 
 
 def test_packed_documents_get_the_features_of_their_own_forward(setup):
@@ -88,6 +97,34 @@ def test_packed_documents_get_the_features_of_their_own_forward(setup):
         assert (solo - r.features[m].float()).abs().max().item() < 0.1
         if d > 0:  # ... and far from what the document would get with the previous one as context
             assert (leaky[m] - r.features[m].float()).abs().max().item() > 1.0
+
+
+def test_packed_documents_get_the_top_k_of_their_own_forward(setup):
+    """Each document of a packed row gets the top-k ids and log-probs of the target run on it alone (a float32
+    target: no rounding apart between batch shapes)."""
+    from data.features import topk_logprobs
+    from models.target import TargetModel
+
+    target = TargetModel.from_pretrained(setup["target_dir"], dtype=torch.float32)
+    ds, _ = load_prepared(setup["root"] / "packed")
+    r = OnlineFeatures(target, LAYERS, ds, topk=4).row(next(i for i in range(len(ds)) if max(ds[i]["doc_ids"]) >= 1))
+    for d in r.doc_ids.unique():
+        m = r.doc_ids == d
+        ids, lps = topk_logprobs(target.forward(r.input_ids[m][None], LAYERS, with_logits=True).logits[0], 4)
+        assert torch.equal(r.topk_ids[m], ids) and (r.topk_logprobs[m] - lps).abs().max().item() < 1e-4
+
+
+def test_the_online_pad_id_is_the_one_given_else_the_tokenizers_else_0(setup):
+    from models.target import TargetModel
+
+    ds, _ = load_prepared(setup["root"] / "plain")
+    target, lengths = setup["target"], ds["num_tokens"]
+    other = next(j for j in range(len(ds)) if lengths[j] != lengths[0])
+    batch = OnlineFeatures(target, LAYERS, ds, pad_id=7).get_batch([0, other])
+    pad = batch.doc_ids < 0
+    assert pad.any() and batch.input_ids[pad].eq(7).all()
+    assert OnlineFeatures(target, LAYERS).pad_id == target.tokenizer.pad_token_id == 256
+    assert OnlineFeatures(TargetModel(target.model), LAYERS).pad_id == 0  # a target without a tokenizer
 
 
 def test_fp8_within_e4m3_bound_and_half_the_bytes(setup):
@@ -218,6 +255,26 @@ def test_extract_cli(setup, tmp_path, capsys):
     assert store.index["tokens"] == line["tokens"] and len(store.index["tokenizer_hash"]) == 16
 
 
+def test_extract_cli_hands_every_flag_on(setup, tmp_path, monkeypatch):
+    """Each flag reaches the target's load or the extraction: one dropped on the way ran with its default."""
+    import data.extract
+    import models.target
+    from data.extract import ExtractReport
+
+    loaded, given = {}, {}
+    monkeypatch.setattr(models.target.TargetModel, "from_pretrained", lambda path, **kw: loaded.update(kw))
+    monkeypatch.setattr(data.extract, "extract", lambda *a, **kw: given.update(kw) or ExtractReport(complete=True))
+    data.extract.main(["--target", str(setup["target_dir"]), "--data", str(setup["root"] / "plain"),
+                       "--out", str(tmp_path / "s"), "--layers", "2", "4", "--dtype", "fp8", "--topk", "8",
+                       "--batch-size", "3", "--writers", "1", "--shard-mb", "0.5", "--force-target", "--no-progress",
+                       "--device-map", "auto", "--max-memory", "cpu=1GiB", "--target-dtype", "float32"])
+    assert loaded == {"dtype": "float32", "device_map": "auto", "max_memory": {"cpu": "1GiB"}}
+    ranks = given.pop("ranks")
+    assert (ranks.rank, ranks.world) == (0, 1)
+    assert given == {"layer_ids": [2, 4], "dtype": "fp8", "topk": 8, "batch_size": 3, "shard_mb": 0.5,
+                     "progress": False, "writers": 1, "force_target": True}
+
+
 def test_fp8_scale_is_per_token_per_tap():
     """One scale per token per tapped layer: a layer of small activations next to one of huge ones (deep layers'
     massive activations) keeps its own scale; one scale per token would crush it into e4m3 subnormals."""
@@ -265,14 +322,15 @@ def test_shard_plan_has_no_empty_range():
 
 def test_every_shard_holds_the_rows_of_its_plan(setup, tmp_path):
     """Rows are computed --batch-size at a time inside a shard: each shard holds its planned rows once."""
-    extract(setup["target"], setup["root"] / "plain", tmp_path / "store", layer_ids=LAYERS, batch_size=1,
-            shard_tokens=SHARD_TOKENS, progress=False)
+    report = extract(setup["target"], setup["root"] / "plain", tmp_path / "store", layer_ids=LAYERS, batch_size=1,
+                     shard_tokens=SHARD_TOKENS, progress=False)
     store = FeatureStore(tmp_path / "store")
     plan = store.index["plan"]
     assert max(b - a for a, b in plan) > 1  # some shard takes more than one batch
     shards = sorted(store.index["shards"].values(), key=lambda s: s["row_start"])
     assert [(s["row_start"], s["rows"]) for s in shards] == [(a, b - a) for a, b in plan]
     assert store.index["tokens_done"] == store.index["tokens"] == sum(s["tokens"] for s in shards)
+    assert report.bytes_written == sum(p.stat().st_size for p in (tmp_path / "store").glob("shard-*.safetensors"))
 
 
 def test_stored_bytes_per_token():
@@ -285,16 +343,67 @@ def test_stored_bytes_per_token():
     assert bytes_per_token(64, 3, "fp8") == 3 * 64 + 3 * 2 + 13
 
 
-def test_prepared_data_of_another_tokenizer_is_refused(setup):
+def test_shard_mb_is_mib_of_stored_bytes(setup, tmp_path):
+    """--shard-mb MiB over the bytes per token is the tokens per shard the plan is cut by."""
+    import json
+
+    from data.extract import bytes_per_token, shard_plan
+
+    per_token = bytes_per_token(setup["target"].hidden_size, len(LAYERS), "bf16")
+    out = tmp_path / "store"
+    extract(setup["target"], setup["root"] / "plain", out, layer_ids=LAYERS, shard_mb=(SHARD_TOKENS + 0.5) * per_token
+            / 2 ** 20, max_shards=0, progress=False)  # the index holds the plan; no shard is needed
+    lengths = load_prepared(setup["root"] / "plain")[0]["num_tokens"]
+    plan = [tuple(r) for r in json.loads((out / "index.json").read_text())["plan"]]
+    assert plan == shard_plan(lengths, SHARD_TOKENS) and max(b - a for a, b in plan) > 1
+
+
+def test_the_index_records_the_default_taps_their_width_and_the_datas_meta(setup, tmp_path):
+    """No layer ids (None or an empty list) are the drafter's default taps; the index records them, the
+    feature width they make and the prepared data's meta."""
+    import json
+
+    from models.config import default_layer_ids
+
+    target = setup["target"]
+    taps = default_layer_ids(target.num_layers)
+    for i, layer_ids in enumerate((None, [])):
+        out = tmp_path / f"store{i}"
+        extract(target, setup["root"] / "plain", out, layer_ids=layer_ids, max_shards=0, progress=False)
+        index = json.loads((out / "index.json").read_text())
+        assert index["layer_ids"] == taps and index["feature_dim"] == len(taps) * target.hidden_size
+        assert index["data_meta"] == load_prepared(setup["root"] / "plain")[1]
+
+
+def test_top_k_may_be_the_whole_vocabulary(tiny_targets, tmp_path):
+    """--topk up to the vocabulary size: every token's log-prob under the target, largest first."""
+    from data.bench import random_data
+
+    target = tiny_targets("qwen3")
+    extract(target, random_data(1, 6, 250), tmp_path / "s", layer_ids=[1], topk=target.vocab_size, progress=False)
+    row = FeatureStore(tmp_path / "s", dtype=torch.float32).row(0)
+    assert sorted(row.topk_ids[0].tolist()) == list(range(target.vocab_size))
+    logits = target.forward(row.input_ids[None], [1], with_logits=True).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, row.topk_ids.long())
+    assert (row.topk_logprobs.float() - expected).abs().max().item() <= 2 ** -10 * expected.abs().max().item()
+    assert bool((row.topk_logprobs.diff(dim=-1) <= 0).all())
+
+
+def test_prepared_data_of_another_tokenizer_is_refused(setup, tmp_path):
     """Token ids mean nothing under another vocabulary or template: loading prepared data with another tokenizer
     fails, naming the tokenizer, instead of training on garbage."""
     from data.reuse import DataMismatch
+    from models.target import TargetModel
     from models.tiny import tiny_tokenizer
 
     ds, meta = load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("chatml"))  # the one it was made with
     assert len(ds) > 0 and len(meta["tokenizer_hash"]) == 16
     with pytest.raises(DataMismatch, match="was tokenized for target .* not for this tokenizer .*re-run data.prepare"):
         load_prepared(setup["root"] / "plain", tokenizer=tiny_tokenizer("llama3"))  # same vocabulary, other template
+    other = TargetModel(setup["target"].model, tiny_tokenizer("llama3"))  # extraction refuses it too, before a write
+    with pytest.raises(DataMismatch, match="not for this tokenizer"):
+        extract(other, setup["root"] / "plain", tmp_path / "s", layer_ids=LAYERS, progress=False)
+    assert not (tmp_path / "s").exists()
 
 
 def test_store_rows_outside_the_store_are_an_index_error(setup):
@@ -342,6 +451,18 @@ def test_shard_headers_are_padded_to_8_bytes(setup):
                 (n,) = struct.unpack("<Q", f.read(8))
                 head = f.read(n)
             assert n % 8 == 0 and head.rstrip(b" ").endswith(b"}"), shard.name
+
+
+def test_top_k_log_probs_are_float32_largest_first_over_any_chunking():
+    """bf16 logits: log_softmax runs in float32 (in bf16 the log-probs are off by ~2^-8 of their size); the k
+    largest come first, the same whichever chunk of positions each one falls in (9 positions in chunks of 4)."""
+    from data.features import topk_logprobs
+
+    logits = (torch.randn(3, 3, 50, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    ids, lps = topk_logprobs(logits, 5, chunk=4)
+    expected, expected_ids = torch.log_softmax(logits.float(), dim=-1).topk(5, dim=-1)
+    assert ids.dtype == torch.int32 and lps.dtype == torch.float32 and ids.shape == lps.shape == (3, 3, 5)
+    assert torch.equal(ids.long(), expected_ids) and (lps - expected).abs().max().item() <= 1e-6
 
 
 def test_collate_pads_every_column_with_its_own_value():

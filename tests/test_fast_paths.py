@@ -456,6 +456,22 @@ def test_writers_count_the_final_drain_apart():
     assert len(written) == 2 and pool.drain_seconds >= 0.15  # both writes were still sleeping at exit
 
 
+def test_writers_hold_at_most_their_count_of_shards():
+    """A full pool makes submit wait for the oldest shard: host memory holds ``threads`` shards, not more."""
+    from data.extract import ShardWriters
+
+    class Writer:
+        def write_shard(self, k, rows):
+            return {"tokens": k, "bytes": 1}
+
+    written = []
+    with ShardWriters(Writer(), 2, written.append) as pool:
+        for k in range(5):
+            pool.submit(k, [], None)
+            assert len(pool.pending) <= 2
+    assert [w["tokens"] for w in written] == [0, 1, 2, 3, 4]
+
+
 def test_extract_report_drain_is_part_of_its_seconds(tiny_targets, tmp_path):
     from data.bench import random_data
     from data.extract import extract

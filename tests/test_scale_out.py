@@ -111,6 +111,94 @@ def test_two_processes_extract_the_same_store_and_a_killed_rank_resumes(prepared
     FeatureStore(two).verify_all()
 
 
+def test_ranks_split_the_missing_shards_read_before_any_is_written_and_only_rank_0_finalises(tiny_targets, tmp_path,
+                                                                                            monkeypatch):
+    """Rank r of w takes every w-th missing shard, as every rank read them before any shard was written: rank 1
+    (a thread here) opening the index as late as rank 0 lets it still takes its share. Rank 0 alone finalises: the
+    store is the one-process store."""
+    import threading
+
+    from data import store_writer
+    from data.bench import random_data
+    from data.extract import Ranks, extract
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    assert [Ranks(r, 3).share([0, 2, 3, 5, 6, 7, 9]) for r in range(3)] == [[0, 5, 9], [2, 6], [3, 7]]
+    assert [Ranks(r, 3).is_main for r in range(3)] == [True, False, False]
+    target, data = tiny_targets("qwen3"), random_data(8, 40, 250)
+    kw = dict(layer_ids=[1, 3], batch_size=2, shard_tokens=80, progress=False)
+    assert extract(target, data, tmp_path / "one", **kw).shards == 4
+
+    meet, seen = threading.Barrier(2, timeout=30), threading.Condition()
+    count = {"rank 0 barriers": 0, "shards written": 0}
+
+    def rank0_barrier():
+        with seen:
+            count["rank 0 barriers"] += 1
+            seen.notify_all()
+        meet.wait()
+
+    write, open_store = store_writer.StoreWriter.write_shard, store_writer.StoreWriter.__init__
+
+    def write_and_count(self, *args, **kwargs):
+        info = write(self, *args, **kwargs)
+        with seen:
+            count["shards written"] += 1
+            seen.notify_all()
+        return info
+
+    def open_late(self, *args, main=True, **kwargs):  # rank 1 reads the index once rank 0 wrote or waits
+        if not main:
+            with seen:
+                seen.wait_for(lambda: count["shards written"] or count["rank 0 barriers"] >= 2, timeout=30)
+        open_store(self, *args, main=main, **kwargs)
+
+    monkeypatch.setattr(store_writer.StoreWriter, "write_shard", write_and_count)
+    monkeypatch.setattr(store_writer.StoreWriter, "__init__", open_late)
+    reports, twin = {}, TargetModel(tiny_target("qwen3", seed=0), tiny_tokenizer("chatml"))  # a target per thread
+    rank1 = threading.Thread(target=lambda: reports.update(
+        {1: extract(twin, data, tmp_path / "two", ranks=Ranks(1, 2, meet.wait), **kw)}))
+    rank1.start()
+    reports[0] = extract(target, data, tmp_path / "two", ranks=Ranks(0, 2, rank0_barrier), **kw)
+    rank1.join()
+    assert [(r.shards_written, r.complete) for r in (reports[0], reports[1])] == [(2, True), (2, None)]
+    assert store_bytes(tmp_path / "two") == store_bytes(tmp_path / "one")
+
+
+def test_one_process_joins_no_process_group(monkeypatch):
+    """No launcher (or a world of one): no process group, and no device preference (--device decides)."""
+    import accelerate
+
+    from data.extract import init_ranks
+
+    monkeypatch.setattr(accelerate, "PartialState", lambda *a, **k: pytest.fail("joined a process group"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for world in (None, "1"):
+        if world:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        ranks, device = init_ranks()
+        assert (ranks.rank, ranks.world, device) == (0, 1, None)
+
+
+def test_only_rank_0_fails_the_command_for_an_unfinished_store(tmp_path, monkeypatch):
+    """Rank 0 finalises the store and knows whether it is complete; another rank's report says None, and that
+    rank ends without an error."""
+    import data.extract
+    from data.extract import ExtractReport, Ranks
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "draftsmith_data.json").write_text("{}")
+    argv = ["--target", "t", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"), "--device", "cpu"]
+    monkeypatch.setattr(data.extract, "init_ranks", lambda: (Ranks(1, 2), None))
+    monkeypatch.setattr(data.extract, "_load_and_extract", lambda *a: ExtractReport(rank=1, world=2))
+    data.extract.main(argv)
+    monkeypatch.setattr(data.extract, "init_ranks", lambda: (Ranks(0, 2), None))
+    monkeypatch.setattr(data.extract, "_load_and_extract", lambda *a: ExtractReport(world=2, complete=False))
+    with pytest.raises(SystemExit, match="extraction stopped early; re-run the same command to resume"):
+        data.extract.main(argv)
+
+
 # ----------------------------------------------------------------------------- target over several devices
 def drafter_loss(target, batch, seed: int = 0) -> torch.Tensor:
     """The training objective on a batch of target features: one seeded drafter, one anchor draw."""
