@@ -2773,6 +2773,16 @@ def test_a_drafter_bound_to_a_smaller_vocabulary_or_fed_narrower_features_is_ref
             drafter(torch.zeros(1, 4, 32), torch.zeros(1, 2, width), torch.arange(6)[None])
 
 
+def test_an_mlx_drafter_fed_features_of_another_width_is_refused(export_drafter):
+    mx = pytest.importorskip("mlx.core")
+    from models.drafter_mlx import DFlashDraftModel
+
+    drafter = DFlashDraftModel.from_pretrained(export_drafter)
+    for width in (64, 128):
+        with pytest.raises(ValueError, match=f"target_hidden has width {width}, expected taps x hidden = 3 x 32"):
+            drafter(mx.zeros((1, 4, 32)), mx.zeros((1, 2, width)), mx.arange(6)[None])
+
+
 def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys):
     from export.hf import main
 
