@@ -119,9 +119,12 @@ def test_block_is_non_causal_and_context_is_injected():
     assert (model(emb, ctx, pos)[0, 0] - base[0, 0]).abs().max() > 1e-3, "context features are not injected"
 
 
-def test_context_after_the_block_start_is_not_seen():
-    """Training layout: the whole sequence is context, a mask hides positions at or after the anchor."""
-    cfg = make_config()
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_context_after_the_block_start_is_not_seen(layers):
+    """Training layout: the whole sequence is context, a mask hides positions at or after the anchor.
+    Sliding layers use the given mask as is (the window here is wider than the row)."""
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64) if layers == "sliding" else {}
+    cfg = make_config(**kw)
     model = random_drafter(cfg)
     emb, feats = inputs(c=12)
     anchor = 6

@@ -148,6 +148,10 @@ def test_unquantized_save_round_trips_without_a_quantization_key(tmp_path):
     assert mm.quantization is None
     mm.save_pretrained(tmp_path / "mlx")
     assert "quantization" not in json.loads((tmp_path / "mlx" / "config.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "mlx" / "model.safetensors"), "np") as f:  # loaders check the format tag
+        assert f.metadata() == {"format": "mlx"}
     again = DFlashDraftModel.from_pretrained(tmp_path / "mlx")
     from mlx.utils import tree_flatten
 
@@ -244,6 +248,12 @@ def test_quantized_mlx_export_round_trips(tmp_path, bits, group_size):
     assert np.array_equal(out["loaded"], out["quant"])  # bit-exact reload
     rel = np.abs(out["quant"] - out["full"]).max() / np.abs(out["full"]).max()
     assert rel < (0.25 if bits == 4 else 0.05), f"{bits}-bit draft logits moved by {rel:.3f} of their range"
+
+
+def test_quantize_defaults_to_4_bit_groups_of_64():
+    mm = DFlashDraftModel(_config()).quantize()
+    assert mm.quantization == {"bits": 4, "group_size": 64, "mode": "affine"}
+    assert (mm.fc.bits, mm.fc.group_size) == (4, 64)
 
 
 def test_quantized_weights_without_quantization_key_are_explained(tmp_path):
