@@ -211,6 +211,41 @@ def test_bf16_folder_keeps_bf16_by_default(tmp_path):
     assert DFlashDraftModel.from_pretrained(folder).dtype == mx.bfloat16
 
 
+def test_without_a_dtype_name_the_norm_weights_set_the_compute_dtype(tmp_path):
+    """A folder whose config names no dtype ("auto") and keeps the norms in fp32 next to bf16 linears (as
+    some exports do; a quantized one holds uint32 weights) computes in the norms' dtype."""
+    config = _config()
+    state = _torch_drafter(config).state_dict()
+    state = {k: v if k.endswith("norm.weight") else v.bfloat16() for k, v in state.items()}
+    folder = _write_folder(tmp_path / "d", {**config.to_dict(), "torch_dtype": "auto"}, state)
+    assert DFlashDraftModel.from_pretrained(folder).dtype == mx.float32
+
+
+def test_a_float16_config_loads_in_float16_in_eval_mode_with_the_torch_parameter_count(tmp_path):
+    config = _config(torch_dtype="float16")  # over fp32 tensors: the config's dtype name decides
+    tm = _torch_drafter(config)
+    folder = _write_folder(tmp_path / "d", config.to_dict(), tm.state_dict())
+    mm = DFlashDraftModel.from_pretrained(folder)
+    assert mm.dtype == mx.float16 and not mm.training
+    assert mm.num_parameters == tm.num_parameters
+
+
+def test_sharded_folder_loads_every_shard_and_a_truncated_one_is_named(tmp_path):
+    from mlx.utils import tree_flatten
+
+    tm = _torch_drafter(_config())
+    tm.save_pretrained(tmp_path / "s", max_shard_size=40_000)
+    assert len(list((tmp_path / "s").glob("*.safetensors"))) > 1
+    loaded = dict(tree_flatten(DFlashDraftModel.from_pretrained(tmp_path / "s").parameters()))
+    assert loaded.keys() == tm.state_dict().keys()
+    assert all(np.array_equal(np.array(loaded[k]), v.numpy()) for k, v in tm.state_dict().items())
+    tm.save_pretrained(tmp_path / "t")
+    path = tmp_path / "t" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt or truncated .*re-download or re-export"):
+        DFlashDraftModel.from_pretrained(tmp_path / "t")
+
+
 def test_mismatched_weights_are_named(tmp_path):
     config = _config()
     state = _torch_drafter(config).state_dict()
