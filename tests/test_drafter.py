@@ -246,23 +246,19 @@ def test_compile_layers_compiles_each_decoder_layer(monkeypatch):
     assert_close(model(emb, feats, pos), eager, atol=0, what="compiled layers")
 
 
-def test_gradient_checkpointing_applies_only_in_training_mode():
+def test_gradient_checkpointing_applies_only_in_training_mode(monkeypatch):
     """An eval forward with gradients on (the simulated-acceptance eval) keeps activations: no recompute."""
     import models.drafter
 
     model = random_drafter(make_config())
     model.gradient_checkpointing = True
     emb, feats = inputs()
-    calls = []
-    real = models.drafter.checkpoint
-    models.drafter.checkpoint = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
-    try:
-        model.eval()(emb, feats, torch.arange(15)[None])
-        assert calls == []
-        model.train()(emb, feats, torch.arange(15)[None])
-        assert len(calls) == 2
-    finally:
-        models.drafter.checkpoint = real
+    calls, real = [], models.drafter.checkpoint
+    monkeypatch.setattr(models.drafter, "checkpoint", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    model.eval()(emb, feats, torch.arange(15)[None])
+    assert calls == []
+    model.train()(emb, feats, torch.arange(15)[None])
+    assert len(calls) == 2  # one per layer
 
 
 @pytest.mark.parametrize("head_dim", [8, 16])
