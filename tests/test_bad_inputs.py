@@ -2738,6 +2738,51 @@ def test_a_quantized_mlx_drafter_on_the_torch_backend_says_to_use_mlx(tmp_path, 
         DFlashDraftModel.from_pretrained(tmp_path / "q4")
 
 
+def test_a_drafter_folder_with_an_extra_tensor_names_it(tmp_path, export_drafter):
+    """A tensor the config does not account for (a layer more than num_hidden_layers) is named, not loaded
+    around or reported as a bare state-dict error."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from models.drafter import DFlashDraftModel
+
+    folder = Path(shutil.copytree(export_drafter, tmp_path / "d"))
+    state = load_file(str(folder / "model.safetensors"))
+    state["layers.1.mlp.up_proj.weight"] = torch.zeros(64, 32)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['layers.1.mlp.up_proj.weight'\].*"
+                                         "fix config.json \\(num_hidden_layers"):
+        DFlashDraftModel.from_pretrained(folder)
+
+
+def test_a_drafter_bound_to_a_smaller_vocabulary_or_fed_narrower_features_is_refused(export_drafter):
+    """Both come from pairing the drafter with another target; a smaller embedding or narrower features
+    failed deep inside a matmul (or drafted ids the target does not have)."""
+    import torch
+
+    from models.drafter import DFlashDraftModel
+
+    drafter = DFlashDraftModel.from_pretrained(export_drafter)
+    with pytest.raises(ValueError, match="target embedding has 299 rows but the drafter's vocab_size is 300"):
+        drafter.bind_target(torch.nn.Embedding(299, 32), torch.nn.Linear(32, 299, bias=False))
+    drafter.bind_target(torch.nn.Embedding(300, 32), torch.nn.Linear(32, 300, bias=False))
+    for width in (64, 128):
+        with pytest.raises(ValueError, match=f"target_hidden has width {width}, expected taps x hidden = 3 x 32"):
+            drafter(torch.zeros(1, 4, 32), torch.zeros(1, 2, width), torch.arange(6)[None])
+
+
+def test_an_mlx_drafter_fed_features_of_another_width_is_refused(export_drafter):
+    mx = pytest.importorskip("mlx.core")
+    from models.drafter_mlx import DFlashDraftModel
+
+    drafter = DFlashDraftModel.from_pretrained(export_drafter)
+    for width in (64, 128):
+        with pytest.raises(ValueError, match=f"target_hidden has width {width}, expected taps x hidden = 3 x 32"):
+            drafter(mx.zeros((1, 4, 32)), mx.zeros((1, 2, width)), mx.arange(6)[None])
+
+
 def test_export_bad_dtype_is_an_argparse_error(tmp_path, export_drafter, capsys):
     from export.hf import main
 

@@ -119,9 +119,12 @@ def test_block_is_non_causal_and_context_is_injected():
     assert (model(emb, ctx, pos)[0, 0] - base[0, 0]).abs().max() > 1e-3, "context features are not injected"
 
 
-def test_context_after_the_block_start_is_not_seen():
-    """Training layout: the whole sequence is context, a mask hides positions at or after the anchor."""
-    cfg = make_config()
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_context_after_the_block_start_is_not_seen(layers):
+    """Training layout: the whole sequence is context, a mask hides positions at or after the anchor.
+    Sliding layers use the given mask as is (the window here is wider than the row)."""
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64) if layers == "sliding" else {}
+    cfg = make_config(**kw)
     model = random_drafter(cfg)
     emb, feats = inputs(c=12)
     anchor = 6
@@ -169,6 +172,113 @@ def test_draft_cache_keeps_every_position_when_it_grows():
     step = model(emb, feats[:, 250:], torch.arange(250, 308)[None], cache=cache)
     assert cache.lengths() == [300, 300]
     assert_close(step, model(emb, feats, torch.arange(308)[None]), atol=1e-5, what="grown cache vs full context")
+
+
+def test_draft_cache_grows_only_when_full_and_lengths_are_a_snapshot():
+    """Filling the storage exactly to a step leaves it as it is (growing one position early would double
+    a long prompt's cache), and ``lengths()`` is a copy a later append does not change."""
+    cache = DraftCache(1)
+    cache.append(0, torch.zeros(1, 2, 250, 4), torch.zeros(1, 2, 250, 4))
+    before, storage = cache.lengths(), cache.keys[0]
+    cache.append(0, torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4))
+    assert cache.keys[0] is storage and cache.lengths() == [256]  # written in place, not copied
+    assert before == [250]
+    cache.append(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    assert cache.keys[0].shape[-2] == 512 and len(cache) == 257
+
+
+def test_norm_accumulates_in_float32():
+    """fp16 activations of a few hundred square past fp16's range (65504): the norm must still scale them to
+    unit RMS instead of dividing by infinity."""
+    from models.drafter import RMSNorm
+
+    x = torch.full((1, 2, 8), 300.0, dtype=torch.float16)
+    x[0, 1] = -500.0
+    out = RMSNorm(8).half()(x)
+    assert out.dtype == torch.float16
+    assert_close(out, torch.tensor([[[1.0] * 8, [-1.0] * 8]]), atol=1e-3, what="fp16 norm of large values")
+
+
+def test_bf16_drafter_runs_in_bf16_and_matches_fp32():
+    """RoPE tables follow the activations' dtype: a bf16 drafter's queries and keys stay bf16."""
+    model = random_drafter(make_config())
+    emb, feats = inputs()
+    pos = torch.arange(15)[None]
+    full = model(emb, feats, pos)
+    half = model.to(torch.bfloat16)(emb.bfloat16(), feats.bfloat16(), pos)
+    assert half.dtype == torch.bfloat16
+    assert_close(half, full, atol=0.15, what="bf16 vs fp32 drafter")
+
+
+def test_rows_of_a_batch_are_drafted_independently_with_sliding_layers():
+    """The inference sliding mask is per row (``[b, 1, q, k]``): two rows at once give each row's own result."""
+    cfg = make_config(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    model = random_drafter(cfg)
+    (e1, f1), (e2, f2) = inputs(seed=1), inputs(seed=2)
+    pos = torch.arange(15)[None]
+    both = model(torch.cat([e1, e2]), torch.cat([f1, f2]), pos.expand(2, -1))
+    assert_close(both[:1], model(e1, f1, pos), atol=1e-5, what="row 0 of a batch")
+    assert_close(both[1:], model(e2, f2, pos), atol=1e-5, what="row 1 of a batch")
+
+
+def test_init_weights_draws_linears_at_the_given_std_and_keeps_norms_at_one():
+    cfg = make_config()
+    for std in (0.02, 0.1):
+        torch.manual_seed(0)
+        model = DFlashDraftModel(cfg).init_weights(std) if std != 0.02 else DFlashDraftModel(cfg).init_weights()
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                assert torch.equal(p, torch.ones_like(p)), name
+            else:
+                assert abs(p.std().item() / std - 1) < 0.1 and abs(p.mean().item()) < std / 5, name
+
+
+def test_compile_layers_compiles_each_decoder_layer(monkeypatch):
+    """Each layer, not the model (gradient checkpointing wraps layers); the forward is unchanged."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **kw: compiled.append(fn) or fn)
+    model = random_drafter(make_config())
+    emb, feats = inputs()
+    pos = torch.arange(15)[None]
+    eager = model(emb, feats, pos)
+    assert model.compile_layers() is model
+    assert [fn.__self__ for fn in compiled] == list(model.layers)
+    assert_close(model(emb, feats, pos), eager, atol=0, what="compiled layers")
+
+
+def test_gradient_checkpointing_applies_only_in_training_mode(monkeypatch):
+    """An eval forward with gradients on (the simulated-acceptance eval) keeps activations: no recompute."""
+    import models.drafter
+
+    model = random_drafter(make_config())
+    model.gradient_checkpointing = True
+    emb, feats = inputs()
+    calls, real = [], models.drafter.checkpoint
+    monkeypatch.setattr(models.drafter, "checkpoint", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    model.eval()(emb, feats, torch.arange(15)[None])
+    assert calls == []
+    model.train()(emb, feats, torch.arange(15)[None])
+    assert len(calls) == 2  # one per layer
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_flex_attention_off_cuda_runs_eager_with_grouped_heads(monkeypatch, head_dim):
+    """Off CUDA the BlockMask path runs flex attention eagerly (no compiled kernel), with 4 query heads
+    sharing 2 key/value heads, and equals SDPA under the same dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import models.drafter
+    from models.drafter import attend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, head_dim, generator=g)
+    k, v = torch.randn(1, 2, 20, head_dim, generator=g), torch.randn(1, 2, 20, head_dim, generator=g)
+    keep = lambda b, h, qi, ki: (ki < 6) | (ki >= 12)  # noqa: E731  (context before the anchor, then the block)
+    block_mask = create_block_mask(keep, None, None, 8, 20, device="cpu")
+    dense = keep(0, 0, torch.arange(8)[:, None], torch.arange(20)[None])[None, None]
+    monkeypatch.setattr(models.drafter, "_COMPILED_FLEX", None)
+    assert_close(attend(q, k, v, block_mask), attend(q, k, v, dense), atol=1e-5, what="flex vs dense attention")
+    assert models.drafter._COMPILED_FLEX is None, "flex attention compiled off CUDA"
 
 
 @pytest.mark.parametrize("mode", ["bidirectional", "causal"])
@@ -221,6 +331,20 @@ def test_bf16_folder_loads_in_its_dtype(tmp_path):
     again = DFlashDraftModel.from_pretrained(tmp_path)
     assert again.fc.weight.dtype == torch.bfloat16
     assert torch.equal(again.fc.weight, model.fc.weight.to(torch.bfloat16))
+
+
+def test_load_dtype_is_the_argument_then_config_then_the_tensors(tmp_path):
+    model = random_drafter(make_config())
+    model.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float16).fc.weight.dtype == torch.float16
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"  # bf16 tensors in a folder whose config says float32
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert DFlashDraftModel.from_pretrained(tmp_path).fc.weight.dtype == torch.float32
+    cfg["torch_dtype"] = "auto"  # no dtype name: the tensors' own
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    again = DFlashDraftModel.from_pretrained(tmp_path)
+    assert again.fc.weight.dtype == torch.bfloat16 and not again.training
 
 
 def test_missing_tensor_is_an_error_listing_it(tmp_path):

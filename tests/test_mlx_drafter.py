@@ -92,6 +92,73 @@ def test_torch_and_mlx_drafter_logits_match(tmp_path, variant):
         assert_close(lm, lt, 1e-4, f"draft logits, cycle {k}")
 
 
+def test_positions_past_fp16_range_match_the_torch_drafter(tmp_path):
+    """Positions past 2048 are not whole numbers in fp16: RoPE angles must come from float32 positions."""
+    config = _config()
+    tm = _torch_drafter(config)
+    tm.save_pretrained(tmp_path)
+    mm = DFlashDraftModel.from_pretrained(tmp_path)
+    _bind_pair(tm, mm)
+    torch.manual_seed(3)
+    feats = torch.randn(1, 5, config.fc_in_features)
+    block = torch.tensor([[17] + [config.mask_token_id] * (config.block_size - 1)])
+    pos = torch.arange(5001, 5001 + 5 + config.block_size)[None]
+    lt = tm.draft(block, feats, pos)
+    lm = mm.draft(mx.array(block.numpy()), mx.array(feats.numpy()), mx.array(pos.numpy()))
+    assert_close(np.array(lm), lt, 1e-4, "draft logits at positions 5001..")
+
+
+def _loaded_pair(tmp_path, **kw):
+    tm = _torch_drafter(_config(**kw))
+    tm.save_pretrained(tmp_path / "hf")
+    return tm, DFlashDraftModel.from_pretrained(tmp_path / "hf")
+
+
+def test_a_given_mask_is_used_as_is_by_sliding_layers_too(tmp_path):
+    """Training layout (the whole row as context, the block at an anchor inside it): a boolean mask, or a
+    dict of masks by layer type, replaces the inference sliding mask, so context from the anchor on is
+    unseen, as if the context stopped there."""
+    # A window wider than the row, so the truncated run's own sliding mask hides nothing either.
+    _, mm = _loaded_pair(tmp_path, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    feats = mx.random.normal((1, 12, mm.config.fc_in_features), key=mx.random.key(1))
+    emb = mx.random.normal((1, 8, H), key=mx.random.key(2))
+    anchor = 6
+    pos = mx.concatenate([mx.arange(12), mx.arange(anchor, anchor + 8)])[None]
+    mask = mx.concatenate([mx.arange(12) < anchor, mx.ones((8,), dtype=mx.bool_)])
+    mask = mx.broadcast_to(mask[None, None, None], (1, 1, 8, 20))
+    short = mm(emb, feats[:, :anchor], mx.arange(anchor + 8)[None])
+    for given in (mask, {"full_attention": mask, "sliding_attention": mask}):
+        assert_close(np.array(mm(emb, feats, pos, attention_mask=given)), np.array(short), 1e-5, "masked vs truncated")
+
+
+def test_bf16_drafter_runs_in_bf16_and_matches_fp32(tmp_path):
+    """RoPE tables follow the activations' dtype: a bf16 drafter's queries and keys stay bf16."""
+    _, full = _loaded_pair(tmp_path)
+    half = DFlashDraftModel.from_pretrained(tmp_path / "hf", dtype=mx.bfloat16)
+    feats = mx.random.normal((1, 5, full.config.fc_in_features), key=mx.random.key(1))
+    emb = mx.random.normal((1, 8, H), key=mx.random.key(2))
+    pos = mx.arange(13)[None]
+    out = half(emb.astype(mx.bfloat16), feats.astype(mx.bfloat16), pos)
+    assert out.dtype == mx.bfloat16
+    assert_close(np.array(out.astype(mx.float32)), np.array(full(emb, feats, pos)), 0.15, "bf16 vs fp32 drafter")
+
+
+def test_unquantized_save_round_trips_without_a_quantization_key(tmp_path):
+    _, mm = _loaded_pair(tmp_path)
+    assert mm.quantization is None
+    mm.save_pretrained(tmp_path / "mlx")
+    assert "quantization" not in json.loads((tmp_path / "mlx" / "config.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "mlx" / "model.safetensors"), "np") as f:  # loaders check the format tag
+        assert f.metadata() == {"format": "mlx"}
+    again = DFlashDraftModel.from_pretrained(tmp_path / "mlx")
+    from mlx.utils import tree_flatten
+
+    mine, theirs = dict(tree_flatten(mm.parameters())), dict(tree_flatten(again.parameters()))
+    assert mine.keys() == theirs.keys() and all(mx.array_equal(v, theirs[k]).item() for k, v in mine.items())
+
+
 def test_mirrors_the_torch_names_and_keys():
     from mlx.utils import tree_flatten
 
@@ -144,6 +211,41 @@ def test_bf16_folder_keeps_bf16_by_default(tmp_path):
     assert DFlashDraftModel.from_pretrained(folder).dtype == mx.bfloat16
 
 
+def test_without_a_dtype_name_the_norm_weights_set_the_compute_dtype(tmp_path):
+    """A folder whose config names no dtype ("auto") and keeps the norms in fp32 next to bf16 linears (as
+    some exports do; a quantized one holds uint32 weights) computes in the norms' dtype."""
+    config = _config()
+    state = _torch_drafter(config).state_dict()
+    state = {k: v if k.endswith("norm.weight") else v.bfloat16() for k, v in state.items()}
+    folder = _write_folder(tmp_path / "d", {**config.to_dict(), "torch_dtype": "auto"}, state)
+    assert DFlashDraftModel.from_pretrained(folder).dtype == mx.float32
+
+
+def test_a_float16_config_loads_in_float16_in_eval_mode_with_the_torch_parameter_count(tmp_path):
+    config = _config(torch_dtype="float16")  # over fp32 tensors: the config's dtype name decides
+    tm = _torch_drafter(config)
+    folder = _write_folder(tmp_path / "d", config.to_dict(), tm.state_dict())
+    mm = DFlashDraftModel.from_pretrained(folder)
+    assert mm.dtype == mx.float16 and not mm.training
+    assert mm.num_parameters == tm.num_parameters
+
+
+def test_sharded_folder_loads_every_shard_and_a_truncated_one_is_named(tmp_path):
+    from mlx.utils import tree_flatten
+
+    tm = _torch_drafter(_config())
+    tm.save_pretrained(tmp_path / "s", max_shard_size=40_000)
+    assert len(list((tmp_path / "s").glob("*.safetensors"))) > 1
+    loaded = dict(tree_flatten(DFlashDraftModel.from_pretrained(tmp_path / "s").parameters()))
+    assert loaded.keys() == tm.state_dict().keys()
+    assert all(np.array_equal(np.array(loaded[k]), v.numpy()) for k, v in tm.state_dict().items())
+    tm.save_pretrained(tmp_path / "t")
+    path = tmp_path / "t" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt or truncated .*re-download or re-export"):
+        DFlashDraftModel.from_pretrained(tmp_path / "t")
+
+
 def test_mismatched_weights_are_named(tmp_path):
     config = _config()
     state = _torch_drafter(config).state_dict()
@@ -181,6 +283,12 @@ def test_quantized_mlx_export_round_trips(tmp_path, bits, group_size):
     assert np.array_equal(out["loaded"], out["quant"])  # bit-exact reload
     rel = np.abs(out["quant"] - out["full"]).max() / np.abs(out["full"]).max()
     assert rel < (0.25 if bits == 4 else 0.05), f"{bits}-bit draft logits moved by {rel:.3f} of their range"
+
+
+def test_quantize_defaults_to_4_bit_groups_of_64():
+    mm = DFlashDraftModel(_config()).quantize()
+    assert mm.quantization == {"bits": 4, "group_size": 64, "mode": "affine"}
+    assert (mm.fc.bits, mm.fc.group_size) == (4, 64)
 
 
 def test_quantized_weights_without_quantization_key_are_explained(tmp_path):
