@@ -388,6 +388,20 @@ def test_static_budget_caps_new_tokens_at_the_targets_positions_only_on_the_stat
         assert budget(4, 37) == 37
 
 
+def test_a_baseline_run_on_its_own_is_capped_at_the_targets_positions_too():
+    """validate calls Session.baseline directly (not through run, which caps the budget first)."""
+    from types import SimpleNamespace
+
+    from inference.generate import Session
+
+    session, sized = _static_session(), []
+    session._static_budget = lambda *a: Session._static_budget(session, *a)
+    session._static_loop = lambda prompt, max_new_tokens, block_size: sized.append(max_new_tokens)  # None: eager
+    session.loop = SimpleNamespace(target_generate=lambda target, prompt, **kw: kw)
+    assert Session.baseline(session, [1] * 4, max_new_tokens=10**9, seed=3) == {"max_new_tokens": 36, "seed": 3}
+    assert sized == [36]
+
+
 def test_static_loop_is_sized_for_the_call_and_rebuilt_only_when_a_call_needs_more(monkeypatch):
     """Buffers for prompt + new tokens + two blocks of slack, in steps of 1024 from 4096; a call that fits
     reuses them (a rebuild captures the CUDA graphs again); the compiled loop is built compiled."""
@@ -429,7 +443,9 @@ def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off
     def drafter(sliding):
         return SimpleNamespace(config=SimpleNamespace(use_sliding_window=sliding))
 
+    assert pick_torch_loop("auto", target("cuda"), drafter(False)) == "static"
     assert pick_torch_loop("compiled", target("cuda"), drafter(False)) == "compiled"
+    assert pick_torch_loop("static", target("cuda", hybrid=True), drafter(False)) == "static"  # asked for: runs
     assert pick_torch_loop("auto", target("cuda"), drafter(True)) == "eager"
     with pytest.raises(StaticLoopUnsupported, match="this drafter has sliding-window layers: use --loop eager"):
         pick_torch_loop("static", target("cuda"), drafter(True))
@@ -466,3 +482,45 @@ def test_a_target_without_a_tokenizer_prints_the_token_ids(folders, tmp_path, ca
     report = main(["--backend", "torch", "--target", str(bare), "--draft", draft, "--prompt-ids", "257,72,73,198",
                    "--max-new-tokens", "4"])
     assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, report["tokens"]))
+
+
+@pytest.mark.parametrize("device, dtype, expected", [(None, None, torch.bfloat16), ("cuda:0", None, torch.bfloat16),
+                                                     ("cpu", None, torch.float32), ("cpu", "bf16", torch.bfloat16)])
+def test_session_loads_both_models_in_bfloat16_on_cuda_float32_on_cpu_or_the_dtype_asked(monkeypatch, device, dtype,
+                                                                                          expected):
+    """Only what the loads are asked for: no weights load and no GPU is used."""
+    from types import SimpleNamespace
+
+    import inference.generate
+    import inference.torch_loop
+    from inference.generate import Session
+
+    loaded = []
+
+    def from_pretrained(path, dtype=None, device=None):
+        loaded.append((path, dtype, device))
+        return SimpleNamespace(tokenizer=None)
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(inference.generate, "check_device", lambda device: None)  # there is no GPU to check
+    monkeypatch.setattr(inference.generate, "pick_torch_loop", lambda *a: "eager")
+    monkeypatch.setattr(inference.torch_loop, "DrafterProposer", lambda drafter, target: None)
+    Session("torch", "t", "d", device=device, dtype=dtype)
+    on = device or "cuda"
+    assert loaded == [("t", expected, on), ("d", expected, on)]
+
+
+def test_no_speed_is_printed_for_a_run_that_decoded_no_token(folders, monkeypatch, capsys):
+    """The first cycle drew EOS: a decode step ran (its seconds count) but gave no token, so the speed is "-",
+    not 0.0 tok/s."""
+    from inference.generate import Session
+    from inference.stats import GenerationResult
+
+    eos_first = GenerationResult(tokens=[72], acceptance_lengths=[0], position_accepts=[0] * 7, block_size=8,
+                                 decode_s=0.01, stop_reason="eos")
+    monkeypatch.setattr(Session, "run", lambda self, prompt, **kw: (eos_first, None))
+    target, draft = folders
+    main(["--backend", "torch", "--target", target, "--draft", draft, "--prompt-ids", "257,72"])
+    assert "1 tokens | tau 0.00 | decode - tok/s" in capsys.readouterr().err
