@@ -557,7 +557,7 @@ def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_m
 
     prompts = [SimpleNamespace(id=f"p{i}", category="x") for i in range(3)]
     ids = [[10], [11], [12]]
-    session = StubSession([10, 30, 20, 5], [100, 300, 200, 50])
+    session = StubSession([10, 30, 20, 5], [100, 300, 4, 3])  # the third prompt: DFlash below the baseline
     earlier = measure(StubSession([7], [70]), ids[:1], prompts[:1], progress=False)[0][0]
     done = {0: (earlier, {"peak_memory_bytes": 70, "baseline_peak_memory_bytes": 7})}
     recorded, bars = [], []
@@ -572,7 +572,7 @@ def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_m
         [(2, 0.5, 9)] + [(None, 0.5, 9), (2, 0.5, 9)] * 4)
     assert peaks == {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}
     assert recorded == [(1, {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}),
-                        (2, {"peak_memory_bytes": 200, "baseline_peak_memory_bytes": 20})]
+                        (2, {"peak_memory_bytes": 4, "baseline_peak_memory_bytes": 20})]
     assert session.calls[0] == ("warm-up", 11, WARMUP_TOKENS)
     assert [c[0] for c in session.calls[1:]] == ["baseline", "dflash"] * 4 and runs[0] is earlier
     idle = StubSession([], [])
