@@ -653,9 +653,11 @@ def test_a_run_reports_the_settings_it_measured_with(setup, tmp_path, monkeypatc
                                    drafter=SimpleNamespace(**{**vars(pre.drafter),
                                                               "quantization": {"bits": 8, "group_size": 32}}))
 
-    generations, keyed, warned = [], [], []
+    generations, keyed, warned, sources = [], [], [], []
     real_run, real_base, real_key, real_warn = Session.run, Session.baseline, partial.settings_key, \
         inference.validate.warn_if_too_long
+    monkeypatch.setattr(inference.validate, "load_prompts",
+                        lambda spec, **kw: sources.append(kw) or load_prompts(spec, n=kw["n"]))  # (Hub-only flags)
     monkeypatch.setattr(Session, "run", lambda self, *a, **kw: generations.append(kw) or real_run(self, *a, **kw))
     monkeypatch.setattr(Session, "baseline",
                         lambda self, *a, **kw: generations.append(kw) or real_base(self, *a, **kw))
@@ -668,7 +670,9 @@ def test_a_run_reports_the_settings_it_measured_with(setup, tmp_path, monkeypatc
     monkeypatch.chdir(setup["root"])
     report = main(["--backend", "torch", "--target", "target/", "--draft", setup["draft"], "--prompts",
                    setup["prompts"], "--n", "1", "--max-new-tokens", "6", "--block-size", "4", "--thinking", "on",
-                   "--temperature", "0.5", "--seed", "7", "--out", str(tmp_path / "val"), "--no-progress"])
+                   "--temperature", "0.5", "--seed", "7", "--out", str(tmp_path / "val"), "--no-progress",
+                   "--split", "validation", "--subset", "main"])
+    assert sources == [{"n": 1, "split": "validation", "subset": "main"}]
     assert {(kw.get("block_size", 4), kw["temperature"], kw["seed"]) for kw in generations} == {(4, 0.5, 7)}
     assert sum("block_size" in kw for kw in generations) == 1 + 2  # the warm-up and DFlash on the two prompts
     assert (report["block_size"], report["trained_block_size"], report["seed"], report["thinking"]) == (4, 8, 7, "on")
