@@ -2016,6 +2016,9 @@ def test_unknown_dtype(infer_dirs):
         extra = ("--prompt-ids", "1") if run is _generate else ()
         with pytest.raises(ValueError, match="--dtype 'float64' .* use one of float32, bfloat16, float16"):
             run(infer_dirs, *extra, "--dtype", "float64")
+        # before the folders are read (a Hub id would be fetched first)
+        with pytest.raises(ValueError, match="--dtype 'float64' .* use one of float32, bfloat16, float16"):
+            run(infer_dirs, *extra, "--dtype", "float64", target="/no/such/target", draft="/no/such/drafter")
 
 
 def test_compare_needs_reports(infer_dirs, capsys):
