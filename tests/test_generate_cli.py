@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_drafter_config
 from inference.generate import main
 from models.drafter import DFlashDraftModel
-from models.target import TargetModel
+from models.target import TargetModel, load_tokenizer
 from models.tiny import save_tiny_target
 
 
@@ -56,6 +56,7 @@ def test_chat_prompt_text_and_smaller_block(folders, capsys):
     out = capsys.readouterr()
     assert "tau" in out.err and "tok/s" in out.err
     assert report["block_size"] == 4 and max(report["acceptance_lengths"] or [1]) <= 4
+    assert out.out == load_tokenizer(target).decode(report["tokens"]) + "\n"  # the text, not the token ids
 
 
 def test_mlx_backend_gives_the_torch_tokens(folders, capsys):
