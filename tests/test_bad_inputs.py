@@ -2016,6 +2016,9 @@ def test_unknown_dtype(infer_dirs):
         extra = ("--prompt-ids", "1") if run is _generate else ()
         with pytest.raises(ValueError, match="--dtype 'float64' .* use one of float32, bfloat16, float16"):
             run(infer_dirs, *extra, "--dtype", "float64")
+        # before the folders are read (a Hub id would be fetched first)
+        with pytest.raises(ValueError, match="--dtype 'float64' .* use one of float32, bfloat16, float16"):
+            run(infer_dirs, *extra, "--dtype", "float64", target="/no/such/target", draft="/no/such/drafter")
 
 
 def test_compare_needs_reports(infer_dirs, capsys):
@@ -2140,6 +2143,9 @@ def test_generate_prompt_that_is_not_utf8(infer_dirs, capsys):
     with pytest.raises(SystemExit):
         _generate(infer_dirs, "--prompt", "caf\udce9")
     assert "--prompt is not UTF-8 text (an undecodable byte at character 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the text around the byte, from the start when it is near the start
+        _generate(infer_dirs, "--prompt", "caf\udce9 au lait, merci beaucoup")
+    assert "character 3: 'caf\\udce9 au lait,')" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("which", ["target", "draft"])
@@ -2203,6 +2209,11 @@ def test_compare_given_a_json_list_or_a_report_folder(tmp_path, monkeypatch, cap
     monkeypatch.setattr(inference.validate, "write_plot", lambda *a: None)
     rows = main(["--compare", str(tmp_path / "bf16"), str(tmp_path / "q4"), "--out", str(tmp_path / "cmp")])["rows"]
     assert rows[0] == ["metric", "bf16", "q4", "q4/bf16"]
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")  # a file that is not text at all
+    with pytest.raises(ValueError, match="--compare .*plot.png is not valid JSON"):
+        main(["--compare", str(tmp_path / "plot.png"), str(tmp_path / "q4"), "--out", str(tmp_path / "cmp")])
+    with pytest.raises(FileNotFoundError, match="--compare .*nope.json: no such file"):
+        main(["--compare", str(tmp_path / "nope.json"), str(tmp_path / "q4"), "--out", str(tmp_path / "cmp")])
 
 
 # ---------------------------------------------------------------- export and push (export/)
@@ -2451,9 +2462,14 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(tmp_path,
     # one token comes from the prefill: tau and speeds were reported as 0 (undefined)
     ("validate", ["--target", "t", "--draft", "d", "--max-new-tokens", "1"], "validate needs at least 2"),
     ("validate", ["--target", "t", "--draft", "d", "--repeats", "0"], "--repeats must be at least 1"),
+    ("validate", ["--target", "t"], "give --target and --draft (or --compare A.json B.json ...)"),
     # "the prompt is empty" once the target had loaded; with --chat, an empty user turn was generated from
     ("generate", ["--target", "t", "--draft", "d", "--prompt", ""], "--prompt is empty: give the text"),
     ("generate", ["--target", "t", "--draft", "d", "--prompt", "  ", "--chat"], "--prompt is empty: give the text"),
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", "hi", "--max-new-tokens", "0"],
+     "--max-new-tokens must be at least 1"),
+    ("generate", ["--target", "t", "--draft", "d", "--prompt", "hi", "--temperature", "inf"],
+     "--temperature inf: use 0 for greedy"),
 ])
 def test_generate_and_validate_flags_refused_before_any_model_loads(module, argv, said, tmp_path, capsys):
     """A negative seed was a TypeError from MLX's random key after the models loaded; --out naming a file
@@ -2622,6 +2638,8 @@ def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
     assert "1 of 2 prompts plus --max-new-tokens 64 run past the target's 4096 positions" in capsys.readouterr().err
     assert warn_if_too_long([[1] * 100], 64, 4096) == 0 and capsys.readouterr().err == ""
     assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
+    assert warn_if_too_long([[1] * 4100, [1] * 5000, [1] * 10], 64, 4096) == 2
+    assert "2 of 3 prompts" in (err := capsys.readouterr().err) and "(longest prompt 5000 tokens)" in err
 
 
 def test_generate_warns_of_a_prompt_past_the_targets_positions(tmp_path, capsys):
@@ -2637,6 +2655,7 @@ def test_generate_warns_of_a_prompt_past_the_targets_positions(tmp_path, capsys)
     assert "shorten the prompt to under 4096 tokens" in err
     assert warn_past_positions(4000, 200, 4096) and "lower --max-new-tokens to 96" in capsys.readouterr().err
     assert not warn_past_positions(4032, 64, 4096) and capsys.readouterr().err == ""  # fills it exactly
+    assert warn_past_positions(4096, 1, 4096) and "shorten the prompt to under 4096 tokens" in capsys.readouterr().err
 
 
 def _without_chat_template(folder, out):
@@ -5272,6 +5291,8 @@ def test_validate_resume_takes_the_same_folder_spelled_another_way_and_names_wha
     (tmp_path / "p.jsonl").write_text("")  # a prompt file, spelled two ways
     assert resume_settings({"prompts": "p.jsonl"}) == resume_settings({"prompts": "./p.jsonl"})
     assert resume_settings({"prompts": "all"}) == {"prompts": "all"}  # a shipped set's name stays as given
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resume_settings({"target": "~/target"})["target"] == same[0]["target"]  # ~ is the home folder
     out = tmp_path / "val"
     partial.Recorder(out, partial.settings_key(same[0]), same[0])(0, _partial_run(0), {})
     assert set(partial.load(out, partial.settings_key(same[1]), print, same[1])) == {0}  # resumed, not set aside

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ReferenceProposer, tiny_drafter_config
 from inference.generate import Session
-from inference.prompt_sets import BUILTIN, load_prompts, render_prompts
+from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import build_report
 from inference.validate import main, measure, run_compare
 from models.drafter import DFlashDraftModel
@@ -521,7 +521,7 @@ class StubSession:
         self.result = lambda: GenerationResult(tokens=[1, 2, 3], acceptance_lengths=[2], position_accepts=[1],
                                                block_size=2, decode_s=1.0)
         self.baseline_peaks, self.dflash_peaks = list(baseline_peaks), list(dflash_peaks)
-        self.peak, self.calls = 0, []
+        self.peak, self.calls, self.settings = 0, [], []
 
     def reset_peak_memory(self):
         self.peak = 0
@@ -531,10 +531,12 @@ class StubSession:
 
     def baseline(self, ids, **kw):
         self.calls.append(("baseline", ids[0], kw["max_new_tokens"]))
+        self.settings.append(kw)
         self.peak = max(self.peak, self.baseline_peaks.pop(0))
         return self.result()
 
     def run(self, ids, baseline=False, **kw):
+        self.settings.append(kw)
         if baseline:  # the warm-up
             self.calls.append(("warm-up", ids[0], kw["max_new_tokens"]))
             return self.result(), self.result()
@@ -543,25 +545,34 @@ class StubSession:
         return self.result(), None
 
 
-def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_missing_prompt():
+def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_missing_prompt(monkeypatch):
     """Peak memory is the largest over prompts and repeats, each mode from its own reset (the baseline's is not
     the previous DFlash run's); the warm-up is short and runs the first prompt not measured yet; a run that
     finds every prompt measured generates nothing."""
     from types import SimpleNamespace
 
+    import tqdm
+
     from inference.generate import WARMUP_TOKENS
 
     prompts = [SimpleNamespace(id=f"p{i}", category="x") for i in range(3)]
     ids = [[10], [11], [12]]
-    session = StubSession([10, 30, 20, 5], [100, 300, 200, 50])
+    session = StubSession([10, 30, 20, 5], [100, 300, 4, 3])  # the third prompt: DFlash below the baseline
     earlier = measure(StubSession([7], [70]), ids[:1], prompts[:1], progress=False)[0][0]
     done = {0: (earlier, {"peak_memory_bytes": 70, "baseline_peak_memory_bytes": 7})}
-    recorded = []
+    recorded, bars = [], []
+    real_bar = tqdm.tqdm
+    monkeypatch.setattr(tqdm, "tqdm", lambda **kw: bars.append(kw) or real_bar(**kw))
     runs, peaks = measure(session, ids, prompts, repeats=2, max_new_tokens=WARMUP_TOKENS + 8, progress=False,
-                          done=done, record=lambda i, run, its: recorded.append((i, its)))
+                          done=done, record=lambda i, run, its: recorded.append((i, its)), block_size=2,
+                          temperature=0.5, seed=9)
+    assert [(b["total"], b["initial"]) for b in bars] == [(6, 2)]  # the resumed prompt's runs count as done
+    # the warm-up, then baseline and DFlash twice for each of the two prompts: DFlash with the block size asked
+    assert [(kw.get("block_size"), kw["temperature"], kw["seed"]) for kw in session.settings] == (
+        [(2, 0.5, 9)] + [(None, 0.5, 9), (2, 0.5, 9)] * 4)
     assert peaks == {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}
     assert recorded == [(1, {"peak_memory_bytes": 300, "baseline_peak_memory_bytes": 30}),
-                        (2, {"peak_memory_bytes": 200, "baseline_peak_memory_bytes": 20})]
+                        (2, {"peak_memory_bytes": 4, "baseline_peak_memory_bytes": 20})]
     assert session.calls[0] == ("warm-up", 11, WARMUP_TOKENS)
     assert [c[0] for c in session.calls[1:]] == ["baseline", "dflash"] * 4 and runs[0] is earlier
     idle = StubSession([], [])
@@ -584,3 +595,99 @@ def test_compare_labels_reports_of_same_named_folders_and_notes_other_prompt_set
     assert "different prompt sets" in capsys.readouterr().err
     run_compare([reports[0], reports[0]], str(tmp_path / "cmp"))
     assert "different prompt sets" not in capsys.readouterr().err
+
+
+def test_flags_left_out_take_the_documented_defaults():
+    from inference.validate import parse_args
+
+    args = parse_args(["--target", "t", "--draft", "d"])
+    assert (args.prompts, args.split, args.subset, args.n, args.max_new_tokens, args.block_size, args.temperature,
+            args.thinking, args.repeats, args.seed, args.loop, args.out) == (
+        "all", "test", None, None, 256, None, 0.0, "off", 1, 0, "auto", "validate-report")
+
+
+def test_versions_name_every_package_and_none_for_one_not_installed(monkeypatch):
+    from importlib import metadata
+
+    from inference.validate import _versions
+
+    real = metadata.version
+
+    def version(dist):
+        if dist == "mlx":
+            raise metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(metadata, "version", version)
+    found = _versions()
+    assert set(found) == {"python_version", "torch_version", "transformers_version", "mlx_version",
+                          "mlx_lm_version", "draftsmith_version"}
+    assert found["mlx_version"] is None and found["torch_version"] == real("torch")
+
+
+def test_the_plot_is_labelled_with_the_drafters_folder(torch_report, tmp_path, monkeypatch):
+    import inference.validate
+    from inference.validate import write_outputs
+
+    labels = []
+    monkeypatch.setattr(inference.validate, "write_plot", lambda reports, names, path: labels.append(names))
+    write_outputs({**torch_report, "draft": "runs/a/my-drafter"}, tmp_path / "out")
+    assert labels == [["my-drafter"]]
+
+
+def test_a_run_reports_the_settings_it_measured_with(setup, tmp_path, monkeypatch):
+    """--block-size, --thinking, --seed and a sampling temperature reach every generation and the report; the
+    facts read from the two config files (quantization, recorded target) are the report's; the creation time
+    is UTC; the resume key is taken from the resolved paths."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import inference.validate
+    from inference import partial
+    from inference.checks import preflight
+
+    def quantized(*a, **kw):  # as read from an MLX-quantized target and a 4-bit drafter export
+        pre = preflight(*a, **kw)
+        pre.target.quantization = {"bits": 4, "group_size": 64}
+        return dataclasses.replace(pre, recorded_target="Qwen/Qwen3-8B",
+                                   drafter=SimpleNamespace(**{**vars(pre.drafter),
+                                                              "quantization": {"bits": 8, "group_size": 32}}))
+
+    generations, keyed, warned, sources = [], [], [], []
+    real_run, real_base, real_key, real_warn = Session.run, Session.baseline, partial.settings_key, \
+        inference.validate.warn_if_too_long
+    monkeypatch.setattr(inference.validate, "load_prompts",
+                        lambda spec, **kw: sources.append(kw) or load_prompts(spec, n=kw["n"]))  # (Hub-only flags)
+    monkeypatch.setattr(Session, "run", lambda self, *a, **kw: generations.append(kw) or real_run(self, *a, **kw))
+    monkeypatch.setattr(Session, "baseline",
+                        lambda self, *a, **kw: generations.append(kw) or real_base(self, *a, **kw))
+    monkeypatch.setattr(partial, "settings_key", lambda settings: keyed.append(settings) or real_key(settings))
+    monkeypatch.setattr(inference.validate, "warn_if_too_long", lambda *a: warned.append(a) or real_warn(*a))
+    monkeypatch.setattr(inference.validate, "preflight", quantized)
+    monkeypatch.setattr(inference.validate, "time", SimpleNamespace(
+        strftime=__import__("time").strftime, gmtime=lambda: (2025, 1, 2, 3, 4, 5, 3, 2, 0),
+        localtime=lambda: (2025, 1, 2, 12, 4, 5, 3, 2, 0)))
+    monkeypatch.chdir(setup["root"])
+    report = main(["--backend", "torch", "--target", "target/", "--draft", setup["draft"], "--prompts",
+                   setup["prompts"], "--n", "1", "--max-new-tokens", "6", "--block-size", "4", "--thinking", "on",
+                   "--temperature", "0.5", "--seed", "7", "--out", str(tmp_path / "val"), "--no-progress",
+                   "--split", "validation", "--subset", "main"])
+    assert sources == [{"n": 1, "split": "validation", "subset": "main"}]
+    assert {(kw.get("block_size", 4), kw["temperature"], kw["seed"]) for kw in generations} == {(4, 0.5, 7)}
+    assert sum("block_size" in kw for kw in generations) == 1 + 2  # the warm-up and DFlash on the two prompts
+    assert (report["block_size"], report["trained_block_size"], report["seed"], report["thinking"]) == (4, 8, 7, "on")
+    assert all(max(p["acceptance_lengths"] or [0]) <= 4 for p in report["per_prompt"])
+    assert report["identical_share"] is None and report["first_divergence_min"] is None  # sampled: not compared
+    prompts = load_prompts(setup["prompts"], n=1)
+    session = Session("torch", setup["target"], setup["draft"])
+    ids = render_prompts(session.tokenizer, prompts, "on")
+    assert report["prompt_set_hash"] == prompt_set_hash(prompts, "on")
+    assert report["prompt_tokens_total"] == sum(map(len, ids)) and [len(w[0]) for w in warned] == [2]
+    assert warned[0][1:] == (6, 4096) and [p["prompt_tokens"] for p in report["per_prompt"]] == list(map(len, ids))
+    assert report["mask_token_id"] == session.proposer.drafter.config.mask_token_id is not None
+    assert (report["target_model_type"], report["recorded_target"]) == ("qwen3", "Qwen/Qwen3-8B")
+    assert (report["target_quantization"], report["draft_quantization"]) == ("4-bit affine, group 64",
+                                                                             "8-bit affine, group 32")
+    assert report["created"] == "2025-01-02T03:04:05Z" and report["peak_memory_bytes"] is None  # CPU: no peak
+    assert "baseline_peak_memory_bytes" in report and report["resumed_prompts"] == 0
+    assert keyed[0]["target"] == setup["target"] and report["target"] == "target/"  # as given, keyed resolved
