@@ -57,6 +57,15 @@ def _bind_pair(tm: TorchDrafter, mm: DFlashDraftModel, seed: int = 0):
     mm.bind_target(m_emb, m_head)
 
 
+def _saved_pair(config, folder) -> tuple[TorchDrafter, DFlashDraftModel]:
+    """A torch drafter, its MLX twin loaded from the torch drafter's saved folder, both bound to one target."""
+    tm = _torch_drafter(config)
+    tm.save_pretrained(folder)
+    mm = DFlashDraftModel.from_pretrained(folder)
+    _bind_pair(tm, mm)
+    return tm, mm
+
+
 def _drafts(tm, mm, feats, block, steps):
     """Run the same multi-cycle draft sequence (growing context cache) through both drafters."""
     tc, mc = TorchCache(tm.config.num_hidden_layers), DraftCache(mm.config.num_hidden_layers)
@@ -81,10 +90,7 @@ def test_torch_and_mlx_drafter_logits_match(tmp_path, variant):
         kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
                   sliding_block_attention=variant.split("_")[1])
     config = _config(**kw)
-    tm = _torch_drafter(config)
-    tm.save_pretrained(tmp_path)
-    mm = DFlashDraftModel.from_pretrained(tmp_path)
-    _bind_pair(tm, mm)
+    tm, mm = _saved_pair(config, tmp_path)
     torch.manual_seed(3)
     feats = torch.randn(1, 20, config.fc_in_features)
     block = torch.tensor([[17] + [config.mask_token_id] * (config.block_size - 1)])
@@ -95,10 +101,7 @@ def test_torch_and_mlx_drafter_logits_match(tmp_path, variant):
 def test_positions_past_fp16_range_match_the_torch_drafter(tmp_path):
     """Positions past 2048 are not whole numbers in fp16: RoPE angles must come from float32 positions."""
     config = _config()
-    tm = _torch_drafter(config)
-    tm.save_pretrained(tmp_path)
-    mm = DFlashDraftModel.from_pretrained(tmp_path)
-    _bind_pair(tm, mm)
+    tm, mm = _saved_pair(config, tmp_path)
     torch.manual_seed(3)
     feats = torch.randn(1, 5, config.fc_in_features)
     block = torch.tensor([[17] + [config.mask_token_id] * (config.block_size - 1)])
