@@ -114,7 +114,7 @@ def test_two_processes_extract_the_same_store_and_a_killed_rank_resumes(prepared
 def test_ranks_split_the_missing_shards_read_before_any_is_written_and_only_rank_0_finalises(tiny_targets, tmp_path,
                                                                                             monkeypatch):
     """Rank r of w takes every w-th missing shard, as every rank read them before any shard was written: rank 1
-    (a thread here) opening the index as late as rank 0 lets it still takes its share. Rank 0 alone finalises: the
+    (a thread here) opening the index as late as rank 0 lets it still take its share. Rank 0 alone finalises: the
     store is the one-process store."""
     import threading
 
