@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from models.target import TargetModel
+from models.target import TargetModel, cache_kwarg
 
 
 class CacheRollback:
@@ -61,7 +61,7 @@ class CacheRollback:
             if self._recording:
                 self._inputs[idx] = x
             else:  # the replay: from zero if the state was restored since the verify pass, else on top of it
-                cache = kwargs.get("cache_params")
+                cache = kwargs.get("cache", kwargs.get("cache_params"))  # transformers >= 5.24: cache
                 verified = self._verified.get(idx) or []
                 if cache is not None and all(a != b for a, b in zip(_written(cache.layers[idx]), verified)):
                     self._folded[idx] = 0  # both states (conv window, recurrent) written since: restored
@@ -91,7 +91,8 @@ class CacheRollback:
                 conv, rec = self._snapshots[i]
                 layer.conv_states[0].copy_(conv)
                 layer.recurrent_states[0].copy_(rec)
-                module(hidden_states=self._inputs[i][:, :keep], cache_params=cache, attention_mask=None)
+                module(hidden_states=self._inputs[i][:, :keep], attention_mask=None,
+                       **{cache_kwarg(module, "cache_params"): cache})
         finally:
             self.close()
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.target import cache_kwarg
+
 
 class StaticGatedDeltaNet:
     """One GatedDeltaNet layer's state over passes of at most ``max_pass`` tokens (a verify block)."""
@@ -43,7 +45,7 @@ class StaticGatedDeltaNet:
 
     def prefill(self, x: torch.Tensor, cache) -> torch.Tensor:
         """The layer itself over a prompt of any length; its final state becomes the committed one (keep = 1)."""
-        out = self.m(hidden_states=x, cache_params=cache, attention_mask=None)
+        out = self.m(hidden_states=x, attention_mask=None, **{cache_kwarg(self.m, "cache_params"): cache})
         layer = cache.layers[self.layer_idx]
         self.window[:, :, 1:self.K].copy_(layer.conv_states[0][:, :, -(self.K - 1):])
         self.states[0].copy_(layer.recurrent_states[0])

@@ -37,7 +37,7 @@ from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from inference.torch_loop import Clock, check_draft_cache, draft_block, sample
 from models.drafter import DFlashDraftModel, apply_rope, rope_cos_sin
-from models.target import TargetModel, allow_recompiles
+from models.target import TargetModel, allow_recompiles, cache_kwarg
 
 
 class StaticLoopUnsupported(ValueError):
@@ -121,6 +121,7 @@ class StaticTarget:
         bufs = lambda: {i: torch.zeros(1, kv_heads, max_len, head_dim, device=dev, dtype=dt)  # noqa: E731
                         for i in attention}
         self.kv = _StaticKV(bufs(), bufs())
+        self._cache_kwarg = cache_kwarg(target.layers[attention[0]]) if attention else "past_key_values"
         self.gdn = {i: StaticGatedDeltaNet(m, i, block_size) for i, m in target.linear_attention_modules()}
         self.block_size = block_size
         self._keep = torch.ones(1, dtype=torch.long, device=dev)  # positions of the last pass now committed
@@ -181,8 +182,8 @@ class StaticTarget:
                 if i in taps:
                     captured[i] = h
                 continue
-            h = layer(h, attention_mask=mask, position_ids=pos[None], past_key_values=self.kv, use_cache=True,
-                      cache_position=pos, position_embeddings=rope)
+            h = layer(h, attention_mask=mask, position_ids=pos[None], use_cache=True, cache_position=pos,
+                      position_embeddings=rope, **{self._cache_kwarg: self.kv})
             h = h[0] if isinstance(h, tuple) else h
             if i in taps:
                 captured[i] = h
@@ -295,6 +296,9 @@ class StaticDrafterProposer:
         self._ctx_len = torch.zeros(1, dtype=torch.long, device=dev)
         self._n_new = torch.zeros(1, dtype=torch.long, device=dev)
         self._slot = torch.arange(max_len, device=dev)
+        self._qkv, self._gate_up = _fuse_projections(drafter)
+        q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self._qkv_split = [q_width, kv_width, kv_width]
         block_pass = torch.compile(self._block_pass, dynamic=False) if compile else self._block_pass
         self._pass = _Graphed(lambda: block_pass(self._feats), self.graphs)
 
@@ -324,20 +328,22 @@ class StaticDrafterProposer:
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q = apply_rope(a.q_norm(a._heads(a.q_proj(x), a.num_heads)), *rope_blk)
-            # One K and one V projection over the new context and the block together: each weight is read
-            # once per pass (a pass is bound by weight reads), and the block's K/V go straight into the
-            # buffer's last B slots, so the attention reads the buffer as it is (no concatenated copy).
-            both = torch.cat([context, x], dim=1)
-            k = a.k_norm(a._heads(a.k_proj(both), a.num_kv_heads))
-            v = a._heads(a.v_proj(both), a.num_kv_heads)
+            # One Q/K/V matmul over the new context and the block together: a pass is bound by weight
+            # reads, so each weight is read once, in one kernel (the context rows' queries are computed and
+            # dropped: free at these sizes). The block's K/V go straight into the buffer's last B slots, so
+            # the attention reads the buffer as it is (no concatenated copy).
+            q, k, v = F.linear(torch.cat([context, x], dim=1), self._qkv[i]).split(self._qkv_split, dim=-1)
+            q = apply_rope(a.q_norm(a._heads(q[:, C:], a.num_heads)), *rope_blk)
+            k = a.k_norm(a._heads(k, a.num_kv_heads))
+            v = a._heads(v, a.num_kv_heads)
             self.keys[i].index_copy_(2, ctx_pos, apply_rope(k[:, :, :C], *rope_ctx))
             self.values[i].index_copy_(2, ctx_pos, v[:, :, :C])
             self.keys[i][:, :, self.max_len:].copy_(apply_rope(k[:, :, C:], *rope_blk))
             self.values[i][:, :, self.max_len:].copy_(v[:, :, C:])
             out = attend_grouped(q, self.keys[i], self.values[i], mask)
             h = h + a.o_proj(out.transpose(1, 2).reshape(1, B, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            gate, up = F.linear(layer.post_attention_layernorm(h), self._gate_up[i]).chunk(2, dim=-1)
+            h = h + layer.mlp.down_proj(F.silu(gate) * up)
         return d.logits(d.norm(h)[:, 1:])[0].argmax(-1)
 
     @torch.no_grad()
@@ -361,6 +367,24 @@ class StaticDrafterProposer:
             out = self._block_pass(feats)
         self.ctx_len += c
         return out
+
+
+def _fuse_projections(drafter: DFlashDraftModel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, ``q|k|v`` and ``gate|up`` weights stacked into one matrix each (one matmul, one kernel,
+    instead of three and two). The drafter's own Linear weights become views of them, so GPU memory
+    holds each weight once and the eager drafter still computes with the same values."""
+    qkv, gate_up = [], []
+    for layer in drafter.layers:
+        a, m = layer.self_attn, layer.mlp
+        for parts, out in (((a.q_proj, a.k_proj, a.v_proj), qkv), ((m.gate_proj, m.up_proj), gate_up)):
+            fused = torch.cat([p.weight.detach() for p in parts])
+            rows = 0
+            for p in parts:
+                n = p.weight.shape[0]
+                p.weight = torch.nn.Parameter(fused[rows:rows + n], requires_grad=p.weight.requires_grad)
+                rows += n
+            out.append(fused)
+    return qkv, gate_up
 
 
 @torch.no_grad()

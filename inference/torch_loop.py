@@ -172,7 +172,9 @@ def draft_block(proposer: Proposer, bonus: int, new_features, committed: int, B:
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One cycle's drafts (``B - 1`` tokens) and the block the target verifies, ``[[bonus, *drafts]]``."""
     drafts = torch.as_tensor(proposer.propose(bonus, new_features, committed, B), device=device)
-    return drafts, torch.cat([torch.tensor([bonus], device=device), drafts])[None]
+    # torch.full, not torch.tensor([bonus]): a host list copied to the GPU waits for the draft pass to
+    # finish, which leaves the GPU idle while the host then launches the verify.
+    return drafts, torch.cat([torch.full((1,), bonus, dtype=drafts.dtype, device=device), drafts])[None]
 
 
 def check_draft_cache(proposer: Proposer, committed: int) -> None:

@@ -9,6 +9,7 @@ cache is being filled, the forward stops right after the deepest tapped layer.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,12 +141,21 @@ def allow_recompiles(n: int) -> None:
     dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), n)
 
 
+def cache_kwarg(module: nn.Module, old: str = "past_key_values") -> str:
+    """The keyword ``module.forward`` takes its cache by: ``cache`` from transformers 5.24 on (the old
+    name, ``past_key_values`` or a GatedDeltaNet mixer's ``cache_params``, still works there with a
+    deprecation warning until 5.40), the old name before."""
+    # the class's forward: compile_layers swaps an instance's forward for a wrapper of (*args, **kwargs)
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else old
+
+
 def _uncached_compiled(eager, backend):
     """``eager``, compiled for calls without a cache (``TargetModel.compile_layers``)."""
     compiled = torch.compile(eager, backend=backend)
 
     def forward(*args, **kwargs):
-        return (eager if kwargs.get("past_key_values") is not None else compiled)(*args, **kwargs)
+        cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+        return (eager if cached else compiled)(*args, **kwargs)
     return forward
 
 
@@ -300,7 +310,7 @@ class TargetModel:
         out = None
         try:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=cache, use_cache=cache is not None)
+                               use_cache=cache is not None, **{cache_kwarg(self.decoder): cache})
         except _StopForward:
             pass
         finally:

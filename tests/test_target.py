@@ -455,3 +455,42 @@ def test_rope_hands_each_decoder_the_position_ids_it_indexes(tiny_targets, monke
     assert seen == [shape]
     ref_cos, ref_sin = own(h, pos[None])
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def test_the_cache_keyword_is_the_one_the_installed_transformers_takes():
+    """transformers 5.24 renamed a layer's ``past_key_values`` (a GatedDeltaNet mixer's ``cache_params``) to
+    ``cache``, keeping the old names with a deprecation warning until 5.40: the name comes from the
+    signature, also of a layer whose instance forward ``compile_layers`` replaced."""
+    from models.target import cache_kwarg
+
+    class New(torch.nn.Module):
+        def forward(self, x, cache=None):
+            return x
+
+    class Old(torch.nn.Module):
+        def forward(self, x, past_key_values=None):
+            return x
+
+    assert cache_kwarg(New()) == "cache" and cache_kwarg(Old()) == "past_key_values"
+    assert cache_kwarg(Old(), "cache_params") == "cache_params"
+    wrapped = New()
+    wrapped.forward = lambda *a, **k: None
+    assert cache_kwarg(wrapped) == "cache"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_the_loops_pass_their_caches_without_a_deprecation_warning(arch, recwarn):
+    """The eager loop (rollback replay included) and the static loop hand HF layers their cache by the
+    current keyword: no FutureWarning from transformers."""
+    from inference.static_loop import StaticTarget, static_dflash_generate
+    from inference.torch_loop import dflash_generate
+    from conftest import ReferenceProposer
+
+    target = TargetModel(tiny_target(arch, seed=0), tiny_tokenizer())
+    prompt = [257, 85, 82, 68, 81, 198]
+    proposer = ReferenceProposer(prompt + [5] * 40, [1, 3, 5], 4, 288, {len(prompt) + 2})
+    dflash_generate(target, proposer, prompt, 8, eos_token_ids=[], block_size=4)
+    st = StaticTarget(target, [1, 3, 5], max_len=32, block_size=4)
+    static_dflash_generate(st, proposer, prompt, 8, eos_token_ids=[], block_size=4)
+    deprecations = [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)]
+    assert not deprecations, deprecations

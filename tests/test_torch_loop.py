@@ -7,6 +7,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from conftest import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
 from inference.torch_loop import DrafterProposer, dflash_generate, sample, target_generate
 from models.drafter import DFlashDraftModel
+from models.target import cache_kwarg
 
 ARCHS = ["qwen3", "llama", "qwen3_5"]
 PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
@@ -161,7 +162,8 @@ def test_check_sees_a_gated_delta_net_state_left_at_the_wrong_length(tiny_target
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
                 layer.crop(-(len(block) - keep))
         for i, module in rollback.linear:
-            module(hidden_states=whole[i][:, :keep], cache_params=cache, attention_mask=None)
+            module(hidden_states=whole[i][:, :keep], attention_mask=None,
+                   **{cache_kwarg(module, "cache_params"): cache})
         rollback.close()
     else:
         rollback.linear = {
@@ -385,7 +387,8 @@ def test_check_sees_a_commit_that_restored_only_one_of_the_two_states(tiny_targe
             cache.layers[i].conv_states[0].copy_(conv)
         else:
             cache.layers[i].recurrent_states[0].copy_(rec)
-        module(hidden_states=inputs[i][:, :keep], cache_params=cache, attention_mask=None)
+        module(hidden_states=inputs[i][:, :keep], attention_mask=None,
+               **{cache_kwarg(module, "cache_params"): cache})
     rollback.close()
     with pytest.raises(AssertionError, match="GatedDeltaNet"):
         rollback.check(cache, len(PROMPT) + keep)
