@@ -20,6 +20,8 @@ from models.target import TargetModel, cache_kwarg
 class CacheRollback:
     def __init__(self, target: TargetModel):
         self.linear = target.linear_attention_modules()
+        # the keyword the mixers take their cache by (``cache`` from transformers 5.24, ``cache_params`` before)
+        self._cache_kw = cache_kwarg(self.linear[0][1], "cache_params") if self.linear else "cache_params"
         self._inputs: dict[int, torch.Tensor] = {}
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Tokens each GatedDeltaNet layer folded into its state since the snapshot, counted where they
@@ -61,7 +63,7 @@ class CacheRollback:
             if self._recording:
                 self._inputs[idx] = x
             else:  # the replay: from zero if the state was restored since the verify pass, else on top of it
-                cache = kwargs.get("cache", kwargs.get("cache_params"))  # transformers >= 5.24: cache
+                cache = kwargs.get(self._cache_kw)
                 verified = self._verified.get(idx) or []
                 if cache is not None and all(a != b for a, b in zip(_written(cache.layers[idx]), verified)):
                     self._folded[idx] = 0  # both states (conv window, recurrent) written since: restored
@@ -91,8 +93,7 @@ class CacheRollback:
                 conv, rec = self._snapshots[i]
                 layer.conv_states[0].copy_(conv)
                 layer.recurrent_states[0].copy_(rec)
-                module(hidden_states=self._inputs[i][:, :keep], attention_mask=None,
-                       **{cache_kwarg(module, "cache_params"): cache})
+                module(hidden_states=self._inputs[i][:, :keep], attention_mask=None, **{self._cache_kw: cache})
         finally:
             self.close()
 
