@@ -215,13 +215,21 @@ def test_compiled_target_layers_equal_eager_on_cuda(arch):
     compiled = TargetModel(tiny_target(arch).cuda()).compile_layers()
     # fla's chunked GatedDeltaNet kernel rounds its dot inputs to TF32 (10-bit mantissa) even in fp32:
     # inductor's fused norms and gates move an input by an ulp across a rounding edge, a 2^-11 relative
-    # step (seen on an H100: max 5.0e-4, mean 6.6e-6). A wrong tap or layer differs by O(0.1).
-    atol = 2e-3 if eager.is_hybrid else 1e-4
+    # step that the later layers carry on (seen on an H100: max 5.0e-4 at length 48). The taps reach
+    # |5.3| here, so an absolute bound can fail on rounding alone (2^-11 x 5.3 = 2.6e-3; an atol of 2e-3
+    # failed on an H200, its message not kept): the hybrid is held to TF32's relative error over the
+    # whole tensor instead. A wrong tap or layer is off by O(1) in that measure.
     for n in (48, 80, 64):
         ids = torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n)).cuda()
         ref = eager.forward(ids, [1, 3, 5], with_logits=False).features
         got = compiled.forward(ids, [1, 3, 5], with_logits=False).features
-        assert_close(got, ref, atol=atol, what=f"{arch} compiled target taps, length {n}")
+        what = f"{arch} compiled target taps, length {n}"
+        if not eager.is_hybrid:
+            assert_close(got, ref, atol=1e-4, what=what)
+            continue
+        assert got.shape == ref.shape, what
+        rel = ((got - ref).double().norm() / ref.double().norm()).item()
+        assert rel < 2e-3, f"{what}: relative error {rel:.2e}, max abs diff {(got - ref).abs().max().item():.2e}"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
