@@ -17,7 +17,9 @@ compile before the timed runs); the baseline runs through the same loop kind. To
 give the **cycle cost** (decode seconds per DFlash cycle over baseline seconds per token: 1.0
 means a draft+verify cycle costs one target decode step) and a ``decode_parts`` line per loop:
 per-cycle milliseconds of draft, verify, accept (the one host sync) and host bookkeeping (eager:
-rollback too), from one extra run with a device sync around each part; ``--profile N`` adds the
+rollback too), from one extra run with a device sync around each part (static loops: their
+two-graph cycle, whose parts can be timed apart; ``--cycle`` picks which cycle the decode lines
+time: the device-resident one by default, as generate runs it); ``--profile N`` adds the
 top kernels of each pass. ``--random-target RECIPE``
 builds a random-weight target of a recipe's shape on the device and a random recipe drafter
 (tau ~1: speed plumbing only); prompts are then random token ids.
@@ -86,8 +88,12 @@ def random_models(recipe: str, device: str, seed: int = 0, dtype: str | None = N
 
 
 def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_new: int, block_size: int | None,
-               repeat: int, profile: int = 0) -> None:
-    """Both loops of the torch backend on loaded models: decode lines, cycle cost and per-part times."""
+               repeat: int, profile: int = 0, cycles: tuple[str, ...] = ("resident",)) -> None:
+    """Both loops of the torch backend on loaded models: decode lines, cycle cost and per-part times.
+
+    ``cycles`` (static and compiled loops): ``resident``, the greedy cycle and baseline step as one graph
+    each; ``two-graph``, the passes' own graphs with the acceptance (the baseline's token) read on the
+    host between them. Both kinds run on the same built loop, so one compile serves them."""
     from inference import static_loop as sl
     from inference import torch_loop as tl
     from inference.stats import resolve_block_size
@@ -99,39 +105,50 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
     # broke short runs, whose warm-up asks for more.
     max_len = max(len(p) for p in prompts) + max(max_new, warm) + 2 * B
     for loop in loops:
+        kinds = cycles if loop in ("static", "compiled") else (None,)
         if loop in ("static", "compiled"):
             st, proposer = sl.build_static_loop(target, drafter, max_len, B, compile=loop == "compiled")
-            gen = lambda ids, **kw: sl.static_dflash_generate(st, proposer, ids, **kw)  # noqa: E731
-            base = lambda ids, **kw: sl.static_target_generate(st, ids, **kw)  # noqa: E731
+            gen = lambda ids, resident, **kw: sl.static_dflash_generate(  # noqa: E731
+                st, proposer, ids, resident=resident == "resident" if resident else None, **kw)
+            base = lambda ids, resident, **kw: sl.static_target_generate(  # noqa: E731
+                st, ids, resident=resident == "resident" if resident else None, **kw)
         else:
             proposer = tl.DrafterProposer(drafter, target)
-            gen = lambda ids, **kw: tl.dflash_generate(target, proposer, ids, **kw)  # noqa: E731
-            base = lambda ids, **kw: tl.target_generate(target, ids, **kw)  # noqa: E731
-        gen(prompts[0], max_new_tokens=warm, block_size=B, eos_token_ids=[])  # warm-up: graphs, kernels
-        base(prompts[0], max_new_tokens=4, eos_token_ids=[])
+            gen = lambda ids, resident, **kw: tl.dflash_generate(target, proposer, ids, **kw)  # noqa: E731
+            base = lambda ids, resident, **kw: tl.target_generate(target, ids, **kw)  # noqa: E731
+        for kind in kinds:
+            gen(prompts[0], kind, max_new_tokens=warm, block_size=B, eos_token_ids=[])  # warm-up: graphs, kernels
+            base(prompts[0], kind, max_new_tokens=4, eos_token_ids=[])
         for rep in range(repeat):
             for i, ids in enumerate(prompts):
-                r = gen(ids, max_new_tokens=max_new, block_size=B, eos_token_ids=[])
-                b = base(ids, max_new_tokens=max_new, eos_token_ids=[])
-                cycles, steps = len(r.acceptance_lengths), max(len(b.tokens) - 1, 1)
-                first = next((k for k, (x, y) in enumerate(zip(r.tokens, b.tokens)) if x != y), None)
-                print(json.dumps({"bench": "decode", "backend": "torch", "loop": loop, "device": str(target.device),
-                                  "repeat": rep, "prompt": i, "prompt_tokens": len(ids), "tokens": len(r.tokens),
-                                  "tau": round(r.tau, 3), "dflash_tok_s": round(r.decode_tokens_per_s, 2),
-                                  "baseline_tok_s": round(b.decode_tokens_per_s, 2),
-                                  "speedup": round(r.decode_tokens_per_s / max(b.decode_tokens_per_s, 1e-9), 3),
-                                  "baseline_ms_per_token": round(1e3 * b.decode_s / steps, 3),
-                                  "cycle_ms": round(1e3 * r.decode_s / max(cycles, 1), 3),
-                                  "cycle_cost": round((r.decode_s / max(cycles, 1)) / (b.decode_s / steps), 3),
-                                  "matches_baseline": first is None, "first_divergence": first}), flush=True)
+                for kind in kinds:
+                    r = gen(ids, kind, max_new_tokens=max_new, block_size=B, eos_token_ids=[])
+                    b = base(ids, kind, max_new_tokens=max_new, eos_token_ids=[])
+                    print(json.dumps({"bench": "decode", "backend": "torch", "loop": loop,
+                                      **({"cycle": kind} if kind else {}), "device": str(target.device),
+                                      "repeat": rep, "prompt": i, "prompt_tokens": len(ids),
+                                      **_decode_figures(r, b)}), flush=True)
         parts: dict[str, float] = {}
-        r = gen(prompts[0], max_new_tokens=max_new, block_size=B, eos_token_ids=[], parts=parts)
+        r = gen(prompts[0], None, max_new_tokens=max_new, block_size=B, eos_token_ids=[], parts=parts)
         n = max(len(r.acceptance_lengths), 1)
         print(json.dumps({"bench": "decode_parts", "loop": loop, "cycles": n,
                           **{f"{k}_ms_per_cycle": round(1e3 * v / n, 3) for k, v in parts.items()}}), flush=True)
         if profile:
             profile_loop(loop, st if loop != "eager" else None, proposer, prompts[0], B, profile,
-                         lambda: gen(prompts[0], max_new_tokens=max_new, block_size=B, eos_token_ids=[]))
+                         lambda: gen(prompts[0], None, max_new_tokens=max_new, block_size=B, eos_token_ids=[]))
+
+
+def _decode_figures(r, b) -> dict:
+    """One DFlash generation ``r`` against its baseline ``b``: tau, speeds, cycle cost, agreement."""
+    cycles, steps = len(r.acceptance_lengths), max(len(b.tokens) - 1, 1)
+    first = next((k for k, (x, y) in enumerate(zip(r.tokens, b.tokens)) if x != y), None)
+    return {"tokens": len(r.tokens), "tau": round(r.tau, 3), "dflash_tok_s": round(r.decode_tokens_per_s, 2),
+            "baseline_tok_s": round(b.decode_tokens_per_s, 2),
+            "speedup": round(r.decode_tokens_per_s / max(b.decode_tokens_per_s, 1e-9), 3),
+            "baseline_ms_per_token": round(1e3 * b.decode_s / steps, 3),
+            "cycle_ms": round(1e3 * r.decode_s / max(cycles, 1), 3),
+            "cycle_cost": round((r.decode_s / max(cycles, 1)) / (b.decode_s / steps), 3),
+            "matches_baseline": first is None, "first_divergence": first}
 
 
 def profile_loop(loop: str, st, proposer, prompt: list[int], B: int, n: int, generation) -> None:
@@ -181,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
                         "with compiled layers). Default: --random-target times static and eager; otherwise one "
                         "line per prompt through generate's auto loop (static on CUDA for full-attention "
                         "targets, else eager; MLX: its own loop)")
+    p.add_argument("--cycle", choices=["resident", "two-graph", "both"], default="resident",
+                   help="static/compiled loops at temperature 0: 'resident' runs each cycle (verify, acceptance, "
+                        "next draft) and each baseline step as one graph with one read, as generate does; "
+                        "'two-graph' replays the draft and verify graphs with the acceptance read on the host "
+                        "between them (and the baseline's token read before its next step); 'both' times both "
+                        "on the same built loop, a 'cycle' field telling the lines apart (default resident)")
     p.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts (default 1)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="--random-target: random prompt length (default 64)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -203,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile and not (args.loop or args.random_target):
         p.error(f"--profile {args.profile} profiles the torch loops: add --loop (static, compiled or eager) or "
                 "--random-target")
+    timed_loops = args.loop or (["static", "eager"] if args.random_target else [])
+    if args.cycle != p.get_default("cycle") and not {"static", "compiled"} & set(timed_loops):
+        p.error(f"--cycle {args.cycle} chooses how the static and compiled loops run a cycle: add --loop static "
+                "or --loop compiled (with --random-target, or --target/--draft or --tiny)")
     if args.backend == "mlx" and (args.loop or args.random_target):
         p.error(f"{'--loop' if args.loop else '--random-target'} times the torch loops; the MLX backend runs its "
                 "own: drop it, or use --backend torch")
@@ -230,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
                 session = Session("torch", target_dir, draft_dir, device, args.dtype)
             target, drafter = session.target, session.proposer.drafter
             prompts = [_chat_ids(target.tokenizer, x) for x in args.prompts]
+        cycles = ("resident", "two-graph") if args.cycle == "both" else (args.cycle,)
         torch_runs(target, drafter, prompts, args.loop or ["static", "eager"], args.max_new_tokens, args.block_size,
-                   args.repeat, args.profile)
+                   args.repeat, args.profile, cycles)
         return
     with tempfile.TemporaryDirectory() as root:
         target, draft = tiny_folders(args.tiny, root) if args.tiny else (args.target, args.draft)

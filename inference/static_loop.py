@@ -26,13 +26,12 @@ Supported targets: Qwen3 (dense/MoE), Llama 3.x, Qwen3.5 / 3.6 (hybrid, dense/Mo
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
+from inference.grouped_attention import GROUPED_SDPA, attend_grouped, attention_implementation
 from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from inference.torch_loop import Clock, check_draft_cache, draft_block, sample
@@ -149,8 +148,10 @@ class StaticTarget:
             layers = [torch.compile(la, dynamic=False) for la in layers]
         # GatedDeltaNet passes: compiled, the token-by-token recurrence fuses into a few kernels per step.
         steps = {i: torch.compile(g.forward, dynamic=False) if compile else g.forward for i, g in self.gdn.items()}
-        mutable = [buf for g in self.gdn.values() for buf in (g.window, g.states)]
-        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers, steps), self.graphs, mutable)
+        self.graph_layers, self.graph_steps = layers, steps  # what the fixed-shape passes run (static_greedy too)
+        self.gdn_buffers = [buf for g in self.gdn.values() for buf in (g.window, g.states)]
+        self._passes = {t: _Graphed(lambda t=t: self._pass(self._ids[t], layers, steps), self.graphs,
+                                    self.gdn_buffers)
                         for t in self._ids}
 
     def _pass(self, ids: torch.Tensor, layers=None, steps=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,56 +220,20 @@ class StaticTarget:
                 g.window.zero_()
                 g.states[0].zero_()
             self._last_start, self._last_len = -1, 1
+        self._keep.fill_(self.advance(start, T))
+
+    def advance(self, start: int, T: int) -> int:
+        """The host's record of a pass of ``T`` tokens at ``start``: how many positions of the last pass it
+        commits (checked), and which positions this pass's states will be kept for. ``static_greedy``'s
+        cycles set the device's count themselves and call only this."""
         keep = start - self._last_start
         if not 1 <= keep <= self._last_len:
             kept = (f"kept for positions {self._last_start} to {self._last_start + self._last_len - 1}"
                     if self._last_start >= 0 else "no state kept yet: a sequence's first pass starts at 0")
             raise RuntimeError(f"GatedDeltaNet states: {kept}; a pass cannot start at {start}")
-        self._keep.fill_(keep)
         # A pass longer than a block (the prompt) keeps only its final state, as if it had started at its end.
         self._last_start, self._last_len = (start, T) if T <= self.block_size else (start + T - 1, 1)
-
-
-def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float | None = None) -> torch.Tensor:
-    """SDPA of ``[1, Hq, T, d]`` queries over ``[1, Hkv, L, d]`` keys, without repeating K/V.
-
-    The query heads that share a K/V head go in as rows of one longer query (``[1, Hkv, rep*T, d]``,
-    row ``j*T + t`` = head ``g*rep + j`` at position ``t``), with the head-shared mask ``[1, 1, T, L]``
-    tiled to match: the same scores, without writing and reading ``rep`` copies of the whole cache
-    (HF repeats K/V whenever there is a mask, which the static passes always have).
-    """
-    b, hq, t, dim = q.shape
-    hkv = k.shape[1]
-    rep = hq // hkv
-    if rep > 1:
-        q = q.reshape(b, hkv, rep * t, dim)
-        mask = None if mask is None else mask.expand(b, 1, t, -1).repeat(1, 1, rep, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(b, hq, t, dim)
-
-
-def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """The target's attention in the fixed-shape static passes (an HF attention function): ``attend_grouped``
-    over the whole K/V buffer, returned as HF's SDPA returns it (``[b, T, heads, d]``)."""
-    return attend_grouped(query, key, value, attention_mask, scale=scaling).transpose(1, 2).contiguous(), None
-
-
-GROUPED_SDPA = "draftsmith_grouped_sdpa"
-AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
-
-
-@contextmanager
-def attention_implementation(configs: list, name: str | None):
-    """The attention layers of ``configs`` dispatch to ``name`` inside the block (unchanged for ``None``)."""
-    saved = [c._attn_implementation for c in configs]
-    try:
-        if name is not None:
-            for c in configs:
-                c._attn_implementation = name
-        yield
-    finally:
-        for c, before in zip(configs, saved):
-            c._attn_implementation = before
+        return keep
 
 
 class StaticDrafterProposer:
@@ -299,8 +264,9 @@ class StaticDrafterProposer:
         self._qkv, self._gate_up = _fuse_projections(drafter)
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         self._qkv_split = [q_width, kv_width, kv_width]
-        block_pass = torch.compile(self._block_pass, dynamic=False) if compile else self._block_pass
-        self._pass = _Graphed(lambda: block_pass(self._feats), self.graphs)
+        # the fixed-shape pass (compiled or not) as the graphs run it, looked up at call time
+        self.block_pass = torch.compile(self._block_pass, dynamic=False) if compile else self._block_pass
+        self._pass = _Graphed(lambda: self.block_pass(self._feats), self.graphs)
 
     def reset(self) -> None:
         self.ctx_len = 0  # stale slots are masked, then overwritten
@@ -400,16 +366,30 @@ def build_static_loop(target: TargetModel, drafter: DFlashDraftModel, max_len: i
 def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                            temperature: float = 0.0, block_size: int | None = None,
                            eos_token_ids: list[int] | None = None, seed: int = 0,
-                           parts: dict[str, float] | None = None) -> GenerationResult:
+                           parts: dict[str, float] | None = None, resident: bool | None = None) -> GenerationResult:
     """``torch_loop.dflash_generate`` on static caches: same cycle, same result, rollback = length reset.
 
     ``parts`` (a dict): accumulate seconds per part (draft, verify, accept, host), with a device
     sync around each, which slows the loop: a profiling run, not the timed one.
+    ``resident``: the whole greedy cycle as one function on the device (``inference.static_greedy``);
+    None (default) takes it where it applies (temperature 0, no ``parts``, the static drafter),
+    False keeps the two graphed passes with the acceptance on the host between them.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     B = resolve_block_size(block_size, proposer.block_size)
     eos = set(target.target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    applies = temperature == 0 and parts is None and isinstance(proposer, StaticDrafterProposer)
+    if resident and not applies:
+        raise ValueError("the device-resident cycle is greedy, untimed by parts and needs the static drafter: "
+                         "use resident=None or False with temperature > 0, parts or another proposer")
+    if applies and resident is not False:
+        from inference.static_greedy import greedy_cycle
+
+        if B != proposer.block_size:
+            raise StaticLoopUnsupported(f"the static drafter pass is built for blocks of {proposer.block_size}; "
+                                        f"got {B}")
+        return greedy_cycle(target, proposer).generate(prompt_ids, max_new_tokens, eos)
     device = target.target.device
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     proposer.reset()
@@ -447,9 +427,21 @@ def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int]
 @torch.no_grad()
 def static_target_generate(target: StaticTarget, prompt_ids: list[int], max_new_tokens: int = 256,
                            temperature: float = 0.0, eos_token_ids: list[int] | None = None,
-                           seed: int = 0) -> GenerationResult:
-    """The baseline on the same static cache and graphed 1-token pass: one token per forward."""
+                           seed: int = 0, resident: bool | None = None) -> GenerationResult:
+    """The baseline on the same static cache and graphed 1-token pass: one token per forward.
+
+    ``resident``: at temperature 0, the step (decode, argmax, the token fed back) as one function on the
+    device, as the DFlash loop's cycle (None: where it applies; False: the argmax read before each step).
+    """
     eos = set(target.target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
+    if resident and temperature != 0:
+        raise ValueError("the device-resident step is greedy: use resident=None or False with temperature > 0")
+    if temperature == 0 and resident is not False:
+        from inference.static_greedy import greedy_decode
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return greedy_decode(target).generate(prompt_ids, max_new_tokens, eos)
     device = target.target.device
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     result = GenerationResult(tokens=[], block_size=1)

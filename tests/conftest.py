@@ -57,6 +57,23 @@ class ReferenceProposer:
         return self.seen
 
 
+def reference_drafts(proposer, sequence: list[int], mistakes: set[int], vocab: int = 288) -> None:
+    """Make a static drafter's pass (``inference.static_loop.StaticDrafterProposer``) draft the reference
+    continuation with planted mistakes, read from its own device counters (bonus position = context + new
+    features), as ``ReferenceProposer`` does on the host: a device-resident cycle then has a known
+    acceptance length every cycle."""
+    dev = proposer._ctx_len.device
+    seq = torch.tensor(sequence + [0] * 2 * proposer.block_size, device=dev)
+    wrong = torch.zeros(len(seq), dtype=torch.bool, device=dev)
+    wrong[sorted(mistakes)] = True
+
+    def block_pass(feats):
+        pos = proposer._ctx_len + proposer._n_new + torch.arange(1, proposer.block_size, device=dev)
+        return torch.where(wrong[pos], (seq[pos] + 1) % vocab, seq[pos])
+
+    proposer.block_pass = proposer._block_pass = block_pass
+
+
 def expected_acceptance(prompt_len: int, max_new: int, block: int, mistakes: set[int]) -> list[int]:
     """Acceptance lengths a reference proposer must get, from the rule alone."""
     lengths, pos, produced = [], prompt_len, 1

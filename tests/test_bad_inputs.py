@@ -4358,6 +4358,36 @@ def test_inference_bench_flags_that_another_one_silently_overrode(capsys, argv, 
     assert said in argparse_error(capsys, "inference", argv)
 
 
+@pytest.mark.parametrize("argv", [["--tiny", "qwen3", "--cycle", "both"],
+                                  ["--random-target", "tiny", "--loop", "eager", "--cycle", "two-graph"]])
+def test_inference_bench_cycle_without_a_static_loop_says_what_to_add(capsys, argv):
+    """--cycle chooses the static loops' cycle: with none of them timed it would change nothing."""
+    assert "chooses how the static and compiled loops run a cycle: add --loop static" in argparse_error(
+        capsys, "inference", argv)
+
+
+def test_the_device_resident_loops_refuse_what_they_cannot_run(tiny_targets):
+    """resident=True with sampling, timed parts or a proposer other than the static drafter would silently
+    run the two-graph cycle instead: refused by name."""
+    from conftest import ReferenceProposer, tiny_drafter_config
+    from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
+                                       static_target_generate)
+    from models.drafter import DFlashDraftModel
+
+    target = tiny_targets("qwen3")
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st = StaticTarget(target, drafter.config.target_layer_ids, max_len=64, block_size=8)
+    proposer = StaticDrafterProposer(drafter, target, max_len=64)
+    prompt = [257, 85, 82]
+    for kw in ({"temperature": 0.7}, {"parts": {}}):
+        with pytest.raises(ValueError, match="the device-resident cycle is greedy, untimed by parts"):
+            static_dflash_generate(st, proposer, prompt, 4, resident=True, **kw)
+    with pytest.raises(ValueError, match="needs the static drafter"):
+        static_dflash_generate(st, ReferenceProposer(prompt * 10, [1, 3, 5], 8, 288), prompt, 4, resident=True)
+    with pytest.raises(ValueError, match="the device-resident step is greedy"):
+        static_target_generate(st, prompt, 4, temperature=0.7, resident=True)
+
+
 def test_inference_bench_profile_without_a_torch_loop_says_what_to_add(capsys):
     assert "--profile 5 profiles the torch loops: add --loop" in argparse_error(
         capsys, "inference", ["--tiny", "qwen3", "--profile", "5"])

@@ -8,7 +8,7 @@ bf16 it reports where (if anywhere) it first departs from target-only decoding.
 import pytest
 import torch
 
-from conftest import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
+from conftest import ReferenceProposer, assert_close, expected_acceptance, reference_drafts, tiny_drafter_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -103,9 +103,11 @@ def assert_same_loop(static, eager, ref_tokens, hybrid):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
 def test_graph_loop_equals_eager_loop_on_cuda(arch):
-    """CUDA graph replay of the static loop (decode, verify, drafter block pass) against the eager loop
-    in fp32: same tokens as target-only decoding, same acceptance lengths, same drafts. Qwen3.5: the
-    GatedDeltaNet rollback (an index into the kept states) inside the graphs."""
+    """CUDA graph replay of the static loop (decode, verify, drafter block pass; and the device-resident
+    greedy step and cycle) against the eager loop in fp32: same tokens as target-only decoding, same
+    acceptance lengths, same drafts. Qwen3.5: the GatedDeltaNet rollback (an index into the kept
+    states) inside the graphs."""
+    from inference.static_greedy import greedy_cycle, greedy_decode
     from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
                                        static_target_generate)
     from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
@@ -121,17 +123,25 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
     drafter = DFlashDraftModel(tiny_drafter_config(target)).cuda().eval()
     st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(prompt) + 100, block_size=8)
     assert st.graphs
-    assert static_target_generate(st, prompt, 64, eos_token_ids=[]).tokens == ref.tokens[:64]
+    for resident in (True, False):  # one graph a step / cycle (greedy), or the passes' graphs with the host between
+        assert static_target_generate(st, prompt, 64, eos_token_ids=[], resident=resident).tokens == ref.tokens[:64]
     res = static_dflash_generate(st, ReferenceProposer(prompt + ref.tokens, drafter.config.target_layer_ids, 8, 288,
                                                        mistakes), prompt, 64, eos_token_ids=[])
     assert res.tokens == ref.tokens[:64]
     assert res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
+    planted = StaticDrafterProposer(drafter, target, st.max_len)
+    reference_drafts(planted, prompt + ref.tokens, mistakes)
+    res = static_dflash_generate(st, planted, prompt, 64, eos_token_ids=[])  # the device-resident cycle
+    assert res.tokens == ref.tokens[:64]
+    assert res.acceptance_lengths == expected_acceptance(len(prompt), 64, 8, mistakes)
     eager = dflash_generate(target, DrafterProposer(drafter, target), prompt, 64, eos_token_ids=[])
     proposer = StaticDrafterProposer(drafter, target, st.max_len)
-    static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[])
-    assert_same_loop(static, eager, ref.tokens[:64], target.is_hybrid)
+    for resident in (True, False):
+        static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[], resident=resident)
+        assert_same_loop(static, eager, ref.tokens[:64], target.is_hybrid)
     assert st._passes[1].graph is not None and st._passes[8].graph is not None  # replayed, not eager
     assert proposer._pass.graph is not None
+    assert greedy_cycle(st, proposer)._graph.graph is not None and greedy_decode(st)._graph.graph is not None
 
 
 def test_compiled_flex_over_varying_row_lengths_equals_dense():
@@ -251,5 +261,6 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
     eager = dflash_generate(target, DrafterProposer(drafter, target), prompt, 64, eos_token_ids=[])
     st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(prompt) + 100, block_size=8, compile=True)
     proposer = StaticDrafterProposer(drafter, target, st.max_len, compile=True)
-    static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[])
-    assert_same_loop(static, eager, ref.tokens, target.is_hybrid)
+    for resident in (True, False):
+        static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[], resident=resident)
+        assert_same_loop(static, eager, ref.tokens, target.is_hybrid)

@@ -211,7 +211,7 @@ def test_static_loop_equals_eager_loop(tiny_targets, arch):
 def test_grouped_attention_of_the_static_draft_pass_equals_repeated_heads():
     """Query heads packed per K/V head (no repeated cache) give what repeating K/V gives, per head and
     position, with a mask that differs by query row."""
-    from inference.static_loop import attend_grouped
+    from inference.grouped_attention import attend_grouped
     from models.drafter import attend
 
     g = torch.Generator().manual_seed(0)
@@ -272,13 +272,13 @@ def test_static_target_passes_attend_grouped_and_leave_the_attention_setting_as_
                                                                                      monkeypatch):
     """The 1-token and B-token passes run the grouped attention (no repeated K/V), the prefill HF's own,
     and the target's attention setting is its own again after every pass (the eager loop shares it)."""
-    from inference import static_loop
+    from inference import grouped_attention
     from inference.static_loop import StaticTarget, static_target_generate
 
     target = tiny_targets(arch)
     lengths = []
-    real = static_loop.attend_grouped
-    monkeypatch.setattr(static_loop, "attend_grouped",
+    real = grouped_attention.attend_grouped
+    monkeypatch.setattr(grouped_attention, "attend_grouped",
                         lambda q, *a, **k: lengths.append(q.shape[2]) or real(q, *a, **k))
     st = StaticTarget(target, [1], max_len=len(PROMPT) + 8 + 2 * B, block_size=B)
     assert st._attn_configs
@@ -358,6 +358,7 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
     capture is emulated on the CPU: the same warm-up, then the pass itself for each replay."""
     from conftest import tiny_drafter_config
     from inference import static_loop
+    from inference.static_greedy import greedy_cycle, greedy_decode
     from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
                                        static_target_generate)
     from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
@@ -377,13 +378,16 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
     drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
     st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(PROMPT) + NEW + 2 * B, block_size=B,
                       graphs=True)
-    assert static_target_generate(st, PROMPT, NEW, eos_token_ids=[]).tokens == \
-        target_generate(target, PROMPT, NEW, eos_token_ids=[]).tokens
+    ref = target_generate(target, PROMPT, NEW, eos_token_ids=[]).tokens
+    for resident in (True, False):  # the one-graph greedy step and cycle, and the two-graph ones
+        assert static_target_generate(st, PROMPT, NEW, eos_token_ids=[], resident=resident).tokens == ref
     eager = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
     proposer = StaticDrafterProposer(drafter, target, max_len=st.max_len, graphs=True)
-    graphed = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
-    assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
-    assert all(p.graph == "captured" for p in [*st._passes.values(), proposer.graphed_pass()])
+    for resident in (True, False):
+        graphed = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[], resident=resident)
+        assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
+    resident_graphs = [greedy_cycle(st, proposer)._graph, greedy_decode(st)._graph]
+    assert all(p.graph == "captured" for p in [*st._passes.values(), proposer.graphed_pass(), *resident_graphs])
 
 
 def test_graph_warm_up_runs_twice_each_from_the_saved_state():
@@ -702,9 +706,26 @@ def test_inference_bench_profiles_each_pass_of_the_static_loop(capsys):
     for prof in profiles.values():
         assert prof["loop"] == "static" and prof["calls"] == 10 and 1 <= len(prof["ops"]) <= 100
         assert prof["total_ms_per_call"] > 0 and all(0 <= op["share"] <= 1 for op in prof["ops"])
-    # the tiny drafter's block pass: 2 layers x 7 projections (4 attention incl. the context's k, v: 6) + fc + head.
+    # the tiny drafter's block pass: per layer the q|k|v, o, gate|up and down matmuls, then fc and the head.
     # Every op of the pass is listed (N=100), so this does not hang on how the ops rank by time.
     assert any(op["name"] == "aten::mm" for op in profiles["draft"]["ops"])
+
+
+def test_inference_bench_times_both_cycles_of_a_static_loop_on_one_build(capsys, monkeypatch):
+    """--cycle both: per prompt a device-resident and a two-graph line (same tokens and tau), one loop build."""
+    from inference import static_loop
+
+    builds = []
+    real = static_loop.build_static_loop
+    monkeypatch.setattr(static_loop, "build_static_loop", lambda *a, **k: builds.append(1) or real(*a, **k))
+    lines = bench_lines(capsys, "inference", ["--random-target", "tiny", "--loop", "static", "--max-new-tokens", "12",
+                                              "--prompts", "x", "y", "--prompt-tokens", "8", "--cycle", "both"])
+    decode = [x for x in lines if x["bench"] == "decode"]
+    assert [(x["prompt"], x["cycle"]) for x in decode] == [(0, "resident"), (0, "two-graph"), (1, "resident"),
+                                                           (1, "two-graph")]
+    for a, b in (decode[:2], decode[2:]):
+        assert a["tokens"] == b["tokens"] == 12 and a["tau"] == b["tau"] and a["cycle_cost"] > 0
+    assert builds == [1]
 
 
 def test_train_bench_profiles_one_more_step(capsys):
