@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from inference.static_loop import StaticDrafterProposer, StaticLoopUnsupported, StaticTarget, _Graphed, _sync
+from inference.static_loop import (StaticDrafterProposer, StaticLoopUnsupported, StaticTarget, _Graphed, _sync,
+                                   prefill)
 from inference.stats import GenerationResult, commit_tokens
 
 
@@ -76,13 +77,8 @@ class GreedyCycle:
         device = t.target.device
         p.reset()
         result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
-        t0 = time.perf_counter()
-        feats, logits = t.forward(torch.tensor([prompt_ids], device=device), 0)
-        first = int(logits[0, -1].argmax())
-        _sync(device)
-        result.prefill_s = time.perf_counter() - t0
+        feats, first, stop = prefill(t, prompt_ids, result, eos, max_new_tokens)
         committed = len(prompt_ids)
-        stop = commit_tokens([first], result.tokens, eos, max_new_tokens)
         t1 = time.perf_counter()
         if stop is None:  # the first draft, from the prompt's features: static_loop's pass
             drafts = p.propose(first, feats, committed, B)
@@ -133,13 +129,8 @@ class GreedyDecode:
         t = self.target
         device = t.target.device
         result = GenerationResult(tokens=[], block_size=1)
-        t0 = time.perf_counter()
-        _, logits = t.forward(torch.tensor([prompt_ids], device=device), 0)
-        tok = int(logits[0, -1].argmax())
-        _sync(device)
-        result.prefill_s = time.perf_counter() - t0
+        _, tok, stop = prefill(t, prompt_ids, result, eos, max_new_tokens)
         pos = len(prompt_ids)
-        stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
         t1 = time.perf_counter()
         if stop is None:
             self._tok.fill_(tok)

@@ -395,14 +395,9 @@ def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int]
     proposer.reset()
     result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
     clock = Clock(device, parts)
-    t0 = time.perf_counter()
-    feats, logits = target.forward(torch.tensor([prompt_ids], device=device), 0)
+    feats, _, stop = prefill(target, prompt_ids, result, eos, max_new_tokens, temperature, gen)
     new_features = feats.clone()
-    first = int(sample(logits[0, -1], temperature, gen))
-    _sync(device)
-    result.prefill_s = time.perf_counter() - t0
     committed = len(prompt_ids)
-    stop = commit_tokens([first], result.tokens, eos, max_new_tokens)
     t1 = time.perf_counter()
     while stop is None:
         clock.start()
@@ -445,13 +440,8 @@ def static_target_generate(target: StaticTarget, prompt_ids: list[int], max_new_
     device = target.target.device
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     result = GenerationResult(tokens=[], block_size=1)
-    t0 = time.perf_counter()
-    _, logits = target.forward(torch.tensor([prompt_ids], device=device), 0)
-    tok = int(sample(logits[0, -1], temperature, gen))
-    _sync(device)
-    result.prefill_s = time.perf_counter() - t0
+    _, tok, stop = prefill(target, prompt_ids, result, eos, max_new_tokens, temperature, gen)
     pos = len(prompt_ids)
-    stop = commit_tokens([tok], result.tokens, eos, max_new_tokens)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     t1 = time.perf_counter()
     while stop is None:
@@ -465,6 +455,19 @@ def static_target_generate(target: StaticTarget, prompt_ids: list[int], max_new_
     result.decode_s = time.perf_counter() - t1
     result.stop_reason = stop
     return result
+
+
+def prefill(target: StaticTarget, prompt_ids: list[int], result: GenerationResult, eos: set[int],
+            max_new_tokens: int, temperature: float = 0.0, gen: torch.Generator | None = None):
+    """The prompt's pass (eager, any length) and the target's first token, committed to ``result`` with
+    its time as ``result.prefill_s``: ``(the prompt's features, first token, stop reason or None)``."""
+    device = target.target.device
+    t0 = time.perf_counter()
+    feats, logits = target.forward(torch.tensor([prompt_ids], device=device), 0)
+    first = int(sample(logits[0, -1], temperature, gen))
+    _sync(device)
+    result.prefill_s = time.perf_counter() - t0
+    return feats, first, commit_tokens([first], result.tokens, eos, max_new_tokens)
 
 
 def _sync(device: torch.device) -> None:
