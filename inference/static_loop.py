@@ -13,6 +13,9 @@ eager loop (``torch_loop.py``) measures the host. Here every per-token pass has 
 * on CUDA the three fixed shapes (target 1-token decode, B-token verify, drafter block pass) are
   captured once as CUDA graphs and replayed; the prefill runs eagerly. Inputs (tokens, start
   position, lengths) are copied into static device buffers before a replay.
+* at temperature 0 the whole cycle (verify, acceptance, next draft) runs as one function on the
+  device, one graph on CUDA, with one read per cycle (``inference.static_greedy``); sampling and
+  the per-part timing keep the two graphed passes with the host between them.
 
 * GatedDeltaNet layers (Qwen3.5 / 3.6) keep the state after every position of a pass
   (``inference.static_gdn``); the next pass starts from the one after the committed positions, so
@@ -337,8 +340,9 @@ class StaticDrafterProposer:
 
 def _fuse_projections(drafter: DFlashDraftModel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, ``q|k|v`` and ``gate|up`` weights stacked into one matrix each (one matmul, one kernel,
-    instead of three and two). The drafter's own Linear weights become views of them, so GPU memory
-    holds each weight once and the eager drafter still computes with the same values."""
+    instead of three and two). The drafter's own Linear weights become views of them (the same
+    Parameter objects, their data re-pointed), so GPU memory holds each weight once and the eager
+    drafter still computes with the same values; saving copies each view out (``models.weights``)."""
     qkv, gate_up = [], []
     for layer in drafter.layers:
         a, m = layer.self_attn, layer.mlp
@@ -347,7 +351,7 @@ def _fuse_projections(drafter: DFlashDraftModel) -> tuple[list[torch.Tensor], li
             rows = 0
             for p in parts:
                 n = p.weight.shape[0]
-                p.weight = torch.nn.Parameter(fused[rows:rows + n], requires_grad=p.weight.requires_grad)
+                p.weight.data = fused[rows:rows + n]
                 rows += n
             out.append(fused)
     return qkv, gate_up

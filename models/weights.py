@@ -40,9 +40,17 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_s
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, directory, max_shard_size=max_shard_size,
+    save_torch_state_dict({k: _owning(v) for k, v in state.items()}, directory, max_shard_size=max_shard_size,
                           metadata={"format": "pt"})
     return weight_files(directory)
+
+
+def _owning(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and alone in its storage: a slice of a larger one (the static loop stacks a drafter's
+    q/k/v and gate/up weights into one matrix each, its Linear weights views of it) is copied, which
+    safetensors asks for (it refuses to save part of a storage)."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def shard_index(directory: Path) -> dict[str, str] | None:

@@ -107,3 +107,26 @@ def test_resident_loops_stop_before_the_static_caches_overflow(tiny_targets):
         static_target_generate(st, PROMPT, 200, eos_token_ids=[])
     # and the same objects run a generation that fits afterwards
     assert len(static_target_generate(st, PROMPT, 4, eos_token_ids=[]).tokens) == 4
+
+
+def test_the_stacked_draft_weights_leave_the_drafter_usable_trainable_and_savable(tiny_targets, tmp_path):
+    """The static pass stacks each layer's q|k|v and gate|up weights and re-points the drafter's own at
+    them: the same Parameter objects (an optimizer's references stay live), the same values, sharing the
+    stacked storage (no second copy), and a save afterwards writes and reloads the same weights."""
+    from inference.static_loop import StaticDrafterProposer
+    from models.drafter import DFlashDraftModel
+
+    target = tiny_targets("qwen3")
+    torch.manual_seed(3)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    params = dict(drafter.named_parameters())
+    before = {k: v.detach().clone() for k, v in params.items()}
+    proposer = StaticDrafterProposer(drafter, target, max_len=64)
+    after = dict(drafter.named_parameters())
+    assert all(after[k] is params[k] for k in params)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    q = drafter.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().data_ptr() == proposer._qkv[0].untyped_storage().data_ptr()
+    drafter.save_pretrained(tmp_path / "d")
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path / "d").state_dict()
+    assert all(torch.equal(reloaded[k], before[k]) for k in before)
