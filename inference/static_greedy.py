@@ -48,6 +48,7 @@ class GreedyCycle:
                    proposer._ctx_len, proposer._n_new, self._ids]
         self._graph = _Graphed(self._cycle, target.graphs, mutable)
 
+    @torch.no_grad()  # the drafter's weights require grad: no autograd record of a pass, also in a capture
     def _cycle(self) -> torch.Tensor:
         t, p, B = self.target, self.proposer, self.B
         feats, logits = t._pass(self._ids, t.graph_layers, t.graph_steps)
@@ -72,6 +73,7 @@ class GreedyCycle:
         self._ids[0, 1:].copy_(next_drafts)
         return self._out
 
+    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> GenerationResult:
         t, p, B = self.target, self.proposer, self.B
         device = t.target.device
@@ -117,6 +119,7 @@ class GreedyDecode:
         mutable = [*target.gdn_buffers, target._start, target._keep, self._tok]
         self._graph = _Graphed(self._step, target.graphs, mutable)
 
+    @torch.no_grad()
     def _step(self) -> torch.Tensor:
         t = self.target
         _, logits = t._pass(self._tok, t.graph_layers, t.graph_steps)
@@ -125,6 +128,7 @@ class GreedyDecode:
         t._keep.fill_(1)  # after the first step (which may follow a short prompt's pass), one position a step
         return self._tok
 
+    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> GenerationResult:
         t = self.target
         device = t.target.device

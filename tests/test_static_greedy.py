@@ -130,3 +130,19 @@ def test_the_stacked_draft_weights_leave_the_drafter_usable_trainable_and_savabl
     drafter.save_pretrained(tmp_path / "d")
     reloaded = DFlashDraftModel.from_pretrained(tmp_path / "d").state_dict()
     assert all(torch.equal(reloaded[k], before[k]) for k in before)
+
+
+def test_resident_passes_record_no_autograd_graph(tiny_targets):
+    """The drafter's weights require grad: a cycle or step run with autograd on would record every pass
+    (memory, time; inside a CUDA graph capture too). Both run under no_grad whatever the caller's mode."""
+    from inference.static_loop import static_dflash_generate, static_target_generate
+
+    target = tiny_targets("qwen3")
+    _, st, proposer = _static(target)
+    modes, real_draft, real_pass = [], proposer.block_pass, st._pass
+    proposer.block_pass = lambda feats: modes.append(torch.is_grad_enabled()) or real_draft(feats)
+    st._pass = lambda *a, **k: modes.append(torch.is_grad_enabled()) or real_pass(*a, **k)
+    assert torch.is_grad_enabled()
+    res = static_dflash_generate(st, proposer, PROMPT, 12, eos_token_ids=[])
+    static_target_generate(st, PROMPT, 6, eos_token_ids=[])
+    assert res.tokens and len(modes) > 2 * len(res.acceptance_lengths) and not any(modes)
