@@ -90,9 +90,10 @@ class GreedyCycle:
             p._ctx_len.fill_(p.ctx_len)
             if t.gdn:
                 t._commit(committed, B)
+        room = min(t.max_len, p.max_len)  # the verify and the next draft each write B positions from `committed`
         while stop is None:
-            if committed + B > t.max_len:
-                raise ValueError(f"static caches hold {t.max_len} positions; a block at {committed} does not fit: "
+            if committed + B > room:
+                raise ValueError(f"static caches hold {room} positions; a block at {committed} does not fit: "
                                  "raise max_len (prompt + max_new_tokens + block size)")
             out = self._graph().tolist()  # the one sync per cycle
             drafts, target_tokens, accepted = out[:B - 1], out[B - 1:2 * B - 1], out[-1]
