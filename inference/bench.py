@@ -105,25 +105,26 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
     # broke short runs, whose warm-up asks for more.
     max_len = max(len(p) for p in prompts) + max(max_new, warm) + 2 * B
     for loop in loops:
-        kinds = cycles if loop in ("static", "compiled") else (None,)
+        # (line label, resident flag): None lets the static loop choose (the parts run below, the profile)
+        kinds = [(c, c == "resident") for c in cycles] if loop in ("static", "compiled") else [(None, None)]
         if loop in ("static", "compiled"):
             st, proposer = sl.build_static_loop(target, drafter, max_len, B, compile=loop == "compiled")
             gen = lambda ids, resident, **kw: sl.static_dflash_generate(  # noqa: E731
-                st, proposer, ids, resident=resident == "resident" if resident else None, **kw)
+                st, proposer, ids, resident=resident, **kw)
             base = lambda ids, resident, **kw: sl.static_target_generate(  # noqa: E731
-                st, ids, resident=resident == "resident" if resident else None, **kw)
+                st, ids, resident=resident, **kw)
         else:
             proposer = tl.DrafterProposer(drafter, target)
             gen = lambda ids, resident, **kw: tl.dflash_generate(target, proposer, ids, **kw)  # noqa: E731
             base = lambda ids, resident, **kw: tl.target_generate(target, ids, **kw)  # noqa: E731
-        for kind in kinds:
-            gen(prompts[0], kind, max_new_tokens=warm, block_size=B, eos_token_ids=[])  # warm-up: graphs, kernels
-            base(prompts[0], kind, max_new_tokens=4, eos_token_ids=[])
+        for _, resident in kinds:
+            gen(prompts[0], resident, max_new_tokens=warm, block_size=B, eos_token_ids=[])  # warm-up: graphs
+            base(prompts[0], resident, max_new_tokens=4, eos_token_ids=[])
         for rep in range(repeat):
             for i, ids in enumerate(prompts):
-                for kind in kinds:
-                    r = gen(ids, kind, max_new_tokens=max_new, block_size=B, eos_token_ids=[])
-                    b = base(ids, kind, max_new_tokens=max_new, eos_token_ids=[])
+                for kind, resident in kinds:
+                    r = gen(ids, resident, max_new_tokens=max_new, block_size=B, eos_token_ids=[])
+                    b = base(ids, resident, max_new_tokens=max_new, eos_token_ids=[])
                     print(json.dumps({"bench": "decode", "backend": "torch", "loop": loop,
                                       **({"cycle": kind} if kind else {}), "device": str(target.device),
                                       "repeat": rep, "prompt": i, "prompt_tokens": len(ids),

@@ -29,6 +29,7 @@ class StaticGatedDeltaNet:
     def __init__(self, module, layer_idx: int, max_pass: int):
         m = self.m = module
         self.layer_idx, self.max_pass = layer_idx, max_pass
+        self._cache_kw = cache_kwarg(module, "cache_params")
         dev, dt = m.out_proj.weight.device, m.out_proj.weight.dtype
         self.K = m.conv_kernel_size
         # Convolution inputs: the committed window (K-1 entries) followed by the last pass's inputs.
@@ -45,7 +46,7 @@ class StaticGatedDeltaNet:
 
     def prefill(self, x: torch.Tensor, cache) -> torch.Tensor:
         """The layer itself over a prompt of any length; its final state becomes the committed one (keep = 1)."""
-        out = self.m(hidden_states=x, attention_mask=None, **{cache_kwarg(self.m, "cache_params"): cache})
+        out = self.m(hidden_states=x, attention_mask=None, **{self._cache_kw: cache})
         layer = cache.layers[self.layer_idx]
         self.window[:, :, 1:self.K].copy_(layer.conv_states[0][:, :, -(self.K - 1):])
         self.states[0].copy_(layer.recurrent_states[0])

@@ -173,6 +173,7 @@ class TargetModel:
         inner = model.model
         self.decoder = getattr(inner, "language_model", inner)  # multimodal checkpoints wrap the text tower
         self.layers = self.decoder.layers
+        self._cache_kw = cache_kwarg(self.decoder)  # read once: the signature does not change per call
         self.embed_tokens = self.decoder.embed_tokens
         self.lm_head = model.get_output_embeddings()
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
@@ -310,7 +311,7 @@ class TargetModel:
         out = None
         try:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=cache is not None, **{cache_kwarg(self.decoder): cache})
+                               use_cache=cache is not None, **{self._cache_kw: cache})
         except _StopForward:
             pass
         finally:
