@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from models.config import MODELING_FILE, DFlashConfig
+from models.flex_options import kernel_options, parse_flex_backward, resolve_tiles
 from models.hub import resolve_model_dir
 
 
@@ -101,6 +102,8 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # flex attention's backward tiles (models/flex_options.py), set by DFlashDraftModel.forward
+        self.flex_kernel_options: dict | None = None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -119,16 +122,20 @@ class DFlashAttention(nn.Module):
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=-2)
         v = torch.cat([v_ctx, v_blk], dim=-2)
-        out = attend(q, k, v, mask)
+        out = attend(q, k, v, mask, self.flex_kernel_options)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """SDPA with a dense boolean mask (or none), flex attention with a ``BlockMask`` (CUDA training)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, kernel_options: dict | None = None) -> torch.Tensor:
+    """SDPA with a dense boolean mask (or none), flex attention with a ``BlockMask`` (CUDA training).
+
+    kernel_options: the compiled flex kernel's tiles (``models.flex_options.kernel_options``).
+    """
     if isinstance(mask, BlockMask):
         # The compiled kernel needs head_dim >= 16 (real drafters use 128); tiny test shapes run eager.
         fused = q.is_cuda and q.shape[-1] >= 16
-        return _flex_attention(fused)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        extra = {"kernel_options": kernel_options} if fused and kernel_options else {}
+        return _flex_attention(fused)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], **extra)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
@@ -204,6 +211,13 @@ class DFlashDraftModel(nn.Module):
         self._target: dict[str, nn.Module] = {}  # borrowed, so not a submodule: never trained or saved
         # Training only: recompute each layer's activations in the backward pass (train.grad_checkpointing).
         self.gradient_checkpointing = False
+        self.flex_backward: str | tuple[int, ...] = "auto"  # train.flex_backward, parsed
+
+    def set_flex_backward(self, setting: str) -> "DFlashDraftModel":
+        """Flex attention's backward tiles for training: auto, torch or M1,N1,M2,N2,STAGES,WARPS
+        (``models/flex_options.py``). Speed only: the attention computed is the same."""
+        self.flex_backward = parse_flex_backward(setting)
+        return self
 
     def init_weights(self, std: float = 0.02) -> "DFlashDraftModel":
         """Qwen3 initialisation for training from scratch: linears ~ N(0, std), norms stay at 1."""
@@ -266,6 +280,8 @@ class DFlashDraftModel(nn.Module):
         rope_ctx = rope_cos_sin(position_ids[:, :c], self.config.head_dim, self.config.rope_theta, dtype)
         rope_blk = rope_cos_sin(position_ids[:, c:], self.config.head_dim, self.config.rope_theta, dtype)
         masks = self._masks(attention_mask, position_ids, c, cache)
+        if target_hidden.is_cuda and any(isinstance(m, BlockMask) for m in masks.values()):
+            self._set_flex_tiles(target_hidden.device)
         hidden = noise_embedding
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -274,6 +290,13 @@ class DFlashDraftModel(nn.Module):
             else:
                 hidden = layer(hidden, context, rope_ctx, rope_blk, masks[layer.attention_type], cache)
         return self.norm(hidden)
+
+    def _set_flex_tiles(self, device: torch.device) -> None:
+        # On the layers' attention, outside the compiled layers: a plain attribute the compiled code reads.
+        options = kernel_options(resolve_tiles(self.flex_backward, device, self.config.head_dim))
+        for layer in self.layers:
+            if layer.self_attn.flex_kernel_options != options:
+                layer.self_attn.flex_kernel_options = options
 
     def _masks(self, attention_mask, position_ids, c, cache):
         if isinstance(attention_mask, dict):

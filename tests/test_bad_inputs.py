@@ -5583,3 +5583,47 @@ def test_a_prepare_into_a_folder_another_prepare_writes_is_refused_and_a_finishe
     main(args)
     assert (out / LOCK).is_file() and (out / "draftsmith_data.json").is_file()
     main(args)  # the finished folder is reused, the lock file in it is the prepare's own
+
+
+# ------------------------------------------------------------------ flex attention's backward tiles
+@pytest.mark.parametrize("setting, said", [
+    ("fast", "use auto, torch, or six whole numbers M1,N1,M2,N2,STAGES,WARPS"),
+    ("64,64,64,64", "six whole numbers"),
+    ("64,64,64,64,2,4,1", "six whole numbers"),
+    ("64,64,64,64,-2,4", "six whole numbers"),
+    ("48,64,64,64,2,4", "must each be 16, 32, 64 or 128"),
+    ("256,256,256,256,1,8", "must each be 16, 32, 64 or 128"),  # past the mask's 128-wide tiles
+    ("64,32,64,64,2,4", "N1 must be a multiple of M1"),
+    ("64,64,32,64,2,4", "M2 a multiple of N2"),
+    ("64,64,64,64,0,4", "STAGES must be 1..6"),
+    ("64,64,64,64,2,3", "WARPS one of 1, 2, 4, 8, 16"),
+])
+def test_a_bad_flex_backward_setting_says_the_accepted_forms(setting, said):
+    from models.flex_options import parse_flex_backward
+
+    with pytest.raises(ValueError, match=re.escape(said)):
+        parse_flex_backward(setting)
+
+
+def test_a_flex_backward_typo_fails_when_the_config_loads():
+    """It was read only by the first CUDA step of the drafter, after the target and data had loaded."""
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=r"flex backward setting 'fastest'"):
+        load_config(["recipe=tiny", "train.flex_backward=fastest"])
+    assert load_config(["recipe=tiny", "train.flex_backward=32,64,64,32,2,4"]).train.flex_backward == "32,64,64,32,2,4"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--flex-backward", "1,2"], "flex backward setting '1,2': use auto, torch, or six whole numbers"),
+    (["--flex-sweep", "64,64,64,64,2,4", "64,64"], "flex backward setting '64,64'"),
+    (["--flex-sweep", "auto"], "--flex-sweep auto: give tiles"),
+])
+def test_train_bench_refuses_bad_flex_tiles_before_building(capsys, no_build, argv, said):
+    assert said in argparse_error(capsys, "train", ["--e2e", "qwen35-9b", *argv])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_train_bench_flex_sweep_without_a_gpu_says_it_needs_one(no_build):
+    with pytest.raises(ValueError, match="--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU"):
+        bench("train")(["--e2e", "qwen35-9b", "--flex-sweep"])

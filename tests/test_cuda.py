@@ -264,3 +264,42 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
     for resident in (True, False):
         static = static_dflash_generate(st, proposer, prompt, 64, eos_token_ids=[], resident=resident)
         assert_same_loop(static, eager, ref.tokens, target.is_hybrid)
+
+
+@pytest.mark.parametrize("tiles", ["16,32,32,16,1,4", "32,32,32,32,2,4"])
+def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
+    """train.flex_backward changes speed only: explicit tiles reach the compiled kernel and give
+    torch's tiles' loss and gradients."""
+    from test_train_objective import B, H, MASK, _rows
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+
+    ids, lm, doc, pos = (t.cuda() for t in _rows())
+    feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2)).cuda()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    results = {}
+    for setting in ("torch", tiles):
+        torch._dynamo.reset()
+        d, emb, head = _drafter(None, 16)
+        d.set_flex_backward(setting)
+        masks = attention_masks(d.config, blocks, doc, pos, use_flex=True)
+        out = block_loss(drafter_forward(d, emb, blocks, feats, pos, masks), blocks, head.weight, 4.0)
+        out.loss.backward()
+        results[setting] = (out.loss.detach(), {n: p.grad.detach().clone() for n, p in d.named_parameters()})
+    assert d.layers[0].self_attn.flex_kernel_options["bwd_BLOCK_M1"] == int(tiles.split(",")[0])
+    assert_close(results[tiles][0], results["torch"][0], atol=1e-5, what=f"loss with tiles {tiles}")
+    for n, g in results["torch"][1].items():
+        assert_close(results[tiles][1][n], g, atol=1e-5, rtol=1e-4, what=f"grad {n} with tiles {tiles}")
+
+
+def test_flex_sweep_reports_each_candidate_and_the_best_on_cuda(capsys):
+    import json
+
+    from train.bench import main
+
+    main(["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "256", "--anchors", "8",
+          "--block", "8", "--steps", "2", "--flex-sweep", "32,32,32,32,1,4", "16,32,32,16,2,4"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    rows, win = lines[:-1], lines[-1]
+    assert [r["tiles"] for r in rows] == ["torch", "32,32,32,32,1,4", "16,32,32,16,2,4"]
+    assert all(r["same_grads"] and r["fwd_bwd_ms"] > 0 for r in rows), rows
+    assert win["bench"] == "flex_sweep_best" and win["tiles"] in {r["tiles"] for r in rows}

@@ -733,3 +733,73 @@ def test_train_bench_profiles_one_more_step(capsys):
                                           "--anchors", "4", "--profile", "2"])
     assert [x["bench"] for x in lines] == ["train_e2e", "train_parts", "profile"]
     assert lines[-1]["what"] == "train_e2e" and len(lines[-1]["ops"]) == 2
+
+
+# ------------------------------------------------------------------ flex attention's backward tiles
+def test_flex_backward_settings_become_backward_only_kernel_options(monkeypatch):
+    """auto: the measured tiles for (capability, head_dim) where there are some, else torch's; the
+    options carry the bwd_ prefix so the forward keeps torch's tiles; a CPU run never gets options."""
+    from models import flex_options as fo
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fo, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(fo, "TUNED", {((9, 0), 256): (32, 64, 64, 32, 2, 4)})
+    assert fo.resolve_tiles("auto", cuda, 256) == (32, 64, 64, 32, 2, 4)
+    assert fo.resolve_tiles("auto", cuda, 128) is None  # not measured: torch's choice
+    assert fo.resolve_tiles("torch", cuda, 256) is None
+    assert fo.resolve_tiles(fo.parse_flex_backward("64,128,128,64,3,8"), cuda, 256) == (64, 128, 128, 64, 3, 8)
+    assert fo.resolve_tiles(fo.parse_flex_backward("64,128,128,64,3,8"), torch.device("cpu"), 256) is None
+    assert fo.kernel_options((32, 64, 64, 32, 2, 4)) == {
+        "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_stages": 2,
+        "bwd_num_warps": 4}
+    assert fo.kernel_options(None) is None
+    assert fo.format_tiles((32, 64, 64, 32, 2, 4)) == "32,64,64,32,2,4" and fo.format_tiles(None) == "torch"
+
+
+def test_the_drafter_hands_its_tiles_to_every_attention_layer(monkeypatch):
+    from models import flex_options as fo
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+
+    monkeypatch.setattr(fo, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(fo, "TUNED", {((9, 0), 16): (16, 32, 32, 16, 1, 4)})
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=40, num_target_layers=4, target_layer_ids=[1],
+                       mask_token_id=39, block_size=4)
+    d = DFlashDraftModel(cfg)
+    assert d.flex_backward == "auto"
+    d._set_flex_tiles(torch.device("cuda", 0))
+    assert [layer.self_attn.flex_kernel_options["bwd_BLOCK_N1"] for layer in d.layers] == [32, 32, 32]
+    d.set_flex_backward("torch")._set_flex_tiles(torch.device("cuda", 0))
+    assert [layer.self_attn.flex_kernel_options for layer in d.layers] == [None, None, None]
+    assert d.set_flex_backward("64,64,64,64,2,8").flex_backward == (64, 64, 64, 64, 2, 8)
+
+
+def test_flex_sweep_picks_the_fastest_candidate_with_torchs_gradients():
+    from train.flex_sweep import best, candidates_for
+
+    rows = [{"tiles": "torch", "fwd_bwd_ms": 10.0, "same_grads": True},
+            {"tiles": "16,16,16,16,1,4", "fwd_bwd_ms": 5.0, "same_grads": False},  # faster, but wrong
+            {"tiles": "32,64,64,32,1,4", "error": "OutOfResources: shared memory"},
+            {"tiles": "64,64,64,64,1,8", "fwd_bwd_ms": 8.0, "same_grads": True}]
+    assert best(rows) == {"bench": "flex_sweep_best", "tiles": "64,64,64,64,1,8", "fwd_bwd_ms": 8.0,
+                          "torch_fwd_bwd_ms": 10.0, "speedup_vs_torch": 1.25}
+    assert best(rows[1:3]) is None
+    # torch's tiles come first (the gradients' reference), once; given lists replace the built-in ones
+    assert candidates_for(128, ["32,64,64,32,3,4", "torch"]) == [None, (32, 64, 64, 32, 3, 4)]
+    large, small = candidates_for(256, []), candidates_for(128, [])
+    assert large[0] is None and small[0] is None and large != small and len(set(large)) == len(large)
+
+
+def test_flex_sweep_takes_the_recipe_shape_without_building_its_target():
+    """--e2e qwen35-9b --flex-sweep needs only the shapes: the 9B target is built on the meta device."""
+    import argparse
+
+    from data.bench import recipe_spec
+    from train.bench import _e2e_setup
+
+    a = argparse.Namespace(e2e="qwen35-9b", taps=3, target_layers=None, layers=2, seq=256, anchors=[32], block=8)
+    target = _e2e_setup(a, ["--e2e", "qwen35-9b"], recipe_spec("qwen35-9b"), "meta")
+    assert next(target.model.parameters()).device.type == "meta"
+    assert (a.hidden, a.heads, a.kv_heads, a.head_dim) == (4096, 16, 4, 256)
+    assert (a.seq, a.anchors, a.block, a.layers, a.taps) == (3072, [512], 16, 5, 5)

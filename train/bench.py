@@ -8,6 +8,7 @@
     python -m train.bench --e2e qwen35-9b --batch 2
     python -m train.bench --e2e qwen3-8b --compile          # as train.compile=true (drafter + target layers)
     python -m train.bench --e2e tiny            # the same plumbing on the CPU: tiny target, tiny recipe's drafter
+    python -m train.bench --e2e qwen35-9b --flex-sweep      # flex backward tiles at the recipe's shape (CUDA)
 
 Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward,
 AdamW step) on random context features, as in ``train/distill.py`` (flex attention on CUDA, dense
@@ -77,6 +78,13 @@ def main(argv: list[str] | None = None) -> None:
                         "'--compile drafter' leaves the target eager (default: off)")
     p.add_argument("--target-layers", type=int, default=None,
                    help="--e2e: fewer target layers (smoke tests) (default: the recipe's)")
+    p.add_argument("--flex-backward", default="auto", metavar="TILES",
+                   help="flex attention's backward tiles: auto (measured best for this GPU and head dim, else "
+                        "torch's), torch, or M1,N1,M2,N2,STAGES,WARPS as --flex-sweep prints them (default auto)")
+    p.add_argument("--flex-sweep", nargs="*", default=None, metavar="TILES",
+                   help="instead of training steps, time the drafter's flex attention forward + backward at this "
+                        "shape under each of these tiles (none given: a built-in list for the head dim) and print "
+                        "the fastest whose gradients match torch's tiles (CUDA only)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timing, profile one more step and print its N most expensive kernels (GPU) or "
                         "operators (CPU) as a 'profile' line (default 0: off)")
@@ -89,6 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     if a.attention == "flex" and not torch.cuda.is_available():
         raise ValueError("--attention flex needs a CUDA GPU (flex attention has no CPU backward): "
                          "use --attention dense (or auto) on the CPU")
+    from models.flex_options import parse_flex_backward
+
+    try:
+        parse_flex_backward(a.flex_backward)
+        for tiles in a.flex_sweep or []:
+            parse_flex_backward(tiles)
+    except ValueError as e:
+        p.error(str(e))
+    if "auto" in (a.flex_sweep or []):
+        p.error("--flex-sweep auto: give tiles M1,N1,M2,N2,STAGES,WARPS (or torch); finding what auto should mean "
+                "is what the sweep is for")
+    if a.flex_sweep is not None and not torch.cuda.is_available():
+        raise ValueError("--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU (none found)")
     if a.e2e:
         # the drafter of an --e2e run takes the target's shape: these flags were replaced by it without a word
         shape = [f"--{n.replace('_', '-')}" for n in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
@@ -97,11 +118,12 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{', '.join(shape)} with --e2e: the drafter takes the target's shape (hidden size, heads, KV "
                     "heads, head dim, MLP, vocabulary); leave them out, or drop --e2e to time a drafter of that shape")
         spec = recipe_spec(a.e2e)  # an unknown recipe or one without a target shape: one line, before any build
-        if not torch.cuda.is_available() and not recipe_runs_on_cpu(spec):
+        if not torch.cuda.is_available() and not recipe_runs_on_cpu(spec) and a.flex_sweep is None:
             size = f"{spec['target']['params_b']}B-parameter" if "params_b" in spec["target"] else "full-size"
             raise ValueError(f"--e2e {a.e2e} builds its {size} target: it needs a CUDA GPU (none found). On the CPU "
                              "run --e2e tiny, or leave --e2e out to time the drafter step alone")
-    target = _e2e_setup(a, argv, spec) if a.e2e else None
+    # a sweep needs only the shapes: the target on the meta device, no weights
+    target = _e2e_setup(a, argv, spec, "meta" if a.flex_sweep is not None else None) if a.e2e else None
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     use_flex = a.attention == "flex" or (a.attention == "auto" and cuda)
@@ -113,7 +135,14 @@ def main(argv: list[str] | None = None) -> None:
                                   num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.intermediate,
                                   target_layer_ids=list(range(1, a.taps + 1)), block_size=a.block)
     dtype = torch.bfloat16 if cuda else torch.float32
-    drafter = DFlashDraftModel(cfg).to(device)
+    if a.flex_sweep is not None:
+        from train import flex_sweep
+
+        ids, lm, doc, pos = _rows(a, device)
+        blocks = draw_blocks(ids, lm, doc, pos, a.anchors[0], a.block, cfg.mask_token_id,
+                             torch.Generator().manual_seed(0))
+        return flex_sweep.run(a, cfg, blocks, doc)
+    drafter = DFlashDraftModel(cfg).to(device).set_flex_backward(a.flex_backward)
     if a.compile:
         drafter.compile_layers()
     if a.compile == "all" and target is not None:
@@ -129,11 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     for n_anchors in a.anchors:
-        ids = torch.randint(0, a.vocab - 1, (a.batch, a.seq), device=device)
-        lm = torch.ones_like(ids)
-        lm[:, : a.seq // 4] = 0  # a prompt, then the answer
-        doc = torch.zeros_like(ids)
-        pos = torch.arange(a.seq, device=device).expand(a.batch, -1)
+        ids, lm, doc, pos = _rows(a, device)
         feats = torch.randn(a.batch, a.seq, a.taps * H, device=device, dtype=dtype)
         target_flops = 2 * a.target_params * a.seq * a.batch if target is not None else 0
 
@@ -214,20 +239,30 @@ def main(argv: list[str] | None = None) -> None:
                               **top_ops(lambda: step(200), a.profile)}), flush=True)
 
 
-def _e2e_setup(a, argv, spec: dict):
+def _rows(a, device):
+    """Random token rows: ids, loss mask (a prompt, then the answer), document ids, positions."""
+    ids = torch.randint(0, a.vocab - 1, (a.batch, a.seq), device=device)
+    lm = torch.ones_like(ids)
+    lm[:, : a.seq // 4] = 0
+    doc = torch.zeros_like(ids)
+    pos = torch.arange(a.seq, device=device).expand(a.batch, -1)
+    return ids, lm, doc, pos
+
+
+def _e2e_setup(a, argv, spec: dict, device: str | None = None):
     """Recipe shapes for ``--e2e``: the drafter's from the target's, the rest from the recipe (paper
     recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors) unless a flag gives it."""
     from data.bench import recipe_target
     from models.config import default_layer_ids
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     drafter, data, train = spec.get("drafter") or {}, spec.get("data") or {}, spec.get("train") or {}
     given = set(x.split("=")[0] for x in (sys.argv[1:] if argv is None else argv) if x.startswith("--"))
     taps = a.taps if "--taps" in given else drafter.get("num_taps", 5)
     # checked before the target is built: a CPU tiny build is quick, a CUDA 8B one is not
     target_layers = a.target_layers or spec["target"].get("num_layers") or 6  # 6: tiny:<arch>
     layer_ids = default_layer_ids(target_layers, taps)
-    target = recipe_target(a.e2e, device, torch.bfloat16 if device == "cuda" else torch.float32,
+    target = recipe_target(a.e2e, device, torch.bfloat16 if device != "cpu" else torch.float32,
                            num_layers=a.target_layers)
     c = target.config
     a.hidden, a.heads, a.kv_heads = c.hidden_size, c.num_attention_heads, c.num_key_value_heads

@@ -124,6 +124,8 @@ class TrainConfig:
     kl_topk: int = 32  # online KL: top-k of the target distribution kept per position
     ce_chunk: int = 2048  # block slots per LM-head chunk (logits: chunk x vocab fp32)
     attention: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
+    # flex backward tiles: auto (measured best for the GPU, else torch's) | torch | M1,N1,M2,N2,STAGES,WARPS
+    flex_backward: str = "auto"
     grad_checkpointing: bool = False
     compile: bool = False  # torch.compile each drafter layer and, online, the target's (CUDA; fuses elementwise ops)
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | fp16 | no
@@ -217,12 +219,14 @@ class RunConfig:
 
     def validate(self) -> None:
         from models.cli import DTYPE_NAMES
+        from models.flex_options import parse_flex_backward
         from models.quant import parse_quantization
 
         from train.tiny import parse_tiny
 
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
         parse_tiny(self.target.path or "")  # tiny:<typo> failed after out_dir/config.yaml was written
+        parse_flex_backward(self.train.flex_backward)  # a typo would fail only at the first CUDA step
         # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
         self.target.dtype = DTYPE_NAMES.get(self.target.dtype, self.target.dtype)
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),

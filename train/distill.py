@@ -159,6 +159,7 @@ def build_drafter(run, drafter_cfg, target):
     drafter = drafter.float().to(run.device).train()
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
+    drafter.set_flex_backward(run.cfg.train.flex_backward)
     if run.cfg.train.compile:
         compile_models(run.cfg, run.device.type, drafter, target)
     return drafter

@@ -1,0 +1,137 @@
+"""``python -m train.bench --flex-sweep``: time the drafter's flex attention backward under several tiles.
+
+At the bench's shape (or ``--e2e RECIPE``'s), on one mask drawn as training draws it, each candidate
+(``models/flex_options.py`` format; ``torch`` = torch's own choice) is compiled afresh and timed
+forward and forward + backward. Its gradients are held against torch's tiles, so a tile that
+computes something else is reported, never chosen. One JSON line per candidate, then the best;
+give the best to ``train.flex_backward=`` (or ``--flex-backward`` here) for the same GPU and head dim.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from models.flex_options import format_tiles, kernel_options, parse_flex_backward
+
+# Candidates by head dim. Hopper's shared memory (227 KB a block) bounds the tiles at head_dim 256:
+# 128-wide tiles there need 8 warps and one stage.
+CANDIDATES_LARGE_HEAD = ["torch", "64,64,64,64,1,4", "64,64,64,64,1,8", "64,64,64,64,2,8", "32,64,64,32,1,4",
+                         "32,64,64,32,2,4", "32,64,64,32,3,4", "32,32,32,32,2,4", "32,128,128,32,1,8"]
+CANDIDATES = ["torch", "64,128,128,64,3,8", "64,128,128,64,2,8", "64,64,64,64,3,4", "32,128,128,32,3,4",
+              "32,64,64,32,3,4", "64,64,64,64,2,8"]
+GRAD_TOLERANCE = 2e-2  # relative to the largest reference gradient; bf16 accumulation orders differ
+
+
+def candidates_for(head_dim: int, given: list[str]) -> list[tuple[int, ...] | None]:
+    """Parsed candidates, torch's own first (the reference the others' gradients are held to)."""
+    texts = given or (CANDIDATES_LARGE_HEAD if head_dim > 128 else CANDIDATES)
+    out: list[tuple[int, ...] | None] = [None]
+    for text in texts:
+        parsed = parse_flex_backward(text)
+        if parsed == "auto":
+            raise ValueError("--flex-sweep auto: give tiles M1,N1,M2,N2,STAGES,WARPS (or torch); auto is what the "
+                             "sweep is for")
+        tiles = None if parsed == "torch" else parsed
+        if tiles not in out:
+            out.append(tiles)
+    return out
+
+
+def _time(fn, steps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, keys: int, candidates: list, steps: int,
+          info: dict) -> list[dict]:
+    """One row per candidate (printed as it finishes); ``keys``: (query, key) pairs the mask lets through."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    heads, head_dim = q.shape[1], q.shape[-1]
+    fwd_flops = 4 * heads * head_dim * keys * q.shape[0]  # QK^T and PV
+    grad_out = torch.randn_like(q)
+    rows, reference = [], None
+    for tiles in candidates:
+        row = {"bench": "flex_sweep", **info, "tiles": format_tiles(tiles)}
+        torch._dynamo.reset()  # a fresh compile: past dynamo's recompile limit it would fall back to eager
+        fn = torch.compile(flex_attention)
+        extra = {"kernel_options": kernel_options(tiles)} if tiles else {}
+
+        def forward():
+            return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], **extra)
+
+        def both():
+            q.grad = k.grad = v.grad = None
+            forward().backward(grad_out)
+
+        try:
+            both()
+            both()  # compiled and autotuned; the allocator warm
+            grads = [t.grad.float() for t in (q, k, v)]
+            fwd_ms, both_ms = _time(forward, steps), _time(both, steps)
+        except Exception as e:  # a tile that does not fit this GPU (shared memory) fails to compile
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        if reference is None:
+            reference = grads
+        err = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for g, r in zip(grads, reference))
+        bwd_ms = both_ms - fwd_ms
+        row.update(fwd_ms=round(fwd_ms, 3), bwd_ms=round(bwd_ms, 3), fwd_bwd_ms=round(both_ms, 3),
+                   bwd_over_fwd=round(bwd_ms / fwd_ms, 2), fwd_tflops=round(fwd_flops / fwd_ms / 1e9, 1),
+                   bwd_tflops=round(2.5 * fwd_flops / bwd_ms / 1e9, 1), grad_rel_err=float(f"{err:.2e}"),
+                   same_grads=err <= GRAD_TOLERANCE)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def best(rows: list[dict]) -> dict | None:
+    """The fastest forward + backward among the candidates whose gradients match torch's tiles."""
+    ok = [r for r in rows if r.get("same_grads")]
+    if not ok:
+        return None
+    win = min(ok, key=lambda r: r["fwd_bwd_ms"])
+    base = next((r for r in ok if r["tiles"] == "torch"), None)
+    out = {"bench": "flex_sweep_best", "tiles": win["tiles"], "fwd_bwd_ms": win["fwd_bwd_ms"]}
+    if base:
+        out["torch_fwd_bwd_ms"] = base["fwd_bwd_ms"]
+        out["speedup_vs_torch"] = round(base["fwd_bwd_ms"] / win["fwd_bwd_ms"], 3)
+    return out
+
+
+def run(a, cfg, blocks, doc) -> None:
+    """The bench's entry: q/k/v of the drafter's attention at the drawn blocks' shape, random values."""
+    from train.objective import flex_block_mask
+
+    if not torch.cuda.is_available():
+        raise ValueError("--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU (none found)")
+    device = torch.device("cuda")
+    candidates = candidates_for(a.head_dim, a.flex_sweep)
+    n = blocks.anchors.shape[1]
+    queries, context = n * a.block, a.seq
+    g = torch.Generator(device).manual_seed(0)
+
+    def leaf(heads: int, length: int) -> torch.Tensor:
+        x = torch.randn(a.batch, heads, length, a.head_dim, device=device, dtype=torch.bfloat16, generator=g)
+        return x.requires_grad_(True)
+
+    q, k, v = leaf(a.heads, queries), leaf(a.kv_heads, context + queries), leaf(a.kv_heads, context + queries)
+    mask = flex_block_mask(blocks, doc)
+    keys = int(((blocks.anchors + a.block) * blocks.valid).sum().item()) * a.block
+    capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    info = {"device": torch.cuda.get_device_name(), "capability": capability, "recipe": a.e2e, "heads": a.heads,
+            "kv_heads": a.kv_heads, "head_dim": a.head_dim, "batch": a.batch,
+            "seq": a.seq, "anchors": n, "block": a.block}
+    rows = sweep(q, k, v, mask, keys, candidates, a.steps, info)
+    win = best(rows)
+    print(json.dumps(win or {"bench": "flex_sweep_best", "tiles": None,
+                             "error": "no candidate compiled with gradients equal to torch's tiles"}), flush=True)
