@@ -15,10 +15,10 @@ import torch
 
 from models.flex_options import format_tiles, kernel_options, parse_flex_backward
 
-# Candidates by head dim. Hopper's shared memory (227 KB a block) bounds the tiles at head_dim 256:
-# 128-wide tiles there need 8 warps and one stage.
-CANDIDATES_LARGE_HEAD = ["torch", "64,64,64,64,1,4", "64,64,64,64,1,8", "64,64,64,64,2,8", "32,64,64,32,1,4",
-                         "32,64,64,32,2,4", "32,64,64,32,3,4", "32,32,32,32,2,4", "32,128,128,32,1,8"]
+# Candidates by head dim. At head_dim 256 a 64-row tile's fp32 gradient accumulators (64 x 256 for
+# dK and dV each) overflow 4 warps' registers: more warps, or 32-row tiles.
+CANDIDATES_LARGE_HEAD = ["torch", "64,64,64,64,1,8", "64,64,64,64,2,8", "32,64,64,32,2,8", "32,64,64,32,2,4",
+                         "32,32,32,32,2,4", "32,32,32,32,3,4", "16,32,32,16,3,4"]
 CANDIDATES = ["torch", "64,128,128,64,3,8", "64,128,128,64,2,8", "64,64,64,64,3,4", "32,128,128,32,3,4",
               "32,64,64,32,3,4", "64,64,64,64,2,8"]
 GRAD_TOLERANCE = 2e-2  # relative to the largest reference gradient; bf16 accumulation orders differ
