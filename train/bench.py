@@ -185,18 +185,20 @@ def main(argv: list[str] | None = None) -> None:
                     + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
                     + 2 * 2 * H * a.vocab * scored)
 
-        def step(i: int) -> tuple[int, float]:
+        def step(i: int):
+            """One step, in train/loop.py's order (the mask before the target's forward); the blocks and
+            scored count come back for the FLOPs, counted after the timing (a host read here would stall)."""
             blocks = draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
                                  torch.Generator().manual_seed(i))
-            f = features(i)
             mask = attention_masks(cfg, blocks, doc, pos, use_flex)
+            f = features(i)
             with autocast:
                 hidden = drafter_forward(drafter, embed, blocks, f, pos, mask)
                 out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return out.num_blocks, step_flops(blocks, out.scored) + target_flops
+            return blocks, out.scored
 
         for i in range(a.warmup):
             step(i)
@@ -205,10 +207,11 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         done = [step(100 + i) for i in range(a.steps)]
-        blocks_done, flops = sum(d[0] for d in done), sum(d[1] for d in done)
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        blocks_done = sum(int(b.valid.sum()) for b, _ in done)
+        flops = sum(step_flops(b, scored) + target_flops for b, scored in done)
         row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
                "attention": "flex" if use_flex else "dense", "compile": a.compile, "hidden": H, "layers": a.layers,

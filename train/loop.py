@@ -157,7 +157,7 @@ class StepStats:
     kl_sum: torch.Tensor
     scored: int = 0
     tokens: int = 0  # this process's context tokens
-    anchors: int = 0
+    anchors: int | torch.Tensor = 0  # valid blocks; a device count until logged
     tokens_all: int = 0  # every process's context tokens
     acceptance: dict = field(default_factory=dict)
     grad_norm: float | None = None
@@ -201,8 +201,10 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     zero = torch.zeros((), device=dev)
     stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all))
     for i, m in enumerate(micro_batches):
-        batch = feats.get_batch(m.rows)  # an offline store's provider checks its tokens against the prepared rows
+        # The mask first: building it reads a few values back to the host, which waits for every kernel
+        # queued before it. After the online target's forward, the GPU idled while the host built it.
         mask = attention_masks(drafter_cfg, m.blocks, m.doc, m.pos, run.use_flex)
+        batch = feats.get_batch(m.rows)  # an offline store's provider checks its tokens against the prepared rows
         sync = i == len(micro_batches) - 1
         with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
             hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)
@@ -217,7 +219,7 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
             stats.acceptance[k] = stats.acceptance[k] + v if k in stats.acceptance else v
         stats.tokens += int(batch.lengths.sum())
-        stats.anchors += out.num_blocks
+        stats.anchors = stats.anchors + out.valid.sum()  # on the device: an int() here waited for the backward
     if cfg.train.clip > 0:
         stats.grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.train.clip)
     optimizer.step()
@@ -308,7 +310,7 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": None if stats.grad_norm is None else float(stats.grad_norm),
             "tokens_per_s": round(speed.tokens * run.world / dt, 1),
-            "anchors_per_s": round(speed.anchors * run.world / dt, 1)}
+            "anchors_per_s": round(int(speed.anchors) * run.world / dt, 1)}
 
 
 def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], step: int, with_true: bool,
