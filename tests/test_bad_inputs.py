@@ -1237,10 +1237,12 @@ def test_resume_with_only_harmless_changes_warns_and_continues(tmp_path):
     (ckpt / "config.yaml").write_text(load_config(["recipe=tiny"]).to_yaml())
     logged: list[str] = []
     check_resume_config(ckpt, load_config(["recipe=tiny", "resume=true", "logging.every=1", "eval.every=7",
-                                           "checkpoint.keep_last=5", "train.ce_chunk=64"]), logged.append)
+                                           "checkpoint.keep_last=5", "train.ce_chunk=64",
+                                           "train.flex_backward=64,64,64,64,2,8"]), logged.append)
     assert logged == ["resume: settings changed since the checkpoint (harmless): checkpoint.keep_last: 2 -> 5; "
-                      "eval.every: 0 -> 7; logging.every: 10 -> 1; train.ce_chunk: 2048 -> 64"]
-    assert len(HARMLESS_KEYS) < 30  # an explicit, short list: everything else is refused
+                      "eval.every: 0 -> 7; logging.every: 10 -> 1; train.ce_chunk: 2048 -> 64; "
+                      "train.flex_backward: 'auto' -> '64,64,64,64,2,8'"]
+    assert len(HARMLESS_KEYS) < 32  # an explicit, short list: everything else is refused
 
 
 def test_compiled_drafter_layers_off_cuda_are_refused():

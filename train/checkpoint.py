@@ -146,7 +146,7 @@ def _fallback(directory: Path) -> str:
 HARMLESS_KEYS = (
     "recipe", "out_dir", "resume", "dry_run", "devices", "logging.", "eval.", "checkpoint.", "export.",
     "train.attention", "train.ce_chunk", "train.grad_checkpointing",  # same math, other kernels / memory
-    "train.compile",
+    "train.compile", "train.flex_backward",  # the same attention, other kernel tiles
     "target.model_type", "target.num_layers", "target.hidden_size", "target.intermediate_size",  # dry-run facts
     "target.num_attention_heads", "target.num_key_value_heads", "target.head_dim", "target.vocab_size",
     "target.max_position_embeddings", "target.rope_theta", "target.params_b", "target.active_params_b",
