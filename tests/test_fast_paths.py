@@ -144,6 +144,29 @@ def test_block_mask_falls_back_when_documents_repeat():
     bm = flex_block_mask(blocks, doc)  # still right: built the generic way
     partial, full = tile_states(blocks.anchors, blocks.valid, torch.zeros_like(doc), 8)
     assert bm.kv_num_blocks.shape == partial.sum(-1).shape
+    # the trainer's answer from the host copy decides the same way, without looking at doc
+    assert torch.equal(flex_block_mask(blocks, doc, contiguous=False).to_dense(), bm.to_dense())
+
+
+def test_the_trainer_checks_document_runs_on_the_host_and_the_mask_agrees(monkeypatch):
+    """draw_step records documents_contiguous of the token batch's host copy; the mask built with it
+    equals the one that checks the device copy itself, and that check is not made again."""
+    import train.block_mask as bm_module
+    from train.objective import attention_masks
+
+    ids, lm, doc, pos = _packed_rows(2, 200, seed=4)
+    assert documents_contiguous(doc)
+    blocks = draw_blocks(ids, lm, doc, pos, 16, 8, 95, torch.Generator().manual_seed(0))
+
+    class Cfg:
+        use_sliding_window = False
+
+    checked = attention_masks(Cfg, blocks, doc, pos, True)
+    calls = []
+    real = bm_module.documents_contiguous
+    monkeypatch.setattr(bm_module, "documents_contiguous", lambda d: calls.append(1) or real(d))
+    given = attention_masks(Cfg, blocks, doc, pos, True, contiguous=True)
+    assert calls == [] and torch.equal(given.to_dense(), checked.to_dense())
 
 
 

@@ -448,6 +448,26 @@ def test_the_last_step_of_an_epoch_takes_only_the_micro_batches_left():
                                                           [order[4:5]]]
 
 
+def test_a_drawn_micro_batch_knows_whether_its_documents_are_contiguous():
+    """The flex mask trusts this flag (read on the host when the blocks are drawn) instead of reading the
+    GPU's document ids back: it must say what the rows hold."""
+    from train.block_mask import documents_contiguous
+    from train.config import load_config
+    from train.loop import LoopState, draw_step, make_schedule
+    from train.rng import epoch_order
+
+    cfg = load_config(["recipe=tiny", "train.batch_size=2", "train.anchors=4"])
+    packed = {"input_ids": list(range(8)), "loss_mask": [0, 1, 1, 1] * 2, "doc_ids": [0] * 4 + [1] * 4,
+              "position_ids": [0, 1, 2, 3] * 2}
+    repeated = dict(packed, doc_ids=[0, 0, 1, 1, 0, 0, 1, 1])  # document 0 comes back: not one run
+    run_ = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
+    drafter_cfg = types.SimpleNamespace(block_size=4, mask_token_id=0)
+    for rows, contiguous in (([packed, packed], True), ([packed, repeated], False)):
+        sched = make_schedule(cfg, len(rows), 1, 0)
+        (m,) = draw_step(run_, rows, epoch_order(2, 0, 0, 0, 1), LoopState(), sched, drafter_cfg)
+        assert m.contiguous is contiguous and documents_contiguous(m.doc) is contiguous
+
+
 def test_true_tau_runs_only_with_an_eval():
     from train.config import load_config
     from train.loop import eval_due

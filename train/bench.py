@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from data.bench import check_at_least, recipe_runs_on_cpu, recipe_spec
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
+    from train.block_mask import documents_contiguous
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
     p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
@@ -185,13 +186,15 @@ def main(argv: list[str] | None = None) -> None:
                     + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
                     + 2 * 2 * H * a.vocab * scored)
 
+        contiguous = documents_contiguous(doc.cpu())  # as train/loop.py: on the host copy, once per batch there
+
         def step(i: int):
-            """One step, in train/loop.py's order (the mask before the target's forward); the blocks and
-            scored count come back for the FLOPs, counted after the timing (a host read here would stall)."""
+            """One step, as train/loop.py runs it; the blocks and scored count come back for the FLOPs,
+            counted after the timing (a host read here would stall the queue)."""
             blocks = draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
                                  torch.Generator().manual_seed(i))
-            mask = attention_masks(cfg, blocks, doc, pos, use_flex)
             f = features(i)
+            mask = attention_masks(cfg, blocks, doc, pos, use_flex, contiguous)
             with autocast:
                 hidden = drafter_forward(drafter, embed, blocks, f, pos, mask)
                 out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)

@@ -77,17 +77,20 @@ def tile_states(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tenso
     return (some & ~every)[:, None], every[:, None]
 
 
-def direct_block_mask(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int, mask_mod):
+def direct_block_mask(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int, mask_mod,
+                      contiguous: bool | None = None):
     """A ``BlockMask`` equal to ``create_block_mask(mask_mod, ...)`` for the training rule, or None.
 
     None when documents are not contiguous runs (the interval form would miss keys): the caller
-    then builds the mask the generic way.
+    then builds the mask the generic way. ``contiguous``: that check already made on the host copy
+    of ``doc_ids`` (the trainer's token batch). Made here on a GPU tensor, it reads the answer back,
+    which waits for every kernel queued before it (the online target's whole forward).
     """
     try:  # private helper of create_block_mask (torch >= 2.5); without it, the generic builder
         from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
     except ImportError:
         return None
-    if not documents_contiguous(doc_ids):
+    if not (documents_contiguous(doc_ids) if contiguous is None else contiguous):
         return None
     n, s = anchors.shape[1], doc_ids.shape[1]
     partial, full = tile_states(anchors, valid, doc_ids, block_size)

@@ -20,6 +20,7 @@ import torch
 
 from models.cli import UserError
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
+from train.block_mask import documents_contiguous
 from train.rng import epoch_order, row_generators
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class MicroBatch:
     blocks: object  # train.objective.Blocks
     doc: torch.Tensor
     pos: torch.Tensor
+    contiguous: bool | None = None  # each row's documents are contiguous runs (checked on the host copy)
 
 
 @dataclass
@@ -184,7 +186,7 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
         doc, pos = tok.doc_ids.to(dev).long(), tok.position_ids.to(dev)
         blocks = draw_blocks(ids, lm, doc, pos, tr.anchors, drafter_cfg.block_size, drafter_cfg.mask_token_id,
                              row_generators(tr.seed, state.epoch, rows))
-        out.append(MicroBatch(rows, tok, blocks, doc, pos))
+        out.append(MicroBatch(rows, tok, blocks, doc, pos, documents_contiguous(tok.doc_ids)))
     return out
 
 
@@ -201,10 +203,9 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     zero = torch.zeros((), device=dev)
     stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all))
     for i, m in enumerate(micro_batches):
-        # The mask first: building it reads a few values back to the host, which waits for every kernel
-        # queued before it. After the online target's forward, the GPU idled while the host built it.
-        mask = attention_masks(drafter_cfg, m.blocks, m.doc, m.pos, run.use_flex)
         batch = feats.get_batch(m.rows)  # an offline store's provider checks its tokens against the prepared rows
+        # with the host's contiguity check the mask reads nothing back: it queues behind the target's forward
+        mask = attention_masks(drafter_cfg, m.blocks, m.doc, m.pos, run.use_flex, m.contiguous)
         sync = i == len(micro_batches) - 1
         with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
             hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)

@@ -182,8 +182,11 @@ def dense_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = None,
 
 
 def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = None, block_causal: bool = False,
-                    position_ids: torch.Tensor | None = None):
-    """The same rule as ``dense_mask`` as a flex-attention ``BlockMask`` (built once per batch)."""
+                    position_ids: torch.Tensor | None = None, contiguous: bool | None = None):
+    """The same rule as ``dense_mask`` as a flex-attention ``BlockMask`` (built once per batch).
+
+    contiguous: ``train.block_mask.documents_contiguous`` of ``doc_ids``, when the caller has it from the
+    host copy (None: checked here)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, n = blocks.anchors.shape
@@ -210,17 +213,20 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = 
     if window is None and not block_causal:  # tiles straight from the block tensors (train/block_mask.py)
         from train.block_mask import direct_block_mask
 
-        direct = direct_block_mask(blocks.anchors, blocks.valid, doc_ids, B, mask_mod)
+        direct = direct_block_mask(blocks.anchors, blocks.valid, doc_ids, B, mask_mod, contiguous)
         if direct is not None:
             return direct
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=n * B, KV_LEN=s + n * B, device=doc_ids.device)
 
 
 def attention_masks(drafter_config, blocks: Blocks, doc_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                    use_flex: bool):
-    """The mask argument for ``DFlashDraftModel.forward``: one mask, or a dict by layer type."""
+                    use_flex: bool, contiguous: bool | None = None):
+    """The mask argument for ``DFlashDraftModel.forward``: one mask, or a dict by layer type.
+
+    contiguous: whether each row's documents are contiguous runs, known on the host (flex only; None:
+    checked on ``doc_ids``, a read back from the GPU there)."""
+    full = flex_block_mask(blocks, doc_ids, contiguous=contiguous) if use_flex else dense_mask(blocks, doc_ids)
     build = flex_block_mask if use_flex else dense_mask
-    full = build(blocks, doc_ids)
     if not drafter_config.use_sliding_window:
         return full
     sliding = build(blocks, doc_ids, window=drafter_config.sliding_window,
