@@ -124,7 +124,8 @@ class OnlineFeatures:
     def features_for(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None):
         """(features, topk_ids, topk_logprobs) for a right-padded batch; doc_ids < 0 marks padding."""
         t = self.target
-        input_ids = input_ids.to(t.device)
+        # not waiting for the GPU's queue: a fresh host tensor, staged at once (the training step's rows)
+        input_ids = input_ids.to(t.device, non_blocking=True)
         packed = doc_ids is not None and bool((doc_ids > 0).any())
         if not packed:
             return self._forward(input_ids)
@@ -162,7 +163,7 @@ class OnlineFeatures:
     def batch_from_rows(self, rows: list[dict]) -> FeatureBatch:
         batch = collate(rows, self.pad_id)
         feats, ids, lps = self.features_for(batch.input_ids, batch.doc_ids)
-        pad = (batch.doc_ids < 0).to(feats.device)  # same padding values as the offline store's batches
+        pad = (batch.doc_ids < 0).to(feats.device, non_blocking=True)  # as the offline store's padding
         batch.features = feats.masked_fill(pad[..., None], 0)
         if ids is not None:
             batch.topk_ids = ids.masked_fill(pad[..., None], 0)

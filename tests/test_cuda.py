@@ -303,3 +303,19 @@ def test_flex_sweep_reports_each_candidate_and_the_best_on_cuda(capsys):
     assert [r["tiles"] for r in rows] == ["torch", "32,32,32,32,1,4", "16,32,32,16,2,4"]
     assert all(r["same_grads"] and r["fwd_bwd_ms"] > 0 for r in rows), rows
     assert win["bench"] == "flex_sweep_best" and win["tiles"] in {r["tiles"] for r in rows}
+
+
+def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
+    """train/loop.py draws on the token batch's host copy and sends the blocks without waiting: the same
+    blocks as a draw on the GPU (the keys come from CPU generators either way)."""
+    from dataclasses import fields
+
+    from test_fast_paths import _packed_rows
+    from train.objective import draw_blocks
+    from train.rng import row_generators
+
+    ids, lm, doc, pos = _packed_rows(3, 300, seed=6)
+    host = draw_blocks(ids, lm, doc, pos, 24, 8, 95, row_generators(0, 0, [0, 1, 2])).to("cuda", non_blocking=True)
+    gpu = draw_blocks(ids.cuda(), lm.cuda(), doc.cuda(), pos.cuda(), 24, 8, 95, row_generators(0, 0, [0, 1, 2]))
+    for f in fields(host):
+        assert torch.equal(getattr(host, f.name), getattr(gpu, f.name)), f.name

@@ -636,3 +636,17 @@ def test_per_row_generators_can_draw_every_candidate():
         blocks = draw_blocks(ids, lm, None, None, 1, B, MASK, [torch.Generator().manual_seed(seed)])
         counts[int(blocks.anchors[0, 0])] += 1
     assert all(c >= 10 for c in counts.values()), counts
+
+
+def test_blocks_move_whole_to_another_device():
+    from dataclasses import fields
+
+    ids, lm, doc, pos = _rows()
+    blocks = draw_blocks(ids, lm, doc, pos, 6, B, MASK, torch.Generator().manual_seed(0))
+    moved = blocks.to("meta")
+    assert type(moved) is type(blocks)
+    for f in fields(blocks):
+        got, want = getattr(moved, f.name), getattr(blocks, f.name)
+        assert got.device.type == "meta" and got.shape == want.shape and got.dtype == want.dtype, f.name
+    same = blocks.to("cpu", non_blocking=True)
+    assert all(torch.equal(getattr(same, f.name), getattr(blocks, f.name)) for f in fields(blocks))

@@ -186,13 +186,14 @@ def main(argv: list[str] | None = None) -> None:
                     + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
                     + 2 * 2 * H * a.vocab * scored)
 
-        contiguous = documents_contiguous(doc.cpu())  # as train/loop.py: on the host copy, once per batch there
+        host = tuple(t.cpu() for t in (ids, lm, doc, pos))  # train/loop.py draws on its rows' host copy
+        contiguous = documents_contiguous(host[2])
 
         def step(i: int):
             """One step, as train/loop.py runs it; the blocks and scored count come back for the FLOPs,
             counted after the timing (a host read here would stall the queue)."""
-            blocks = draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
-                                 torch.Generator().manual_seed(i))
+            blocks = draw_blocks(*host, n_anchors, a.block, cfg.mask_token_id,
+                                 torch.Generator().manual_seed(i)).to(device, non_blocking=True)
             f = features(i)
             mask = attention_masks(cfg, blocks, doc, pos, use_flex, contiguous)
             with autocast:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
         print(json.dumps({"bench": "train_parts", "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors,
                           "batch": a.batch,
-                          **_parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, pos,
+                          **_parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos,
                                    n_anchors, use_flex, device)}), flush=True)
         if a.profile:
             from models.profiling import top_ops
@@ -287,7 +288,7 @@ def _e2e_setup(a, argv, spec: dict, device: str | None = None):
     return target
 
 
-def _parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, pos, n_anchors, use_flex,
+def _parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos, n_anchors, use_flex,
            device) -> dict:
     """Each part of one step alone, with device syncs around it (seconds)."""
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, flex_block_mask
@@ -302,8 +303,8 @@ def _parts(a, cfg, drafter, embed, head, opt, autocast, features, ids, lm, doc, 
         return r, round(time.perf_counter() - t0, 4)
 
     out = {}
-    blocks, out["draw_blocks_s"] = timed(lambda: draw_blocks(ids, lm, doc, pos, n_anchors, a.block, cfg.mask_token_id,
-                                                             torch.Generator().manual_seed(7)))
+    blocks, out["draw_blocks_s"] = timed(lambda: draw_blocks(*host, n_anchors, a.block, cfg.mask_token_id,
+                                                             torch.Generator().manual_seed(7)).to(device))
     f, out["target_forward_s"] = timed(lambda: features(7))
     mask, out["mask_s"] = timed(lambda: attention_masks(cfg, blocks, doc, pos, use_flex))
     if use_flex:

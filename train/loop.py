@@ -182,11 +182,13 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
     for micro in range(first, min(first + tr.grad_accum, sched.micro_per_epoch)):
         rows = order[micro * tr.batch_size:(micro + 1) * tr.batch_size]
         tok = token_batch(train_ds, rows)
-        ids, lm = tok.input_ids.to(dev), tok.loss_mask.to(dev)
-        doc, pos = tok.doc_ids.to(dev).long(), tok.position_ids.to(dev)
-        blocks = draw_blocks(ids, lm, doc, pos, tr.anchors, drafter_cfg.block_size, drafter_cfg.mask_token_id,
-                             row_generators(tr.seed, state.epoch, rows))
-        out.append(MicroBatch(rows, tok, blocks, doc, pos, documents_contiguous(tok.doc_ids)))
+        # Drawn on the host and sent without waiting: on the GPU the draw reads counts back, and a plain
+        # copy to it waits for its queue, so each step began by draining the previous step's work.
+        doc = tok.doc_ids.long()
+        blocks = draw_blocks(tok.input_ids, tok.loss_mask, doc, tok.position_ids, tr.anchors, drafter_cfg.block_size,
+                             drafter_cfg.mask_token_id, row_generators(tr.seed, state.epoch, rows))
+        out.append(MicroBatch(rows, tok, blocks.to(dev, non_blocking=True), doc.to(dev, non_blocking=True),
+                              tok.position_ids.to(dev, non_blocking=True), documents_contiguous(doc)))
     return out
 
 
@@ -196,8 +198,10 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     cfg, acc, dev = run.cfg, run.accelerator, run.device
     weight = sum(loss_weight(m.blocks, cfg.gamma) for m in micro_batches).float()
     tokens = float(sum(int(m.tokens.lengths.sum()) for m in micro_batches))
-    # One collective for both: the step's weight sum (the loss denominator) and its tokens.
-    step_weight, tokens_all = acc.reduce(torch.stack([weight, weight.new_tensor(tokens)]), "sum")
+    if run.world > 1:  # one collective for both: the step's weight sum (the loss denominator) and its tokens
+        step_weight, tokens_all = acc.reduce(torch.stack([weight, weight.new_tensor(tokens)]), "sum")
+    else:  # nothing to add up: reading a GPU sum back would wait for the previous step's queue
+        step_weight, tokens_all = weight, tokens
     denom = step_weight.clamp_min(1e-12)
     scale = run.world / denom  # DDP / FSDP average gradients over processes: scale so they sum instead
     zero = torch.zeros((), device=dev)

@@ -30,7 +30,7 @@ mask (window on context keys, ``sliding_block_attention`` inside the block), pas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -66,6 +66,10 @@ class Blocks:
     @property
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
+
+    def to(self, device, non_blocking: bool = False) -> "Blocks":
+        """The same blocks on ``device`` (drawn on the host, they go to the GPU without waiting for its queue)."""
+        return Blocks(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
 
     @property
     def block_size(self) -> int:
