@@ -212,6 +212,7 @@ class DFlashDraftModel(nn.Module):
         # Training only: recompute each layer's activations in the backward pass (train.grad_checkpointing).
         self.gradient_checkpointing = False
         self.flex_backward: str | tuple[int, ...] = "auto"  # train.flex_backward, parsed
+        self._flex_for: tuple | None = None  # (setting, device) the layers' tiles were resolved for
 
     def set_flex_backward(self, setting: str) -> "DFlashDraftModel":
         """Flex attention's backward tiles for training: auto, torch or M1,N1,M2,N2,STAGES,WARPS
@@ -293,10 +294,13 @@ class DFlashDraftModel(nn.Module):
 
     def _set_flex_tiles(self, device: torch.device) -> None:
         # On the layers' attention, outside the compiled layers: a plain attribute the compiled code reads.
+        # Resolved once per setting and device, not on every training step.
+        if self._flex_for == (self.flex_backward, device):
+            return
         options = kernel_options(resolve_tiles(self.flex_backward, device, self.config.head_dim))
         for layer in self.layers:
-            if layer.self_attn.flex_kernel_options != options:
-                layer.self_attn.flex_kernel_options = options
+            layer.self_attn.flex_kernel_options = options
+        self._flex_for = (self.flex_backward, device)
 
     def _masks(self, attention_mask, position_ids, c, cache):
         if isinstance(attention_mask, dict):

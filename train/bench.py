@@ -99,16 +99,13 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError("--attention flex needs a CUDA GPU (flex attention has no CPU backward): "
                          "use --attention dense (or auto) on the CPU")
     from models.flex_options import parse_flex_backward
+    from train.flex_sweep import parse_candidates
 
     try:
         parse_flex_backward(a.flex_backward)
-        for tiles in a.flex_sweep or []:
-            parse_flex_backward(tiles)
+        parse_candidates(a.flex_sweep or [])
     except ValueError as e:
         p.error(str(e))
-    if "auto" in (a.flex_sweep or []):
-        p.error("--flex-sweep auto: give tiles M1,N1,M2,N2,STAGES,WARPS (or torch); finding what auto should mean "
-                "is what the sweep is for")
     if a.flex_sweep is not None and not torch.cuda.is_available():
         raise ValueError("--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU (none found)")
     if a.e2e:

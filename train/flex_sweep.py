@@ -24,16 +24,22 @@ CANDIDATES = ["torch", "64,128,128,64,3,8", "64,128,128,64,2,8", "64,64,64,64,3,
 GRAD_TOLERANCE = 2e-2  # relative to the largest reference gradient; bf16 accumulation orders differ
 
 
-def candidates_for(head_dim: int, given: list[str]) -> list[tuple[int, ...] | None]:
-    """Parsed candidates, torch's own first (the reference the others' gradients are held to)."""
-    texts = given or (CANDIDATES_LARGE_HEAD if head_dim > 128 else CANDIDATES)
-    out: list[tuple[int, ...] | None] = [None]
+def parse_candidates(texts: list[str]) -> list[tuple[int, ...] | None]:
+    """Each candidate's tiles (None: torch's own); a malformed one, or ``auto``, raises."""
+    out = []
     for text in texts:
         parsed = parse_flex_backward(text)
         if parsed == "auto":
-            raise ValueError("--flex-sweep auto: give tiles M1,N1,M2,N2,STAGES,WARPS (or torch); auto is what the "
-                             "sweep is for")
-        tiles = None if parsed == "torch" else parsed
+            raise ValueError("--flex-sweep auto: give tiles M1,N1,M2,N2,STAGES,WARPS (or torch); finding what auto "
+                             "should mean is what the sweep is for")
+        out.append(None if parsed == "torch" else parsed)
+    return out
+
+
+def candidates_for(head_dim: int, given: list[str]) -> list[tuple[int, ...] | None]:
+    """Parsed candidates, torch's own first (the reference the others' gradients are held to)."""
+    out: list[tuple[int, ...] | None] = [None]
+    for tiles in parse_candidates(given or (CANDIDATES_LARGE_HEAD if head_dim > 128 else CANDIDATES)):
         if tiles not in out:
             out.append(tiles)
     return out
@@ -112,8 +118,6 @@ def run(a, cfg, blocks, doc) -> None:
     """The bench's entry: q/k/v of the drafter's attention at the drawn blocks' shape, random values."""
     from train.objective import flex_block_mask
 
-    if not torch.cuda.is_available():
-        raise ValueError("--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU (none found)")
     device = torch.device("cuda")
     candidates = candidates_for(a.head_dim, a.flex_sweep)
     n = blocks.anchors.shape[1]
