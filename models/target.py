@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from models.config import read_json_file, refuse_drafter_as_target
-from models.hub import SMALL_FILES, fetch_files, fetch_model, is_hub_id, resolve_model_dir, snapshot_commit
+from models.hub import SMALL_FILES, fetch_model, is_hub_id, resolve_model_dir, snapshot_commit
+from models.weights import read_safetensors_tensors
 
 # model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
 SUPPORTED = {
@@ -149,11 +150,12 @@ def cache_kwarg(module: nn.Module, old: str = "past_key_values") -> str:
     return "cache" if "cache" in inspect.signature(type(module).forward).parameters else old
 
 
-def _around_the_mixer(layer: nn.Module) -> list[nn.Module]:
-    """A linear-attention layer's parts that are plain torch: its norms, its MLP, the mixer's output norm."""
+def _around_the_mixer(layer: nn.Module, fused: bool) -> list[nn.Module]:
+    """A linear-attention layer's parts that are plain torch: its norms, its MLP, and the mixer's output
+    norm unless the fused mixer (``models.gated_deltanet``) already holds it."""
     parts = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
     gated = getattr(getattr(layer, "linear_attn", None), "norm", None)
-    return parts + ([gated] if isinstance(gated, nn.Module) else [])
+    return parts + ([gated] if isinstance(gated, nn.Module) and not fused else [])
 
 
 def _uncached_compiled(eager, backend):
@@ -236,7 +238,7 @@ class TargetModel:
             ids = self.tokenizer.eos_token_id
         return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
-    def compile_layers(self, backend: str = "inductor") -> "TargetModel":
+    def compile_layers(self, backend: str = "inductor", fuse_mixer: bool = True) -> "TargetModel":
         """``torch.compile`` each decoder layer's ``forward`` for the tapped forward (online training with
         ``train.compile=true``).
 
@@ -244,17 +246,28 @@ class TargetModel:
         product and SiLU gate as its own kernel. ``forward`` is compiled rather than the module call,
         so the taps (forward hooks, added and removed per call) stay outside the compiled code and
         never force a recompile. GatedDeltaNet layers (Qwen3.5 / 3.6) compile everything around their
-        mixer's flash-linear-attention Triton kernels, which run as they are: the two RMSNorms, the MLP
-        and the mixer's gated output norm (eager, each norm was ~7 elementwise kernels over the whole
-        activation in fp32, ~10 ms of a Qwen3.5-9B step on an H200). Shapes are marked
+        mixer's chunked kernel (flash-linear-attention's Triton kernels, which run as they are): the two
+        RMSNorms and the MLP (eager, each norm was ~7 elementwise kernels over the whole activation in
+        fp32, ~10 ms of a Qwen3.5-9B step on an H200), and inside the mixer the projections, conv and
+        gates before the kernel and the gated norm and projection after it (``models.gated_deltanet``;
+        a mixer it cannot run, or every mixer with ``fuse_mixer=False``, keeps its own forward, its gated
+        norm compiled). Shapes are marked
         dynamic after the first new length (dynamo's default), so varying row lengths do not
         recompile per batch; the limit is raised to one compile per layer and kind of shape. Passes that
         fill a cache (the held-out generation, the loops) keep the eager layers: a cache update
         specialises each compile on its layer index and a growing length, minutes of compiles for nothing.
         """
+        from models import gated_deltanet as gdn
+
         allow_recompiles(2 * len(self.layers) + 8)
+        # one compiled function for every mixer: the weights are graph inputs, so layers share the graph
+        inputs, output = (torch.compile(f, backend=backend) for f in (gdn.mixer_inputs, gdn.mixer_output))
         for kind, layer in zip(self.layer_types, self.layers):
-            for part in [layer] if kind == "full_attention" else _around_the_mixer(layer):
+            mixer = getattr(layer, "linear_attn", None)
+            fused = fuse_mixer and kind != "full_attention" and mixer is not None and gdn.fusable(mixer)
+            if fused:
+                mixer.forward = gdn.uncached_forward(mixer, inputs, output)
+            for part in [layer] if kind == "full_attention" else _around_the_mixer(layer, fused):
                 part.forward = _uncached_compiled(part.forward, backend)
         return self
 
@@ -434,66 +447,3 @@ class TargetModel:
         target.revision = snapshot_commit(directory)
         target.has_layers = False
         return target
-
-
-def read_safetensors_tensors(directory: Path, keys: list[str], device: str | torch.device = "cpu",
-                             optional: list[str] = (), repo_id: str | None = None) -> dict:
-    """Named tensors from a model folder's safetensors shards, reading only those (``optional`` ones may
-    be absent). A sharded checkpoint's index names the shard of each; ``repo_id`` (a Hub snapshot)
-    downloads just those shards.
-
-    A multimodal checkpoint stores the text tower under ``model.language_model.``: a key the text
-    model calls ``model.X`` is looked up there too.
-    """
-    from safetensors import safe_open
-
-    from models.weights import INDEX, check_complete, shard_index
-
-    def aliases(key: str) -> list[str]:
-        return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
-
-    def absent(key: str) -> ValueError:
-        return ValueError(f"{directory}: no tensor named {' or '.join(aliases(key))} in its safetensors shards "
-                          "(an incomplete download, or not this architecture's checkpoint)")
-
-    index = shard_index(directory)
-    if index is not None:  # name -> shard: open only the shards that hold the keys
-        where = {}
-        for key in keys:
-            hit = next((a for a in aliases(key) if a in index), None)
-            if hit is not None:
-                where[key] = (hit, directory / index[hit])
-            elif key not in optional:
-                raise absent(key)
-        if repo_id is not None:
-            fetch_files(repo_id, directory, sorted({shard.name for _, shard in where.values()}), what="target")
-        out = {}
-        for key, (hit, shard) in where.items():
-            if not shard.is_file():
-                raise FileNotFoundError(f"{shard} (named in {directory / INDEX} for {hit}) "
-                                        "is missing: an incomplete download; fetch the model again")
-            check_complete(shard)
-            with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
-                out[key] = f.get_tensor(hit).to(device)
-        return out
-    if repo_id is not None:  # one unindexed file holds everything: fetch it
-        fetch_files(repo_id, directory, ["model.safetensors"], what="target")
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{directory} has no *.safetensors weights: loading only the embedding and LM head "
-                                "needs safetensors shards (load the whole target instead)")
-    for shard in shards:
-        check_complete(shard)
-    out = {}
-    for key in keys:
-        for shard in shards:
-            with safe_open(str(shard), framework="pt", device="cpu") as f:
-                hit = next((a for a in aliases(key) if a in f.keys()), None)
-                if hit is not None:
-                    out[key] = f.get_tensor(hit).to(device)
-                    break
-        else:
-            if key in optional:
-                continue
-            raise absent(key)
-    return out

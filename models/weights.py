@@ -146,3 +146,66 @@ def same_signature(a: dict[str, list[float]], b: dict[str, list[float]], tol: fl
     """Equal names and values within ``tol`` (bf16 keeps ~3 significant digits: 4e-3 relative)."""
     return a.keys() == b.keys() and all(
         len(a[k]) == len(b[k]) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a[k], b[k])) for k in a)
+
+
+def read_safetensors_tensors(directory: Path, keys: list[str], device: str | torch.device = "cpu",
+                             optional: list[str] = (), repo_id: str | None = None) -> dict:
+    """Named tensors from a model folder's safetensors shards, reading only those (``optional`` ones may
+    be absent). A sharded checkpoint's index names the shard of each; ``repo_id`` (a Hub snapshot)
+    downloads just those shards.
+
+    A multimodal checkpoint stores the text tower under ``model.language_model.``: a key the text
+    model calls ``model.X`` is looked up there too.
+    """
+    from safetensors import safe_open
+
+    from models.hub import fetch_files
+
+    def aliases(key: str) -> list[str]:
+        return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
+
+    def absent(key: str) -> ValueError:
+        return ValueError(f"{directory}: no tensor named {' or '.join(aliases(key))} in its safetensors shards "
+                          "(an incomplete download, or not this architecture's checkpoint)")
+
+    index = shard_index(directory)
+    if index is not None:  # name -> shard: open only the shards that hold the keys
+        where = {}
+        for key in keys:
+            hit = next((a for a in aliases(key) if a in index), None)
+            if hit is not None:
+                where[key] = (hit, directory / index[hit])
+            elif key not in optional:
+                raise absent(key)
+        if repo_id is not None:
+            fetch_files(repo_id, directory, sorted({shard.name for _, shard in where.values()}), what="target")
+        out = {}
+        for key, (hit, shard) in where.items():
+            if not shard.is_file():
+                raise FileNotFoundError(f"{shard} (named in {directory / INDEX} for {hit}) "
+                                        "is missing: an incomplete download; fetch the model again")
+            check_complete(shard)
+            with safe_open(str(shard), framework="pt", device="cpu") as f:  # safetensors refuses "cpu:0"
+                out[key] = f.get_tensor(hit).to(device)
+        return out
+    if repo_id is not None:  # one unindexed file holds everything: fetch it
+        fetch_files(repo_id, directory, ["model.safetensors"], what="target")
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights: loading only the embedding and LM head "
+                                "needs safetensors shards (load the whole target instead)")
+    for shard in shards:
+        check_complete(shard)
+    out = {}
+    for key in keys:
+        for shard in shards:
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                hit = next((a for a in aliases(key) if a in f.keys()), None)
+                if hit is not None:
+                    out[key] = f.get_tensor(hit).to(device)
+                    break
+        else:
+            if key in optional:
+                continue
+            raise absent(key)
+    return out

@@ -217,7 +217,7 @@ def test_compiled_drafter_layers_equal_eager():
 def test_compiled_target_layers_equal_eager_on_cuda(arch):
     """train.compile=true with online features: inductor's target layers give the eager taps (fp32), over
     two row lengths (the second compiles the dynamic-shape graph); Qwen3.5 with its GatedDeltaNet mixers
-    left to their own kernels."""
+    as two inductor halves around flash-linear-attention's chunked kernel (models.gated_deltanet)."""
     from models.target import TargetModel
     from models.tiny import tiny_target
 

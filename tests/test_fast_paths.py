@@ -644,16 +644,28 @@ def test_compiled_target_layers_give_the_eager_taps(arch):
 
     eager = TargetModel(tiny_target(arch))
     compiled = TargetModel(tiny_target(arch)).compile_layers(backend=counting_backend)
-    # a whole full-attention layer; around a GatedDeltaNet mixer its RMSNorms (one class), MLP and gated norm
-    kinds = 4 if compiled.is_hybrid else 1
+    # a whole full-attention layer; a GatedDeltaNet layer's RMSNorms (one class), MLP, and its mixer's two
+    # halves around the chunked kernel (models.gated_deltanet)
+    kinds = 5 if compiled.is_hybrid else 1
     rows = [torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n)) for n in (17, 29, 40, 33)]
     for i, ids in enumerate(rows):
         for with_logits in (False, True):
             ref = eager.forward(ids, [1, 3, 5], with_logits=with_logits)
             got = compiled.forward(ids, [1, 3, 5], with_logits=with_logits)
-            assert_close(got.features, ref.features, atol=1e-5, what=f"{arch} compiled taps, length {ids.shape[1]}")
-            if with_logits:
-                assert_close(got.logits, ref.logits, atol=1e-4, what=f"{arch} compiled logits")
+            what = f"{arch} compiled taps, length {ids.shape[1]}"
+            if not compiled.is_hybrid:
+                assert_close(got.features, ref.features, atol=1e-5, what=what)
+                if with_logits:
+                    assert_close(got.logits, ref.logits, atol=1e-4, what=f"{arch} compiled logits")
+                continue
+            # The fused GatedDeltaNet conv sums its four taps in another order than the layer's conv (with
+            # the layer's conv it is bit-exact): an fp32 rounding that these random layers grow ~2x each,
+            # ~1e-4 at the sixth (taps up to |5|). Held to a relative error over the whole tensor
+            # (measured <= 5.4e-6); a wrong tap, layer or gate is off by O(1) in that measure.
+            pairs = [(got.features, ref.features)] + ([(got.logits, ref.logits)] if with_logits else [])
+            for a, e in pairs:
+                rel = ((a - e).double().norm() / e.double().norm()).item()
+                assert a.shape == e.shape and rel < 3e-5, f"{what}: relative error {rel:.2e}"
         # First length: one static graph per kind of layer; second: one dynamic one; then none.
         assert len(graphs) == kinds * min(i + 1, 2), (arch, i, len(graphs))
     before = len(graphs)
@@ -759,6 +771,23 @@ def test_train_bench_profiles_one_more_step(capsys):
     assert lines[-1]["what"] == "train_e2e" and len(lines[-1]["ops"]) == 2
 
 
+@pytest.mark.parametrize("mixer,fused", [("fused", True), ("own", False)])
+def test_train_bench_compiles_a_hybrid_target_with_the_mixer_asked_for(capsys, monkeypatch, mixer, fused):
+    """--target-mixer: the before/after of the fused GatedDeltaNet mixer in one flag, named in the row."""
+    import data.bench
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    asked = []
+    monkeypatch.setattr(data.bench, "recipe_target", lambda *a, **k: TargetModel(tiny_target("qwen3_5")))
+    monkeypatch.setattr(TargetModel, "compile_layers", lambda self, fuse_mixer=True: asked.append(fuse_mixer))
+    monkeypatch.setattr(DFlashDraftModel, "compile_layers", lambda self: self)
+    lines = bench_lines(capsys, "train", ["--e2e", "tiny", "--steps", "1", "--warmup", "0", "--seq", "64",
+                                          "--anchors", "4", "--compile", "--target-mixer", mixer])
+    assert asked == [fused] and lines[0]["target_mixer"] == mixer
+
+
 # ------------------------------------------------------------------ flex attention's backward tiles
 def test_flex_backward_settings_become_backward_only_kernel_options(monkeypatch):
     """auto: the measured tiles for (capability, head_dim) where there are some, else torch's; the
@@ -827,3 +856,69 @@ def test_flex_sweep_takes_the_recipe_shape_without_building_its_target():
     assert next(target.model.parameters()).device.type == "meta"
     assert (a.hidden, a.heads, a.kv_heads, a.head_dim) == (4096, 16, 4, 256)
     assert (a.seq, a.anchors, a.block, a.layers, a.taps) == (3072, [512], 16, 5, 5)
+
+
+def test_causal_conv_silu_equals_a_padded_depthwise_conv():
+    """The fused mixer's conv (shifted multiply-adds on [batch, time, channels]) against nn.Conv1d's
+    own padded depthwise conv on [batch, channels, time], kernel 4 and 2, with and without a bias."""
+    import torch.nn.functional as F
+
+    from models.gated_deltanet import causal_conv_silu
+
+    g = torch.Generator().manual_seed(0)
+    for kernel, bias in ((4, False), (2, True)):
+        conv = torch.nn.Conv1d(12, 12, kernel, groups=12, padding=kernel - 1, bias=bias)
+        x = torch.randn(3, 9, 12, generator=g)
+        ref = F.silu(conv(x.transpose(1, 2))[:, :, :9]).transpose(1, 2)
+        assert_close(causal_conv_silu(x, conv.weight, conv.bias), ref, atol=1e-6, what=f"kernel {kernel}")
+        # causal: the first output sees only the first input
+        moved = x.clone()
+        moved[:, 1:] += 1
+        assert_close(causal_conv_silu(moved, conv.weight, conv.bias)[:, 0], ref[:, 0], atol=1e-6, what="causal")
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_fused_gated_deltanet_mixer_equals_the_layer(dtype, atol):
+    """models.gated_deltanet's two halves around the chunked kernel give the transformers layer's output,
+    grouped value heads (2 q/k heads for 4 v heads) and a padding mask included; a pass with a cache
+    or packed sequences runs the layer's own forward."""
+    from models import gated_deltanet as gdn
+    from models.tiny import tiny_target
+
+    target = tiny_target("qwen3_5").to(dtype)
+    mixer = target.model.layers[0].linear_attn
+    assert mixer.num_v_heads == 2 * mixer.num_k_heads and gdn.fusable(mixer)
+    fused = gdn.uncached_forward(mixer, gdn.mixer_inputs, gdn.mixer_output)
+    x = torch.randn(2, 70, target.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    mask = torch.ones(2, 70, dtype=torch.long)
+    mask[1, :9] = 0  # left padding
+    for m in (None, mask):
+        ref = mixer(hidden_states=x, attention_mask=m)
+        got = fused(hidden_states=x, attention_mask=m, use_cache=False, cache=None)
+        assert_close(got.float(), ref.float(), atol=atol, what=f"{dtype} fused mixer, mask {m is not None}")
+        assert got.dtype == ref.dtype
+
+    calls = []
+    mixer.forward = lambda *a, **k: calls.append(sorted(k)) or "own"
+    fused = gdn.uncached_forward(mixer, gdn.mixer_inputs, gdn.mixer_output)
+    assert fused(hidden_states=x, cache=object()) == "own"
+    assert fused(hidden_states=x, cu_seq_lens_q=torch.tensor([0, 70])) == "own"
+    assert fused(x, object()) == "own"
+    assert len(calls) == 3
+
+
+def test_fused_mixer_needs_its_parts_and_a_kernel():
+    """A mixer without the parts (another transformers layout), with another activation, or offloaded to
+    meta keeps its own forward under compile_layers."""
+    from models import gated_deltanet as gdn
+    from models.tiny import tiny_target
+
+    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
+    assert gdn.fusable(mixer)
+    mixer.activation = "gelu"
+    assert not gdn.fusable(mixer)
+    mixer.activation = "silu"
+    del mixer.in_proj_z
+    assert not gdn.fusable(mixer)
+    other = tiny_target("qwen3_5").model.layers[0].linear_attn.to("meta")
+    assert not gdn.fusable(other)

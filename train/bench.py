@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", nargs="?", const="all", choices=["all", "drafter"], default=None,
                    help="as train.compile=true: compile the drafter's layers and, with --e2e, the target's; "
                         "'--compile drafter' leaves the target eager (default: off)")
+    p.add_argument("--target-mixer", choices=["fused", "own"], default="fused",
+                   help="with --compile and a Qwen3.5 --e2e target: its GatedDeltaNet mixers as two compiled halves "
+                        "around the chunked kernel (fused, as training runs them) or transformers' own forward "
+                        "(own: the before of a before/after) (default fused)")
     p.add_argument("--target-layers", type=int, default=None,
                    help="--e2e: fewer target layers (smoke tests) (default: the recipe's)")
     p.add_argument("--flex-backward", default="auto", metavar="TILES",
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.compile:
         drafter.compile_layers()
     if a.compile == "all" and target is not None:
-        target.compile_layers()
+        target.compile_layers(fuse_mixer=a.target_mixer == "fused")
     if target is not None:
         cfg.target_layer_ids = a.layer_ids
         embed, head = target.embed_tokens, target.lm_head
@@ -215,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
         flops = sum(step_flops(b, scored) + target_flops for b, scored in done)
         row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "attention": "flex" if use_flex else "dense", "compile": a.compile, "hidden": H, "layers": a.layers,
+               "attention": "flex" if use_flex else "dense", "compile": a.compile,
+               **({"target_mixer": a.target_mixer} if target is not None and target.is_hybrid else {}),
+               "hidden": H, "layers": a.layers,
                "seq": a.seq,
                "batch": a.batch, "anchors": n_anchors, "block": a.block, "steps": a.steps,
                "step_s": round(dt / a.steps, 4), "tokens_per_s": round(a.seq * a.batch * a.steps / dt, 1),

@@ -1,0 +1,116 @@
+"""The uncached Qwen3.5 / 3.6 GatedDeltaNet mixer as two compiled halves around its chunked kernel.
+
+For the tapped forward of online training (``TargetModel.compile_layers``). transformers' mixer takes
+the projection's ``[batch, time, channels]`` output through a transpose, a depthwise conv (its torch
+fallback unless ``causal-conv1d`` is installed: a Qwen3.5-9B step on an H200 spent ~6 ms there), a
+SiLU, a transpose back, a split and reshapes, the decay gate in a few more kernels, and the chunked
+kernel then copies q, k and v to make them contiguous. Here everything before the kernel is one
+compiled function (the conv as ``kernel`` shifted multiply-adds in the projection's own layout, so no
+transpose) that writes contiguous q, k, v and the gates, and everything after it (gated RMS norm,
+output projection) another. The chunked kernel runs as it is: flash-linear-attention's Triton kernels
+on CUDA (not traceable, and fla marks them so), transformers' torch reference elsewhere.
+
+The math is the layer's own, with its roundings in the same places: conv accumulated in fp32 and
+rounded to the weight dtype before the SiLU, the decay gate in fp32, the kernel's own q/k L2 norm.
+``tests/test_fast_paths.py`` holds it to the layer. Passes with a cache, packed sequences
+(``cu_seq_lens_q``) or any other argument run the layer's own forward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# What the mixer must have for the fused path (transformers' Qwen3_5GatedDeltaNet and its MoE twin).
+_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
+          "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads")
+# The layer's keyword arguments: its input, its mask, its cache (under three names across transformers
+# versions), and those it ignores when no cache is given. Any other one (packed sequences'
+# ``cu_seq_lens_q``, ...) sends the pass to the layer's own forward.
+_CACHE = ("cache", "cache_params", "past_key_values")
+_KNOWN = ("hidden_states", "attention_mask", *_CACHE, "cache_position", "position_ids", "position_embeddings",
+          "use_cache", "output_attentions")
+
+
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU of the causal depthwise conv over time of ``x`` ``[batch, time, channels]`` with ``nn.Conv1d``'s
+    ``weight`` ``[channels, 1, kernel]``: output ``t`` sees inputs ``t - kernel + 1 .. t`` (zeros before the
+    start). Accumulated in fp32, rounded to the weight's dtype (as the conv's output is), SiLU, ``x``'s dtype."""
+    k, t = weight.shape[-1], x.shape[1]
+    w = weight[:, 0].float()
+    padded = F.pad(x.to(weight.dtype).float(), (0, 0, k - 1, 0))
+    out = padded[:, :t] * w[:, 0]
+    for j in range(1, k):
+        out = out + padded[:, j:j + t] * w[:, j]
+    if bias is not None:
+        out = out + bias.float()
+    return F.silu(out.to(weight.dtype)).to(x.dtype)
+
+
+def mixer_inputs(m: nn.Module, x: torch.Tensor, mask: torch.Tensor | None):
+    """Everything before the chunked kernel: q, k, v ``[b, t, heads, d]`` (contiguous), the log decay ``g``
+    (fp32) and ``beta`` ``[b, t, v_heads]``, and the output gate ``z``."""
+    if mask is not None:  # padding positions contribute nothing to the state (the layer's own masking)
+        x = (x * mask[:, :, None]).to(x.dtype)
+    b, t, _ = x.shape
+    qkv = causal_conv_silu(m.in_proj_qkv(x), m.conv1d.weight, m.conv1d.bias)
+    q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    q = q.reshape(b, t, -1, m.head_k_dim).contiguous()
+    k = k.reshape(b, t, -1, m.head_k_dim).contiguous()
+    v = v.reshape(b, t, -1, m.head_v_dim).contiguous()
+    beta = m.in_proj_b(x).sigmoid()
+    # fp32: in fp16 exp(A_log) could overflow to inf (the layer's own reason)
+    g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias)
+    z = m.in_proj_z(x)
+    return q, k, v, g, beta, z
+
+
+def mixer_output(m: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Everything after the chunked kernel: gated RMS norm per value head, output projection."""
+    b, t = core.shape[:2]
+    core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+    return m.out_proj(core.reshape(b, t, -1))
+
+
+def chunk_kernel(m: nn.Module):
+    """The chunked gated delta rule the layer itself would run: flash-linear-attention's on CUDA when
+    installed, else the torch reference of the layer's transformers module (None when it has none).
+    The reference repeats q/k heads for grouped value heads itself; fla (>= 0.6) takes them grouped."""
+    if m.out_proj.weight.device.type == "cuda":
+        try:
+            return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        except (ImportError, AttributeError):
+            pass
+    return getattr(sys.modules.get(type(m).__module__), "torch_chunk_gated_delta_rule", None)
+
+
+def fusable(m: nn.Module) -> bool:
+    """Whether ``m`` is a GatedDeltaNet mixer this file can run: its parts present, a SiLU conv, weights
+    resident (not offloaded to meta by a device map), and a chunked kernel to call."""
+    if not all(hasattr(m, name) for name in _PARTS) or getattr(m, "activation", "silu") != "silu":
+        return False
+    if any(p.device.type == "meta" for p in m.parameters()):
+        return False
+    return chunk_kernel(m) is not None
+
+
+def uncached_forward(m: nn.Module, inputs, output, kernel=None):
+    """A replacement for ``m.forward``: ``inputs`` / ``output`` (``mixer_inputs`` / ``mixer_output``,
+    compiled or not) around the chunked kernel for a plain uncached pass, the layer's own forward otherwise."""
+    eager = m.forward
+    kernel = kernel or chunk_kernel(m)
+
+    def forward(*args, **kwargs):
+        if (len(args) > 1 or any(kwargs.get(name) is not None for name in _CACHE)
+                or any(value is not None for name, value in kwargs.items() if name not in _KNOWN)):
+            return eager(*args, **kwargs)
+        x = args[0] if args else kwargs["hidden_states"]
+        q, k, v, g, beta, z = inputs(m, x, kwargs.get("attention_mask"))
+        core, _ = kernel(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=True)
+        return output(m, core, z)
+    return forward
