@@ -897,6 +897,9 @@ def test_fused_gated_deltanet_mixer_equals_the_layer(dtype, atol):
         got = fused(hidden_states=x, attention_mask=m, use_cache=False, cache=None)
         assert_close(got.float(), ref.float(), atol=atol, what=f"{dtype} fused mixer, mask {m is not None}")
         assert got.dtype == ref.dtype
+    # with the layer's own conv in place of the shifted sums the rest is the layer's math to the bit
+    own = gdn.uncached_forward(mixer, _with_conv1d(gdn.mixer_inputs), gdn.mixer_output)
+    assert torch.equal(own(hidden_states=x, attention_mask=mask), mixer(hidden_states=x, attention_mask=mask))
 
     calls = []
     mixer.forward = lambda *a, **k: calls.append(sorted(k)) or "own"
@@ -905,6 +908,26 @@ def test_fused_gated_deltanet_mixer_equals_the_layer(dtype, atol):
     assert fused(hidden_states=x, cu_seq_lens_q=torch.tensor([0, 70])) == "own"
     assert fused(x, object()) == "own"
     assert len(calls) == 3
+
+
+def _with_conv1d(inputs):
+    """``mixer_inputs`` whose conv is the layer's own ``F.conv1d`` on the transposed projection."""
+    import torch.nn.functional as F
+
+    from models import gated_deltanet as gdn
+
+    def conv(x, weight, bias=None):
+        t, k = x.shape[1], weight.shape[-1]
+        out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, bias, padding=k - 1, groups=weight.shape[0])
+        return F.silu(out[:, :, :t]).transpose(1, 2).to(x.dtype)
+
+    def patched(m, x, mask):
+        original, gdn.causal_conv_silu = gdn.causal_conv_silu, conv
+        try:
+            return inputs(m, x, mask)
+        finally:
+            gdn.causal_conv_silu = original
+    return patched
 
 
 def test_fused_mixer_needs_its_parts_and_a_kernel():
