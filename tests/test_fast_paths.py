@@ -877,15 +877,16 @@ def test_causal_conv_silu_equals_a_padded_depthwise_conv():
         assert_close(causal_conv_silu(moved, conv.weight, conv.bias)[:, 0], ref[:, 0], atol=1e-6, what="causal")
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-def test_fused_gated_deltanet_mixer_equals_the_layer(dtype, atol):
+@pytest.mark.parametrize("arch,dtype,atol", [("qwen3_5", torch.float32, 2e-6), ("qwen3_5", torch.bfloat16, 2e-2),
+                                             ("qwen3_5_moe", torch.float32, 2e-6)])
+def test_fused_gated_deltanet_mixer_equals_the_layer(arch, dtype, atol):
     """models.gated_deltanet's two halves around the chunked kernel give the transformers layer's output,
     grouped value heads (2 q/k heads for 4 v heads) and a padding mask included; a pass with a cache
     or packed sequences runs the layer's own forward."""
     from models import gated_deltanet as gdn
     from models.tiny import tiny_target
 
-    target = tiny_target("qwen3_5").to(dtype)
+    target = tiny_target(arch).to(dtype)
     mixer = target.model.layers[0].linear_attn
     assert mixer.num_v_heads == 2 * mixer.num_k_heads and gdn.fusable(mixer)
     fused = gdn.uncached_forward(mixer, gdn.mixer_inputs, gdn.mixer_output)
