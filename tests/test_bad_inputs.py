@@ -4476,6 +4476,7 @@ def test_a_recipe_without_a_target_shape_names_the_ones_that_work(no_build, modu
     ("train", ["--steps", "0"], "--steps 0: use 1 or more"),
     ("train", ["--anchors", "32", "0"], "--anchors 0: use 1 or more"),
     ("train", ["--batch", "0"], "--batch 0: use 1 or more"),
+    ("train", ["--grad-accum", "0"], "--grad-accum 0: use 1 or more"),  # timed steps without an optimizer step
     ("train", ["--vocab", "1"], "--vocab 1: use 2 or more"),
     ("train", ["--head-dim", "15"], "--head-dim 15: use an even size"),
     ("data", ["--rows", "0"], "--rows 0: use 1 or more"),

@@ -771,6 +771,36 @@ def test_train_bench_profiles_one_more_step(capsys):
     assert lines[-1]["what"] == "train_e2e" and len(lines[-1]["ops"]) == 2
 
 
+def test_train_bench_steps_the_optimizer_once_per_grad_accum_micro_batches(capsys, monkeypatch):
+    """--grad-accum 3: three forward + backward passes per AdamW step, each with its own blocks (the
+    FLOPs and tokens count all three); --e2e takes the recipe's train.grad_accum unless given."""
+    import data.bench
+    from models.drafter import DFlashDraftModel
+
+    seen = {"steps": 0, "forwards": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            seen[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted("steps", torch.optim.AdamW.step))
+    monkeypatch.setattr(DFlashDraftModel, "forward", counted("forwards", DFlashDraftModel.forward))
+    argv = ["--e2e", "tiny", "--steps", "2", "--warmup", "0", "--seq", "64", "--anchors", "4"]
+    one = bench_lines(capsys, "train", argv)[0]
+    assert one["grad_accum"] == 1 and seen == {"steps": 2 + 1, "forwards": 2 + 1}  # + the parts line's one step
+    seen.update(steps=0, forwards=0)
+    three = bench_lines(capsys, "train", argv + ["--grad-accum", "3"])[0]
+    assert three["grad_accum"] == 3 and seen == {"steps": 2 + 1, "forwards": 6 + 1}
+    assert three["tflops"] > 0 and three["anchors_per_s"] > 0
+
+    recipe = data.bench.recipe_spec("tiny")
+    recipe["train"]["grad_accum"] = 2
+    monkeypatch.setattr(data.bench, "recipe_spec", lambda name: recipe)
+    assert bench_lines(capsys, "train", argv)[0]["grad_accum"] == 2
+
+
 @pytest.mark.parametrize("mixer,fused", [("fused", True), ("own", False)])
 def test_train_bench_compiles_a_hybrid_target_with_the_mixer_asked_for(capsys, monkeypatch, mixer, fused):
     """--target-mixer: the before/after of the fused GatedDeltaNet mixer in one flag, named in the row."""

@@ -10,14 +10,15 @@
     python -m train.bench --e2e tiny            # the same plumbing on the CPU: tiny target, tiny recipe's drafter
     python -m train.bench --e2e qwen35-9b --flex-sweep      # flex backward tiles at the recipe's shape (CUDA)
 
-Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward,
-AdamW step) on random context features, as in ``train/distill.py`` (flex attention on CUDA, dense
-on CPU; bf16 autocast on CUDA). ``--e2e RECIPE`` times the whole online step instead: a
-random-weight target of the recipe's exact shape (bf16, built on the device) runs the tapped
-forward (``TargetModel.forward``: stops after the deepest tap, no logits) on random rows, and its
-features feed the recipe's drafter (paper recipes: 5 layers, 5 taps, block 16, seq 3072, 512
-anchors; each of these flags given overrides; the drafter's width, heads, MLP and vocabulary are the
-target's, and their flags are refused). Full-size recipes need a CUDA GPU; ``tiny`` runs anywhere.
+Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward; the
+AdamW step once per ``--grad-accum`` micro-batches) on random context features, as in
+``train/distill.py`` (flex attention on CUDA, dense on CPU; bf16 autocast on CUDA). ``--e2e RECIPE``
+times the whole online step instead: a random-weight target of the recipe's exact shape (bf16, built
+on the device) runs the tapped forward (``TargetModel.forward``: stops after the deepest tap, no
+logits) on random rows, and its features feed the recipe's drafter (paper recipes: 5 layers, 5 taps,
+block 16, seq 3072, 512 anchors, 4 micro-batches per optimizer step; each of these flags given
+overrides; the drafter's width, heads, MLP and vocabulary are the target's, and their flags are
+refused). Full-size recipes need a CUDA GPU; ``tiny`` runs anywhere. ``step_s`` is one optimizer step.
 Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
 Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA model FLOPs
 utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
@@ -61,7 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--taps", type=int, default=3, help="tapped target layers (default 3; --e2e: the recipe's)")
     p.add_argument("--seq", type=int, default=256,
                    help="tokens per row (default 256; --e2e: the recipe's data.max_length)")
-    p.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="rows per micro-batch (default 1)")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches (forward + backward each) per optimizer step, as train.grad_accum "
+                        "(default 1; --e2e: the recipe's)")
     p.add_argument("--anchors", type=int, nargs="+", default=[32],
                    help="anchors per row; several values give one line each (default 32; --e2e: the recipe's)")
     p.add_argument("--block", type=int, default=8, help="block size (default 8; --e2e: the recipe's)")
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     # vocab 2: the last id is the mask token, random ids are drawn below it
     check_at_least(p, a, hidden=1, layers=1, heads=1, kv_heads=1, head_dim=2, intermediate=1, vocab=2, taps=1,
-                   seq=1, batch=1, anchors=1, block=2, ce_chunk=1, steps=1, warmup=0, target_layers=1, profile=0)
+                   seq=1, batch=1, grad_accum=1, anchors=1, block=2, ce_chunk=1, steps=1, warmup=0, target_layers=1,
+                   profile=0)
     if a.head_dim % 2:
         p.error(f"--head-dim {a.head_dim}: use an even size (RoPE rotates pairs)")
     if a.attention == "flex" and not torch.cuda.is_available():
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                              "run --e2e tiny, or leave --e2e out to time the drafter step alone")
     # a sweep needs only the shapes: the target on the meta device, no weights
     target = _e2e_setup(a, argv, spec, "meta" if a.flex_sweep is not None else None) if a.e2e else None
+    a.grad_accum = a.grad_accum or 1
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     use_flex = a.attention == "flex" or (a.attention == "auto" and cuda)
@@ -190,20 +196,25 @@ def main(argv: list[str] | None = None) -> None:
         host = tuple(t.cpu() for t in (ids, lm, doc, pos))  # train/loop.py draws on its rows' host copy
         contiguous = documents_contiguous(host[2])
 
-        def step(i: int):
-            """One step, as train/loop.py runs it; the blocks and scored count come back for the FLOPs,
-            counted after the timing (a host read here would stall the queue)."""
-            blocks = draw_blocks(*host, n_anchors, a.block, cfg.mask_token_id,
-                                 torch.Generator().manual_seed(i)).to(device, non_blocking=True)
-            f = features(i)
-            mask = attention_masks(cfg, blocks, doc, pos, use_flex, contiguous)
-            with autocast:
-                hidden = drafter_forward(drafter, embed, blocks, f, pos, mask)
-                out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)
-            out.loss.backward()
+        def step(i: int) -> list:
+            """One optimizer step of ``grad_accum`` micro-batches, as train/loop.py runs it; each one's
+            blocks and scored count come back for the FLOPs, counted after the timing (a host read
+            here would stall the queue)."""
+            done = []
+            for j in range(a.grad_accum):
+                seed = i * a.grad_accum + j
+                blocks = draw_blocks(*host, n_anchors, a.block, cfg.mask_token_id,
+                                     torch.Generator().manual_seed(seed)).to(device, non_blocking=True)
+                f = features(seed)
+                mask = attention_masks(cfg, blocks, doc, pos, use_flex, contiguous)
+                with autocast:
+                    hidden = drafter_forward(drafter, embed, blocks, f, pos, mask)
+                    out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)
+                (out.loss / a.grad_accum).backward()
+                done.append((blocks, out.scored))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return blocks, out.scored
+            return done
 
         for i in range(a.warmup):
             step(i)
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        done = [step(100 + i) for i in range(a.steps)]
+        done = [micro for i in range(a.steps) for micro in step(100 + i)]
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -223,8 +234,9 @@ def main(argv: list[str] | None = None) -> None:
                **({"target_mixer": a.target_mixer} if target is not None and target.is_hybrid else {}),
                "hidden": H, "layers": a.layers,
                "seq": a.seq,
-               "batch": a.batch, "anchors": n_anchors, "block": a.block, "steps": a.steps,
-               "step_s": round(dt / a.steps, 4), "tokens_per_s": round(a.seq * a.batch * a.steps / dt, 1),
+               "batch": a.batch, "grad_accum": a.grad_accum, "anchors": n_anchors, "block": a.block,
+               "steps": a.steps, "step_s": round(dt / a.steps, 4),
+               "tokens_per_s": round(a.seq * a.batch * a.grad_accum * a.steps / dt, 1),
                "anchors_per_s": round(blocks_done / dt, 1), "tflops": round(flops / dt / 1e12, 3)}
         if cuda:
             row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
@@ -286,6 +298,8 @@ def _e2e_setup(a, argv, spec: dict, device: str | None = None):
         a.anchors = [train.get("anchors", 512)]
     if "--block" not in given:
         a.block = drafter.get("block_size", 16)
+    if a.grad_accum is None:
+        a.grad_accum = train.get("grad_accum", 1)
     ran = target.layers[: max(a.layer_ids) + 1]  # the tapped forward stops after the deepest tap
     a.target_params = sum(p.numel() for p in ran.parameters())
     return target
