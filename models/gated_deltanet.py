@@ -19,6 +19,7 @@ rounded to the weight dtype before the SiLU, the decay gate in fp32, the kernel'
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import torch
@@ -79,13 +80,35 @@ def mixer_output(m: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Ten
 def chunk_kernel(m: nn.Module):
     """The chunked gated delta rule the layer itself would run: flash-linear-attention's on CUDA when
     installed, else the torch reference of the layer's transformers module (None when it has none).
-    The reference repeats q/k heads for grouped value heads itself; fla (>= 0.6) takes them grouped."""
-    if m.out_proj.weight.device.type == "cuda":
-        try:
-            return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-        except (ImportError, AttributeError):
-            pass
-    return getattr(sys.modules.get(type(m).__module__), "torch_chunk_gated_delta_rule", None)
+    The reference repeats q/k heads for grouped value heads itself, as fla does from 0.6 on; before
+    that, the q/k heads are repeated here (the same math)."""
+    fla = fla_kernel() if m.out_proj.weight.device.type == "cuda" else None
+    return fla or getattr(sys.modules.get(type(m).__module__), "torch_chunk_gated_delta_rule", None)
+
+
+def fla_kernel():
+    """flash-linear-attention's chunked gated delta rule (None when it is not installed)."""
+    try:
+        fla = importlib.import_module("fla")
+        kernel = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    except (ImportError, AttributeError):
+        return None
+    return _grouped(kernel, _version(getattr(fla, "__version__", "0")) >= (0, 6))
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:2])
+
+
+def _grouped(kernel, takes_groups: bool):
+    """``kernel`` for q/k with fewer heads than v: as it is when it takes them so, else after repeating them."""
+    if takes_groups:
+        return kernel
+
+    def repeated(q, k, v, **kwargs):
+        n = v.shape[2] // q.shape[2]
+        return kernel(q.repeat_interleave(n, dim=2), k.repeat_interleave(n, dim=2), v, **kwargs)
+    return repeated
 
 
 def fusable(m: nn.Module) -> bool:

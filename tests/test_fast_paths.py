@@ -881,11 +881,12 @@ def test_flex_sweep_takes_the_recipe_shape_without_building_its_target():
     from data.bench import recipe_spec
     from train.bench import _e2e_setup
 
-    a = argparse.Namespace(e2e="qwen35-9b", taps=3, target_layers=None, layers=2, seq=256, anchors=[32], block=8)
+    a = argparse.Namespace(e2e="qwen35-9b", taps=3, target_layers=None, layers=2, seq=256, anchors=[32], block=8,
+                           grad_accum=None)
     target = _e2e_setup(a, ["--e2e", "qwen35-9b"], recipe_spec("qwen35-9b"), "meta")
     assert next(target.model.parameters()).device.type == "meta"
     assert (a.hidden, a.heads, a.kv_heads, a.head_dim) == (4096, 16, 4, 256)
-    assert (a.seq, a.anchors, a.block, a.layers, a.taps) == (3072, [512], 16, 5, 5)
+    assert (a.seq, a.anchors, a.block, a.layers, a.taps, a.grad_accum) == (3072, [512], 16, 5, 5, 4)
 
 
 def test_causal_conv_silu_equals_a_padded_depthwise_conv():
@@ -959,6 +960,37 @@ def _with_conv1d(inputs):
         finally:
             gdn.causal_conv_silu = original
     return patched
+
+
+@pytest.mark.parametrize("version,grouped", [("0.6.0", True), ("0.5.1", False), ("0.4", False)])
+def test_older_fla_gets_its_q_k_heads_repeated(monkeypatch, version, grouped):
+    """flash-linear-attention takes q/k with fewer heads than v from 0.6 on; older versions get them
+    repeated per value head, which gives the grouped math (checked on the torch reference)."""
+    import sys
+    import types
+
+    from models import gated_deltanet as gdn
+    from models.tiny import tiny_target
+
+    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
+    reference = gdn.chunk_kernel(mixer)  # CPU: transformers' torch reference
+    seen = []
+
+    def kernel(q, k, v, **kwargs):
+        seen.append((q.shape[2], k.shape[2], v.shape[2]))
+        return reference(q, k, v, **kwargs)
+
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__=version))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", types.SimpleNamespace(chunk_gated_delta_rule=kernel))
+    fla = gdn.fla_kernel()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 10, 2, 8, generator=g)
+    v = torch.randn(1, 10, 4, 8, generator=g)
+    gate, beta = -torch.rand(1, 10, 4, generator=g), torch.rand(1, 10, 4, generator=g)
+    kw = dict(g=gate, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    got, _ = fla(q, k, v, **kw)
+    assert seen == [(2, 2, 4) if grouped else (4, 4, 4)]
+    assert_close(got, reference(q, k, v, **kw)[0], atol=1e-6, what=f"fla {version}")
 
 
 def test_fused_mixer_needs_its_parts_and_a_kernel():
