@@ -42,13 +42,7 @@ PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200"
                     "L40S": 362.0, "4090": 165.0, "B200": 2250.0}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from data.bench import check_at_least, recipe_runs_on_cpu, recipe_spec
-    from models.config import DFlashConfig
-    from models.drafter import DFlashDraftModel
-    from train.block_mask import documents_contiguous
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=64,
@@ -97,7 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timing, profile one more step and print its N most expensive kernels (GPU) or "
                         "operators (CPU) as a 'profile' line (default 0: off)")
-    a = p.parse_args(argv)
+    return p
+
+
+def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
+    """Refuse bad flags in one line each, before anything is built; the --e2e recipe's spec."""
+    from data.bench import check_at_least, recipe_runs_on_cpu, recipe_spec
+
+    spec = None
     # vocab 2: the last id is the mask token, random ids are drawn below it
     check_at_least(p, a, hidden=1, layers=1, heads=1, kv_heads=1, head_dim=2, intermediate=1, vocab=2, taps=1,
                    seq=1, batch=1, grad_accum=1, anchors=1, block=2, ce_chunk=1, steps=1, warmup=0, target_layers=1,
@@ -129,6 +130,17 @@ def main(argv: list[str] | None = None) -> None:
             size = f"{spec['target']['params_b']}B-parameter" if "params_b" in spec["target"] else "full-size"
             raise ValueError(f"--e2e {a.e2e} builds its {size} target: it needs a CUDA GPU (none found). On the CPU "
                              "run --e2e tiny, or leave --e2e out to time the drafter step alone")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> None:
+    from models.config import DFlashConfig
+    from train.block_mask import documents_contiguous
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+
+    p = _parser()
+    a = p.parse_args(argv)
+    spec = _checked(p, a)
     # a sweep needs only the shapes: the target on the meta device, no weights
     target = _e2e_setup(a, argv, spec, "meta" if a.flex_sweep is not None else None) if a.e2e else None
     a.grad_accum = a.grad_accum or 1
@@ -150,19 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         blocks = draw_blocks(ids, lm, doc, pos, a.anchors[0], a.block, cfg.mask_token_id,
                              torch.Generator().manual_seed(0))
         return flex_sweep.run(a, cfg, blocks, doc)
-    drafter = DFlashDraftModel(cfg).to(device).set_flex_backward(a.flex_backward)
-    if a.compile:
-        drafter.compile_layers()
-    if a.compile == "all" and target is not None:
-        target.compile_layers(fuse_mixer=a.target_mixer == "fused")
-    if target is not None:
-        cfg.target_layer_ids = a.layer_ids
-        embed, head = target.embed_tokens, target.lm_head
-    else:
-        embed = torch.nn.Embedding(a.vocab, H).to(device, dtype).requires_grad_(False)
-        head = torch.nn.Linear(H, a.vocab, bias=False).to(device, dtype).requires_grad_(False)
-    drafter.bind_target(embed, head)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=cuda)  # as train/distill.py
+    drafter, embed, head, opt = _models(a, cfg, target, device, dtype)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     for n_anchors in a.anchors:
@@ -176,22 +176,6 @@ def main(argv: list[str] | None = None) -> None:
             rows = torch.randint(0, a.vocab - 1, (a.batch, a.seq), device=device,
                                  generator=torch.Generator(device).manual_seed(i))
             return target.forward(rows, a.layer_ids, with_logits=False).features
-
-        def step_flops(blocks, scored: int) -> float:
-            """Model FLOPs of one step (forward + backward, no recompute), from the blocks actually drawn.
-
-            Per query token: the layer matmuls x3 (forward, input and weight grads). Attention x3 over
-            the keys each query sees (context before its anchor + its own block). The context's fc
-            x2 (weight grad only: features need none) and each layer's context k/v projections x3.
-            The frozen LM head x2 (forward + input grad) over scored slots only.
-            """
-            q = blocks.valid.sum().item() * a.block
-            keys = ((blocks.anchors + a.block) * blocks.valid).sum().item() * a.block
-            proj = a.hidden * a.head_dim * (2 * a.heads + 2 * a.kv_heads) + 3 * a.hidden * a.intermediate
-            ctx = a.seq * a.batch
-            return (3 * a.layers * (2 * proj * q + 4 * a.heads * a.head_dim * keys)
-                    + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
-                    + 2 * 2 * H * a.vocab * scored)
 
         host = tuple(t.cpu() for t in (ids, lm, doc, pos))  # train/loop.py draws on its rows' host copy
         contiguous = documents_contiguous(host[2])
@@ -226,28 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        blocks_done = sum(int(b.valid.sum()) for b, _ in done)
-        flops = sum(step_flops(b, scored) + target_flops for b, scored in done)
-        row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
-               "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "attention": "flex" if use_flex else "dense", "compile": a.compile,
-               **({"target_mixer": a.target_mixer} if target is not None and target.is_hybrid else {}),
-               "hidden": H, "layers": a.layers,
-               "seq": a.seq,
-               "batch": a.batch, "grad_accum": a.grad_accum, "anchors": n_anchors, "block": a.block,
-               "steps": a.steps, "step_s": round(dt / a.steps, 4),
-               "tokens_per_s": round(a.seq * a.batch * a.grad_accum * a.steps / dt, 1),
-               "anchors_per_s": round(blocks_done / dt, 1), "tflops": round(flops / dt / 1e12, 3)}
-        if cuda:
-            row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
-            name = torch.cuda.get_device_name()
-            peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-            row["mfu"] = round(flops / dt / 1e12 / peak, 4) if peak else None
-            row["peak_tflops"] = peak  # what mfu divides by
-        else:
-            import resource
-
-            row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)
+        row = _result_row(a, target, use_flex, n_anchors, dt, done, target_flops)
         print(json.dumps(row), flush=True)
         print(json.dumps({"bench": "train_parts", "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors,
                           "batch": a.batch,
@@ -259,6 +222,72 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"bench": "profile", "what": "train_e2e" if target is not None else "train_step",
                               "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors, "batch": a.batch,
                               **top_ops(lambda: step(200), a.profile)}), flush=True)
+
+
+def _models(a, cfg, target, device: torch.device, dtype: torch.dtype):
+    """The drafter (compiled as asked, with the target's), the frozen embedding and LM head it trains
+    against (the target's with --e2e, random ones otherwise), and AdamW as train/distill.py builds it."""
+    from models.drafter import DFlashDraftModel
+
+    drafter = DFlashDraftModel(cfg).to(device).set_flex_backward(a.flex_backward)
+    if a.compile:
+        drafter.compile_layers()
+    if a.compile == "all" and target is not None:
+        target.compile_layers(fuse_mixer=a.target_mixer == "fused")
+    if target is not None:
+        cfg.target_layer_ids = a.layer_ids
+        embed, head = target.embed_tokens, target.lm_head
+    else:
+        embed = torch.nn.Embedding(a.vocab, a.hidden).to(device, dtype).requires_grad_(False)
+        head = torch.nn.Linear(a.hidden, a.vocab, bias=False).to(device, dtype).requires_grad_(False)
+    drafter.bind_target(embed, head)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
+    return drafter, embed, head, opt
+
+
+def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list, target_flops: float) -> dict:
+    """The JSON line of one timed run: ``done`` holds each micro-batch's (blocks, scored slots)."""
+    cuda = torch.cuda.is_available()
+    blocks_done = sum(int(b.valid.sum()) for b, _ in done)
+    flops = sum(step_flops(a, b, scored) + target_flops for b, scored in done)
+    row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "attention": "flex" if use_flex else "dense", "compile": a.compile,
+           **({"target_mixer": a.target_mixer} if target is not None and target.is_hybrid else {}),
+           "hidden": a.hidden, "layers": a.layers, "seq": a.seq, "batch": a.batch, "grad_accum": a.grad_accum,
+           "anchors": n_anchors, "block": a.block,
+           "steps": a.steps, "step_s": round(dt / a.steps, 4),
+           "tokens_per_s": round(a.seq * a.batch * a.grad_accum * a.steps / dt, 1),
+           "anchors_per_s": round(blocks_done / dt, 1), "tflops": round(flops / dt / 1e12, 3)}
+    if cuda:
+        row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        row["mfu"] = round(flops / dt / 1e12 / peak, 4) if peak else None
+        row["peak_tflops"] = peak  # what mfu divides by
+    else:
+        import resource
+
+        row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)
+    return row
+
+
+def step_flops(a, blocks, scored: int) -> float:
+    """Model FLOPs of one drafter micro-batch (forward + backward, no recompute), from the blocks drawn.
+
+    Per query token: the layer matmuls x3 (forward, input and weight grads). Attention x3 over
+    the keys each query sees (context before its anchor + its own block). The context's fc
+    x2 (weight grad only: features need none) and each layer's context k/v projections x3.
+    The frozen LM head x2 (forward + input grad) over scored slots only.
+    """
+    H = a.hidden
+    q = blocks.valid.sum().item() * a.block
+    keys = ((blocks.anchors + a.block) * blocks.valid).sum().item() * a.block
+    proj = a.hidden * a.head_dim * (2 * a.heads + 2 * a.kv_heads) + 3 * a.hidden * a.intermediate
+    ctx = a.seq * a.batch
+    return (3 * a.layers * (2 * proj * q + 4 * a.heads * a.head_dim * keys)
+            + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
+            + 2 * 2 * H * a.vocab * scored)
 
 
 def _rows(a, device):
