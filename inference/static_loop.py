@@ -46,6 +46,21 @@ class StaticLoopUnsupported(ValueError):
     pass
 
 
+def weight_places(module: torch.nn.Module) -> list[tuple]:
+    """Where each parameter's data lives. A cast, a move or a load into new tensors changes it; an
+    in-place update (an optimizer step, ``load_state_dict``) does not."""
+    return [(p.data_ptr(), p.dtype, p.device) for p in module.parameters()]
+
+
+def check_weights_unchanged(module: torch.nn.Module, places: list[tuple], what: str) -> None:
+    """Refuse a pass over weights replaced since the static loop was built: its fused projections and
+    captured CUDA graphs still read the old tensors (stale values, or freed memory once reused)."""
+    if weight_places(module) != places:
+        raise RuntimeError(f"the {what}'s weights were replaced (cast, moved or loaded into new tensors) after its "
+                           "static loop was built, whose fused projections and captured passes still read the old "
+                           f"ones: build the static loop again (build_static_loop) after changing the {what}")
+
+
 class _Graphed:
     """One function of static buffers, captured as a CUDA graph on first use (eager elsewhere).
 
@@ -138,6 +153,7 @@ class StaticTarget:
         self._start = torch.zeros(1, dtype=torch.long, device=dev)
         self._key_pos = torch.arange(max_len, device=dev)
         self._ids = {t: torch.zeros(1, t, dtype=torch.long, device=dev) for t in {1, block_size}}
+        self._places = weight_places(target.model)
         # One private memory pool per graph: a shared pool lets one graph's temporaries overlap the
         # other's outputs, which is only safe when replays keep the capture order.
         # compile: each decoder layer through torch.compile for the graphed passes (a captured eager
@@ -203,6 +219,8 @@ class StaticTarget:
         if start + T > self.max_len:
             raise ValueError(f"static cache holds {self.max_len} positions; a pass to {start + T} does not fit: "
                              "raise max_len (prompt + max_new_tokens + block size)")
+        if start == 0:  # a new sequence: once per generation, not per pass
+            check_weights_unchanged(self.target.model, self._places, "target")
         self._start.fill_(start)
         if self.gdn:
             self._commit(start, T)
@@ -265,6 +283,7 @@ class StaticDrafterProposer:
         self._n_new = torch.zeros(1, dtype=torch.long, device=dev)
         self._slot = torch.arange(max_len, device=dev)
         self._qkv, self._gate_up = _fuse_projections(drafter)
+        self._places = weight_places(drafter)
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         self._qkv_split = [q_width, kv_width, kv_width]
         # the fixed-shape pass (compiled or not) as the graphs run it, looked up at call time
@@ -272,6 +291,7 @@ class StaticDrafterProposer:
         self._pass = _Graphed(lambda: self.block_pass(self._feats), self.graphs)
 
     def reset(self) -> None:
+        check_weights_unchanged(self.drafter, self._places, "drafter")
         self.ctx_len = 0  # stale slots are masked, then overwritten
 
     def graphed_pass(self) -> Callable[[], torch.Tensor]:

@@ -4682,6 +4682,44 @@ def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
         proposer.propose(1, feats[:, :2], 9, 8)
 
 
+def test_static_loop_refuses_weights_replaced_after_it_was_built():
+    """Casting or moving the drafter or the target after its static loop was built left the loop's fused
+    q|k|v and gate|up matrices (and on CUDA its captured graphs) on the old tensors: the static drafts
+    silently came from the old weights. An in-place update (an optimizer step, load_state_dict) is fine."""
+    import torch
+
+    from conftest import tiny_drafter_config
+    from inference.static_loop import build_static_loop, static_dflash_generate, static_target_generate
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    target = TargetModel(tiny_target("qwen3"), tiny_tokenizer())  # its own: it gets cast below
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
+    st, proposer = build_static_loop(target, drafter, max_len=64)
+    first = static_dflash_generate(st, proposer, [5, 6, 7], 8, eos_token_ids=[])
+    original = {k: v.clone() for k, v in drafter.state_dict().items()}
+    with torch.no_grad():
+        drafter.load_state_dict(original)
+        drafter.layers[0].self_attn.q_proj.weight.mul_(1.0)
+    assert static_dflash_generate(st, proposer, [5, 6, 7], 8, eos_token_ids=[]).tokens == first.tokens
+    # other weights loaded as new tensors: the fused q|k|v would have kept the old ones without a word
+    other = {k: v + 0.01 for k, v in drafter.state_dict().items()}
+    drafter.load_state_dict(other, assign=True)
+    with pytest.raises(RuntimeError, match="the drafter's weights were replaced .* build the static loop again"):
+        static_dflash_generate(st, proposer, [5, 6, 7], 8, eos_token_ids=[])
+    drafter.to(torch.float64)
+    with pytest.raises(RuntimeError, match="the drafter's weights were replaced"):
+        static_dflash_generate(st, proposer, [5, 6, 7], 8, eos_token_ids=[])
+    drafter.load_state_dict({k: v.clone() for k, v in original.items()}, assign=True)
+    st, proposer = build_static_loop(target, drafter.to(torch.float32), max_len=64)
+    assert static_dflash_generate(st, proposer, [5, 6, 7], 8, eos_token_ids=[]).tokens == first.tokens
+    target.model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="the target's weights were replaced .* after changing the target"):
+        static_target_generate(st, [5, 6, 7], 4, eos_token_ids=[])
+
+
 def test_extract_default_taps_on_a_shallow_target_name_the_flag(tmp_path):
     """The default 5 taps need 8 layers; the fix once named target_layer_ids, a key data.extract does not have."""
     from data.extract import extract
