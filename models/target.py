@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from models import gated_deltanet as gdn
 from models.config import read_json_file, refuse_drafter_as_target
 from models.hub import SMALL_FILES, fetch_model, is_hub_id, resolve_model_dir, snapshot_commit
 from models.weights import read_safetensors_tensors
@@ -251,14 +252,12 @@ class TargetModel:
         fp32, ~10 ms of a Qwen3.5-9B step on an H200), and inside the mixer the projections, conv and
         gates before the kernel and the gated norm and projection after it (``models.gated_deltanet``;
         a mixer it cannot run, or every mixer with ``fuse_mixer=False``, keeps its own forward, its gated
-        norm compiled). Shapes are marked
-        dynamic after the first new length (dynamo's default), so varying row lengths do not
-        recompile per batch; the limit is raised to one compile per layer and kind of shape. Passes that
-        fill a cache (the held-out generation, the loops) keep the eager layers: a cache update
-        specialises each compile on its layer index and a growing length, minutes of compiles for nothing.
+        norm compiled). Shapes are marked dynamic after the first new length (dynamo's default), so
+        varying row lengths do not recompile per batch; the limit is raised to one compile per layer and
+        kind of shape. Passes that fill a cache (the held-out generation, the loops) keep the eager
+        layers: a cache update specialises each compile on its layer index and a growing length, minutes
+        of compiles for nothing.
         """
-        from models import gated_deltanet as gdn
-
         allow_recompiles(2 * len(self.layers) + 8)
         # one compiled function for every mixer: the weights are graph inputs, so layers share the graph
         inputs, output = (torch.compile(f, backend=backend) for f in (gdn.mixer_inputs, gdn.mixer_output))
