@@ -29,12 +29,10 @@ from torch import nn
 # What the mixer must have for the fused path (transformers' Qwen3_5GatedDeltaNet and its MoE twin).
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
           "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads")
-# The layer's keyword arguments: its input, its mask, its cache (under three names across transformers
-# versions), and those it ignores when no cache is given. Any other one (packed sequences'
-# ``cu_seq_lens_q``, ...) sends the pass to the layer's own forward.
-_CACHE = ("cache", "cache_params", "past_key_values")
-_KNOWN = ("hidden_states", "attention_mask", *_CACHE, "cache_position", "position_ids", "position_embeddings",
-          "use_cache", "output_attentions")
+# The layer's keyword arguments besides its cache: its input, its mask, and those it ignores when no cache
+# is given. Any other one (packed sequences' ``cu_seq_lens_q``, ...) sends the pass to the layer's own forward.
+_KNOWN = ("hidden_states", "attention_mask", "cache_position", "position_ids", "position_embeddings", "use_cache",
+          "output_attentions")
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,12 +122,15 @@ def fusable(m: nn.Module) -> bool:
 def uncached_forward(m: nn.Module, inputs, output, kernel=None):
     """A replacement for ``m.forward``: ``inputs`` / ``output`` (``mixer_inputs`` / ``mixer_output``,
     compiled or not) around the chunked kernel for a plain uncached pass, the layer's own forward otherwise."""
+    from models.target import CACHE_KWARGS, passes_cache  # models.target imports this module
+
     eager = m.forward
     kernel = kernel or chunk_kernel(m)
+    known = _KNOWN + CACHE_KWARGS
 
     def forward(*args, **kwargs):
-        if (len(args) > 1 or any(kwargs.get(name) is not None for name in _CACHE)
-                or any(value is not None for name, value in kwargs.items() if name not in _KNOWN)):
+        if (len(args) > 1 or passes_cache(kwargs)
+                or any(value is not None for name, value in kwargs.items() if name not in known)):
             return eager(*args, **kwargs)
         x = args[0] if args else kwargs["hidden_states"]
         q, k, v, g, beta, z = inputs(m, x, kwargs.get("attention_mask"))

@@ -143,6 +143,15 @@ def allow_recompiles(n: int) -> None:
     dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), n)
 
 
+# The keywords a layer takes its cache by across transformers versions (see ``cache_kwarg``).
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+
+
+def passes_cache(kwargs: dict) -> bool:
+    """Whether a layer call's keyword arguments hand it a cache (under any of its names)."""
+    return any(kwargs.get(name) is not None for name in CACHE_KWARGS)
+
+
 def cache_kwarg(module: nn.Module, old: str = "past_key_values") -> str:
     """The keyword ``module.forward`` takes its cache by: ``cache`` from transformers 5.24 on (the old
     name, ``past_key_values`` or a GatedDeltaNet mixer's ``cache_params``, still works there with a
@@ -164,8 +173,7 @@ def _uncached_compiled(eager, backend):
     compiled = torch.compile(eager, backend=backend)
 
     def forward(*args, **kwargs):
-        cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-        return (eager if cached else compiled)(*args, **kwargs)
+        return (eager if passes_cache(kwargs) else compiled)(*args, **kwargs)
     return forward
 
 
