@@ -126,7 +126,7 @@ class OnlineFeatures:
         t = self.target
         # not waiting for the GPU's queue: a fresh host tensor, staged at once (the training step's rows)
         input_ids = input_ids.to(t.device, non_blocking=True)
-        packed = doc_ids is not None and bool((doc_ids > 0).any())
+        packed = doc_ids is not None and bool((doc_ids.numpy() > 0).any())  # the host copy (numpy refuses a GPU's)
         if not packed:
             return self._forward(input_ids)
         # split every packed row into its documents, run them as one padded batch, scatter back

@@ -9,11 +9,10 @@ target's passes reach it through an HF attention function registered under ``GRO
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
 
 
 def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -42,17 +41,3 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
 
 GROUPED_SDPA = "draftsmith_grouped_sdpa"
 AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
-
-
-@contextmanager
-def attention_implementation(configs: list, name: str | None):
-    """The attention layers of ``configs`` dispatch to ``name`` inside the block (unchanged for ``None``)."""
-    saved = [c._attn_implementation for c in configs]
-    try:
-        if name is not None:
-            for c in configs:
-                c._attn_implementation = name
-        yield
-    finally:
-        for c, before in zip(configs, saved):
-            c._attn_implementation = before

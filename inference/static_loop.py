@@ -34,10 +34,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from inference.grouped_attention import GROUPED_SDPA, attend_grouped, attention_implementation
+from inference.grouped_attention import GROUPED_SDPA, attend_grouped
 from inference.static_gdn import StaticGatedDeltaNet
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size, warn_if_mask_is_emitted
 from inference.torch_loop import Clock, check_draft_cache, draft_block, sample
+from models.attention import attention_implementation
 from models.drafter import DFlashDraftModel, apply_rope, rope_cos_sin
 from models.target import TargetModel, allow_recompiles, cache_kwarg
 
@@ -335,12 +336,15 @@ class StaticDrafterProposer:
             h = h + layer.mlp.down_proj(F.silu(gate) * up)
         return d.logits(d.norm(h)[:, 1:])[0].argmax(-1)
 
-    @torch.no_grad()
-    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
-        c = new_features.shape[1]
+    def check_block_size(self, block_size: int) -> None:
         if block_size != self.block_size:
             raise StaticLoopUnsupported(f"the static drafter pass is built for blocks of {self.block_size}; "
                                         f"got {block_size}")
+
+    @torch.no_grad()
+    def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
+        c = new_features.shape[1]
+        self.check_block_size(block_size)
         if start - c != self.ctx_len:
             raise RuntimeError(f"draft cache holds {self.ctx_len} positions but {c} new features end at {start}")
         if self.ctx_len + max(c, self.block_size) > self.max_len:
@@ -410,9 +414,7 @@ def static_dflash_generate(target: StaticTarget, proposer, prompt_ids: list[int]
     if applies and resident is not False:
         from inference.static_greedy import greedy_cycle
 
-        if B != proposer.block_size:
-            raise StaticLoopUnsupported(f"the static drafter pass is built for blocks of {proposer.block_size}; "
-                                        f"got {B}")
+        proposer.check_block_size(B)
         return greedy_cycle(target, proposer).generate(prompt_ids, max_new_tokens, eos)
     device = target.target.device
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from models import gated_deltanet as gdn
+from models.attention import CAUSAL_SDPA, attention_implementation, mask_free
 from models.config import read_json_file, refuse_drafter_as_target
 from models.hub import SMALL_FILES, fetch_model, is_hub_id, resolve_model_dir, snapshot_commit
 from models.weights import read_safetensors_tensors
@@ -192,6 +193,9 @@ class TargetModel:
         self.decoder = getattr(inner, "language_model", inner)  # multimodal checkpoints wrap the text tower
         self.layers = self.decoder.layers
         self._cache_kw = cache_kwarg(self.decoder)  # read once: the signature does not change per call
+        # the configs HF reads the attention implementation from: the decoder's (masks), the layers' (attention)
+        self._attention_configs = list({id(c): c for c in [self.decoder.config, *(
+            la.self_attn.config for la in self.layers if hasattr(la, "self_attn"))]}.values())
         self.embed_tokens = self.decoder.embed_tokens
         self.lm_head = model.get_output_embeddings()
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
@@ -338,9 +342,15 @@ class TargetModel:
 
         handles = [self.layers[i].register_forward_hook(tap(i)) for i in sorted(set(layer_ids))]
         out = None
+        # Unpadded and uncached (the training step's online features): HF's mask builders would read the
+        # GPU back only to find there is nothing to mask (models/attention.py).
+        plain = cache is None and attention_mask is None and position_ids is None
+        configs = self._attention_configs
         try:
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=cache is not None, **{self._cache_kw: cache})
+            with attention_implementation(configs, CAUSAL_SDPA if plain and mask_free(configs, self.layer_types)
+                                          else None):
+                out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=cache is not None, **{self._cache_kw: cache})
         except _StopForward:
             pass
         finally:

@@ -319,3 +319,30 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
     gpu = draw_blocks(ids.cuda(), lm.cuda(), doc.cuda(), pos.cuda(), 24, 8, 95, row_generators(0, 0, [0, 1, 2]))
     for f in fields(host):
         assert torch.equal(getattr(host, f.name), getattr(gpu, f.name)), f.name
+
+
+def test_a_training_step_on_cuda_waits_for_nothing(tmp_path, tmp_path_factory, monkeypatch):
+    """CUDA's own detector (``set_sync_debug_mode("error")``) over whole optimizer steps of an online run:
+    target forward, flex drafter, loss, backward, acceptance counts, clip and fused AdamW raise on any read
+    back. The first step runs unchecked: it compiles flex attention and the loss kernel. Packed rows keep
+    one row length, so later steps reuse those graphs (tests/test_host_reads.py is the CPU side)."""
+    import train.loop
+    from test_train_run import FAST, run, tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    real, steps = train.loop.train_step, []
+
+    def checked(*args, **kwargs):
+        steps.append(len(steps) + 1)
+        if len(steps) == 1:
+            return real(*args, **kwargs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(train.loop, "train_step", checked)
+    run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['packed']}", *FAST, "train.max_steps=3",
+        "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1", "logging.every=100")
+    assert steps == [1, 2, 3]

@@ -10,15 +10,16 @@
     python -m train.bench --e2e tiny            # the same plumbing on the CPU: tiny target, tiny recipe's drafter
     python -m train.bench --e2e qwen35-9b --flex-sweep      # flex backward tiles at the recipe's shape (CUDA)
 
-Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward; the
-AdamW step once per ``--grad-accum`` micro-batches) on random context features, as in
-``train/distill.py`` (flex attention on CUDA, dense on CPU; bf16 autocast on CUDA). ``--e2e RECIPE``
-times the whole online step instead: a random-weight target of the recipe's exact shape (bf16, built
-on the device) runs the tapped forward (``TargetModel.forward``: stops after the deepest tap, no
-logits) on random rows, and its features feed the recipe's drafter (paper recipes: 5 layers, 5 taps,
-block 16, seq 3072, 512 anchors, 4 micro-batches per optimizer step; each of these flags given
-overrides; the drafter's width, heads, MLP and vocabulary are the target's, and their flags are
-refused). Full-size recipes need a CUDA GPU; ``tiny`` runs anywhere. ``step_s`` is one optimizer step.
+Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward, the
+acceptance counts; gradient clipping and the AdamW step once per ``--grad-accum`` micro-batches) on
+random context features, as in ``train/distill.py`` (flex attention on CUDA, dense on CPU; bf16
+autocast on CUDA). ``--e2e RECIPE`` times the whole online step instead: a random-weight target of
+the recipe's exact shape (bf16, built on the device) runs the tapped forward
+(``TargetModel.forward``: stops after the deepest tap, no logits) on random rows, and its features
+feed the recipe's drafter (paper recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors, 4
+micro-batches per optimizer step; each of these flags given overrides; the drafter's width, heads,
+MLP and vocabulary are the target's, and their flags are refused). Full-size recipes need a CUDA
+GPU; ``tiny`` runs anywhere. ``step_s`` is one optimizer step.
 Model FLOPs then add ``2 x parameters of the target layers that ran x tokens``.
 Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA model FLOPs
 utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
@@ -136,7 +137,7 @@ def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
 def main(argv: list[str] | None = None) -> None:
     from models.config import DFlashConfig
     from train.block_mask import documents_contiguous
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
 
     p = _parser()
     a = p.parse_args(argv)
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                     hidden = drafter_forward(drafter, embed, blocks, f, pos, mask)
                     out = block_loss(hidden, blocks, head.weight, 4.0, chunk=a.ce_chunk)
                 (out.loss / a.grad_accum).backward()
+                simulated_acceptance(out.correct, out.label_mask, out.valid)  # the step's logged counts
                 done.append((blocks, out.scored))
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)  # train.clip's default
             opt.step()
             opt.zero_grad(set_to_none=True)
             return done

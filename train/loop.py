@@ -148,6 +148,7 @@ class MicroBatch:
     doc: torch.Tensor
     pos: torch.Tensor
     contiguous: bool | None = None  # each row's documents are contiguous runs (checked on the host copy)
+    n_tokens: int = 0  # context tokens of the rows (counted on the host copy)
 
 
 @dataclass
@@ -188,7 +189,8 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
         blocks = draw_blocks(tok.input_ids, tok.loss_mask, doc, tok.position_ids, tr.anchors, drafter_cfg.block_size,
                              drafter_cfg.mask_token_id, row_generators(tr.seed, state.epoch, rows))
         out.append(MicroBatch(rows, tok, blocks.to(dev, non_blocking=True), doc.to(dev, non_blocking=True),
-                              tok.position_ids.to(dev, non_blocking=True), documents_contiguous(doc)))
+                              tok.position_ids.to(dev, non_blocking=True), documents_contiguous(doc),
+                              int(tok.lengths.numpy().sum())))
     return out
 
 
@@ -197,7 +199,9 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     """Forward + backward of every micro-batch (gradient sync on the last only), clip, optimizer step."""
     cfg, acc, dev = run.cfg, run.accelerator, run.device
     weight = sum(loss_weight(m.blocks, cfg.gamma) for m in micro_batches).float()
-    tokens = float(sum(int(m.tokens.lengths.sum()) for m in micro_batches))
+    # Nothing in here reads a device value back (tests/test_host_reads.py): a read waits for every queued
+    # kernel, and the GPU then idles while the host queues the next ones. The host counts come from draw_step.
+    tokens = float(sum(m.n_tokens for m in micro_batches))
     if run.world > 1:  # one collective for both: the step's weight sum (the loss denominator) and its tokens
         step_weight, tokens_all = acc.reduce(torch.stack([weight, weight.new_tensor(tokens)]), "sum")
     else:  # nothing to add up: reading a GPU sum back would wait for the previous step's queue
@@ -223,7 +227,7 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         stats.scored += out.scored
         for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
             stats.acceptance[k] = stats.acceptance[k] + v if k in stats.acceptance else v
-        stats.tokens += int(batch.lengths.sum())
+        stats.tokens += m.n_tokens  # the provider's rows are these rows (an offline store's are checked)
         stats.anchors = stats.anchors + out.valid.sum()  # on the device: an int() here waited for the backward
     if cfg.train.clip > 0:
         stats.grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.train.clip)

@@ -62,6 +62,11 @@ class Blocks:
     positions: torch.Tensor  # [b, n, B] position ids of the block slots
     labels: torch.Tensor  # [b, n, B-1] token at anchor + k
     label_mask: torch.Tensor  # [b, n, B-1] bool: slot k is scored
+    # [M] int64: the scored slots as indices into ``label_mask.flatten()``. Found where the blocks are
+    # drawn (the host, in training), so the loss gathers them without reading a mask back from the GPU:
+    # a boolean selection there waits for every queued kernel, and the host then idles the GPU while it
+    # queues the next ones.
+    scored_index: torch.Tensor
 
     @property
     def num_blocks(self) -> int:
@@ -138,7 +143,7 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torc
     ok = in_bounds & lm.gather(1, flat).view_as(lab_pos) & same_doc
     label_mask = ok.long().cumprod(-1).bool() & valid[:, :, None]
     return Blocks(anchors=anchors, valid=valid, doc=doc_a, block_ids=block_ids, positions=positions,
-                  labels=labels, label_mask=label_mask)
+                  labels=labels, label_mask=label_mask, scored_index=label_mask.flatten().nonzero().squeeze(1))
 
 
 def draw_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor | None,
@@ -353,11 +358,12 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
     b, n = blocks.anchors.shape
     B = blocks.block_size
     H = hidden.shape[-1]
-    slot_h = hidden.view(b, n, B, H)[:, :, 1:]  # slot 0 is the given anchor token: nothing to predict
-    sel = blocks.label_mask
-    h = slot_h[sel]  # [M, H] only scored slots reach the LM head
-    y = blocks.labels[sel]
-    w = slot_weights(B, gamma, hidden.device).expand(b, n, B - 1)[sel]
+    sel, idx = blocks.label_mask, blocks.scored_index  # idx: the scored slots of the [b, n, B-1] grid, flat
+    # Slot 0 of each block is the given anchor token (nothing to predict): grid slot (blk, k) is hidden row
+    # blk * B + k + 1. Only scored slots reach the LM head; gathered by index, nothing is read back.
+    h = hidden.reshape(b * n * B, H).index_select(0, idx // (B - 1) * B + idx % (B - 1) + 1)  # [M, H]
+    y = blocks.labels.flatten().index_select(0, idx)
+    w = slot_weights(B, gamma, hidden.device)[idx % (B - 1)]
     t_ids = t_logp = None
     if mode != "ce":
         if topk_ids is None or topk_logprobs is None:
@@ -367,8 +373,8 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         src = (blocks.anchors[:, :, None] + torch.arange(B - 1, device=hidden.device)).clamp(max=topk_ids.shape[1] - 1)
         src = src.flatten(1)
         k = topk_ids.shape[-1]
-        t_ids = topk_ids.gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
-        t_logp = topk_logprobs.float().gather(1, src[..., None].expand(-1, -1, k)).view(b, n, B - 1, k)[sel]
+        t_ids = topk_ids.gather(1, src[..., None].expand(-1, -1, k)).view(-1, k).index_select(0, idx)
+        t_logp = topk_logprobs.float().gather(1, src[..., None].expand(-1, -1, k)).view(-1, k).index_select(0, idx)
     per_slot, ce, kl, pred = [], [], [], []
     for i in range(0, h.shape[0], chunk):
         args = (h[i:i + chunk], head_weight, y[i:i + chunk], None if t_ids is None else t_ids[i:i + chunk],
@@ -392,8 +398,7 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         loss = weighted_sum = hidden.sum() * 0.0
         weight = ce_mean = ce_sum = kl_sum = loss.detach()
         pred_t = y
-    correct = torch.zeros_like(sel)
-    correct[sel] = pred_t == y
+    correct = torch.zeros_like(sel).view(-1).scatter(0, idx, pred_t == y).view_as(sel)
     return LossOutput(loss=loss, correct=correct, label_mask=sel, valid=blocks.valid, ce=ce_mean,
                       weighted_sum=weighted_sum, weight=weight, ce_sum=ce_sum, kl_sum=kl_sum, scored=int(y.shape[0]))
 
@@ -420,11 +425,11 @@ def simulated_acceptance(correct: torch.Tensor, label_mask: torch.Tensor,
     """
     acc = (correct & label_mask).long().cumprod(-1)  # [b, n, B-1]
     tau = 1 + acc.sum(-1)
-    v = valid
+    v = valid.long()  # valid blocks selected by a product: a boolean selection reads the mask back (a GPU wait)
     return {
-        "tau_sum": tau[v].sum().float(),
+        "tau_sum": (tau * v).sum().float(),
         "blocks": v.sum().float(),
         "pos_correct": (correct & label_mask).flatten(0, 1).sum(0).float(),
         "pos_count": label_mask.flatten(0, 1).sum(0).float(),
-        "pos_accept": acc[v].sum(0).float(),
+        "pos_accept": (acc * v[..., None]).flatten(0, 1).sum(0).float(),
     }
