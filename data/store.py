@@ -310,7 +310,7 @@ class FeatureStore:
         get = lambda name: handle.get_slice(name)[a:b]
         feats = get("features").to(self.device, non_blocking=True)
         if self.index["dtype"] == "fp8":
-            feats = dequantize_fp8(feats, get("feature_scales").to(self.device), self.dtype)
+            feats = dequantize_fp8(feats, get("feature_scales").to(self.device, non_blocking=True), self.dtype)
         else:
             feats = feats.to(self.dtype)
         row = FeatureRow(get("input_ids").long(), get("loss_mask"), get("doc_ids"), get("position_ids"), feats)

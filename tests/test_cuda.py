@@ -321,15 +321,30 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
         assert torch.equal(getattr(host, f.name), getattr(gpu, f.name)), f.name
 
 
-def test_a_training_step_on_cuda_waits_for_nothing(tmp_path, tmp_path_factory, monkeypatch):
-    """CUDA's own detector (``set_sync_debug_mode("error")``) over whole optimizer steps of an online run:
-    target forward, flex drafter, loss, backward, acceptance counts, clip and fused AdamW raise on any read
-    back. The first step runs unchecked: it compiles flex attention and the loss kernel. Packed rows keep
-    one row length, so later steps reuse those graphs (tests/test_host_reads.py is the CPU side)."""
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_a_training_step_on_cuda_waits_for_nothing(features, tmp_path, tmp_path_factory, monkeypatch):
+    """CUDA's own detector (``set_sync_debug_mode("error")``) over whole optimizer steps: target forward (online)
+    or an fp8 store with top-k (offline: its scales and top-k come from the host), flex drafter, loss, backward,
+    acceptance counts, clip and fused AdamW raise on any wait for the GPU. The first step runs unchecked: it
+    compiles flex attention and the loss kernel. Packed rows keep one row length, so later steps reuse those
+    graphs (tests/test_host_reads.py is the CPU side)."""
+    import json
+
     import train.loop
+    from data.extract import main as extract_main
+    from models.config import default_layer_ids
     from test_train_run import FAST, run, tiny_input_dirs
+    from train.config import load_config
 
     d = tiny_input_dirs(tmp_path_factory)
+    mode = []
+    if features == "offline":
+        layers = json.loads((d["target"] / "config.json").read_text())["num_hidden_layers"]
+        ids = default_layer_ids(layers, load_config(["recipe=tiny"]).drafter.num_taps)
+        extract_main(["--target", str(d["target"]), "--data", str(d["packed"]), "--out", str(tmp_path / "feats"),
+                      "--dtype", "fp8", "--topk", "8", "--layers", *map(str, ids), "--no-progress"])
+        mode = ["features.mode=offline", f"features.store={tmp_path / 'feats'}", "train.loss=ce+kl"]
     real, steps = train.loop.train_step, []
 
     def checked(*args, **kwargs):
@@ -343,6 +358,7 @@ def test_a_training_step_on_cuda_waits_for_nothing(tmp_path, tmp_path_factory, m
             torch.cuda.set_sync_debug_mode(0)
 
     monkeypatch.setattr(train.loop, "train_step", checked)
-    run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['packed']}", *FAST, "train.max_steps=3",
-        "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1", "logging.every=100")
+    run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['packed']}", "data.pack=true", *FAST, *mode,
+        "train.max_steps=3", "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1",
+        "logging.every=100")
     assert steps == [1, 2, 3]

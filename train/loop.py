@@ -215,12 +215,14 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         # with the host's contiguity check the mask reads nothing back: it queues behind the target's forward
         mask = attention_masks(drafter_cfg, m.blocks, m.doc, m.pos, run.use_flex, m.contiguous)
         sync = i == len(micro_batches) - 1
+        # an offline store's top-k comes from the host: a plain copy would wait for the GPU's queue
+        topk_ids, topk_lp = (None if t is None else t.to(dev, non_blocking=True)
+                             for t in (batch.topk_ids, batch.topk_logprobs))
         with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
             hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)
             out = block_loss(hidden, m.blocks, target.lm_head.weight, cfg.gamma, chunk=cfg.train.ce_chunk,
-                             mode=cfg.train.loss, kl_weight=cfg.train.kl_weight,
-                             topk_ids=None if batch.topk_ids is None else batch.topk_ids.to(dev),
-                             topk_logprobs=None if batch.topk_logprobs is None else batch.topk_logprobs.to(dev))
+                             mode=cfg.train.loss, kl_weight=cfg.train.kl_weight, topk_ids=topk_ids,
+                             topk_logprobs=topk_lp)
             acc.backward(out.weighted_sum * scale)
         stats.loss += out.weighted_sum.detach() / denom
         stats.ce_sum, stats.kl_sum = stats.ce_sum + out.ce_sum, stats.kl_sum + out.kl_sum
