@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from models.transfer import to_device
+
 
 @dataclass
 class FeatureRow:
@@ -125,7 +127,7 @@ class OnlineFeatures:
         """(features, topk_ids, topk_logprobs) for a right-padded batch; doc_ids < 0 marks padding."""
         t = self.target
         # not waiting for the GPU's queue: a fresh host tensor, staged at once (the training step's rows)
-        input_ids = input_ids.to(t.device, non_blocking=True)
+        input_ids = to_device(input_ids, t.device)
         packed = doc_ids is not None and bool((doc_ids.numpy() > 0).any())  # the host copy (numpy refuses a GPU's)
         if not packed:
             return self._forward(input_ids)
@@ -163,7 +165,7 @@ class OnlineFeatures:
     def batch_from_rows(self, rows: list[dict]) -> FeatureBatch:
         batch = collate(rows, self.pad_id)
         feats, ids, lps = self.features_for(batch.input_ids, batch.doc_ids)
-        pad = (batch.doc_ids < 0).to(feats.device, non_blocking=True)  # as the offline store's padding
+        pad = to_device(batch.doc_ids < 0, feats.device)  # as the offline store's padding
         batch.features = feats.masked_fill(pad[..., None], 0)
         if ids is not None:
             batch.topk_ids = ids.masked_fill(pad[..., None], 0)

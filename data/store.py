@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from data.features import FeatureBatch, FeatureRow, collate
+from models.transfer import to_device
 
 FORMAT = "draftsmith-features"
 VERSION = 1
@@ -308,9 +309,9 @@ class FeatureStore:
         j = i - self.starts[k]
         a, b = int(offsets[j]), int(offsets[j + 1])
         get = lambda name: handle.get_slice(name)[a:b]
-        feats = get("features").to(self.device, non_blocking=True)
+        feats = to_device(get("features"), self.device)
         if self.index["dtype"] == "fp8":
-            feats = dequantize_fp8(feats, get("feature_scales").to(self.device, non_blocking=True), self.dtype)
+            feats = dequantize_fp8(feats, to_device(get("feature_scales"), self.device), self.dtype)
         else:
             feats = feats.to(self.dtype)
         row = FeatureRow(get("input_ids").long(), get("loss_mask"), get("doc_ids"), get("position_ids"), feats)

@@ -315,7 +315,7 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
     from train.rng import row_generators
 
     ids, lm, doc, pos = _packed_rows(3, 300, seed=6)
-    host = draw_blocks(ids, lm, doc, pos, 24, 8, 95, row_generators(0, 0, [0, 1, 2])).to("cuda", non_blocking=True)
+    host = draw_blocks(ids, lm, doc, pos, 24, 8, 95, row_generators(0, 0, [0, 1, 2])).to("cuda")
     gpu = draw_blocks(ids.cuda(), lm.cuda(), doc.cuda(), pos.cuda(), 24, 8, 95, row_generators(0, 0, [0, 1, 2]))
     for f in fields(host):
         assert torch.equal(getattr(host, f.name), getattr(gpu, f.name)), f.name
@@ -362,3 +362,18 @@ def test_a_training_step_on_cuda_waits_for_nothing(features, tmp_path, tmp_path_
         "train.max_steps=3", "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1",
         "logging.every=100")
     assert steps == [1, 2, 3]
+
+
+def test_host_tensors_reach_the_gpu_without_waiting_for_its_queue():
+    """``models.transfer.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
+    behind a kernel still running instead of waiting for it (the stream is still busy when it returns), and
+    the values arrive."""
+    from models.transfer import to_device
+
+    x = torch.arange(1 << 20, dtype=torch.float32)  # pageable, 4 MiB
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e9))  # a kernel that spins for seconds
+    y = to_device(x, "cuda")
+    assert not torch.cuda.current_stream().query()  # returned while the kernel still runs
+    torch.cuda.synchronize()
+    assert torch.equal(y.cpu(), x) and y.device.type == "cuda"

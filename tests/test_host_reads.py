@@ -74,6 +74,8 @@ def test_unpadded_target_forward_reads_nothing_and_equals_hf_masks(arch, monkeyp
     assert fast.reads == [] and hf.reads, (fast.reads, hf.reads)
     assert torch.equal(ours.features, theirs.features) and torch.equal(ours.logits, theirs.logits)
     assert all(c._attn_implementation == "sdpa" for c in target._attention_configs)  # switched back
+    target.forward(ids, [1], with_logits=False)  # stops after the deepest tap by raising inside the switch
+    assert all(c._attn_implementation == "sdpa" for c in target._attention_configs)
 
 
 def test_masks_are_built_where_they_are_needed():
@@ -126,3 +128,13 @@ def test_a_training_step_reads_nothing_back(loss, tmp_path, tmp_path_factory, mo
     run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=2",
         "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", f"train.loss={loss}", "eval.batches=1")
     assert seen == [[], []]
+
+
+def test_to_device_off_the_gpu_is_a_plain_move():
+    """Pinned staging is for a GPU destination only; elsewhere the tensor moves (or stays) as ``.to`` does."""
+    from models.transfer import to_device
+
+    x = torch.arange(4)
+    assert to_device(x, "cpu") is x
+    moved = to_device(x, "meta")
+    assert moved.device.type == "meta" and moved.shape == x.shape

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             for j in range(a.grad_accum):
                 seed = i * a.grad_accum + j
                 blocks = draw_blocks(*host, n_anchors, a.block, cfg.mask_token_id,
-                                     torch.Generator().manual_seed(seed)).to(device, non_blocking=True)
+                                     torch.Generator().manual_seed(seed)).to(device)
                 f = features(seed)
                 mask = attention_masks(cfg, blocks, doc, pos, use_flex, contiguous)
                 with autocast:

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.cli import UserError
-from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
+from models.transfer import to_device
 from train.block_mask import documents_contiguous
+from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.rng import epoch_order, row_generators
 
 if TYPE_CHECKING:
@@ -188,8 +189,8 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
         doc = tok.doc_ids.long()
         blocks = draw_blocks(tok.input_ids, tok.loss_mask, doc, tok.position_ids, tr.anchors, drafter_cfg.block_size,
                              drafter_cfg.mask_token_id, row_generators(tr.seed, state.epoch, rows))
-        out.append(MicroBatch(rows, tok, blocks.to(dev, non_blocking=True), doc.to(dev, non_blocking=True),
-                              tok.position_ids.to(dev, non_blocking=True), documents_contiguous(doc),
+        out.append(MicroBatch(rows, tok, blocks.to(dev), to_device(doc, dev), to_device(tok.position_ids, dev),
+                              documents_contiguous(doc),
                               int(tok.lengths.numpy().sum())))
     return out
 
@@ -216,8 +217,7 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         mask = attention_masks(drafter_cfg, m.blocks, m.doc, m.pos, run.use_flex, m.contiguous)
         sync = i == len(micro_batches) - 1
         # an offline store's top-k comes from the host: a plain copy would wait for the GPU's queue
-        topk_ids, topk_lp = (None if t is None else t.to(dev, non_blocking=True)
-                             for t in (batch.topk_ids, batch.topk_logprobs))
+        topk_ids, topk_lp = (None if t is None else to_device(t, dev) for t in (batch.topk_ids, batch.topk_logprobs))
         with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
             hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)
             out = block_loss(hidden, m.blocks, target.lm_head.weight, cfg.gamma, chunk=cfg.train.ce_chunk,

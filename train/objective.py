@@ -72,9 +72,11 @@ class Blocks:
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
 
-    def to(self, device, non_blocking: bool = False) -> "Blocks":
+    def to(self, device) -> "Blocks":
         """The same blocks on ``device`` (drawn on the host, they go to the GPU without waiting for its queue)."""
-        return Blocks(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
+        from models.transfer import to_device
+
+        return Blocks(*(to_device(getattr(self, f.name), device) for f in fields(self)))
 
     @property
     def block_size(self) -> int:
