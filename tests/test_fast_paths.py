@@ -769,6 +769,9 @@ def test_train_bench_profiles_one_more_step(capsys):
                                           "--anchors", "4", "--profile", "2"])
     assert [x["bench"] for x in lines] == ["train_e2e", "train_parts", "profile"]
     assert lines[-1]["what"] == "train_e2e" and len(lines[-1]["ops"]) == 2
+    prof, step_ms = lines[-1], lines[0]["step_s"] * 1e3
+    # step_s is rounded to 0.1 ms in its row
+    assert prof["busy_share"] == pytest.approx(prof["total_ms_per_call"] / step_ms, rel=0.05)
 
 
 def test_train_bench_steps_the_optimizer_once_per_grad_accum_micro_batches(capsys, monkeypatch):

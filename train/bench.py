@@ -25,7 +25,9 @@ Reports tokens/s (context tokens of the rows), anchors/s, peak memory, on CUDA m
 utilisation against the device's bf16 peak, and one ``train_parts`` line: each part of one step
 timed alone with device syncs (mask build, the generic ``create_block_mask`` for comparison,
 target forward, drafter forward + loss, backward, optimizer step). ``--profile N`` adds one
-``profile`` line: the N kernels of most device time in one more step (operators on the CPU).
+``profile`` line: the N kernels of most device time in one more step (operators on the CPU), and
+``busy_share``: that step's kernel time over the timed step's (1 - busy_share: the GPU idle,
+waiting for the host).
 """
 
 from __future__ import annotations
@@ -222,9 +224,13 @@ def main(argv: list[str] | None = None) -> None:
         if a.profile:
             from models.profiling import top_ops
 
+            prof = top_ops(lambda: step(200), a.profile)
+            # kernel time over the timed (unprofiled) step: 1 - busy_share is what the GPU sat idle, waiting
+            # for the host (a read back, a launch gap)
+            busy = round(prof["total_ms_per_call"] / (dt / a.steps * 1e3), 4)
             print(json.dumps({"bench": "profile", "what": "train_e2e" if target is not None else "train_step",
                               "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors, "batch": a.batch,
-                              **top_ops(lambda: step(200), a.profile)}), flush=True)
+                              "busy_share": busy, **prof}), flush=True)
 
 
 def _models(a, cfg, target, device: torch.device, dtype: torch.dtype):
