@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 
-
 def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scale: float | None = None) -> torch.Tensor:
     """SDPA of ``[1, Hq, T, d]`` queries over ``[1, Hkv, L, d]`` keys, without repeating K/V.

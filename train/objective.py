@@ -30,11 +30,14 @@ mask (window on context keys, ``sliding_block_attention`` inside the block), pas
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from models.transfer import to_device
 
 
 # ----------------------------------------------------------------------------- weights
@@ -74,8 +77,6 @@ class Blocks:
 
     def to(self, device) -> "Blocks":
         """The same blocks on ``device`` (drawn on the host, they go to the GPU without waiting for its queue)."""
-        from models.transfer import to_device
-
         return Blocks(*(to_device(getattr(self, f.name), device) for f in fields(self)))
 
     @property
@@ -236,8 +237,8 @@ def attention_masks(drafter_config, blocks: Blocks, doc_ids: torch.Tensor, posit
 
     contiguous: whether each row's documents are contiguous runs, known on the host (flex only; None:
     checked on ``doc_ids``, a read back from the GPU there)."""
-    full = flex_block_mask(blocks, doc_ids, contiguous=contiguous) if use_flex else dense_mask(blocks, doc_ids)
-    build = flex_block_mask if use_flex else dense_mask
+    build = functools.partial(flex_block_mask, contiguous=contiguous) if use_flex else dense_mask
+    full = build(blocks, doc_ids)
     if not drafter_config.use_sliding_window:
         return full
     sliding = build(blocks, doc_ids, window=drafter_config.sliding_window,
