@@ -1,19 +1,22 @@
-"""The uncached Qwen3.5 / 3.6 GatedDeltaNet mixer as two compiled halves around its chunked kernel.
+"""An uncached Qwen3.5 / 3.6 GatedDeltaNet decoder layer as two compiled halves around its chunked kernel.
 
 For the tapped forward of online training (``TargetModel.compile_layers``). transformers' mixer takes
 the projection's ``[batch, time, channels]`` output through a transpose, a depthwise conv (its torch
 fallback unless ``causal-conv1d`` is installed: a Qwen3.5-9B step on an H200 spent ~6 ms there), a
 SiLU, a transpose back, a split and reshapes, the decay gate in a few more kernels, and the chunked
-kernel then copies q, k and v to make them contiguous. Here everything before the kernel is one
-compiled function (the conv as ``kernel`` shifted multiply-adds in the projection's own layout, so no
-transpose) that writes contiguous q, k, v and the gates, and everything after it (gated RMS norm,
-output projection) another. The chunked kernel runs as it is: flash-linear-attention's Triton kernels
-on CUDA (not traceable, and fla marks them so), transformers' torch reference elsewhere.
+kernel then copies q, k and v to make them contiguous. Here everything of the layer before the kernel
+(input RMSNorm, the four input projections as one matmul, the conv as ``kernel`` shifted multiply-adds
+in the projection's own layout so no transpose, SiLU, split, gates) is one compiled function writing
+contiguous q, k, v, and everything after it (gated RMS norm, output projection, residual add, the
+second RMSNorm, the MLP and its residual add) another: two graphs a layer, where compiling the layer's
+parts one by one left its residual adds and the calls between the parts eager. The chunked kernel
+runs as it is: flash-linear-attention's Triton kernels on CUDA (not traceable, and fla marks them so),
+transformers' torch reference elsewhere.
 
 The math is the layer's own, with its roundings in the same places: conv accumulated in fp32 and
-rounded to the weight dtype before the SiLU, the decay gate in fp32, the kernel's own q/k L2 norm.
-``tests/test_fast_paths.py`` holds it to the layer. Passes with a cache, packed sequences
-(``cu_seq_lens_q``) or any other argument run the layer's own forward.
+rounded to the weight dtype before the SiLU, the decay gate in fp32, the kernel's own q/k L2 norm,
+the layer's own norm and MLP modules. ``tests/test_fast_paths.py`` holds it to the layer. Passes with
+a cache, packed sequences (``cu_seq_lens_q``) or any other argument run the layer's own forward.
 """
 
 from __future__ import annotations
@@ -50,29 +53,75 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.silu(out.to(weight.dtype)).to(x.dtype)
 
 
+def join_input_projections(m: nn.Module) -> bool:
+    """Give mixer ``m``'s four input projections (qkv, z, b, a) one weight, so its compiled inputs run one
+    matmul where they ran four (two of them only ``num_v_heads`` wide, which leave a GPU mostly idle). The
+    joined weight is a buffer; the four linears' weights become views of it, so nothing is copied twice
+    and the layer's own forward (a pass with a cache) computes the same. Plain bias-free ``nn.Linear`` of
+    one dtype only (quantized layers keep theirs): False when left as they were."""
+    parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+    if any(type(p) is not nn.Linear or p.bias is not None for p in parts):
+        return False
+    if len({(p.weight.dtype, p.weight.device) for p in parts}) != 1:
+        return False
+    if getattr(m, "in_proj_joined", None) is None:
+        joined = torch.cat([p.weight.detach() for p in parts])
+        m.register_buffer("in_proj_joined", joined, persistent=False)  # not a checkpoint entry
+        start = 0
+        for p in parts:
+            p.weight = nn.Parameter(joined[start:start + p.out_features], requires_grad=False)
+            start += p.out_features
+    return True
+
+
+def _projections(m: nn.Module, x: torch.Tensor):
+    """The mixer's four input projections of ``x``: one matmul when they are joined, else four."""
+    joined = getattr(m, "in_proj_joined", None)
+    if joined is None:
+        return m.in_proj_qkv(x), m.in_proj_z(x), m.in_proj_b(x), m.in_proj_a(x)
+    sizes = [m.in_proj_qkv.out_features, m.in_proj_z.out_features, m.in_proj_b.out_features,
+             m.in_proj_a.out_features]
+    return torch.split(F.linear(x, joined), sizes, dim=-1)
+
+
 def mixer_inputs(m: nn.Module, x: torch.Tensor, mask: torch.Tensor | None):
-    """Everything before the chunked kernel: q, k, v ``[b, t, heads, d]`` (contiguous), the log decay ``g``
-    (fp32) and ``beta`` ``[b, t, v_heads]``, and the output gate ``z``."""
+    """Everything of mixer ``m`` before the chunked kernel: q, k, v ``[b, t, heads, d]`` (contiguous), the
+    log decay ``g`` (fp32) and ``beta`` ``[b, t, v_heads]``, and the output gate ``z``."""
     if mask is not None:  # padding positions contribute nothing to the state (the layer's own masking)
         x = (x * mask[:, :, None]).to(x.dtype)
     b, t, _ = x.shape
-    qkv = causal_conv_silu(m.in_proj_qkv(x), m.conv1d.weight, m.conv1d.bias)
+    qkv, z, beta, a = _projections(m, x)
+    qkv = causal_conv_silu(qkv, m.conv1d.weight, m.conv1d.bias)
     q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     q = q.reshape(b, t, -1, m.head_k_dim).contiguous()
     k = k.reshape(b, t, -1, m.head_k_dim).contiguous()
     v = v.reshape(b, t, -1, m.head_v_dim).contiguous()
-    beta = m.in_proj_b(x).sigmoid()
     # fp32: in fp16 exp(A_log) could overflow to inf (the layer's own reason)
-    g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias)
-    z = m.in_proj_z(x)
-    return q, k, v, g, beta, z
+    g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+    return q, k, v, g, beta.sigmoid(), z
 
 
 def mixer_output(m: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Everything after the chunked kernel: gated RMS norm per value head, output projection."""
+    """Everything of mixer ``m`` after the chunked kernel: gated RMS norm per value head, output projection."""
     b, t = core.shape[:2]
     core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
     return m.out_proj(core.reshape(b, t, -1))
+
+
+def layer_inputs(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None):
+    """Everything of a decoder layer before its mixer's chunked kernel: the input RMSNorm, then
+    ``mixer_inputs``."""
+    return mixer_inputs(layer.linear_attn, layer.input_layernorm(x), mask)
+
+
+def layer_output(layer: nn.Module, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Everything of a decoder layer after the chunked kernel, ``x`` being the layer's input: the mixer's
+    output and the residual add, then the second RMSNorm, the MLP and its residual add."""
+    h = x + mixer_output(layer.linear_attn, core, z)
+    out = layer.mlp(layer.post_attention_layernorm(h))
+    if isinstance(out, tuple):  # a sparse MoE block that also returns its router logits
+        out = out[0]
+    return h + out
 
 
 def chunk_kernel(m: nn.Module):
@@ -109,23 +158,28 @@ def _grouped(kernel, takes_groups: bool):
     return repeated
 
 
-def fusable(m: nn.Module) -> bool:
-    """Whether ``m`` is a GatedDeltaNet mixer this file can run: its parts present, a SiLU conv, weights
-    resident (not offloaded to meta by a device map), and a chunked kernel to call."""
+def fusable(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a GatedDeltaNet decoder layer this file can run: its norms, MLP and mixer present,
+    the mixer's parts present, a SiLU conv, weights resident (not offloaded to meta by a device map), and a
+    chunked kernel to call."""
+    m = getattr(layer, "linear_attn", None)
+    if m is None or not all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        return False
     if not all(hasattr(m, name) for name in _PARTS) or getattr(m, "activation", "silu") != "silu":
         return False
-    if any(p.device.type == "meta" for p in m.parameters()):
+    if any(p.device.type == "meta" for p in layer.parameters()):
         return False
     return chunk_kernel(m) is not None
 
 
-def uncached_forward(m: nn.Module, inputs, output, kernel=None):
-    """A replacement for ``m.forward``: ``inputs`` / ``output`` (``mixer_inputs`` / ``mixer_output``,
-    compiled or not) around the chunked kernel for a plain uncached pass, the layer's own forward otherwise."""
+def uncached_forward(layer: nn.Module, inputs, output, kernel=None):
+    """A replacement for ``layer.forward``: ``inputs`` / ``output`` (``layer_inputs`` / ``layer_output``,
+    compiled or not) around the mixer's chunked kernel for a plain uncached pass, the layer's own forward
+    otherwise."""
     from models.target import CACHE_KWARGS, passes_cache  # models.target imports this module
 
-    eager = m.forward
-    kernel = kernel or chunk_kernel(m)
+    eager = layer.forward
+    kernel = kernel or chunk_kernel(layer.linear_attn)
     known = _KNOWN + CACHE_KWARGS
 
     def forward(*args, **kwargs):
@@ -133,8 +187,8 @@ def uncached_forward(m: nn.Module, inputs, output, kernel=None):
                 or any(value is not None for name, value in kwargs.items() if name not in known)):
             return eager(*args, **kwargs)
         x = args[0] if args else kwargs["hidden_states"]
-        q, k, v, g, beta, z = inputs(m, x, kwargs.get("attention_mask"))
+        q, k, v, g, beta, z = inputs(layer, x, kwargs.get("attention_mask"))
         core, _ = kernel(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                          use_qk_l2norm_in_kernel=True)
-        return output(m, core, z)
+        return output(layer, x, core, z)
     return forward

@@ -161,12 +161,12 @@ def cache_kwarg(module: nn.Module, old: str = "past_key_values") -> str:
     return "cache" if "cache" in inspect.signature(type(module).forward).parameters else old
 
 
-def _around_the_mixer(layer: nn.Module, fused: bool) -> list[nn.Module]:
-    """A linear-attention layer's parts that are plain torch: its norms, its MLP, and the mixer's output
-    norm unless the fused mixer (``models.gated_deltanet``) already holds it."""
+def _around_the_mixer(layer: nn.Module) -> list[nn.Module]:
+    """A linear-attention layer's parts that are plain torch, for a mixer ``models.gated_deltanet`` cannot
+    run: its norms, its MLP, and the mixer's gated output norm."""
     parts = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
     gated = getattr(getattr(layer, "linear_attn", None), "norm", None)
-    return parts + ([gated] if isinstance(gated, nn.Module) and not fused else [])
+    return parts + ([gated] if isinstance(gated, nn.Module) else [])
 
 
 def _uncached_compiled(eager, backend):
@@ -259,27 +259,30 @@ class TargetModel:
         product and SiLU gate as its own kernel. ``forward`` is compiled rather than the module call,
         so the taps (forward hooks, added and removed per call) stay outside the compiled code and
         never force a recompile. GatedDeltaNet layers (Qwen3.5 / 3.6) compile everything around their
-        mixer's chunked kernel (flash-linear-attention's Triton kernels, which run as they are): the two
-        RMSNorms and the MLP (eager, each norm was ~7 elementwise kernels over the whole activation in
-        fp32, ~10 ms of a Qwen3.5-9B step on an H200), and inside the mixer the projections, conv and
-        gates before the kernel and the gated norm and projection after it (``models.gated_deltanet``;
-        a mixer it cannot run, or every mixer with ``fuse_mixer=False``, keeps its own forward, its gated
-        norm compiled). Shapes are marked dynamic after the first new length (dynamo's default), so
-        varying row lengths do not recompile per batch; the limit is raised to one compile per layer and
-        kind of shape. Passes that fill a cache (the held-out generation, the loops) keep the eager
-        layers: a cache update specialises each compile on its layer index and a growing length, minutes
-        of compiles for nothing.
+        mixer's chunked kernel (flash-linear-attention's Triton kernels, which run as they are) as two
+        graphs (``models.gated_deltanet``): the input RMSNorm, the four input projections (joined into one
+        matmul), conv and gates before the kernel; the gated norm, output projection, residual adds, second
+        RMSNorm and MLP after it (eager, each RMSNorm was ~7 elementwise kernels over the whole activation
+        in fp32, ~10 ms of a Qwen3.5-9B step on an H200). A layer it cannot run, or every layer with
+        ``fuse_mixer=False``, keeps its mixer's own forward and compiles its norms and MLP one by one.
+        Shapes are marked dynamic after the first new length (dynamo's default), so varying row lengths
+        do not recompile per batch; the limit is raised to one compile per layer and kind of shape.
+        Passes that fill a cache (the held-out generation, the loops) keep the eager layers: a cache
+        update specialises each compile on its layer index and a growing length, minutes of compiles for
+        nothing.
         """
         allow_recompiles(2 * len(self.layers) + 8)
-        # one compiled function for every mixer: the weights are graph inputs, so layers share the graph
-        inputs, output = (torch.compile(f, backend=backend) for f in (gdn.mixer_inputs, gdn.mixer_output))
-        for kind, layer in zip(self.layer_types, self.layers):
-            mixer = getattr(layer, "linear_attn", None)
-            fused = fuse_mixer and kind != "full_attention" and mixer is not None and gdn.fusable(mixer)
-            if fused:
-                mixer.forward = gdn.uncached_forward(mixer, inputs, output)
-            for part in [layer] if kind == "full_attention" else _around_the_mixer(layer, fused):
-                part.forward = _uncached_compiled(part.forward, backend)
+        # one compiled function for every GatedDeltaNet layer: the weights are graph inputs, so layers share it
+        inputs, output = (torch.compile(f, backend=backend) for f in (gdn.layer_inputs, gdn.layer_output))
+        for layer in self.layers:
+            if getattr(layer, "linear_attn", None) is None:  # an attention layer: the whole layer
+                layer.forward = _uncached_compiled(layer.forward, backend)
+            elif fuse_mixer and gdn.fusable(layer):
+                gdn.join_input_projections(layer.linear_attn)
+                layer.forward = gdn.uncached_forward(layer, inputs, output)
+            else:
+                for part in _around_the_mixer(layer):
+                    part.forward = _uncached_compiled(part.forward, backend)
         return self
 
     # ----------------------------------------------------------------- compute

@@ -644,9 +644,11 @@ def test_compiled_target_layers_give_the_eager_taps(arch):
 
     eager = TargetModel(tiny_target(arch))
     compiled = TargetModel(tiny_target(arch)).compile_layers(backend=counting_backend)
-    # a whole full-attention layer; a GatedDeltaNet layer's RMSNorms (one class), MLP, and its mixer's two
-    # halves around the chunked kernel (models.gated_deltanet)
-    kinds = 5 if compiled.is_hybrid else 1
+    # a whole full-attention layer; a GatedDeltaNet layer's two halves around its chunked kernel
+    # (models.gated_deltanet)
+    kinds = 3 if compiled.is_hybrid else 1
+    joined = [getattr(m, "in_proj_joined", None) is not None for _, m in compiled.linear_attention_modules()]
+    assert joined == [True] * len(joined) and (len(joined) > 0) == compiled.is_hybrid
     rows = [torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n)) for n in (17, 29, 40, 33)]
     for i, ids in enumerate(rows):
         for with_logits in (False, True):
@@ -672,8 +674,7 @@ def test_compiled_target_layers_give_the_eager_taps(arch):
     prompt = rows[0][0, :6].tolist()
     assert (target_generate(compiled, prompt, 6, eos_token_ids=[]).tokens
             == target_generate(eager, prompt, 6, eos_token_ids=[]).tokens)
-    if arch != "qwen3_5":  # the parts around a GatedDeltaNet mixer take no cache argument: they stay compiled
-        assert len(graphs) == before, "a pass with a cache was compiled"
+    assert len(graphs) == before, "a pass with a cache was compiled"
 
 
 @pytest.mark.parametrize("mode,target_compiled", [("online", True), ("offline", False)])
@@ -911,42 +912,86 @@ def test_causal_conv_silu_equals_a_padded_depthwise_conv():
         assert_close(causal_conv_silu(moved, conv.weight, conv.bias)[:, 0], ref[:, 0], atol=1e-6, what="causal")
 
 
-@pytest.mark.parametrize("arch,dtype,atol", [("qwen3_5", torch.float32, 2e-6), ("qwen3_5", torch.bfloat16, 2e-2),
-                                             ("qwen3_5_moe", torch.float32, 2e-6)])
-def test_fused_gated_deltanet_mixer_equals_the_layer(arch, dtype, atol):
-    """models.gated_deltanet's two halves around the chunked kernel give the transformers layer's output,
-    grouped value heads (2 q/k heads for 4 v heads) and a padding mask included; a pass with a cache
-    or packed sequences runs the layer's own forward."""
+@pytest.mark.parametrize("arch,dtype,atol", [("qwen3_5", torch.float32, 5e-6), ("qwen3_5", torch.bfloat16, 3e-2),
+                                             ("qwen3_5_moe", torch.float32, 5e-6)])
+def test_fused_gated_deltanet_layer_equals_the_layer(arch, dtype, atol):
+    """models.gated_deltanet's two halves around the chunked kernel give the transformers decoder layer's
+    output, grouped value heads (2 q/k heads for 4 v heads) and a padding mask included, with the four
+    input projections separate and joined into one weight; a pass with a cache or packed sequences runs
+    the layer's own forward."""
     from models import gated_deltanet as gdn
     from models.tiny import tiny_target
 
     target = tiny_target(arch).to(dtype)
-    mixer = target.model.layers[0].linear_attn
-    assert mixer.num_v_heads == 2 * mixer.num_k_heads and gdn.fusable(mixer)
-    fused = gdn.uncached_forward(mixer, gdn.mixer_inputs, gdn.mixer_output)
+    layer = target.model.layers[0]
+    mixer = layer.linear_attn
+    assert mixer.num_v_heads == 2 * mixer.num_k_heads and gdn.fusable(layer)
     x = torch.randn(2, 70, target.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
     mask = torch.ones(2, 70, dtype=torch.long)
     mask[1, :9] = 0  # left padding
-    for m in (None, mask):
-        ref = mixer(hidden_states=x, attention_mask=m)
-        got = fused(hidden_states=x, attention_mask=m, use_cache=False, cache=None)
-        assert_close(got.float(), ref.float(), atol=atol, what=f"{dtype} fused mixer, mask {m is not None}")
-        assert got.dtype == ref.dtype
-    # with the layer's own conv in place of the shifted sums the rest is the layer's math to the bit
-    own = gdn.uncached_forward(mixer, _with_conv1d(gdn.mixer_inputs), gdn.mixer_output)
-    assert torch.equal(own(hidden_states=x, attention_mask=mask), mixer(hidden_states=x, attention_mask=mask))
+    call = dict(position_embeddings=None)  # a linear-attention layer takes them and ignores them
+    refs = {m is not None: layer(x, attention_mask=m, **call) for m in (None, mask)}
+    for joined in (False, True):
+        if joined:
+            assert gdn.join_input_projections(mixer) and mixer.in_proj_joined.shape[0] == sum(
+                p.out_features for p in (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a))
+            # the layer's own forward (a pass with a cache) reads the same weights, now views of the joined one
+            start = mixer.in_proj_joined.data_ptr()
+            assert mixer.in_proj_a.weight.data_ptr() > mixer.in_proj_qkv.weight.data_ptr() == start
+            assert "in_proj_joined" not in layer.state_dict()
+            assert torch.equal(layer(x, attention_mask=mask, **call), refs[True])
+        fused = gdn.uncached_forward(layer, gdn.layer_inputs, gdn.layer_output)
+        for m in (None, mask):
+            got = fused(x, attention_mask=m, use_cache=False, cache=None, position_ids=None)
+            assert_close(got.float(), refs[m is not None].float(), atol=atol,
+                         what=f"{dtype} fused layer, mask {m is not None}, joined {joined}")
+            assert got.dtype == x.dtype
+        # with the layer's own conv in place of the shifted sums the rest is the layer's math to the bit; the
+        # joined matmul's products are the same, but the CPU's GEMM blocks a wider weight another way
+        own = gdn.uncached_forward(layer, _with_conv1d(gdn.layer_inputs), gdn.layer_output)(x, attention_mask=mask)
+        if joined:
+            assert_close(own.float(), refs[True].float(), atol=atol, what=f"{dtype} joined, the layer's conv")
+        else:
+            assert torch.equal(own, refs[True])
 
     calls = []
-    mixer.forward = lambda *a, **k: calls.append(sorted(k)) or "own"
-    fused = gdn.uncached_forward(mixer, gdn.mixer_inputs, gdn.mixer_output)
+    layer.forward = lambda *a, **k: calls.append(sorted(k)) or "own"
+    fused = gdn.uncached_forward(layer, gdn.layer_inputs, gdn.layer_output)
     assert fused(hidden_states=x, cache=object()) == "own"
+    assert fused(x, past_key_values=object()) == "own"
     assert fused(hidden_states=x, cu_seq_lens_q=torch.tensor([0, 70])) == "own"
     assert fused(x, object()) == "own"
-    assert len(calls) == 3
+    assert len(calls) == 4
+
+
+def test_input_projections_are_joined_only_when_plain_linears():
+    """A quantized or biased projection keeps its four matmuls (join_input_projections says False and
+    changes nothing); joining twice keeps the first joined weight."""
+    from models import gated_deltanet as gdn
+    from models.tiny import tiny_target
+
+    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
+    before = mixer.in_proj_b.weight
+    mixer.in_proj_b = torch.nn.Linear(before.shape[1], before.shape[0], bias=True)
+    assert not gdn.join_input_projections(mixer) and getattr(mixer, "in_proj_joined", None) is None
+
+    class Quantized(torch.nn.Linear):  # a subclass (bitsandbytes' Linear4bit is one) computes its own way
+        pass
+
+    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
+    mixer.in_proj_a.__class__ = Quantized
+    assert not gdn.join_input_projections(mixer)
+    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
+    mixer.in_proj_z.to(torch.bfloat16)
+    assert not gdn.join_input_projections(mixer)
+    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
+    assert gdn.join_input_projections(mixer)
+    first = mixer.in_proj_joined
+    assert gdn.join_input_projections(mixer) and mixer.in_proj_joined is first
 
 
 def _with_conv1d(inputs):
-    """``mixer_inputs`` whose conv is the layer's own ``F.conv1d`` on the transposed projection."""
+    """``layer_inputs`` whose conv is the layer's own ``F.conv1d`` on the transposed projection."""
     import torch.nn.functional as F
 
     from models import gated_deltanet as gdn
@@ -956,10 +1001,10 @@ def _with_conv1d(inputs):
         out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, bias, padding=k - 1, groups=weight.shape[0])
         return F.silu(out[:, :, :t]).transpose(1, 2).to(x.dtype)
 
-    def patched(m, x, mask):
+    def patched(layer, x, mask):
         original, gdn.causal_conv_silu = gdn.causal_conv_silu, conv
         try:
-            return inputs(m, x, mask)
+            return inputs(layer, x, mask)
         finally:
             gdn.causal_conv_silu = original
     return patched
@@ -996,18 +1041,25 @@ def test_older_fla_gets_its_q_k_heads_repeated(monkeypatch, version, grouped):
     assert_close(got, reference(q, k, v, **kw)[0], atol=1e-6, what=f"fla {version}")
 
 
-def test_fused_mixer_needs_its_parts_and_a_kernel():
-    """A mixer without the parts (another transformers layout), with another activation, or offloaded to
-    meta keeps its own forward under compile_layers."""
+def test_fused_layer_needs_its_parts_and_a_kernel():
+    """A layer whose mixer lacks the parts (another transformers layout) or has another activation, a layer
+    without its MLP, one offloaded to meta, or an attention layer is not run by models.gated_deltanet."""
     from models import gated_deltanet as gdn
     from models.tiny import tiny_target
 
-    mixer = tiny_target("qwen3_5").model.layers[0].linear_attn
-    assert gdn.fusable(mixer)
+    layer = tiny_target("qwen3_5").model.layers[0]
+    mixer = layer.linear_attn
+    assert gdn.fusable(layer)
     mixer.activation = "gelu"
-    assert not gdn.fusable(mixer)
+    assert not gdn.fusable(layer)
     mixer.activation = "silu"
     del mixer.in_proj_z
-    assert not gdn.fusable(mixer)
-    other = tiny_target("qwen3_5").model.layers[0].linear_attn.to("meta")
+    assert not gdn.fusable(layer)
+    other = tiny_target("qwen3_5").model.layers[0]
+    assert gdn.fusable(other)
+    other.mlp.to("meta")
     assert not gdn.fusable(other)
+    del other.mlp
+    assert not gdn.fusable(other)
+    attention = tiny_target("qwen3_5").model.layers[3]
+    assert not hasattr(attention, "linear_attn") and not gdn.fusable(attention)

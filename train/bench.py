@@ -79,9 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="as train.compile=true: compile the drafter's layers and, with --e2e, the target's; "
                         "'--compile drafter' leaves the target eager (default: off)")
     p.add_argument("--target-mixer", choices=["fused", "own"], default="fused",
-                   help="with --compile and a Qwen3.5 --e2e target: its GatedDeltaNet mixers as two compiled halves "
-                        "around the chunked kernel (fused, as training runs them) or transformers' own forward "
-                        "(own: the before of a before/after) (default fused)")
+                   help="with --compile and a Qwen3.5 --e2e target: each GatedDeltaNet layer as two compiled halves "
+                        "around its chunked kernel (fused, as training runs them), or its mixer's own transformers "
+                        "forward with its norms and MLP compiled one by one (own: the before of a before/after) "
+                        "(default fused)")
     p.add_argument("--target-layers", type=int, default=None,
                    help="--e2e: fewer target layers (smoke tests) (default: the recipe's)")
     p.add_argument("--flex-backward", default="auto", metavar="TILES",
