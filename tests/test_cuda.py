@@ -214,15 +214,29 @@ def test_compiled_drafter_layers_equal_eager():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_compiled_target_layers_equal_eager_on_cuda(arch):
+def test_compiled_target_layers_equal_eager_on_cuda(arch, monkeypatch):
     """train.compile=true with online features: inductor's target layers give the eager taps (fp32), over
-    two row lengths (the second compiles the dynamic-shape graph); Qwen3.5 with its GatedDeltaNet mixers
-    as two inductor halves around flash-linear-attention's chunked kernel (models.gated_deltanet)."""
+    two row lengths (the second compiles the dynamic-shape graph); Qwen3.5 with its GatedDeltaNet layers
+    as two inductor halves around flash-linear-attention's chunked kernel (models.gated_deltanet), which
+    every GatedDeltaNet layer of every pass calls (no layer fell back to its own forward)."""
+    from models import gated_deltanet as gdn
     from models.target import TargetModel
     from models.tiny import tiny_target
 
+    calls, real = [], gdn.chunk_kernel
+
+    def counted(m):
+        kernel = real(m)
+
+        def run(*args, **kwargs):
+            calls.append(getattr(kernel, "__name__", ""))
+            return kernel(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(gdn, "chunk_kernel", counted)
     eager = TargetModel(tiny_target(arch).cuda())
     compiled = TargetModel(tiny_target(arch).cuda()).compile_layers()
+    gdn_layers = len(compiled.linear_attention_modules())
     # fla's chunked GatedDeltaNet kernel rounds its dot inputs to TF32 (10-bit mantissa) even in fp32:
     # inductor's fused norms and gates move an input by an ulp across a rounding edge, a 2^-11 relative
     # step that the later layers carry on (seen on an H100: max 5.0e-4 at length 48). The taps reach
@@ -240,6 +254,10 @@ def test_compiled_target_layers_equal_eager_on_cuda(arch):
         assert got.shape == ref.shape, what
         rel = ((got - ref).double().norm() / ref.double().norm()).item()
         assert rel < 2e-3, f"{what}: relative error {rel:.2e}, max abs diff {(got - ref).abs().max().item():.2e}"
+    # the eager target's mixers call their own kernel; the taps stop after layer 5 (the sixth layer)
+    ran = sum(1 for i, _ in compiled.linear_attention_modules() if i <= 5)
+    assert len(calls) == 3 * ran and (gdn_layers == 0) == (ran == 0), (len(calls), ran)
+    assert "torch_chunk_gated_delta_rule" not in calls, set(calls)  # flash-linear-attention's, not the reference
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
