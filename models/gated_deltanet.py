@@ -183,8 +183,11 @@ def uncached_forward(layer: nn.Module, inputs, output, kernel=None):
     known = _KNOWN + CACHE_KWARGS
 
     def forward(*args, **kwargs):
-        if (len(args) > 1 or passes_cache(kwargs)
-                or any(value is not None for name, value in kwargs.items() if name not in known)):
+        if passes_cache(kwargs):  # decoding and the held-out generation: the layer's own cached forward
+            return eager(*args, **kwargs)
+        other = [name for name, value in kwargs.items() if value is not None and name not in known]
+        if len(args) > 1 or other:
+            _say_slow_path(other or [f"{len(args)} positional arguments"])
             return eager(*args, **kwargs)
         x = args[0] if args else kwargs["hidden_states"]
         q, k, v, g, beta, z = inputs(layer, x, kwargs.get("attention_mask"))
@@ -192,3 +195,20 @@ def uncached_forward(layer: nn.Module, inputs, output, kernel=None):
                          use_qk_l2norm_in_kernel=True)
         return output(layer, x, core, z)
     return forward
+
+
+_SAID: set[tuple[str, ...]] = set()
+
+
+def _say_slow_path(what: list[str]) -> None:
+    """One log line per kind of call that the compiled halves cannot take (another transformers version's
+    arguments, packed sequences): such passes run the layer's own, slower, forward, and a speed figure
+    taken then would not be the fused path's."""
+    import logging
+
+    key = tuple(sorted(what))
+    if key not in _SAID:
+        _SAID.add(key)
+        logging.getLogger(__name__).warning(
+            "GatedDeltaNet layer called with %s: running transformers' own layer forward, not the compiled "
+            "halves (models/gated_deltanet.py lists the arguments it takes)", ", ".join(key))

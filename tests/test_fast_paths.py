@@ -4,6 +4,8 @@ Each fast path is compared with the generic one it replaces (same tiles, same to
 acceptance lengths); the CUDA graph replay of the static loop is checked in ``test_cuda.py``.
 """
 
+import logging
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -914,7 +916,7 @@ def test_causal_conv_silu_equals_a_padded_depthwise_conv():
 
 @pytest.mark.parametrize("arch,dtype,atol", [("qwen3_5", torch.float32, 5e-6), ("qwen3_5", torch.bfloat16, 3e-2),
                                              ("qwen3_5_moe", torch.float32, 5e-6)])
-def test_fused_gated_deltanet_layer_equals_the_layer(arch, dtype, atol):
+def test_fused_gated_deltanet_layer_equals_the_layer(arch, dtype, atol, caplog, monkeypatch):
     """models.gated_deltanet's two halves around the chunked kernel give the transformers decoder layer's
     output, grouped value heads (2 q/k heads for 4 v heads) and a padding mask included, with the four
     input projections separate and joined into one weight; a pass with a cache or packed sequences runs
@@ -957,11 +959,18 @@ def test_fused_gated_deltanet_layer_equals_the_layer(arch, dtype, atol):
     calls = []
     layer.forward = lambda *a, **k: calls.append(sorted(k)) or "own"
     fused = gdn.uncached_forward(layer, gdn.layer_inputs, gdn.layer_output)
-    assert fused(hidden_states=x, cache=object()) == "own"
-    assert fused(x, past_key_values=object()) == "own"
-    assert fused(hidden_states=x, cu_seq_lens_q=torch.tensor([0, 70])) == "own"
-    assert fused(x, object()) == "own"
-    assert len(calls) == 4
+    monkeypatch.setattr(gdn, "_SAID", set())  # said once per process: this test's own count
+    with caplog.at_level(logging.WARNING, logger="models.gated_deltanet"):
+        assert fused(hidden_states=x, cache=object()) == "own"
+        assert fused(x, past_key_values=object()) == "own"
+        assert not caplog.records  # a cached pass is expected to take the layer's own forward: nothing said
+        for _ in range(2):
+            assert fused(hidden_states=x, cu_seq_lens_q=torch.tensor([0, 70])) == "own"
+            assert fused(x, object()) == "own"
+    assert len(calls) == 6
+    # said once per kind of call, naming what sent it there
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "cu_seq_lens_q" in said[0] and "2 positional arguments" in said[1], said
 
 
 def test_input_projections_are_joined_only_when_plain_linears():
