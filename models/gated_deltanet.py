@@ -189,11 +189,17 @@ def uncached_forward(layer: nn.Module, inputs, output, kernel=None):
         if len(args) > 1 or other:
             _say_slow_path(other or [f"{len(args)} positional arguments"])
             return eager(*args, **kwargs)
+        # A target spread over GPUs (device_map) has accelerate's hook on each layer, which ``eager`` runs:
+        # it moves the layer's inputs to the layer's GPU. This forward replaces ``eager``, so it runs the hook.
+        hook = getattr(layer, "_hf_hook", None)
+        if hook is not None:
+            args, kwargs = hook.pre_forward(layer, *args, **kwargs)
         x = args[0] if args else kwargs["hidden_states"]
         q, k, v, g, beta, z = inputs(layer, x, kwargs.get("attention_mask"))
         core, _ = kernel(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                          use_qk_l2norm_in_kernel=True)
-        return output(layer, x, core, z)
+        out = output(layer, x, core, z)
+        return out if hook is None else hook.post_forward(layer, out)
     return forward
 
 

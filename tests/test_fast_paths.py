@@ -679,6 +679,40 @@ def test_compiled_target_layers_give_the_eager_taps(arch):
     assert len(graphs) == before, "a pass with a cache was compiled"
 
 
+def test_compiled_target_spread_over_devices_runs_each_layers_dispatch_hook(monkeypatch):
+    """target.device_map with train.compile=true: accelerate's hook on each layer moves the layer's inputs to
+    its GPU, and a fused GatedDeltaNet layer replaces the forward that ran the hook, so it runs the hook
+    itself (CPU "devices" here, as in test_scale_out): once per pass and layer, before and after, and the
+    taps and logits are the whole target's."""
+    from accelerate import dispatch_model
+
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    torch._dynamo.reset()
+    whole = TargetModel(tiny_target("qwen3_5"))
+    model = tiny_target("qwen3_5")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "cpu" for i in range(len(model.model.layers))}}
+    dispatch_model(model, device_map=device_map, force_hooks=True)
+    spread = TargetModel(model).compile_layers(backend=lambda gm, example_inputs: gm.forward)
+    seen = []
+    for i, _ in spread.linear_attention_modules():  # the attention layers' hooks run inside their compiled forward
+        hook = spread.layers[i]._hf_hook
+        for when in ("pre_forward", "post_forward"):
+            def counted(*args, _real=getattr(hook, when), _tag=(i, when), **kwargs):
+                seen.append(_tag)
+                return _real(*args, **kwargs)
+            monkeypatch.setattr(hook, when, counted)
+    ids = torch.randint(0, 250, (2, 23), generator=torch.Generator().manual_seed(3))
+    got, ref = spread.forward(ids, [1, 3, 5]), whole.forward(ids, [1, 3, 5])
+    fused = [i for i, _ in spread.linear_attention_modules()]
+    assert seen == [(i, when) for i in fused for when in ("pre_forward", "post_forward")]
+    for a, e in ((got.features, ref.features), (got.logits, ref.logits)):
+        rel = ((a - e).double().norm() / e.double().norm()).item()
+        assert a.shape == e.shape and rel < 3e-5, f"relative error {rel:.2e}"
+
+
 @pytest.mark.parametrize("mode,target_compiled", [("online", True), ("offline", False)])
 def test_train_compile_compiles_the_target_only_with_online_features(mode, target_compiled):
     from train.config import load_config
