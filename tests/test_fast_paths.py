@@ -628,7 +628,7 @@ def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, ca
     assert pick_torch_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_moe"])
 def test_compiled_target_layers_give_the_eager_taps(arch):
     """train.compile=true compiles the target's layers: the taps are unchanged, one graph serves every
     layer, varying row lengths stop recompiling after the first new length, and passes that fill a
