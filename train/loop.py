@@ -148,8 +148,8 @@ class MicroBatch:
     blocks: object  # train.objective.Blocks
     doc: torch.Tensor
     pos: torch.Tensor
-    contiguous: bool | None = None  # each row's documents are contiguous runs (checked on the host copy)
-    n_tokens: int = 0  # context tokens of the rows (counted on the host copy)
+    contiguous: bool  # each row's documents are contiguous runs (checked on the host copy)
+    n_tokens: int  # context tokens of the rows (counted on the host copy; no default: a forgotten 0 would log 0 tok/s)
 
 
 @dataclass
