@@ -271,6 +271,9 @@ class TargetModel:
         update specialises each compile on its layer index and a growing length, minutes of compiles for
         nothing.
         """
+        if getattr(self, "_layers_compiled", False):  # a second call would compile the compiled wrappers
+            return self
+        self._layers_compiled = True
         allow_recompiles(2 * len(self.layers) + 8)
         # one compiled function for every GatedDeltaNet layer: the weights are graph inputs, so layers share it
         inputs, output = (torch.compile(f, backend=backend) for f in (gdn.layer_inputs, gdn.layer_output))
