@@ -193,6 +193,7 @@ class TargetModel:
         self.decoder = getattr(inner, "language_model", inner)  # multimodal checkpoints wrap the text tower
         self.layers = self.decoder.layers
         self._cache_kw = cache_kwarg(self.decoder)  # read once: the signature does not change per call
+        self._layers_compiled = False  # compile_layers ran
         # the configs HF reads the attention implementation from: the decoder's (masks), the layers' (attention)
         self._attention_configs = list({id(c): c for c in [self.decoder.config, *(
             la.self_attn.config for la in self.layers if hasattr(la, "self_attn"))]}.values())
@@ -271,7 +272,7 @@ class TargetModel:
         update specialises each compile on its layer index and a growing length, minutes of compiles for
         nothing.
         """
-        if getattr(self, "_layers_compiled", False):  # a second call would compile the compiled wrappers
+        if self._layers_compiled:  # a second call would compile the compiled wrappers
             return self
         self._layers_compiled = True
         allow_recompiles(2 * len(self.layers) + 8)

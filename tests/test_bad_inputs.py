@@ -1263,6 +1263,23 @@ def test_compiled_drafter_layers_off_cuda_are_refused():
         build_drafter(run, tiny_drafter_config(target), target)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_compiling_a_target_twice_changes_nothing(arch):
+    """A second ``compile_layers`` wrapped the compiled wrappers again: compiles of compiled code, and a
+    fall-back that called the first wrapper."""
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+
+    target = TargetModel(tiny_target(arch)).compile_layers(backend="eager")  # lazy: nothing compiles until a call
+    forwards = [layer.forward for layer in target.layers]
+    joined = [m.in_proj_joined for _, m in target.linear_attention_modules()]
+    assert target.compile_layers(backend="eager") is target
+    assert [layer.forward for layer in target.layers] == forwards
+    again = [m.in_proj_joined for _, m in target.linear_attention_modules()]
+    assert len(again) == len(joined) and all(a is b for a, b in zip(again, joined))  # the same buffers
+    assert (len(joined) > 0) == target.is_hybrid
+
+
 def test_flex_attention_off_cuda_is_refused_before_anything_loads(monkeypatch, tmp_path):
     """train.attention=flex on a CPU ended in torch's NotImplementedError traceback at the first backward."""
     import torch

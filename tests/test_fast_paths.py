@@ -646,9 +646,6 @@ def test_compiled_target_layers_give_the_eager_taps(arch):
 
     eager = TargetModel(tiny_target(arch))
     compiled = TargetModel(tiny_target(arch)).compile_layers(backend=counting_backend)
-    forwards = [layer.forward for layer in compiled.layers]
-    assert compiled.compile_layers(backend=counting_backend) is compiled  # a second call changes nothing
-    assert [layer.forward for layer in compiled.layers] == forwards
     # a whole full-attention layer; a GatedDeltaNet layer's two halves around its chunked kernel
     # (models.gated_deltanet)
     kinds = 3 if compiled.is_hybrid else 1

@@ -364,9 +364,10 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
     sel, idx = blocks.label_mask, blocks.scored_index  # idx: the scored slots of the [b, n, B-1] grid, flat
     # Slot 0 of each block is the given anchor token (nothing to predict): grid slot (blk, k) is hidden row
     # blk * B + k + 1. Only scored slots reach the LM head; gathered by index, nothing is read back.
-    h = hidden.reshape(b * n * B, H).index_select(0, idx // (B - 1) * B + idx % (B - 1) + 1)  # [M, H]
+    k_slot = idx % (B - 1)  # each scored slot's place in its block, less the anchor
+    h = hidden.reshape(b * n * B, H).index_select(0, idx // (B - 1) * B + k_slot + 1)  # [M, H]
     y = blocks.labels.flatten().index_select(0, idx)
-    w = slot_weights(B, gamma, hidden.device)[idx % (B - 1)]
+    w = slot_weights(B, gamma, hidden.device)[k_slot]
     t_ids = t_logp = None
     if mode != "ce":
         if topk_ids is None or topk_logprobs is None:
