@@ -1,4 +1,4 @@
-"""Shared test helpers: tiny targets, an assert_close that reports the size of a mismatch, stand-ins."""
+"""Session fixtures shared by every stage's tests (plain helpers live in ``tests/helpers``)."""
 
 from __future__ import annotations
 
@@ -10,81 +10,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves, and CI has 2 cores
-
-
-def assert_close(actual, expected, atol: float = 1e-5, what: str = "values", rtol: float = 0.0) -> None:
-    """``|a - e| <= atol + rtol |e|`` elementwise; failures print the max and mean absolute difference."""
-    a = torch.as_tensor(actual, dtype=torch.float64)
-    e = torch.as_tensor(expected, dtype=torch.float64)
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    diff = (a - e).abs()
-    assert bool((diff <= atol + rtol * e.abs()).all()), (
-        f"{what}: max abs diff {diff.max().item():.3e} (mean {diff.mean().item():.3e}) "
-        f"exceeds atol {atol:.1e} + rtol {rtol:.1e} x |expected|")
-
-
-class ReferenceProposer:
-    """Proposes the target's own continuation (from a reference run), with planted mistakes.
-
-    ``mistakes`` are absolute sequence positions whose drafted token is deliberately wrong, so the
-    acceptance length of every cycle is known in advance. ``received`` keeps every call's
-    ``(start, new_features)``: the loop must hand over the target's features at the committed positions.
-    """
-
-    def __init__(self, sequence: list[int], layer_ids: list[int], block_size: int, vocab: int,
-                 mistakes: set[int] = frozenset()):
-        self.sequence = sequence
-        self.layer_ids = layer_ids
-        self.block_size = block_size
-        self.vocab = vocab
-        self.mistakes = set(mistakes)
-        self.seen = 0
-        self.received: list[tuple[int, object]] = []
-
-    def reset(self) -> None:
-        self.seen = 0
-
-    def propose(self, bonus, new_features, start, block_size):
-        self.received.append((start, new_features))
-        self.seen += new_features.shape[1]
-        out = []
-        for pos in range(start + 1, start + block_size):
-            tok = self.sequence[pos]
-            out.append((tok + 1) % self.vocab if pos in self.mistakes else tok)
-        return out
-
-    def context_length(self) -> int:
-        return self.seen
-
-
-def reference_drafts(proposer, sequence: list[int], mistakes: set[int], vocab: int = 288) -> None:
-    """Make a static drafter's pass (``inference.static_loop.StaticDrafterProposer``) draft the reference
-    continuation with planted mistakes, read from its own device counters (bonus position = context + new
-    features), as ``ReferenceProposer`` does on the host: a device-resident cycle then has a known
-    acceptance length every cycle."""
-    dev = proposer._ctx_len.device
-    seq = torch.tensor(sequence + [0] * 2 * proposer.block_size, device=dev)
-    wrong = torch.zeros(len(seq), dtype=torch.bool, device=dev)
-    wrong[sorted(mistakes)] = True
-
-    def block_pass(feats):
-        pos = proposer._ctx_len + proposer._n_new + torch.arange(1, proposer.block_size, device=dev)
-        return torch.where(wrong[pos], (seq[pos] + 1) % vocab, seq[pos])
-
-    proposer.block_pass = proposer._block_pass = block_pass
-
-
-def expected_acceptance(prompt_len: int, max_new: int, block: int, mistakes: set[int]) -> list[int]:
-    """Acceptance lengths a reference proposer must get, from the rule alone."""
-    lengths, pos, produced = [], prompt_len, 1
-    while produced < max_new:
-        acc = 0
-        while acc < block - 1 and (pos + 1 + acc) not in mistakes:
-            acc += 1
-        lengths.append(min(acc + 1, max_new - produced))  # the last cycle counts only what it emitted
-        pos += acc + 1
-        produced += acc + 1
-    return lengths
 
 
 @pytest.fixture(scope="session")
@@ -102,19 +27,6 @@ def tiny_targets():
         return cache[arch]
 
     return get
-
-
-def tiny_drafter_config(target, **kw):
-    from models.config import DFlashConfig
-    from models.mask_token import choose_mask_token, tokenizer_emitted_ids
-
-    args = dict(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=target.num_layers,
-                max_position_embeddings=target.max_position_embeddings,
-                mask_token_id=choose_mask_token(target.vocab_size, tokenizer_emitted_ids(target.tokenizer)),
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                num_taps=3, block_size=8, torch_dtype="float32")
-    args.update(kw)
-    return DFlashConfig.for_target(**args)
 
 
 @pytest.fixture
@@ -136,9 +48,76 @@ def pyarrow_pickled_by_value(monkeypatch):
     monkeypatch.setattr(datasets.fingerprint, "generate_random_fingerprint", no_random_hash)
 
 
-def tiny_store_rows(n: int = 2):
-    """``n`` feature rows of 3 tokens and 4 feature columns, for writing small stores."""
-    from data.features import FeatureRow
+@pytest.fixture(scope="module")
+def tiny_inputs(tmp_path_factory):
+    """A fitted tiny target and its regenerated, prepared tiny chat data (recipe overrides)."""
+    from tests.helpers.tiny_run import tiny_input_dirs
 
-    return [FeatureRow(torch.arange(3), torch.ones(3, dtype=torch.int8), torch.zeros(3, dtype=torch.int32),
-                       torch.arange(3, dtype=torch.int32), torch.randn(3, 4)) for _ in range(n)]
+    d = tiny_input_dirs(tmp_path_factory)
+    return [f"target.path={d['target']}", f"data.prepared={d['data']}"]
+
+
+# Fixtures of the bad-input cases that several stages share (tests/<stage>/test_bad_inputs.py).
+@pytest.fixture
+def export_drafter(tmp_path):
+    """A small drafter folder (HF layout, fp32) as training writes final/drafter."""
+    import torch
+
+    from models.config import DFlashConfig
+    from models.drafter import DFlashDraftModel
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                       target_layer_ids=[1, 3, 5], mask_token_id=290, block_size=4, torch_dtype="float32")
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg).save_pretrained(tmp_path / "drafter")
+
+
+# Every case here ends before any weights load: the target folders below hold config.json and the
+# tokenizer only, so a check that ran after loading would fail differently.
+@pytest.fixture(scope="module")
+def infer_dirs(tmp_path_factory):
+    """A config-only tiny target, a drafter config for it, and a full tiny target (for the loops)."""
+    import shutil
+
+    import torch
+
+    from models.drafter import DFlashDraftModel
+    from models.target import TargetModel
+    from models.tiny import save_tiny_target
+    from tests.helpers import tiny_drafter_config
+
+    root = tmp_path_factory.mktemp("infer_bad")
+    full = save_tiny_target(root / "full", "qwen3")
+    target = TargetModel.from_pretrained(full)
+    torch.manual_seed(0)
+    DFlashDraftModel(tiny_drafter_config(target)).save_pretrained(root / "draft")
+    (root / "target").mkdir()
+    for f in full.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, root / "target" / f.name)
+    return {"root": root, "target": str(root / "target"), "draft": str(root / "draft"), "full": target,
+            "full_dir": str(full)}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """As on a machine without CUDA, whatever this one has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """Building a recipe-shaped target fails the test: refusals must come before it."""
+    import data.bench
+
+    def refuse(*a, **k):
+        raise AssertionError("a random target was built")
+    monkeypatch.setattr(data.bench, "recipe_target", refuse)
+
+
+@pytest.fixture(scope="module")
+def data_target(tmp_path_factory):
+    from models.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("reuse") / "target", "qwen3", num_layers=2)

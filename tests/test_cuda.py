@@ -8,7 +8,7 @@ bf16 it reports where (if anywhere) it first departs from target-only decoding.
 import pytest
 import torch
 
-from conftest import ReferenceProposer, assert_close, expected_acceptance, reference_drafts, tiny_drafter_config
+from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, reference_drafts, tiny_drafter_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,7 +25,8 @@ def exact_matmuls():
 @pytest.mark.parametrize("sliding", [False, True])
 def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
     """head_dim 16 takes the compiled flex kernel, 8 the eager fallback (the kernel needs >= 16)."""
-    from test_train_objective import B, H, MASK, _rows
+    from test_train_objective import MASK, B, H, _rows
+
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
     ids, lm, doc, pos = (t.cuda() for t in _rows())
@@ -44,9 +45,10 @@ def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
 
 
 def _drafter(layer_types, head_dim):
+    from test_train_objective import MASK, B, H, V
+
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
-    from test_train_objective import B, H, MASK, V
 
     torch.manual_seed(0)
     cfg = DFlashConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -108,8 +110,12 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
     acceptance lengths, same drafts. Qwen3.5: the GatedDeltaNet rollback (an index into the kept
     states) inside the graphs."""
     from inference.static_greedy import greedy_cycle, greedy_decode
-    from inference.static_loop import (StaticDrafterProposer, StaticTarget, static_dflash_generate,
-                                       static_target_generate)
+    from inference.static_loop import (
+        StaticDrafterProposer,
+        StaticTarget,
+        static_dflash_generate,
+        static_target_generate,
+    )
     from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
@@ -191,7 +197,8 @@ def test_fused_adamw_step_equals_the_reference_step():
 def test_compiled_drafter_layers_equal_eager():
     """train.compile=true: the compiled layers give the eager layers' loss and gradients (flex masks,
     with and without gradient checkpointing)."""
-    from test_train_objective import B, H, MASK, _rows
+    from test_train_objective import MASK, B, H, _rows
+
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
     ids, lm, doc, pos = (t.cuda() for t in _rows())
@@ -288,7 +295,8 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
 def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
     """train.flex_backward changes speed only: explicit tiles reach the compiled kernel and give
     torch's tiles' loss and gradients."""
-    from test_train_objective import B, H, MASK, _rows
+    from test_train_objective import MASK, B, H, _rows
+
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
     ids, lm, doc, pos = (t.cuda() for t in _rows())
@@ -329,6 +337,7 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
     from dataclasses import fields
 
     from test_fast_paths import _packed_rows
+
     from train.objective import draw_blocks
     from train.rng import row_generators
 
@@ -346,13 +355,13 @@ def test_a_training_step_on_cuda_waits_for_nothing(features, tmp_path, tmp_path_
     or an fp8 store with top-k (offline: its scales and top-k come from the host), flex drafter, loss, backward,
     acceptance counts, clip and fused AdamW raise on any wait for the GPU. The first step runs unchecked: it
     compiles flex attention and the loss kernel. Packed rows keep one row length, so later steps reuse those
-    graphs (tests/test_host_reads.py is the CPU side)."""
+    graphs (tests/train/test_host_reads.py is the CPU side)."""
     import json
 
     import train.loop
     from data.extract import main as extract_main
     from models.config import default_layer_ids
-    from test_train_run import FAST, run, tiny_input_dirs
+    from tests.helpers.tiny_run import FAST, run, tiny_input_dirs
     from train.config import load_config
 
     d = tiny_input_dirs(tmp_path_factory)
