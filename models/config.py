@@ -568,6 +568,16 @@ class DFlashConfig:
         d.update(changes)
         return DFlashConfig(**d)
 
+    def as_variant(self, variant: str) -> "DFlashConfig":
+        """The same backbone as another generation: DFlash2's fields at their defaults for "dflash2" (sliding
+        layers, window 2048: the published layout), cleared for "dflash" (its layer kinds kept)."""
+        if variant == self.variant:
+            return self.replace()
+        if variant == "dflash2":
+            return self.replace(variant=variant, layer_types=[], sliding_window=None,
+                                sliding_block_attention="bidirectional")
+        return self.replace(variant=variant, **{k: None for k in (*DFLASH2_KEYS, *DFLASH2_OPTIONAL)})
+
     @classmethod
     def for_target(cls, target: TargetShape | None = None, /, *, mask_token_id: int, num_hidden_layers: int = 5,
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,

@@ -794,3 +794,68 @@ def test_a_bad_flex_backward_setting_says_the_accepted_forms(setting, said):
 
     with pytest.raises(ValueError, match=re.escape(said)):
         parse_flex_backward(setting)
+
+
+# ----------------------------------------------------------------------------- DFlash2 drafters
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d["dflash_config"].update(conv_group_size=24), "conv_group_size=24: must divide hidden_size=64"),
+    (lambda d: d["dflash_config"].update(selector_top_k=300), "selector_top_k=300: is more than the 288 tokens"),
+    (lambda d: d["dflash_config"].update(conv_kernel_size=9), "conv_kernel_size=9: reaches past the block (8 slots)"),
+    (lambda d: d["dflash_config"].update(selector_rank=0), "selector_rank=0: must be a positive integer"),
+    (lambda d: d["dflash_config"].pop("selector_rank"), "selector_rank=None: missing from config.json"),
+    (lambda d: d["dflash_config"].update(output_multiplier=-1), "output_multiplier=-1: must be a positive number"),
+    (lambda d: d.update(layer_types=["full_attention", "sliding_attention"]),
+     "a DFlash2 drafter has sliding_attention in every layer"),
+    (lambda d: d.pop("is_causal"), "is_causal=None: a DFlash2 drafter attends to its whole block"),
+    (lambda d: d.update(is_causal=True), "is_causal=True: a DFlash2 drafter attends to its whole block"),
+    (lambda d: d.update(sliding_window=4), "sliding_window=4: is smaller than the block (8)"),
+    (lambda d: d.update(architectures=["DFlashDraftModel"]), "names DFlashDraftModel but the config has DFlash2's"),
+])
+def test_a_dflash2_config_with_inconsistent_shape_keys_is_refused_before_any_weight_loads(tmp_path, edit, problem):
+    """Each published-layout key checked with the shape it depends on, in one line naming the key and the fix."""
+    from models.config import ConfigError
+    from models.drafter2 import load_drafter
+    from tests.helpers.dflash2 import published_folder
+
+    folder = published_folder(tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    edit(d)
+    (folder / "config.json").write_text(json.dumps(d))
+    (folder / "model.safetensors").write_bytes(b"not read")  # refused before the weights are opened
+    with pytest.raises(ConfigError, match=re.escape(problem)) as e:
+        load_drafter(folder)
+    assert "\n" not in str(e.value) and "Fix: " in str(e.value)
+
+
+def test_dflash2_settings_on_a_v1_drafter_and_a_v2_folder_in_a_v1_loader_are_refused(tmp_path):
+    from models.config import ConfigError
+    from models.drafter import DFlashDraftModel
+    from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
+
+    with pytest.raises(ConfigError, match="selector_rank=8: is a DFlash2 setting on a variant dflash drafter"):
+        tiny_dflash2_config(variant="dflash")
+    with pytest.raises(ConfigError, match="variant='dflash3': unknown drafter generation"):
+        tiny_dflash2_config(variant="dflash3")
+    with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter, which DFlashDraftModel does not build: "
+                                         "load it with models.drafter2.load_drafter"):
+        DFlashDraftModel.from_pretrained(published_folder(tmp_path))
+
+
+def test_a_dflash2_block_that_is_not_whole_blocks_is_refused():
+    from tests.helpers.dflash2 import random_dflash2, tiny_dflash2_config
+
+    model = random_dflash2(tiny_dflash2_config())
+    with pytest.raises(ValueError, match="12 block slots is not a multiple of block_size 8"):
+        model(torch.zeros(1, 12, 64), torch.zeros(1, 3, 192), torch.arange(15)[None])
+
+
+def test_init_from_a_dflash2_drafter_for_a_v1_run_is_refused(tmp_path):
+    from models.drafter2 import new_drafter
+    from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
+
+    folder = published_folder(tmp_path)
+    config = tiny_dflash2_config(num_target_layers=6, target_layer_ids=[1, 2, 3], mask_token_id=265)
+    config = config.as_variant("dflash")
+    with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter and this run trains a DFlashDraftModel: "
+                                         "set drafter.variant=dflash2"):
+        new_drafter(config, init_from=folder)
