@@ -38,12 +38,12 @@ class CheckpointError(UserError, ValueError):
 
 def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None = None) -> None:
     """The HF drafter folder, from the full state dict (works under DDP / FSDP / DeepSpeed)."""
-    from models.drafter import DFlashDraftModel
+    from models.drafter2 import drafter_class
 
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        copy = DFlashDraftModel(unwrapped.config)
+        copy = drafter_class(unwrapped.config)(unwrapped.config)
         copy.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
         copy.save_pretrained(directory, dtype=dtype)
 

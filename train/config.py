@@ -102,6 +102,8 @@ class DrafterConfig:
     mask_token_id: int | None = None
     rope_theta: float | None = None  # None = the target's own RoPE base frequency
     init_from: str | None = None  # start from an existing drafter folder
+    # dflash | dflash2 (v1 backbone + per-layer dynamic convs + candidate selector; models/drafter2.py)
+    variant: str = "dflash"
 
 
 @dataclass
@@ -232,7 +234,7 @@ class RunConfig:
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),
                    "features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
-                   "train.mixed_precision": ("auto", "bf16", "fp16", "no")}
+                   "train.mixed_precision": ("auto", "bf16", "fp16", "no"), "drafter.variant": ("dflash", "dflash2")}
         for key, allowed in choices.items():
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)

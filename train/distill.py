@@ -148,14 +148,12 @@ def write_run_config(run) -> None:
 def build_drafter(run, drafter_cfg, target):
     """A fresh drafter (Qwen3 init from the seed) or ``drafter.init_from``, in fp32 on the device, bound to
     the target's frozen embedding and LM head (``train.compile``: both models' layers compiled)."""
-    from models.drafter import DFlashDraftModel
+    from models.drafter2 import new_drafter
 
     torch.manual_seed(run.cfg.train.seed)
-    drafter = DFlashDraftModel(drafter_cfg)  # the run's config (checked against init_from's): what is saved
-    if run.cfg.drafter.init_from:
-        drafter.load_state_dict(DFlashDraftModel.from_pretrained(run.cfg.drafter.init_from).state_dict())
-    else:
-        drafter.init_weights()
+    # the run's config (checked against init_from's): what is saved. A v1 init_from of a DFlash2 run gives the
+    # backbone, identity convs and a fresh selector.
+    drafter = new_drafter(drafter_cfg, run.cfg.drafter.init_from)
     drafter = drafter.float().to(run.device).train()
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
