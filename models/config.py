@@ -26,6 +26,8 @@ DFLASH2_KEYS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 2
 # Optional DFlash2 keys, written only when they differ from these defaults (softcap None = off).
 DFLASH2_OPTIONAL = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 DFLASH2_WINDOW = 2048  # sliding_window of every published DFlash2 drafter
+# DFlash2's selector codebooks: published (and written by us) without ".weight"; z-lab's torch class adds it.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 SLIDING_BLOCK_MODES = ("bidirectional", "causal")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

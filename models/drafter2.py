@@ -40,12 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import DFlashConfig
+from models.config import CODEBOOKS, DFlashConfig
 from models.drafter import DFlashDecoderLayer, DFlashDraftModel, DraftCache
 from models.hub import resolve_model_dir
 
 log = logging.getLogger(__name__)
-CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 class DynamicConv(nn.Module):

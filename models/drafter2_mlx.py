@@ -17,8 +17,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.config import DFlashConfig
-from models.drafter2 import CODEBOOKS
+from models.config import CODEBOOKS, DFlashConfig
 from models.drafter_mlx import DFlashDecoderLayer, DFlashDraftModel, DraftCache
 from models.hub import resolve_model_dir
 

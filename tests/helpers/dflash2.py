@@ -91,8 +91,9 @@ def tiny_dflash2_config(**kw):
     return DFlashConfig(**args)
 
 
-def random_dflash2(config, seed: int = 0):
-    """A torch DFlash2 drafter with every weight random (convs and selector far from their initial values)."""
+def random_dflash2(config, seed: int = 0, conv_scale: float = 0.1):
+    """A torch DFlash2 drafter with every weight random, as after some training from the identity init: convs
+    ``conv_scale`` away from identity (their static and dynamic weights), the selector on."""
     from models.drafter2 import DFlash2DraftModel
 
     torch.manual_seed(seed)
@@ -102,8 +103,10 @@ def random_dflash2(config, seed: int = 0):
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("base_kernel"):
-                p.copy_(0.3 * torch.randn_like(p))
+                p.copy_(conv_scale * torch.randn_like(p))
                 p[:, 0] += 1
+            elif name.endswith("kernel_projection.weight"):
+                p.copy_(conv_scale / 2 * torch.randn_like(p))
             else:
                 p.copy_((0.5 if "codebook" in name else 0.1) * torch.randn_like(p))
     return model.eval()
