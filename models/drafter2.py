@@ -149,6 +149,15 @@ def unary_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
     return logits
 
 
+def edge(projected: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor,
+         predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor) -> torch.Tensor:
+    """The selector's pair term in float32, ``<predecessor_codebook[prev] * projected, successor_codebook[cand]>``:
+    projected [..., r], predecessor [...], candidates [..., K] -> [..., K]. The walk calls it slot by slot; with
+    the true previous tokens as predecessors (teacher forcing) it scores every slot at once."""
+    weighted = predecessor_codebook[predecessor].float() * projected.float()
+    return (successor_codebook[candidates].float() @ weighted[..., None]).squeeze(-1)
+
+
 def select(logits: torch.Tensor, projected: torch.Tensor, predecessor_codebook: torch.Tensor,
            successor_codebook: torch.Tensor, bonus: torch.Tensor, top_k: int, temperature: float = 0.0,
            uniform: torch.Tensor | None = None) -> Proposal:
@@ -162,15 +171,13 @@ def select(logits: torch.Tensor, projected: torch.Tensor, predecessor_codebook: 
     a loop over the n slots of tensor ops.
     """
     unary, candidates = logits.float().topk(top_k, dim=-1)
-    successors = successor_codebook[candidates].float()  # [b, n, K, r]
-    projected = projected.float()
     sampling = temperature > 0
     if sampling and uniform is None:
         uniform = torch.rand(unary.shape[:2], device=unary.device)
     previous, tokens, scores, qs = bonus, [], [], []
     for s in range(unary.shape[1]):
-        edge = predecessor_codebook[previous].float() * projected[:, s]  # [b, r]
-        score = unary[:, s] + (successors[:, s] @ edge[:, :, None]).squeeze(-1)  # [b, K]
+        score = unary[:, s] + edge(projected[:, s], previous, candidates[:, s], predecessor_codebook,
+                                   successor_codebook)  # [b, K]
         if sampling:
             q = torch.softmax(score / temperature, dim=-1)
             pick = (q.cumsum(-1) <= uniform[:, s, None]).sum(-1).clamp(max=top_k - 1)

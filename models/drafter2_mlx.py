@@ -112,19 +112,24 @@ def top_k(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(values, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
 
 
+def edge(projected: mx.array, predecessor: mx.array, candidates: mx.array, predecessor_codebook: mx.array,
+         successor_codebook: mx.array) -> mx.array:
+    """As ``drafter2.edge``: projected [..., r], predecessor [...], candidates [..., K] -> [..., K] (float32)."""
+    weighted = predecessor_codebook[predecessor].astype(mx.float32) * projected.astype(mx.float32)
+    return (successor_codebook[candidates].astype(mx.float32) @ weighted[..., None]).squeeze(-1)
+
+
 def select(logits: mx.array, projected: mx.array, predecessor_codebook: mx.array, successor_codebook: mx.array,
            bonus: mx.array, top_k_: int, temperature: float = 0.0, uniform: mx.array | None = None) -> Proposal:
     """The selector walk, as ``drafter2.select`` (float32 scores and q; ``uniform`` [b, n] picks by inverse CDF)."""
     unary, candidates = top_k(logits.astype(mx.float32), top_k_)
-    successors = successor_codebook[candidates].astype(mx.float32)  # [b, n, K, r]
-    projected = projected.astype(mx.float32)
     sampling = temperature > 0
     if sampling and uniform is None:
         uniform = mx.random.uniform(shape=unary.shape[:2])
     previous, tokens, scores, qs = bonus, [], [], []
     for s in range(unary.shape[1]):
-        edge = predecessor_codebook[previous].astype(mx.float32) * projected[:, s]
-        score = unary[:, s] + (successors[:, s] @ edge[:, :, None]).squeeze(-1)
+        score = unary[:, s] + edge(projected[:, s], previous, candidates[:, s], predecessor_codebook,
+                                   successor_codebook)
         if sampling:
             q = mx.softmax(score / temperature, axis=-1)
             pick = mx.minimum((mx.cumsum(q, axis=-1) <= uniform[:, s, None]).sum(-1), top_k_ - 1)

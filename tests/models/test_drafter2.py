@@ -10,7 +10,7 @@ from torch import nn
 
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel, DraftCache
-from models.drafter2 import DFlash2DraftModel, load_drafter, new_drafter, select
+from models.drafter2 import DFlash2DraftModel, edge, load_drafter, new_drafter, select
 from tests.helpers import assert_close
 from tests.helpers.dflash2 import (TEMPERATURE, block_calls, golden, golden_config, max_diff_by_token,
                                    published_folder,
@@ -65,6 +65,13 @@ def test_matches_the_reference_drafter_on_both_blocks(tmp_path, case):
         assert max_diff_by_token(greedy.candidates, greedy.scores, ref("unary_topk_indices_sorted"),
                                  ref("selector_scores_sorted_by_unary")) <= 1e-5
         assert torch.equal(greedy.tokens, ref("selector_tokens")), row["prefix"] + "selector tokens"
+        # teacher forcing: every slot scored at once with the given previous tokens as predecessors
+        selector, ids = model.candidate_selector, block_calls()[int(row["prefix"][-2]) - 1][0]
+        previous = torch.cat([ids[:, :1], greedy.tokens[:, :-1]], 1)
+        with torch.no_grad():
+            forced = unary + edge(selector.hidden_projection(row["hidden"][:, 1:]), previous, greedy.candidates,
+                                  selector.predecessor_codebook, selector.successor_codebook)
+        assert_close(forced, greedy.scores, 1e-6, "teacher-forced scores vs the walk's")
         assert torch.equal(row["logits"].argmax(-1), ref("argmax_tokens")), row["prefix"] + "argmax tokens"
         assert greedy.q is None and torch.equal(sampled.tokens, greedy.tokens)
         assert max_diff_by_token(sampled.candidates, sampled.q, ref("unary_topk_indices_sorted"),
