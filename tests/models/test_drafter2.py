@@ -113,6 +113,11 @@ def test_a_new_drafter_starts_as_v1_with_the_unary_ranking():
         hidden = model(emb, feats, torch.arange(14)[None])
         proposal = model.propose(hidden[:, 1:], torch.tensor([5]))
     assert torch.equal(proposal.tokens, model.logits(hidden[:, 1:]).argmax(-1))
+    # not stuck there: a loss on the scores moves hidden_projection first (the codebooks once it has moved)
+    hidden = model(emb, feats, torch.arange(14)[None])
+    model.propose(hidden[:, 1:], torch.tensor([5])).scores.logsumexp(-1).sum().backward()
+    assert selector.hidden_projection.weight.grad.abs().max() > 0
+    assert not selector.predecessor_codebook.grad.any() and not selector.successor_codebook.grad.any()
 
 
 def test_a_packed_training_row_convolves_each_block_alone():
