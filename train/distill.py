@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(a in ("-h", "--help") for a in argv):
         print_help()
         return {}
-    cfg = load_config(argv)  # a mistyped key or recipe ends in models.cli.run_cli's one-line error
+    cfg = load_config(argv)  # a mistyped key or recipe ends in models.support.run_cli's one-line error
     if cfg.dry_run:
         from train.plan import print_plan
 
@@ -81,12 +81,12 @@ def print_help() -> None:
 
 def setup_run(cfg, held: contextlib.ExitStack | None = None):
     """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``.
-    ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.lock``)."""
+    ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.support``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
-    from data.sync import run_on_main
+    from models.support import run_on_main
     from train.checkpoint import refuse_unfinished_run, resume_checkpoint
     from train.export_stage import check_export_stage
     from train.loop import Run, true_tau_cadence_note
@@ -126,7 +126,7 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     run = Run(cfg, accelerator, out_dir, cfg.to_yaml(), mp, log, ckpt)
     if accelerator.is_main_process:
         if held is not None:  # a second run into out_dir (resumed or not) would write the same checkpoints
-            from models.lock import hold
+            from models.support import hold
 
             held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
                                     "out_dir=...", log))
@@ -399,7 +399,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
 
 def cli() -> None:
     """The ``draftsmith-distill`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)
 

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.cli import UserError
-from models.transfer import to_device
+from models.support import UserError, to_device
 from train.block_mask import documents_contiguous
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.rng import epoch_order, row_generators

@@ -64,7 +64,7 @@ def test_ctrl_c_prints_the_newest_checkpoint_and_the_resume_command(tiny, tmp_pa
     """Ctrl-C during step 3 of a run checkpointing every 2 steps: exit 130, name step_2 and the exact
     command; that command then finishes the run with the uninterrupted run's losses."""
     import train.loop
-    from models.cli import run_cli
+    from models.support import run_cli
     from train.distill import main
 
     args = ["recipe=tiny", f"out_dir={tmp_path / 'run'}", *tiny, *FAST, *STEPS, "train.max_steps=4",
