@@ -453,7 +453,12 @@ def regenerate_from_args(a: argparse.Namespace) -> None:
                                 f"{a.out}.failed.jsonl, and rerun the same command to retry them")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``draftsmith regenerate``: ``main`` with one-line user errors, as ``python -m`` runs it."""
     from models.support import run_cli
 
     run_cli(main, interrupted='rerun the same command to resume: finished answers are kept')
+
+
+if __name__ == "__main__":
+    cli()

@@ -369,14 +369,15 @@ def shadowing_problem() -> str | None:
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec is not None else None
         if origin is None and spec is not None and spec.submodule_search_locations:  # a folder without __init__.py
-            found = Path(list(spec.submodule_search_locations)[0])
+            found = Path(list(spec.submodule_search_locations)[0]).resolve()
         elif origin is not None:
-            found = Path(origin).parent if Path(origin).name.startswith("__init__.") else Path(origin)
+            found = Path(origin).resolve()
+            found = found.parent if found.name.startswith("__init__.") else found
         else:
             return f"draftsmith's {name} package is missing from {home}: reinstall draftsmith"
-        if found.resolve() == home / name:
+        if found == home / name:
             continue
-        where = found.parent.resolve()
+        where = found.parent
         fixes = [f"rename {found.name}"]
         if where == Path.cwd().resolve() and ("" in sys.path or os.curdir in sys.path or str(where) in sys.path):
             fixes.append("run from another folder")

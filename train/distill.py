@@ -1,7 +1,9 @@
 """Train a DFlash drafter: block-diffusion distillation from a target model (docs/design.md).
 
-    python train/distill.py recipe=tiny                                  # laptop CPU, under a minute
-    python train/distill.py recipe=qwen35-9b --dry-run                   # the plan, no download
+    draftsmith train recipe=tiny                                         # laptop CPU, under a minute
+    draftsmith train recipe=qwen35-9b --dry-run                          # the plan, no download
+    accelerate launch --no_python --num_processes 8 draftsmith train recipe=qwen3-8b   # installed, 8 GPUs
+    python train/distill.py recipe=tiny                                  # the same from a checkout
     accelerate launch train/distill.py recipe=qwen35-9b                  # one GPU node
     accelerate launch --num_processes 8 train/distill.py recipe=qwen3-8b train.lr=3e-4
     accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_machines 4 --machine_rank $RANK \\

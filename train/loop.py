@@ -389,9 +389,9 @@ def checkpoint_due(cfg, step: int, final: bool) -> bool:
 
 # ----------------------------------------------------------------------------- interruption
 def launch_command(world: int) -> str:
-    """How this run was started, for the resume hint: ``python train/distill.py`` (the script, in the
-    checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch`` with
-    several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
+    """How this run was started, for the resume hint: ``draftsmith train``, ``python train/distill.py`` (the
+    script, in the checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch``
+    with several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
     from any directory once the package is installed."""
     import sys
 
@@ -403,6 +403,9 @@ def launch_command(world: int) -> str:
         program = [script]
     elif Path(script).name == "draftsmith-distill" and world == 1:
         return "draftsmith-distill"
+    elif Path(script).name == "draftsmith":  # the draftsmith command, an executable: accelerate's --no_python
+        launcher = ["accelerate", "launch", "--no_python", "--num_processes", str(world)] if world > 1 else []
+        return shlex.join(launcher + ["draftsmith", "train"])
     else:
         program = ["-m", "train.distill"]
     launcher = ["accelerate", "launch", "--num_processes", str(world)] if world > 1 else ["python"]

@@ -153,6 +153,8 @@ def test_a_warm_start_trains_and_saves_the_folders_drafter_or_is_refused(tiny, t
     ("train/distill.py", None, 8, "accelerate launch --num_processes 8 train/distill.py"),
     ("/x/train/distill.py", "train.distill", 2, "accelerate launch --num_processes 2 -m train.distill"),
     ("/venv/bin/draftsmith-distill", None, 1, "draftsmith-distill"),
+    ("/venv/bin/draftsmith", None, 1, "draftsmith train"),
+    ("/venv/bin/draftsmith", None, 8, "accelerate launch --no_python --num_processes 8 draftsmith train"),
 ])
 def test_the_resume_hint_starts_the_run_the_way_it_was_started(monkeypatch, argv0, module, world, expected):
     """It always said ``python train/distill.py``, a file that only exists in the checkout."""
