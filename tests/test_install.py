@@ -126,8 +126,9 @@ def draftsmith(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def test_draftsmith_train_runs_from_a_folder_that_holds_train_py_and_models_py(tmp_path):
-    """``python -m train.distill`` from such a folder ran its ``train.py``; the command is not shadowed by it.
-    Two steps of the tiny recipe on a seeded tiny target and 24 unregenerated chats: seconds."""
+    """``python -m train.distill`` from such a folder ran its ``train.py``; the command is not shadowed by it, nor
+    is the export stage's ``python -m export.hf``. Two steps of the tiny recipe on a seeded tiny target and 24
+    unregenerated chats, exported: seconds."""
     from models.tiny import save_tiny_target
 
     project = tmp_path / "project"
@@ -139,16 +140,18 @@ def test_draftsmith_train_runs_from_a_folder_that_holds_train_py_and_models_py(t
     out = subprocess.run([*command, "train", "recipe=tiny", "out_dir=run", f"target.path={target}",
                           "data.regenerate=none", "data.tiny_conversations=24", "data.eval_rows=4", "train.max_steps=2",
                           "train.batch_size=2", "train.anchors=4", "eval.at_start=false", "eval.true_tau_prompts=0",
-                          "eval.batches=1", "logging.every=1", "logging.progress=false"],
+                          "eval.batches=1", "logging.every=1", "logging.progress=false", "export.hf=true",
+                          "export.hf_dtype=fp32"],
                          cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (project / "run" / "final" / "drafter" / "config.json").is_file()
+    assert (project / "run" / "export" / "hf" / "config.json").is_file()
     lines = out.stdout.splitlines()
     assert lines[0] == f"train: recipe tiny into run (every setting: {Path('run') / 'config.yaml'})"
     assert [x.split("  epoch")[0] for x in lines if x.startswith("step ")] == ["step  1/2", "step  2/2"]
     final = Path("run") / "final" / "drafter"
     assert f"  drafter        {final}" in lines and "next:" in lines
-    assert f"  draftsmith export-hf --checkpoint {final} --out {Path('run') / 'export' / 'hf'}" in lines
+    assert f"  draftsmith push --folder {Path('run') / 'export' / 'hf'} --repo YOUR_NAME/REPO --dry-run" in lines
 
 
 def test_a_package_shadowed_through_pythonpath_stops_the_command_with_one_line(tmp_path):

@@ -55,7 +55,7 @@ def step_line(row: dict, total: int, elapsed: float, left: float | None = None) 
     """``step  20/200  epoch 0.25  loss 4.2156  sim tau 1.87  lr 0.0006  5.1k tok/s  0:01:02 (~0:09:18 left)
     ce 4.3  grad_norm 1.2``: a logged step (``step_row``) for the console; the row itself goes to metrics.jsonl."""
     width = len(str(total))
-    left_s = f" (~{clock(left)} left)" if left else ""
+    left_s = f" (~{clock(left)} left)" if left and left >= 1 else ""
     return "  ".join([f"step  {row['step']:>{width}}/{total}", f"epoch {row['epoch']:.2f}",
                       f"loss {row['loss']:.4f}", f"sim tau {row['tau']:.2f}", f"lr {number(row['lr'])}",
                       f"{per_second(row['tokens_per_s'])} tok/s", clock(elapsed) + left_s, *extras(row, STEP_KEYS)])
