@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import select
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -131,8 +133,6 @@ def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
 
 def _stdout_closed() -> bool:
     """True when nobody reads our standard output any more (the far end of its pipe was closed)."""
-    import select
-
     try:
         fd = sys.stdout.fileno()
     except (OSError, ValueError, AttributeError):
@@ -172,7 +172,7 @@ def hold(folder: str | Path, name: str, flag: str, fix: str,
                          "to") from None
     with handle:
         try:
-            import fcntl
+            import fcntl  # POSIX only: elsewhere runs are not kept apart
         except ImportError:
             fcntl = None
         if fcntl is not None:
@@ -351,12 +351,9 @@ def usage() -> str:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
     try:
-        return installed("draftsmith")
-    except PackageNotFoundError:
+        return importlib.metadata.version("draftsmith")
+    except importlib.metadata.PackageNotFoundError:
         return "(not installed: run from a checkout)"
 
 
