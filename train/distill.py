@@ -37,14 +37,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch train/distill.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
+from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, step_line, tau_trend
 
 LOCK = ".draftsmith.lock"  # in out_dir, held by the main process while the run writes there
 
@@ -250,15 +254,12 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                state, logger) -> tuple[dict, dict, list[dict], int]:
     """Optimizer steps until ``total_steps``: log, evaluate and checkpoint on their cadence. Returns (the last
     logged step row, the eval row of the untrained drafter or {}, every eval row, the true-tau prompts)."""
-    import time
-
     from tqdm import tqdm
 
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
     from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, nonfinite_weights,
                             run_eval, step_row, train_step)
-    from train.metrics import step_line
     from train.rng import epoch_order
 
     cfg, total = run.cfg, sched.total_steps
@@ -409,8 +410,6 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
 
 def run_header(run, target, target_path: str, train_ds, eval_ds, d, n_params: int, sched, step: int) -> str:
     """What is about to train, once everything has loaded: target, data, drafter, steps, devices, output."""
-    from train.metrics import header
-
     cfg, tr = run.cfg, run.cfg.train
     quantized = "" if target.quantization in (None, "none") else f", quantization {target.quantization}"
     warm = f", from {cfg.drafter.init_from}" if cfg.drafter.init_from else ""
@@ -436,11 +435,6 @@ def closing_summary(run, steps: int, resumed_at: int, evals: list[dict], prompts
                     target_path: str) -> str:
     """Elapsed time, where tau went (and what each tau means), where the drafter is, and the commands that
     take it further, with this run's paths."""
-    import shlex
-    import time
-
-    from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, tau_trend
-
     cfg = run.cfg
     this_run = f" ({steps - resumed_at} in this run, resumed at step {resumed_at})" if resumed_at else ""
     sim, true = tau_trend(evals, "eval_tau_sim"), tau_trend(evals, "eval_tau_true")
