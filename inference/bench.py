@@ -158,7 +158,7 @@ def profile_loop(loop: str, st, proposer, prompt: list[int], B: int, n: int, gen
 
     The passes replay on whatever the last generation left in their buffers: speed only.
     """
-    from models.profiling import top_ops
+    from models.support import top_ops
 
     if st is None:
         print(json.dumps({"bench": "profile", "loop": loop, "what": "generation", **top_ops(generation, n)}),
@@ -286,6 +286,6 @@ def _chat_ids(tok, text: str) -> list[int]:
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

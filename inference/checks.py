@@ -24,8 +24,8 @@ log = logging.getLogger("inference")
 
 def check_dtype(name: str | None) -> str | None:
     """A ``--dtype`` name as both backends spell it, for ``getattr(torch, name)`` / ``getattr(mx, name)``
-    (``bf16`` -> ``bfloat16``: ``models.cli.DTYPE_NAMES``; None: the backend's default)."""
-    from models.cli import parse_dtype
+    (``bf16`` -> ``bfloat16``: ``models.support.DTYPE_NAMES``; None: the backend's default)."""
+    from models.support import parse_dtype
 
     return parse_dtype(name)
 

@@ -25,7 +25,7 @@ import platform
 import sys
 
 from inference.checks import check_draft_weights, check_dtype, check_prompt_ids, check_target_tokenizer, preflight
-from models.cli import check_device
+from models.support import check_device
 
 WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
 
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def cli() -> None:
     """The ``draftsmith-generate`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)
 

@@ -71,7 +71,7 @@ from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 from models.config import describe_quantization
-from models.lock import hold, set_aside
+from models.support import hold, set_aside
 from models.provenance import refuse_training_output
 
 
@@ -340,7 +340,7 @@ def validate(args: argparse.Namespace) -> dict:
 
 def cli() -> None:
     """The ``draftsmith-validate`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)
 

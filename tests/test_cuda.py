@@ -392,10 +392,10 @@ def test_a_training_step_on_cuda_waits_for_nothing(features, tmp_path, tmp_path_
 
 
 def test_host_tensors_reach_the_gpu_without_waiting_for_its_queue():
-    """``models.transfer.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
+    """``models.support.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
     behind a kernel still running instead of waiting for it (the stream is still busy when it returns), and
     the values arrive."""
-    from models.transfer import to_device
+    from models.support import to_device
 
     x = torch.arange(1 << 20, dtype=torch.float32)  # pageable, 4 MiB
     # The first pinned block of a size is a fresh page-locked allocation, which the driver may make wait for

@@ -515,7 +515,7 @@ def test_a_validate_into_an_out_another_run_is_writing_is_refused_before_the_mod
 
     from inference import partial
     from inference.validate import main
-    from models.lock import hold
+    from models.support import hold
 
     out = tmp_path / "val"
     args = ["--backend", "torch", "--target", infer_dirs["full_dir"], "--draft", infer_dirs["draft"], "--prompts",
@@ -625,7 +625,7 @@ def test_mlx_rollback_of_an_unsupported_cache_is_a_user_error():
     """Once a bare TypeError (a traceback, as for a bug); now one line naming the supported caches."""
     pytest.importorskip("mlx.core")
     from inference.rollback_mlx import CacheRollback
-    from models.cli import is_user_error
+    from models.support import is_user_error
     from models.target import UnsupportedTarget
 
     class FixedCache:  # an mlx_lm cache kind that cannot be trimmed
@@ -655,7 +655,7 @@ def test_short_dtype_names_are_the_ones_training_takes(infer_dirs):
     import torch
 
     from inference.generate import Session
-    from models.cli import parse_dtype
+    from models.support import parse_dtype
 
     assert [parse_dtype(n) for n in ("bf16", "fp16", "half", "fp32", "BFloat16")] == \
         ["bfloat16", "float16", "float16", "float32", "bfloat16"]
