@@ -399,11 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     """The ``draftsmith`` console script: ``draftsmith <command> [arguments]`` runs that command's own ``cli``
     (the ``draftsmith-*`` scripts' and ``python -m``'s entry), with the arguments after the command's name."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage())
-        return
-    if argv[0] in ("-V", "--version"):
-        print(f"draftsmith {version()}")
+    if not argv or argv[0] in ("-h", "--help", "help", "-V", "--version"):
+        # through run_cli: `draftsmith --help | head` ends quietly, as every command's own --help does
+        run_cli(lambda: print(usage() if not argv or argv[0] not in ("-V", "--version")
+                              else f"draftsmith {version()}"))
         return
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
@@ -411,8 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     module = COMMANDS[name][0]
     if name == "bench":
         if not rest or rest[0] in ("-h", "--help"):
-            print("usage: draftsmith bench {" + ",".join(BENCHES) + "} [arguments]    (draftsmith bench STAGE --help)"
-                  "\n\n" + listing("benches (python -m <stage>.bench):", BENCHES))
+            run_cli(lambda: print("usage: draftsmith bench {" + ",".join(BENCHES) + "} [arguments]    "
+                                  "(draftsmith bench STAGE --help)\n\n" + listing("benches (python -m <stage>.bench):",
+                                                                                    BENCHES)))
             return
         if rest[0] not in BENCHES:
             refuse_unknown("bench", rest[0], BENCHES)

@@ -713,6 +713,14 @@ def test_help_into_a_closed_pipe_ends_quietly():
         os.close(write)
     assert done.stderr == ""
     assert done.returncode == 1  # what Python's own docs advise on EPIPE: not 0, the output was cut
+    read, write = os.pipe()  # the same for the draftsmith command's own help
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "models.support", "--help"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.stderr, done.returncode) == ("", 1)
 
     from models.support import run_cli
 
