@@ -131,7 +131,7 @@ def pick_torch_loop(requested: str, target, drafter) -> str:
     Qwen3.5 / 3.6 (GatedDeltaNet) targets run the static loop when asked (``--loop static``); ``auto``
     keeps them eager until its graph replay has been checked on a GPU (``tests/test_cuda.py``).
     """
-    from inference.static_loop import StaticLoopUnsupported, check_static_target
+    from inference.static_target import StaticLoopUnsupported, check_static_target
 
     if requested == "auto" and target.device.type == "cuda" and target.is_hybrid:
         import logging

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from inference.torch_loop import DrafterProposer, dflash_generate, sample, target_generate
+from inference.cycle import sample
+from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
 from models.drafter import DFlashDraftModel
 from models.target import cache_kwarg
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
@@ -227,10 +228,10 @@ def test_parts_add_each_part_up_over_the_cycles(runs, monkeypatch):
     import itertools
     import types
 
-    from inference import torch_loop
+    from inference import cycle
 
     ticks = itertools.count()
-    monkeypatch.setattr(torch_loop, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(cycle, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     target, seq, drafter = runs("qwen3")
     parts: dict[str, float] = {}
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,
