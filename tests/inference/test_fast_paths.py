@@ -267,7 +267,7 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     """generate / validate --loop static (the default on a GPU for full-attention targets): same tokens,
     acceptance lengths and baseline as the eager loop; auto stays eager off CUDA."""
     from inference.bench import tiny_folders
-    from inference.generate import Session
+    from inference.session import Session
 
     target, draft = tiny_folders("qwen3", str(tmp_path))
     prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64]
@@ -281,7 +281,7 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     assert runs["static"][1] == runs["static"][3]  # lossless in fp32
     # A smaller block than the drafter's: DFlash once ran eager against the static loop's baseline (a
     # speedup of two different loops, reported as "static"). Both run eager now, and the report says so.
-    session = Session("torch", target, draft, "cpu", "float32", loop="static")
+    session = Session("torch", target, draft, "cpu", "float32", loop="static", block_size=2)
     result, base = session.run(prompt, baseline=True, block_size=2, max_new_tokens=24, eos_token_ids=[])
     assert session.describe()["loop"] == "eager" and session._static is None
     assert result.tokens == base.tokens == runs["eager"][3]
@@ -291,7 +291,7 @@ def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, ca
     """--loop static runs Qwen3.5 (GatedDeltaNet) with the eager loop's tokens; auto on a GPU picks static for
     full-attention targets and keeps hybrid ones eager (their graph replay is checked in test_cuda.py)."""
     from inference.bench import tiny_folders
-    from inference.generate import Session, pick_torch_loop
+    from inference.session import Session, choose_loop
 
     target, draft = tiny_folders("qwen3_5", str(tmp_path))
     hybrid = Session("torch", target, draft, "cpu", "float32", loop="eager")
@@ -315,11 +315,11 @@ def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, ca
         def __getattr__(self, name):
             return getattr(self.t, name)
 
-    assert pick_torch_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
+    assert choose_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
     assert "--loop static runs the CUDA-graph loop" in caplog.text  # says what it left on the table
-    assert pick_torch_loop("static", OnGpu(hybrid.target), hybrid.proposer.drafter) == "static"
-    assert pick_torch_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
-    assert pick_torch_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
+    assert choose_loop("static", OnGpu(hybrid.target), hybrid.proposer.drafter) == "static"
+    assert choose_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
+    assert choose_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
 
 
 def bench_lines(capsys, module: str, argv: list[str]) -> list[dict]:
