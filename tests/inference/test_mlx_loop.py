@@ -174,6 +174,25 @@ def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
         assert_close(np.array(feats), full[:, start - feats.shape[1]:start], 1e-4, f"features handed over at {start}")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_baseline_is_the_cycle_without_a_drafter(runs, arch, monkeypatch):
+    """target_generate is this backend's one cycle with NoDrafter: blocks of the bonus token alone, the target's
+    greedy tokens (mlx_lm's own generate_step: an independent reference) and one token committed per cycle."""
+    from mlx_lm.generate import generate_step
+
+    from inference import mlx_loop
+
+    target, _, _ = runs(arch)
+    ref = [int(tok) for tok, _ in generate_step(mx.array(PROMPT), target.model, max_tokens=24)]
+    cycles, real = [], mlx_loop.dflash_generate
+    monkeypatch.setattr(mlx_loop, "dflash_generate", lambda t, proposer, *a, **k: cycles.append(proposer)
+                        or real(t, proposer, *a, **k))
+    res = target_generate(target, PROMPT, 24, eos_token_ids=[])
+    assert [type(p) for p in cycles] == [mlx_loop.NoDrafter]
+    assert res.tokens == ref and len(ref) == 24
+    assert res.acceptance_lengths == [1] * 23 and res.block_size == 1 and res.position_accepts == []
+
+
 def test_quantized_4bit_target_is_lossless(runs, tmp_path):
     target, seq, drafter = runs("qwen3_q4")
     assert target.quantization == "mlx-4bit-g32"
