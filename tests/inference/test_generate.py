@@ -453,6 +453,32 @@ def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off
     assert caplog.text == ""  # the note about CUDA graphs is for a GPU run
 
 
+def test_a_block_size_other_than_the_drafters_is_decided_when_the_session_is_built(caplog):
+    """The static loops are captured for the drafter's block: another block size picks the eager loop for DFlash and
+    the baseline when the session is built (one warning); a static session asked for another one by a single call
+    refuses it instead of falling back mid-session."""
+    import logging
+    from types import SimpleNamespace
+
+    from inference.session import Session, choose_loop
+
+    gpu = SimpleNamespace(device=torch.device("cuda"), is_hybrid=False, family="qwen3", layer_types=["full_attention"],
+                          model_type="qwen3", model=SimpleNamespace(config=SimpleNamespace()))
+    drafter = SimpleNamespace(config=SimpleNamespace(use_sliding_window=False, block_size=8))
+    with caplog.at_level(logging.WARNING, logger="inference"):
+        assert choose_loop("auto", gpu, drafter, 8) == "static" and caplog.text == ""
+        assert choose_loop("compiled", gpu, drafter, 4) == "eager"
+    assert ("--block-size 4 is not the drafter's 8: the compiled loop is captured for one block shape, so DFlash and "
+            "the baseline both run the eager loop") in caplog.text
+    session = SimpleNamespace(loop_kind="static", block_size=None, proposer=SimpleNamespace(block_size=8))
+    assert Session._block_size(session, None) is None and Session._block_size(session, 8) == 8
+    with pytest.raises(ValueError, match="this session runs the static loop, captured for blocks of 8; build the "
+                                         "Session with block_size=4"):
+        Session._block_size(session, 4)
+    session.loop_kind = "eager"  # any block up to the trained one
+    assert Session._block_size(session, 4) == 4
+
+
 def test_report_of_gives_each_sides_speed_and_no_speedup_without_a_baseline_speed():
     from inference.report import report_of
     from inference.stats import GenerationResult
