@@ -242,7 +242,10 @@ class StaticTarget:
             raise ValueError(f"the proposer reads target layers {list(layer_ids)}, the static target taps "
                              f"{self.layer_ids}: build the static loop for this drafter")
         feats, logits = self.forward(torch.tensor([prompt_ids], device=self.device), 0)
-        return (feats.clone() if layer_ids else None), logits[0, -1]
+        if not layer_ids:
+            return None, logits[0, -1]
+        # A prompt of 1 or B tokens ran a graphed pass, whose output buffer the next pass of that length reuses.
+        return (feats.clone() if len(prompt_ids) in self._passes else feats), logits[0, -1]
 
     def verify(self, block: torch.Tensor, start: int) -> torch.Tensor:
         self._verified, logits = self.forward(block, start)
