@@ -109,10 +109,10 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
     greedy step and cycle) against the eager loop in fp32: same tokens as target-only decoding, same
     acceptance lengths, same drafts. Qwen3.5: the GatedDeltaNet rollback (an index into the kept
     states) inside the graphs."""
-    from inference.static_greedy import greedy_cycle, greedy_decode
     from inference.static_loop import (
         StaticDrafterProposer,
         StaticTarget,
+        resident_cycle,
         static_dflash_generate,
         static_target_generate,
     )
@@ -147,7 +147,7 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
         assert_same_loop(static, eager, ref.tokens[:64], target.is_hybrid)
     assert st._passes[1].graph is not None and st._passes[8].graph is not None  # replayed, not eager
     assert proposer._pass.graph is not None
-    assert greedy_cycle(st, proposer)._graph.graph is not None and greedy_decode(st)._graph.graph is not None
+    assert resident_cycle(st, proposer)._graph.graph is not None and resident_cycle(st, None)._graph.graph is not None
 
 
 def test_compiled_flex_over_varying_row_lengths_equals_dense():
