@@ -109,11 +109,11 @@ def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16,
 
 
 def check_device(p: argparse.ArgumentParser, device: str | None) -> str:
-    """``--device`` up front (``models.cli.check_device``, cpu or cuda only): a malformed name is an argparse
+    """``--device`` up front (``models.support.check_device``, cpu or cuda only): a malformed name is an argparse
     error, CUDA where torch sees none one line (as ``train.ablate``), not torch's "not compiled with CUDA"
     assertion after the model is built. None: cuda when there is one, else cpu."""
-    from models.cli import DeviceNameError
-    from models.cli import check_device as check
+    from models.support import DeviceNameError
+    from models.support import check_device as check
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -301,6 +301,6 @@ def _run(a: argparse.Namespace, device: str, root: str) -> None:
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

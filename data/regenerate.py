@@ -48,7 +48,7 @@ from data.readers import split_think
 from data.regen_common import (Completion, RegenerationError, RegenReport, ServerUnavailable,  # noqa: F401
                                _assistant_message, _for_template, _result_row)
 from data.regen_http import HTTPGenerator, start_command  # noqa: F401 (re-exported)
-from models.lock import hold
+from models.support import hold
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -371,7 +371,7 @@ def load_local_target(a: argparse.Namespace, path: str):
     second CPU-only copy made local regeneration of a real data set hours slower than needed)."""
     import torch
 
-    from models.cli import check_device, parse_dtype
+    from models.support import check_device, parse_dtype
     from models.quant import resolve_target
     from models.target import TargetModel
 
@@ -453,7 +453,12 @@ def regenerate_from_args(a: argparse.Namespace) -> None:
                                 f"{a.out}.failed.jsonl, and rerun the same command to retry them")
 
 
-if __name__ == "__main__":
-    from models.cli import run_cli
+def cli() -> None:
+    """``draftsmith regenerate``: ``main`` with one-line user errors, as ``python -m`` runs it."""
+    from models.support import run_cli
 
     run_cli(main, interrupted='rerun the same command to resume: finished answers are kept')
+
+
+if __name__ == "__main__":
+    cli()

@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from data.features import FeatureBatch, FeatureRow, collate
-from models.transfer import to_device
+from models.support import to_device
 
 FORMAT = "draftsmith-features"
 VERSION = 1

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli() -> None:
     """The ``draftsmith-export-mlx`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted=("--out is untouched (an export is written aside and moved in when complete): "
                                     "rerun the command"))

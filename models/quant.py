@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from models.cli import UserError
+from models.support import UserError
 
 BITS = (2, 3, 4, 5, 6, 8)  # affine widths MLX packs
 GROUP_SIZES = (32, 64, 128)

@@ -109,10 +109,10 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
     greedy step and cycle) against the eager loop in fp32: same tokens as target-only decoding, same
     acceptance lengths, same drafts. Qwen3.5: the GatedDeltaNet rollback (an index into the kept
     states) inside the graphs."""
-    from inference.static_greedy import greedy_cycle, greedy_decode
     from inference.static_loop import (
         StaticDrafterProposer,
         StaticTarget,
+        resident_cycle,
         static_dflash_generate,
         static_target_generate,
     )
@@ -147,7 +147,7 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
         assert_same_loop(static, eager, ref.tokens[:64], target.is_hybrid)
     assert st._passes[1].graph is not None and st._passes[8].graph is not None  # replayed, not eager
     assert proposer._pass.graph is not None
-    assert greedy_cycle(st, proposer)._graph.graph is not None and greedy_decode(st)._graph.graph is not None
+    assert resident_cycle(st, proposer)._graph.graph is not None and resident_cycle(st, None)._graph.graph is not None
 
 
 def test_compiled_flex_over_varying_row_lengths_equals_dense():
@@ -392,10 +392,10 @@ def test_a_training_step_on_cuda_waits_for_nothing(features, tmp_path, tmp_path_
 
 
 def test_host_tensors_reach_the_gpu_without_waiting_for_its_queue():
-    """``models.transfer.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
+    """``models.support.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
     behind a kernel still running instead of waiting for it (the stream is still busy when it returns), and
     the values arrive."""
-    from models.transfer import to_device
+    from models.support import to_device
 
     x = torch.arange(1 << 20, dtype=torch.float32)  # pageable, 4 MiB
     # The first pinned block of a size is a fresh page-locked allocation, which the driver may make wait for

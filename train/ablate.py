@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from models.cli import UserError
+from models.support import UserError
 
 # The paper recipe at the budget's shape: train/config.py's defaults plus these.
 BASE = {"drafter.num_hidden_layers": 2, "drafter.num_taps": 5, "drafter.block_size": 8,
@@ -487,7 +487,7 @@ def run_all(todo: list[Path], workers: int, done: int, total: int, device: str =
 if __name__ == "__main__":
     if __package__ in (None, ""):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted=("rerun the same command to resume: finished runs are kept, the "
                                     "interrupted ones start over"))

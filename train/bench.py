@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                           **_parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos,
                                    n_anchors, use_flex, device)}), flush=True)
         if a.profile:
-            from models.profiling import top_ops
+            from models.support import top_ops
 
             prof = top_ops(lambda: step(200), a.profile)
             # kernel time over the timed (unprofiled) step: 1 - busy_share is what the GPU sat idle, waiting
@@ -386,6 +386,6 @@ def _parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

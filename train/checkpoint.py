@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from models.cli import UserError
+from models.support import UserError
 # The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
 from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
 

@@ -220,7 +220,7 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def validate(self) -> None:
-        from models.cli import DTYPE_NAMES
+        from models.support import DTYPE_NAMES
         from models.flex_options import parse_flex_backward
         from models.quant import parse_quantization
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.cli import UserError
-from models.transfer import to_device
+from models.support import UserError, to_device
 from train.block_mask import documents_contiguous
+from train.metrics import eval_line
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.rng import epoch_order, row_generators
 
@@ -41,6 +41,7 @@ class Run:
     mixed_precision: str
     log: Callable[[str], None]  # console lines, main process only
     resume_from: Path | None = None  # the checkpoint to resume (resume=true and one exists)
+    started: float = field(default_factory=time.perf_counter)  # the closing summary's elapsed time
 
     @property
     def device(self) -> torch.device:
@@ -325,8 +326,9 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
 
 
 def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], step: int, with_true: bool,
-             logger) -> dict:
-    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged.
+             logger, total: int | None = None) -> dict:
+    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged (``total``: the
+    run's steps, for the console line).
 
     Under FSDP every process runs it too: the drafter's forward all-gathers its sharded weights, a
     collective that would wait forever for processes that skipped it.
@@ -350,7 +352,7 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
             with run.accelerator.autocast():
                 row.update(true_tau(drafter, target, prompts, cfg.eval.true_tau_max_new_tokens))
         if run.is_main:
-            logger.log(row, echo="eval")
+            logger.log(row, echo=eval_line(row, total))
     run.accelerator.wait_for_everyone()
     return row
 
@@ -387,9 +389,9 @@ def checkpoint_due(cfg, step: int, final: bool) -> bool:
 
 # ----------------------------------------------------------------------------- interruption
 def launch_command(world: int) -> str:
-    """How this run was started, for the resume hint: ``python train/distill.py`` (the script, in the
-    checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch`` with
-    several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
+    """How this run was started, for the resume hint: ``draftsmith train``, ``python train/distill.py`` (the
+    script, in the checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch``
+    with several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
     from any directory once the package is installed."""
     import sys
 
@@ -401,6 +403,9 @@ def launch_command(world: int) -> str:
         program = [script]
     elif Path(script).name == "draftsmith-distill" and world == 1:
         return "draftsmith-distill"
+    elif Path(script).name == "draftsmith":  # the draftsmith command, an executable: accelerate's --no_python
+        launcher = ["accelerate", "launch", "--no_python", "--num_processes", str(world)] if world > 1 else []
+        return shlex.join(launcher + ["draftsmith", "train"])
     else:
         program = ["-m", "train.distill"]
     launcher = ["accelerate", "launch", "--num_processes", str(world)] if world > 1 else ["python"]

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from models.transfer import to_device
+from models.support import to_device
 
 
 # ----------------------------------------------------------------------------- weights

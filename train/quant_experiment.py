@@ -248,9 +248,9 @@ REPORT_SETTINGS = ("budget", "group_size", "prompts", "max_new_tokens", "target"
 
 def set_aside_other_report(path: Path, report: dict, log) -> None:
     """An earlier report at ``path`` measured with other settings (another --group-size or --budget of the same
-    epochs: the name holds only bits, epochs and seed) is set aside as ``.old`` (``models.lock.set_aside``), not
+    epochs: the name holds only bits, epochs and seed) is set aside as ``.old`` (``models.support.set_aside``), not
     overwritten."""
-    from models.lock import set_aside
+    from models.support import set_aside
 
     try:
         earlier = json.loads(path.read_text())
@@ -315,6 +315,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

@@ -114,7 +114,7 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
     from data.engine import offloaded
     from data.prepare import ensure_prepared, load_prepared
-    from data.sync import run_on_main
+    from models.support import run_on_main
 
     prepared = Path(cfg.data.prepared) if cfg.data.prepared else out_dir / "data"
 

@@ -412,7 +412,7 @@ def test_push_private_to_a_repo_that_exists_public_uploads_nothing(tmp_path, exp
 
     from export.hf import main as export_hf
     from export.push import main as push
-    from models.cli import run_cli
+    from models.support import run_cli
 
     export_hf(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "hf"), "--no-remote-code-check"])
     sent = []

@@ -755,7 +755,7 @@ def test_gate_checks_a_hub_target_from_its_small_files(setup, tmp_path, monkeypa
 
 def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
     from export.hf import main
-    from models.cli import run_cli
+    from models.support import run_cli
 
     _, _, _, ckpt = setup
     with pytest.raises(SystemExit, match="^error: .* is a run folder without final/drafter"):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.bad_input
     (PermissionError("denied: /x"), True),
 ])
 def test_cli_keeps_the_traceback_of_bugs_and_one_line_for_user_errors(error, one_line, monkeypatch):
-    from models.cli import run_cli
+    from models.support import run_cli
 
     monkeypatch.delenv("DRAFTSMITH_TRACEBACK", raising=False)
 
@@ -42,7 +42,7 @@ def test_every_project_error_type_is_a_user_error():
     import inspect
     import pkgutil
 
-    from models.cli import USER_ERRORS
+    from models.support import USER_ERRORS
 
     found = []
     for pkg in ("models", "data", "train", "inference", "export"):
@@ -713,8 +713,16 @@ def test_help_into_a_closed_pipe_ends_quietly():
         os.close(write)
     assert done.stderr == ""
     assert done.returncode == 1  # what Python's own docs advise on EPIPE: not 0, the output was cut
+    read, write = os.pipe()  # the same for the draftsmith command's own help
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "models.support", "--help"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.stderr, done.returncode) == ("", 1)
 
-    from models.cli import run_cli
+    from models.support import run_cli
 
     def server_went_away():  # a broken pipe that is not our output's (a regeneration server's socket)
         raise BrokenPipeError(32, "Broken pipe")
@@ -726,7 +734,7 @@ def test_help_into_a_closed_pipe_ends_quietly():
 def test_a_lock_file_goes_with_a_failed_run_only_when_that_run_made_it(tmp_path):
     """A refusal of someone else's folder left the command's lock file in it; a lock file already there (a killed
     run's) stays, and so does the one of a run that ended well (its folder is its output)."""
-    from models.lock import hold
+    from models.support import hold
 
     folder = tmp_path / "theirs"
     folder.mkdir()
@@ -748,7 +756,7 @@ def test_a_killed_runs_lock_file_names_only_the_run_holding_it_now(tmp_path):
     holder, not "<old pid> <pid>"."""
     import os
 
-    from models.lock import hold
+    from models.support import hold
 
     (tmp_path / ".x.lock").write_text("99999999\n")
     with hold(tmp_path, ".x.lock", "--out", "-"):
@@ -764,7 +772,7 @@ def test_a_file_system_without_locks_runs_with_a_note(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    from models.lock import hold
+    from models.support import hold
 
     def no_locks(handle, how):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -1109,7 +1109,7 @@ def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, r
     anything loads, naming the holder's pid; a run that ended (here: by an error) leaves the folder free."""
     import os
 
-    from models.lock import hold
+    from models.support import hold
     from train.distill import LOCK, main
 
     out = tmp_path / "run"

@@ -132,7 +132,7 @@ def test_a_training_step_reads_nothing_back(loss, tmp_path, tmp_path_factory, mo
 
 def test_to_device_off_the_gpu_is_a_plain_move():
     """Pinned staging is for a GPU destination only; elsewhere the tensor moves (or stays) as ``.to`` does."""
-    from models.transfer import to_device
+    from models.support import to_device
 
     x = torch.arange(4)
     assert to_device(x, "cpu") is x

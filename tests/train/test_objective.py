@@ -269,10 +269,11 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
 
 def test_console_rows_keep_small_learning_rates():
     """Console rows once rounded to 4 decimals, so lr 6e-5 printed as 0.0 (metrics.jsonl was exact)."""
-    from train.metrics import rounded
+    from train.metrics import step_line
 
-    row = rounded({"lr": 6e-5, "loss": 4.215631, "grad_norm": 0.0, "tau_hist": [1, 2], "step": 3})
-    assert row == {"lr": 6e-5, "loss": 4.2156, "grad_norm": 0.0, "step": 3}
+    row = {"step": 3, "epoch": 0.1, "loss": 4.215631, "tau": 1.0, "lr": 6e-5, "grad_norm": 0.0, "tau_hist": [1, 2],
+           "tokens_per_s": 10.0}
+    assert "  lr 6.00e-05  " in step_line(row, 10, 1.0) and "grad_norm 0" in step_line(row, 10, 1.0)
 
 
 def test_held_out_prompts_start_at_their_own_document():
