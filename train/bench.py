@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
     """Refuse bad flags in one line each, before anything is built; the --e2e recipe's spec."""
-    from data.bench import check_at_least, recipe_runs_on_cpu, recipe_spec
+    from data.bench import check_at_least
+    from models.random_target import recipe_runs_on_cpu, recipe_spec
 
     spec = None
     # vocab 2: the last id is the mask token, random ids are drawn below it
@@ -313,7 +314,7 @@ def _rows(a, device):
 def _e2e_setup(a, argv, spec: dict, device: str | None = None):
     """Recipe shapes for ``--e2e``: the drafter's from the target's, the rest from the recipe (paper
     recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors) unless a flag gives it."""
-    from data.bench import recipe_target
+    from models.random_target import recipe_target
     from models.config import default_layer_ids
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

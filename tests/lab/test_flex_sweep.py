@@ -23,7 +23,7 @@ def test_flex_sweep_takes_the_recipe_shape_without_building_its_target():
     """--e2e qwen35-9b --flex-sweep needs only the shapes: the 9B target is built on the meta device."""
     import argparse
 
-    from data.bench import recipe_spec
+    from models.random_target import recipe_spec
     from train.bench import _e2e_setup
 
     a = argparse.Namespace(e2e="qwen35-9b", taps=3, target_layers=None, layers=2, seq=256, anchors=[32], block=8,
