@@ -1,5 +1,5 @@
 """The four-tau experiment at a test budget: a drafter trained against the quantized target beats one trained
-against the unquantized target *on the quantized target* (train/quant_experiment.py, README "Quantized targets").
+against the unquantized target *on the quantized target* (lab/quant_experiment.py, README "Quantized targets").
 
 The small target is fitted on one standard-library package (``email``) with the recipe-quality test's settings,
 so that it talks (greedy distinct-3-gram 0.19, every prompt a different continuation; the experiment refuses a
@@ -26,8 +26,8 @@ MARGIN = 0.05  # tau (pooled over cycles): quantization-aware minus unquantized-
 
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
-    from train.quant_experiment import BUDGETS
-    from train.small_target import build_small_target
+    from lab.quant_experiment import BUDGETS
+    from lab.small_target import build_small_target
 
     corpus = Path(sysconfig.get_paths()["stdlib"]) / "email"
     return build_small_target(tmp_path_factory.mktemp("qx") / "target", seed=0, log=lambda *_: None, progress=False,
@@ -36,7 +36,7 @@ def small_target(tmp_path_factory):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_training_against_the_quantized_target_recovers_acceptance_on_it(small_target, tmp_path, seed):
-    from train.quant_experiment import run
+    from lab.quant_experiment import run
 
     report = run(tmp_path, "test", sweep_bits=(3,), bits=3, group_size=64, seed=seed, target_dir=str(small_target),
                  log=lambda *_: None)
@@ -52,7 +52,7 @@ def test_epochs_flag_changes_this_run_only(monkeypatch, tmp_path):
     """--epochs goes to this run; the module's budgets (what the README documents) stay as they are."""
     import copy
 
-    import train.quant_experiment as qe
+    import lab.quant_experiment as qe
 
     before, seen = copy.deepcopy(qe.BUDGETS), {}
     monkeypatch.setattr(qe, "run", lambda *args, **kwargs: seen.update(kwargs))
@@ -66,8 +66,8 @@ def test_a_cached_drafter_trained_on_data_of_older_labelling_rules_is_trained_ag
     import json
 
     import train.distill
-    from train.ablate import code_key
-    from train.quant_experiment import train_drafter
+    from lab.ablate import code_key
+    from lab.quant_experiment import train_drafter
 
     calls, said = [], []
     monkeypatch.setattr(train.distill, "main", lambda argv: calls.append(argv))
@@ -99,8 +99,8 @@ def test_a_cached_drafter_trained_by_other_code_is_named_and_trained_again_on_re
     import json
 
     import train.distill
-    from train.ablate import code_key
-    from train.quant_experiment import drafter_code_key, main, table, train_drafter
+    from lab.ablate import code_key
+    from lab.quant_experiment import drafter_code_key, main, table, train_drafter
 
     calls, said = [], []
     run = tmp_path / "drafter-mlx-3bit-e3-s0"
@@ -140,6 +140,6 @@ def test_a_cached_drafter_trained_by_other_code_is_named_and_trained_again_on_re
     assert "other code" not in table(report)
 
     seen = {}
-    monkeypatch.setattr("train.quant_experiment.run", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr("lab.quant_experiment.run", lambda *a, **k: seen.update(k))
     main(["--out", str(tmp_path / "x"), "--budget", "smoke", "--rerun-other-code"])
     assert seen["rerun_other_code"] is True
