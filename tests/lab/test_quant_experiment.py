@@ -1,15 +1,21 @@
 """The four-tau experiment at a test budget: a drafter trained against the quantized target beats one trained
-against the unquantized target *on the quantized target* (lab/quant_experiment.py, README "Quantized targets").
+against the unquantized target *on the quantized target* (lab/quant_experiment.py, lab/README.md's quantized-target
+table).
 
-The small target is fitted on one standard-library package (``email``) with the recipe-quality test's settings,
-so that it talks (greedy distinct-3-gram 0.19, every prompt a different continuation; the experiment refuses a
-target that loops). Each drafter learns from answers its own target regenerated; the taus come from the MLX loop
-on the MLX 3-bit folder and on the unquantized folder.
+The small target is fitted on one standard-library package (``email``) at the experiment's ``test`` budget, so
+that it talks (greedy distinct-3-gram 0.45, every prompt a different continuation; the experiment refuses a
+target that loops). The fit's rate is one where the outcome does not hinge on the last bit: at lr 1e-2 the fit
+was chaotic, and the target talked on an AVX2 CPU and looped on an AVX-512 one (distinct-3-gram 0.149 vs 0.081);
+at lr 3e-3 both give the same fit log and greedy check. Each drafter learns from answers its own target
+regenerated; the taus come from the MLX loop on the MLX 4-bit folder and on the unquantized folder (4 bits: at 3
+the quantized target of this stable fit answered 72 of 80 chats with blank lines, too few rows to train on;
+at 4, 42 of 80).
 
-Measured (2 CPU cores, ~1 minute a seed): 3-bit target, unquantized-trained drafter 1.051, 3-bit-trained
-1.512, for seeds 0 and 1 alike. At 27 drafter steps both drafters are barely trained (seed-independent greedy
-drafts, mostly the frequent tokens of their training answers), so this checks the direction of the effect end to
-end; its size at a real budget is the README's table. MARGIN is a tenth of the measured gap.
+Measured (2 CPU cores, ~35 s a seed after a ~50 s target build), on the 4-bit target: unquantized-trained drafter
+1.138 (AVX-512) / 1.278 (AVX2) for seed 0, 1.025 for seed 1; 4-bit-trained 1.908 for both seeds on both kernels;
+a target fitted from seed 1 gives 1.042 vs 1.305. At 3 epochs of at most 80 rows both drafters are barely
+trained, so this checks the direction of the effect end to end; its size at a real budget is lab/README.md's
+table. MARGIN is well under the smallest gap measured (0.26).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-MARGIN = 0.05  # tau (pooled over cycles): quantization-aware minus unquantized-trained, on the quantized target
+MARGIN = 0.1  # tau (pooled over cycles): quantization-aware minus unquantized-trained, on the quantized target
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +40,29 @@ def small_target(tmp_path_factory):
                               corpus=str(corpus), device="cpu", **BUDGETS["test"]["target"])
 
 
+def test_the_test_target_talks_with_room_to_spare(small_target):
+    """Far from the experiment's loop threshold, so that no CPU's rounding tips it over (the lr 1e-2 fit sat at
+    0.149 on one CPU and 0.081 on another, around the threshold 0.1)."""
+    import json
+
+    from lab.small_target import DISTINCT_3GRAM_MIN, STAMP_FILE
+
+    check = json.loads((small_target / STAMP_FILE).read_text())["greedy_check"]
+    assert check["distinct_3gram"] >= 3 * DISTINCT_3GRAM_MIN and check["distinct_outputs"] == 1.0, check
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_training_against_the_quantized_target_recovers_acceptance_on_it(small_target, tmp_path, seed):
     from lab.quant_experiment import run
 
-    report = run(tmp_path, "test", sweep_bits=(3,), bits=3, group_size=64, seed=seed, target_dir=str(small_target),
+    report = run(tmp_path, "test", sweep_bits=(4,), bits=4, group_size=64, seed=seed, target_dir=str(small_target),
                  log=lambda *_: None)
     four = {k: v["tau"] for k, v in report["four_tau"].items()}
     assert set(four) == {"unquantized_drafter_on_quantized", "quantized_drafter_on_quantized",
                          "unquantized_drafter_on_unquantized", "quantized_drafter_on_unquantized"}
     assert all(1.0 <= t <= 8.0 for t in four.values()), four  # block 8: 1..8 tokens per cycle
     assert four["quantized_drafter_on_quantized"] >= four["unquantized_drafter_on_quantized"] + MARGIN, four
-    assert (tmp_path / f"report-3bit-e3-s{seed}.json").is_file()
+    assert (tmp_path / f"report-4bit-e3-s{seed}.json").is_file()
 
 
 def test_epochs_flag_changes_this_run_only(monkeypatch, tmp_path):
