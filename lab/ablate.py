@@ -452,6 +452,9 @@ def run_all(todo: list[Path], workers: int, done: int, total: int, device: str =
     if workers > 1:
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     env["TOKENIZERS_PARALLELISM"] = "false"
+    # the workers import this checkout (the lab is not installed; an installed draftsmith must not stand in for it)
+    checkout = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([checkout] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     bar = tqdm(total=total, initial=done, unit="run", desc="ablation", dynamic_ncols=True)
