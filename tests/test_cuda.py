@@ -320,10 +320,10 @@ def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
 def test_flex_sweep_reports_each_candidate_and_the_best_on_cuda(capsys):
     import json
 
-    from train.bench import main
+    from lab.flex_sweep import main
 
-    main(["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "256", "--anchors", "8",
-          "--block", "8", "--steps", "2", "--flex-sweep", "32,32,32,32,1,4", "16,32,32,16,2,4"])
+    main(["--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "256", "--anchors", "8", "--block", "8",
+          "--steps", "2", "32,32,32,32,1,4", "16,32,32,16,2,4"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     rows, win = lines[:-1], lines[-1]
     assert [r["tiles"] for r in rows] == ["torch", "32,32,32,32,1,4", "16,32,32,16,2,4"]

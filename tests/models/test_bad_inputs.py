@@ -642,7 +642,7 @@ def test_a_garbled_safetensors_header_is_named_as_such(tmp_path, header, said):
 
 
 def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):
-    """``runs/small-target`` (recipe=small before train.small_target built it) is also an org/name id:
+    """``runs/small-target`` (recipe=small before lab.small_target built it) is also an org/name id:
     the error names the Hub failure in one line and the local folder that is not there."""
     from models.hub import resolve_model_dir
 
