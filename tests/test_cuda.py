@@ -25,7 +25,7 @@ def exact_matmuls():
 @pytest.mark.parametrize("sliding", [False, True])
 def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
     """head_dim 16 takes the compiled flex kernel, 8 the eager fallback (the kernel needs >= 16)."""
-    from test_train_objective import MASK, B, H, _rows
+    from tests.train.test_objective import MASK, B, H, _rows
 
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
@@ -45,7 +45,7 @@ def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
 
 
 def _drafter(layer_types, head_dim):
-    from test_train_objective import MASK, B, H, V
+    from tests.train.test_objective import MASK, B, H, V
 
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
@@ -197,7 +197,7 @@ def test_fused_adamw_step_equals_the_reference_step():
 def test_compiled_drafter_layers_equal_eager():
     """train.compile=true: the compiled layers give the eager layers' loss and gradients (flex masks,
     with and without gradient checkpointing)."""
-    from test_train_objective import MASK, B, H, _rows
+    from tests.train.test_objective import MASK, B, H, _rows
 
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
@@ -295,7 +295,7 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
 def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
     """train.flex_backward changes speed only: explicit tiles reach the compiled kernel and give
     torch's tiles' loss and gradients."""
-    from test_train_objective import MASK, B, H, _rows
+    from tests.train.test_objective import MASK, B, H, _rows
 
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
@@ -336,7 +336,7 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
     blocks as a draw on the GPU (the keys come from CPU generators either way)."""
     from dataclasses import fields
 
-    from test_fast_paths import _packed_rows
+    from tests.train.test_fast_paths import _packed_rows
 
     from train.objective import draw_blocks
     from train.rng import row_generators
