@@ -19,14 +19,23 @@ Prints:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
+import yaml
+from datasets import Dataset
+
+from data.extract import extract
+from data.store import DTYPES, FeatureStore
+from models.config import default_layer_ids
 
 
 def _sync(device) -> None:
@@ -35,9 +44,9 @@ def _sync(device) -> None:
 
 
 def random_target(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config  # start-up time (data.bench --help)
 
-    from models.target import TargetModel
+    from models.target import TargetModel  # start-up time (data.bench --help)
 
     heads = max(hidden // 128, 2)
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
@@ -56,8 +65,6 @@ _SHAPE_KINDS = ("qwen3", "llama", "qwen3_5")  # model types with a random-target
 
 def recipe_spec(recipe: str) -> dict:
     """A shipped recipe's YAML, refused in one line when no random target of its shape can be built."""
-    import yaml
-
     path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
     if not path.is_file():
         raise ValueError(f"no recipe {recipe!r}: use one of {RECIPE_SHAPES}")
@@ -84,13 +91,14 @@ def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16,
     layer pattern, which is the published 9B/4B one. ``tiny`` gets the tiny seeded architecture
     its ``tiny:<arch>`` path names (random weights, not the fitted ones). Speed only: weights are random.
     """
+    # start-up time (data.bench --help)
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
-    from models.target import TargetModel
+    from models.target import TargetModel  # start-up time (data.bench --help)
 
     t = recipe_spec(recipe)["target"]
     if str(t["path"]).startswith("tiny:"):
-        from models.tiny import tiny_target
+        from models.tiny import tiny_target  # start-up time (data.bench --help)
 
         arch = t["path"].split(":", 1)[1] or "qwen3"
         model = tiny_target(arch, num_layers=num_layers or 6, dtype=dtype)  # 6: as train/tiny.py builds it
@@ -134,9 +142,6 @@ def check_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, **lows: in
 def disk_speed(nbytes: int) -> dict:
     """Sequential write + fsync and sha256 speed where the stores go: the ceiling of extraction is
     ``min(write, hash x writers) / store bytes per token`` whatever the GPU does."""
-    import hashlib
-    import os
-
     buf = torch.randint(0, 255, (min(nbytes, 1 << 30),), dtype=torch.uint8).numpy()
     with tempfile.TemporaryDirectory(prefix="dsbench-disk-") as d:
         t0 = time.perf_counter()
@@ -152,9 +157,6 @@ def disk_speed(nbytes: int) -> dict:
 
 
 def random_data(rows: int, seq: int, vocab: int):
-    import pyarrow as pa
-    from datasets import Dataset
-
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
     table = pa.table({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
@@ -188,8 +190,6 @@ def extract_figures(tokens: int, seconds: float, drain: float, forward_tps: floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.store import DTYPES
-
     p = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512, help="target hidden size (default 512)")
@@ -227,10 +227,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(a: argparse.Namespace, device: str, root: str) -> None:
-    from data.extract import extract
-    from data.store import FeatureStore
-    from models.config import default_layer_ids
-
     layer_ids = default_layer_ids(a.layers, a.taps)  # too many taps for the layers: one line before any build
     target = random_target(a.hidden, a.layers, a.vocab, device, torch.bfloat16)
     data = random_data(a.rows, a.seq, a.vocab)
