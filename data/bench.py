@@ -19,14 +19,23 @@ Prints:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
+from datasets import Dataset
+
+from data.extract import extract
+from data.store import DTYPES, FeatureStore
+from models.config import default_layer_ids
+from models.random_target import qwen3_target
 
 
 def _sync(device) -> None:
@@ -60,9 +69,6 @@ def check_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, **lows: in
 def disk_speed(nbytes: int) -> dict:
     """Sequential write + fsync and sha256 speed where the stores go: the ceiling of extraction is
     ``min(write, hash x writers) / store bytes per token`` whatever the GPU does."""
-    import hashlib
-    import os
-
     buf = torch.randint(0, 255, (min(nbytes, 1 << 30),), dtype=torch.uint8).numpy()
     with tempfile.TemporaryDirectory(prefix="dsbench-disk-") as d:
         t0 = time.perf_counter()
@@ -78,9 +84,6 @@ def disk_speed(nbytes: int) -> dict:
 
 
 def random_data(rows: int, seq: int, vocab: int):
-    import pyarrow as pa
-    from datasets import Dataset
-
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
     table = pa.table({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
@@ -114,8 +117,6 @@ def extract_figures(tokens: int, seconds: float, drain: float, forward_tps: floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.store import DTYPES
-
     p = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512, help="target hidden size (default 512)")
@@ -153,11 +154,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(a: argparse.Namespace, device: str, root: str) -> None:
-    from data.extract import extract
-    from data.store import FeatureStore
-    from models.config import default_layer_ids
-    from models.random_target import qwen3_target
-
     layer_ids = default_layer_ids(a.layers, a.taps)  # too many taps for the layers: one line before any build
     target = qwen3_target(a.hidden, a.layers, a.vocab, device, torch.bfloat16)
     data = random_data(a.rows, a.seq, a.vocab)

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from models.config import MODELING_FILE, DFlashConfig
 from models.flex_options import kernel_options, parse_flex_backward, resolve_tiles
 from models.hub import resolve_model_dir
+from models.weights import drop_stray_keys, load_state_dict, save_state_dict
 
 
 class RMSNorm(nn.Module):
@@ -328,8 +329,6 @@ class DFlashDraftModel(nn.Module):
     # -------------------------------------------------------------- save/load
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> Path:
-        from models.weights import save_state_dict
-
         directory = Path(directory)
         state = {k: v.detach().to(dtype) if dtype else v.detach() for k, v in self.state_dict().items()}
         config = self.config.replace(torch_dtype=str(next(iter(state.values())).dtype).removeprefix("torch."))
@@ -343,8 +342,6 @@ class DFlashDraftModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device | None = None, revision: str | None = None) -> "DFlashDraftModel":
-        from models.weights import drop_stray_keys, load_state_dict
-
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
         if config.quantization:  # packed uint32 weights + scales: only MLX reads them

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from models.config import DFlashConfig
 from models.hub import resolve_model_dir
@@ -61,8 +63,6 @@ class DraftCache:
     """
 
     def __init__(self, num_layers: int):
-        from mlx_lm.models.cache import KVCache
-
         self.layers = [KVCache() for _ in range(num_layers)]
 
     def append(self, layer_idx: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
@@ -266,8 +266,6 @@ class DFlashDraftModel(nn.Module):
     # -------------------------------------------------------------- save/load
     def save_pretrained(self, directory: str | Path) -> Path:
         """Weights under the torch names + the canonical config (+ ``quantization`` when quantized)."""
-        from mlx.utils import tree_flatten
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(self.parameters()))
@@ -317,8 +315,6 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def num_parameters(self) -> int:
-        from mlx.utils import tree_flatten
-
         return sum(v.size for _, v in tree_flatten(self.parameters()))
 
 
@@ -333,8 +329,6 @@ def _dtype_from_name(name: str | None) -> mx.Dtype | None:
 
 
 def _check_state(model: DFlashDraftModel, state: dict, config: DFlashConfig, directory: Path) -> None:
-    from mlx.utils import tree_flatten
-
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

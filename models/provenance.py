@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from models.quantization import describe_mlx, is_mlx_quantized, parse_quantization
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 FINAL_STATE = "trained.json"  # in final/: {"step": N}, the optimizer steps of final/drafter
 
@@ -105,11 +107,21 @@ def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in prov.items() if v not in (None, {}, "")}
 
 
-def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:
-    """The "trained against" line: ``models.quant.trained_against`` (train's ``target.quantization``, or an
-    MLX-quantized target folder), else a transformers ``quant_method`` the target folder declares."""
-    from models.quant import trained_against
+def trained_against(path: str, quantization: str | None) -> str:
+    """The "trained against" line of exports and model cards, from a run's ``target.path`` and
+    ``target.quantization`` (a ``target.path`` that is itself an MLX folder counts as ``mlx:PATH``)."""
+    spec = parse_quantization(quantization)
+    if spec.kind == "none":
+        folder = Path(str(path)).expanduser()
+        if folder.is_dir() and is_mlx_quantized(folder):
+            return f"mlx:{path} ({describe_mlx(json.loads((folder / 'config.json').read_text()))})"
+        return "none (unquantized weights)"
+    return spec.describe()
 
+
+def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:
+    """The "trained against" line: ``trained_against`` (train's ``target.quantization``, or an
+    MLX-quantized target folder), else a transformers ``quant_method`` the target folder declares."""
     try:
         line = trained_against(path or "", quantization)
     except ValueError:  # a value this version does not parse: record it as written

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from models.quantization import parse_quantization
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
                              set_dotted)
 from train.overrides import valid_keys as keys_of
@@ -33,7 +34,7 @@ class TargetConfig:
     path: str = ""
     revision: str | None = None
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    # none | mlx:PATH_OR_ID | mlx-Nbit, N in 2 3 4 5 6 8 (-g32/-g64/-g128) | bnb-4bit | fp8 (models/quant.py)
+    # none | mlx:PATH_OR_ID | mlx-Nbit, N in 2 3 4 5 6 8 (-g32/-g64/-g128) | bnb-4bit | fp8 (models/quantization.py)
     quantization: str = "none"
     # A target too large for one GPU: spread it over this node's GPUs (auto | balanced | sequential; transformers'
     # device_map), one training process per node, the drafter on the first GPU. max_memory: budget per device,
@@ -221,9 +222,8 @@ class RunConfig:
 
     def validate(self) -> None:
         from models.support import DTYPE_NAMES
+        # start-up time: `train.distill --help` reads this module, and these two import torch
         from models.flex_options import parse_flex_backward
-        from models.quant import parse_quantization
-
         from train.tiny import parse_tiny
 
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads

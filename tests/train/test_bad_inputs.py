@@ -37,7 +37,6 @@ def test_a_subset_with_a_local_source_is_refused_before_any_target_loads(data_ta
     """--subset / data.subset name a Hub data set's configuration: with a local file it was ignored, yet recorded in
     the prepared folder's settings, so correcting it later was refused as "other settings"."""
     import data.prepare
-    import data.regenerate as rg
     import train.setup
     from data.readers import iter_conversations
     from train.distill import main
@@ -47,7 +46,7 @@ def test_a_subset_with_a_local_source_is_refused_before_any_target_loads(data_ta
     said = f"subset 'en' names a configuration of a Hub data set, and {src} is local"
     with pytest.raises(ValueError, match=said):
         next(iter_conversations(src, subset="en"))
-    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    monkeypatch.setattr(data.prepare, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
     with pytest.raises(ValueError, match=said):
         data.prepare.main(["--source", str(src), "--subset", "en", "--out", str(tmp_path / "data"), "--target",
                            str(data_target), "--regenerate", "local", "--no-progress"])
@@ -866,7 +865,7 @@ def test_an_empty_value_of_a_key_that_needs_one_is_named_not_read_as_none(tmp_pa
     ("mlx:", "needs a folder or Hub id after 'mlx:'"),  # once read as the YAML mapping {'mlx': None}
 ])
 def test_bad_quantization_value_fails_at_config_time(value, message):
-    from models.quant import QuantizationError
+    from models.quantization import QuantizationError
     from train.config import load_config
 
     with pytest.raises(QuantizationError, match=message):
