@@ -181,7 +181,7 @@ def pick_bits(sweep: dict[int, float], reference: float, threshold: float) -> in
 def run(out: Path, budget_name: str = "full", sweep_bits: tuple[int, ...] = (8, 4, 3), group_size: int = 64,
         bits: int | None = None, loss_threshold: float = 0.1, seed: int = 0, corpus: str | None = None,
         target_dir: str | None = None, log=print, epochs: int | None = None, rerun_other_code: bool = False) -> dict:
-    from models.quant import quantize_to_mlx
+    from models.quantize import quantize_to_mlx
     from lab.ablate import code_key
     from lab.small_target import build_small_target, degenerate, small_target_prompt_ids, small_target_prompts
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "and 1")
     if a.corpus and a.target:  # the corpus only builds a target: it was ignored
         p.error("--corpus builds the small target; --target uses a built one as it is: drop one of them")
-    from models.quant import check_bits_group
+    from models.quantization import check_bits_group
 
     for b in a.sweep + ([a.bits] if a.bits is not None else []):  # --bits 0 was ignored (the sweep chose)
         check_bits_group(b, a.group_size, what="--sweep/--bits")

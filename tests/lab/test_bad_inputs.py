@@ -327,12 +327,12 @@ def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_ove
     """report-<bits>bit-e<epochs>-s<seed>.json names neither the group size nor the budget: a rerun at another
     --group-size (or a budget of the same epochs) overwrote the earlier run's only record of its four taus."""
 
-    import models.quant
+    import models.quantize
     import lab.quant_experiment as qx
     import lab.small_target
 
     target = stand_in_small_target(tmp_path / "target")
-    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda t, folder, **k: folder)
+    monkeypatch.setattr(models.quantize, "quantize_to_mlx", lambda t, folder, **k: folder)
     monkeypatch.setattr(lab.small_target, "small_target_prompt_ids", lambda t, n: [[1, 2]] * n)
     monkeypatch.setattr(qx, "train_drafter", lambda out_dir, *a, **k: out_dir)
     monkeypatch.setattr(qx, "measure_tau", lambda t, d, p, n: {"tau": 2.0 if "g64" in str(t) else 1.5})
@@ -375,10 +375,10 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
 ])
 def test_quant_experiment_target_without_usable_prompts_is_refused_before_any_work(tmp_path, monkeypatch, prompts,
                                                                                    said):
-    import models.quant
+    import models.quantize
     from lab.quant_experiment import run
 
-    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda *a, **k: pytest.fail("the experiment ran"))
+    monkeypatch.setattr(models.quantize, "quantize_to_mlx", lambda *a, **k: pytest.fail("the experiment ran"))
     target = tmp_path / "target"
     target.mkdir()
     (target / "chats.jsonl").write_text("")
