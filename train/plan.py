@@ -164,6 +164,7 @@ def plan(cfg) -> dict:
         out["error"] = f"cannot plan: the target's {', '.join(missing)} unknown (set {keys})"
         return out
     from models.config import DFlashConfig, TargetShape
+    from models.provenance import describe_objective, objective_of_run
 
     d, tr = cfg.drafter, cfg.train
     L, H, V = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
@@ -222,7 +223,8 @@ def plan(cfg) -> dict:
         "drafter": {"layers": d.num_hidden_layers, "hidden": H, "heads": heads, "kv_heads": kv, "head_dim": hd,
                     "intermediate": inter, "block_size": B, "params_m": round(n_draft / 1e6, 1),
                     "rope_theta": draft.rope_theta},
-        "objective": {"anchors_per_row": N, "gamma": cfg.gamma, "loss": tr.loss, "query_tokens_per_row": q,
+        "objective": {"anchors_per_row": N, "weighting": describe_objective(objective_of_run(cfg.to_dict())),
+                      "gamma": cfg.loss_weighting()["gamma"], "loss": tr.loss, "query_tokens_per_row": q,
                       "max_length": S},
         "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
                  "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
@@ -253,7 +255,7 @@ def print_plan(cfg) -> dict:
               f"x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, "
               f"RoPE base {dr['rope_theta']:g}, {dr['params_m']}M params")
         o = p["objective"]
-        print(f"  objective: {o['anchors_per_row']} anchors/row, gamma {o['gamma']}, loss {o['loss']}, "
+        print(f"  objective: {o['anchors_per_row']} anchors/row, {o['weighting']}, loss {o['loss']}, "
               f"{o['query_tokens_per_row']} query tokens/row, max length {o['max_length']}")
         dt = p["data"]
         print(f"  data: {dt['source']} -> {dt['prepared']} (rows {dt['rows']}, tokens {dt['tokens']}), "
