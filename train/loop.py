@@ -207,6 +207,12 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     # weight sum is known only after the last forward: the scored-slot count stands in for it (gradients of the
     # usual size), and the gradients are rescaled by count / weight sum once every micro-batch is through.
     rescale = objective["weighting"] == "dpace" and objective["normaliser"] == "weights"
+    if rescale:
+        from accelerate.utils import DistributedType
+
+        if acc.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed steps inside backward(), before a rescale
+            raise UserError("train.dpace_normaliser=weights rescales the gradients after the last micro-batch, "
+                            "which DeepSpeed does not allow: use train.dpace_normaliser=tokens, or DDP / FSDP")
     if objective["weighting"] == "decay":
         local = sum(loss_weight(m.blocks, cfg.gamma) for m in micro_batches).float()
     elif objective["normaliser"] == "rows":
@@ -263,11 +269,6 @@ def rescale_gradients(run: Run, model, stats: StepStats, stand_in, weight: torch
     """D-PACE normalised by its weight sum: the micro-batches were normalised by ``stand_in`` (the step's scored
     slots); now that the step's weight sum is known (one collective, no read back), the gradients and the logged
     loss become those of ``sum w loss / sum w``. Exact: the gradients are linear in the loss."""
-    from accelerate.utils import DistributedType
-
-    if run.accelerator.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed steps inside backward()
-        raise UserError("train.dpace_normaliser=weights rescales the gradients after the last micro-batch, which "
-                        "DeepSpeed does not allow: use train.dpace_normaliser=tokens, or DDP / FSDP")
     total = (run.accelerator.reduce(weight, "sum") if run.world > 1 else weight).clamp_min(1e-12)
     factor = stand_in / total
     for p in model.parameters():
