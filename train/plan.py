@@ -164,6 +164,7 @@ def plan(cfg) -> dict:
         out["error"] = f"cannot plan: the target's {', '.join(missing)} unknown (set {keys})"
         return out
     from models.config import DFlashConfig, TargetShape
+    from models.provenance import describe_objective, objective_of_run
 
     d, tr = cfg.drafter, cfg.train
     L, H, V = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
@@ -225,7 +226,8 @@ def plan(cfg) -> dict:
                     # per part (DFlash2: the convs and the selector), and forward FLOPs per block token
                     "params_m_by_part": {k: round(v / 1e6, 2) for k, v in draft.parameter_counts().items()},
                     "flops_per_token": draft_fwd},
-        "objective": {"anchors_per_row": N, "gamma": cfg.gamma, "loss": tr.loss, "query_tokens_per_row": q,
+        "objective": {"anchors_per_row": N, "weighting": describe_objective(objective_of_run(cfg.to_dict())),
+                      "gamma": cfg.loss_weighting()["gamma"], "loss": tr.loss, "query_tokens_per_row": q,
                       "max_length": S},
         "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
                  "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
@@ -259,7 +261,7 @@ def print_plan(cfg) -> dict:
               f"{dr['kv_heads']} kv x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, "
               f"RoPE base {dr['rope_theta']:g}, {dr['params_m']}M params{extra}")
         o = p["objective"]
-        print(f"  objective: {o['anchors_per_row']} anchors/row, gamma {o['gamma']}, loss {o['loss']}, "
+        print(f"  objective: {o['anchors_per_row']} anchors/row, {o['weighting']}, loss {o['loss']}, "
               f"{o['query_tokens_per_row']} query tokens/row, max length {o['max_length']}")
         dt = p["data"]
         print(f"  data: {dt['source']} -> {dt['prepared']} (rows {dt['rows']}, tokens {dt['tokens']}), "

@@ -685,6 +685,75 @@ def test_bad_training_values_fail_at_config_time(override, message):
     assert load_config(["recipe=tiny", "target.dtype=bf16"]).target.dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["train.loss_weighting=dpce"], "train.loss_weighting='dpce': use one of \\('decay', 'dpace'\\)"),
+    (["train.loss_weighting=dpace", "train.dpace_alpha=1.5"], "train.dpace_alpha=1.5 must be in \\[0, 1\\]"),
+    (["train.loss_weighting=dpace", "train.dpace_alpha=-0.1"], "train.dpace_alpha=-0.1 must be in \\[0, 1\\]"),
+    (["train.loss_weighting=dpace", "train.dpace_normaliser=batch"],
+     "train.dpace_normaliser='batch': use weights \\(the default\\), tokens or rows"),
+    # a key of the other weighting would be ignored without a word
+    (["train.dpace_alpha=0.3"], "train.dpace_alpha=0.3 set with train.loss_weighting=decay, which ignores it: add "
+                                "train.loss_weighting=dpace, or drop the dpace_\\* key"),
+    (["train.dpace_normaliser=rows"], "train.dpace_normaliser=rows set with train.loss_weighting=decay"),
+    (["train.loss_weighting=dpace", "train.gamma=2"], "train.gamma=2.0 is the decay weighting's constant and does "
+                                                      "nothing with train.loss_weighting=dpace: unset it with "
+                                                      "train.gamma=null"),
+])
+def test_bad_loss_weighting_fails_at_config_time(overrides, message):
+    """Each weighting takes its own keys; D-PACE's unset ones are resolved into the config (what checkpoints and
+    the provenance record), and a recipe that sets gamma (small) needs it unset for D-PACE."""
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(["recipe=tiny", *overrides])
+    with pytest.raises(ValueError, match="train.gamma=1.0 is the decay weighting's constant"):
+        load_config(["recipe=small", "train.loss_weighting=dpace"])
+    cfg = load_config(["recipe=small", "train.loss_weighting=dpace", "train.gamma=null"])
+    assert (cfg.train.dpace_alpha, cfg.train.dpace_normaliser) == (0.5, "weights")
+    assert cfg.loss_weighting() == {"gamma": None, "weighting": "dpace", "dpace_alpha": 0.5, "normaliser": "weights"}
+    decay = load_config(["recipe=tiny"])
+    assert (decay.train.loss_weighting, decay.train.dpace_alpha, decay.train.dpace_normaliser) == ("decay", None, None)
+    assert decay.loss_weighting() == {"gamma": 4.0, "weighting": "decay", "normaliser": "weights"}
+
+
+def test_block_loss_refuses_an_unknown_weighting_or_normaliser():
+    from train.objective import block_loss, draw_blocks
+
+    ids = torch.arange(12)[None]
+    blocks = draw_blocks(ids, torch.ones_like(ids), None, None, 2, 4, 0, torch.Generator().manual_seed(0))
+    for kw in ({"weighting": "dpac"}, {"weighting": "dpace", "normaliser": "batch"}):
+        with pytest.raises(ValueError, match="use decay or dpace, and one of \\('weights', 'tokens', 'rows'\\)"):
+            block_loss(torch.randn(1, 8, 4), blocks, torch.randn(16, 4), 4.0, **kw)
+
+
+def test_resume_refuses_a_change_of_the_loss_weighting_and_reads_an_older_checkpoint_as_decay():
+    """The three keys are objective keys: a change is refused like train.gamma's. A checkpoint saved before they
+    existed trained with decay: it resumes as decay, and is refused under D-PACE, whatever the default becomes."""
+    from train.checkpoint import config_changes
+    from train.config import RunConfig, load_config
+
+    def cfg(*over):
+        return load_config(["recipe=tiny", *over]).to_dict()
+
+    dpace = ["train.loss_weighting=dpace"]
+    defaults = RunConfig().to_dict()
+    assert config_changes(cfg(*dpace), cfg(*dpace, "train.dpace_alpha=0.5"), defaults) == ([], [])  # resolved
+    for change, said in [(["train.dpace_alpha=0.3"], "train.dpace_alpha: 0.5 -> 0.3"),
+                         (["train.dpace_normaliser=tokens"], "train.dpace_normaliser: 'weights' -> 'tokens'")]:
+        assert config_changes(cfg(*dpace), cfg(*dpace, *change), defaults)[0] == [said]
+    assert config_changes(cfg(), cfg(*dpace), defaults)[0] == [
+        "train.dpace_alpha: None -> 0.5", "train.dpace_normaliser: None -> 'weights'",
+        "train.loss_weighting: 'decay' -> 'dpace'"]
+    older = cfg()
+    for key in ("loss_weighting", "dpace_alpha", "dpace_normaliser"):
+        del older["train"][key]
+    assert config_changes(older, cfg(), defaults) == ([], [])
+    assert "train.loss_weighting: 'decay' -> 'dpace'" in config_changes(older, cfg(*dpace), defaults)[0]
+    later = RunConfig().to_dict()
+    later["train"]["loss_weighting"] = "dpace"  # a later default: the older checkpoint still trained with decay
+    assert config_changes(older, cfg(), later) == ([], [])
+
+
 def test_online_kl_top_k_larger_than_the_vocabulary():
     """train.kl_topk=100000 with a 288-token target ended in torch.topk's "selected index k out of range"."""
     from types import SimpleNamespace
