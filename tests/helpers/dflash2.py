@@ -128,14 +128,14 @@ def bigram_dflash2(target, sequence: list[int], seed: int = 1, strength: float =
     walk, its predecessors the walk's own picks). Random weights (convs off identity) with attention and MLP
     outputs damped, so every mask slot's hidden state stays near the normed mask embedding h0;
     ``hidden_projection`` maps h0 to ones, the codebooks are a one-hot predecessor and a ``strength``-scaled
-    successor table, and K = V candidates, so the pair term decides every pick."""
+    successor table, and K = V candidates, so the pair term decides every pick. Built on the CPU in float32."""
     V = target.vocab_size
     model = random_dflash2(tiny_v2_config(target, selector_rank=V, selector_top_k=V), seed)
     with torch.no_grad():
         for layer in model.layers:
             layer.self_attn.o_proj.weight.mul_(0.05)
             layer.mlp.down_proj.weight.mul_(0.05)
-        h0 = model.norm(target.embed_tokens.weight[model.config.mask_token_id][None].float())[0]
+        h0 = model.norm(target.embed_tokens.weight[model.config.mask_token_id][None].detach().float().cpu())[0]
         selector = model.candidate_selector
         selector.hidden_projection.weight.copy_(torch.ones(V, 1) * h0 / h0.dot(h0))
         selector.predecessor_codebook.copy_(torch.eye(V))
