@@ -118,6 +118,24 @@ def test_the_walk_decides_the_drafts(runs):
     assert differ >= 4
 
 
+def test_a_block_smaller_than_the_drafters_is_one_shorter_block_of_the_convs(runs, tmp_path):
+    """``--block-size`` below the trained one (the eager loop, DFlash and baseline): the convs take the shorter block
+    as one block (their taps stop at its start), lossless; the session says it runs the eager loop."""
+    from inference.session import Session
+    from models.tiny import save_tiny_target
+
+    target, seq, drafter, bigram = runs("qwen3")
+    for d in (drafter, bigram):
+        for block in (2, 5):
+            res = dflash_generate(target, DrafterProposer(d, target), PROMPT, 24, block_size=block, eos_token_ids=[])
+            assert res.tokens == seq[len(PROMPT):len(PROMPT) + 24] and max(res.acceptance_lengths) <= block
+    target_dir = save_tiny_target(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "draft")
+    session = Session("torch", str(target_dir), str(tmp_path / "draft"), "cpu", "float32", loop="static", block_size=4)
+    result, base = session.run(PROMPT, baseline=True, block_size=4, max_new_tokens=16, eos_token_ids=[])
+    assert session.describe()["loop"] == "eager" and result.tokens == base.tokens
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_resident_cycle_with_a_dflash2_drafter_gives_the_planted_acceptance_lengths(runs, arch):
     """The device-resident cycle with a DFlash2 static pass: its next-block proposal is the graphed pass (walk

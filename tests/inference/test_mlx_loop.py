@@ -855,6 +855,19 @@ def test_dflash2_mlx_loop_equals_the_torch_loop(folders, runs, arch, kind, tmp_p
         assert max(ours.acceptance_lengths) >= 3
 
 
+def test_dflash2_mlx_loop_with_a_smaller_block_equals_the_torch_loop(folders, runs, tmp_path):
+    """A block shorter than the trained one is one shorter block for the convs, as in torch: same tokens and
+    acceptance lengths, lossless."""
+    from inference import torch_loop
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path, "bigram")
+    ours = dflash_generate(target, DrafterProposer(mlx_v2, target), PROMPT, 24, block_size=3, eos_token_ids=[])
+    theirs = torch_loop.dflash_generate(torch_target, torch_loop.DrafterProposer(drafter, torch_target), PROMPT, 24,
+                                        block_size=3, eos_token_ids=[])
+    assert ours.tokens == theirs.tokens == seq[len(PROMPT):len(PROMPT) + 24]
+    assert ours.acceptance_lengths == theirs.acceptance_lengths and max(ours.acceptance_lengths) >= 2
+
+
 def test_mlx_dflash2_proposer_drafts_what_the_torch_proposer_drafts(folders, runs, tmp_path):
     """Cycle by cycle with uneven commits (the window of 24 cutting the context): the same walk."""
     from inference import torch_loop
