@@ -882,3 +882,32 @@ def test_init_from_a_dflash2_drafter_for_a_v1_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter and this run trains a DFlashDraftModel: "
                                          "set drafter.variant=dflash2"):
         new_drafter(config, init_from=folder)
+
+
+def test_target_layer_ids_out_of_order_are_refused_everywhere(tmp_path, export_drafter):
+    """drafter.target_layer_ids=[3,1,2] passed the config and every export gate: training concatenated the features
+    in config order, vLLM, SGLang and the MLX loaders in ascending order, so fc got permuted inputs in every engine.
+    The ids are strictly increasing everywhere: config creation, recipe keys, a folder's config.json, export gates,
+    extract --layers."""
+    from data.features import check_layer_ids
+    from export.check import schema_problems
+    from models.config import ConfigError, DFlashConfig
+    from train.config import load_config
+
+    ordered = "layer ids must be strictly increasing (engines concatenate the features in ascending layer order, "
+    with pytest.raises(ConfigError, match=re.escape(f"target_layer_ids=[3, 1, 2]: {ordered}[1, 2, 3])")):
+        DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                     target_layer_ids=[3, 1, 2], mask_token_id=290)
+    with pytest.raises(ValueError, match=re.escape(f"drafter.target_layer_ids=[3, 1, 2]: {ordered}")):
+        load_config(["recipe=tiny", "drafter.target_layer_ids=[3,1,2]"])
+    d = json.loads((export_drafter / "config.json").read_text())
+    d["dflash_config"]["target_layer_ids"] = [5, 1, 3]
+    (export_drafter / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=re.escape("target_layer_ids=[5, 1, 3]: " + ordered)):
+        DFlashConfig.load(export_drafter)
+    assert [p for p in schema_problems(d, export_drafter) if "strictly increasing" in p] == [
+        f"target_layer_ids [5, 1, 3]: {ordered}[1, 3, 5])"]
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        check_layer_ids([3, 1], 8)
+    check_layer_ids([1, 3], 8)
