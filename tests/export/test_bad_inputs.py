@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,17 @@ def _export_case(case: str, root, drafter) -> list[str]:
         (ckpt / "drafter").mkdir(parents=True)
         (ckpt / "trainer_state.json").write_text('{"step": 3}')
         return ["--checkpoint", str(ckpt), "--out", out]
+    if case in ("a checkpoint without drafter/", "a checkpoint without trainer_state.json"):
+        # export.hf said "not a drafter folder ... pass runs/NAME/checkpoints/step_N": what the user had passed
+        for step in (2, 3):
+            ckpt = root / "run" / "checkpoints" / f"step_{step}"
+            (ckpt / "state").mkdir(parents=True)
+            (ckpt / "config.yaml").write_text("recipe: tiny\n")
+            if step == 2 or "drafter/" not in case:
+                shutil.copytree(drafter, ckpt / "drafter")
+            if step == 2 or "trainer_state" not in case:
+                (ckpt / "trainer_state.json").write_text(f'{{"step": {step}}}')
+        return ["--checkpoint", str(root / "run" / "checkpoints" / "step_3"), "--out", out]
     if case in ("run config not YAML", "a run's final/ folder"):
         (root / "run" / "final").mkdir(parents=True)
         drafter.rename(root / "run" / "final" / "drafter")
@@ -144,6 +156,11 @@ EXPORT_CASES = {
     "damaged trainer state": "holds no integer 'step': the folder is damaged",
     "config.json a JSON list": "config.json is not a DFlash drafter's",
     "an incomplete checkpoint": "drafter/ holds no DFlash config.json (the checkpoint is incomplete)",
+    "a checkpoint without drafter/": "step_3 is incomplete: no drafter/ (it holds config.yaml, state/, "
+                                     "trainer_state.json; a checkpoint holds drafter/, state/, config.yaml and "
+                                     "trainer_state.json): pass another checkpoint (the newest complete one: ",
+    "a checkpoint without trainer_state.json": "step_3 is incomplete: no trainer_state.json (it holds config.yaml, "
+                                               "drafter/, state/; ",
     "run config not YAML": "config.yaml is not valid YAML (",
     "a run's final/ folder": "final is not a drafter folder (no config.json), a checkpoint or a run folder: pass "
                              "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME",
