@@ -600,3 +600,66 @@ def test_exporting_a_folder_with_suffixed_codebooks_writes_the_published_names(t
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert "candidate_selector.successor_codebook" in names and not any(n.endswith("codebook.weight") for n in names)
+
+
+def _dtype_of(folder: Path) -> str:
+    return json.loads((folder / "config.json").read_text())["torch_dtype"]
+
+
+def test_overwrite_through_a_symlink_replaces_the_export_it_points_at(tmp_path, export_drafter):
+    """export --out LINK --overwrite, LINK a symlink to an earlier export: exited 0 having replaced the link with a
+    new folder, the old weights left where it pointed and a `.LINK.old` link beside it. The export is written where
+    the link points; the link stays and nothing is left beside either."""
+    from export.hf import export_hf
+
+    quiet = lambda *_: None  # noqa: E731
+    exports = tmp_path / "exports"
+    export_hf(export_drafter, exports / "v1", dtype="fp32", remote_code_check=False, log=quiet)
+    (tmp_path / "latest").symlink_to(exports / "v1")
+    export_hf(export_drafter, tmp_path / "latest", dtype="bf16", overwrite=True, remote_code_check=False, log=quiet)
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest").resolve() == exports / "v1"
+    assert _dtype_of(exports / "v1") == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "exports", "latest"]
+    assert sorted(p.name for p in exports.iterdir()) == ["v1"]
+
+
+def test_an_out_that_is_a_symlink_to_an_empty_folder_or_a_mount_point_is_written_into(tmp_path, export_drafter,
+                                                                                       monkeypatch):
+    """--out a symlink to an empty folder passed every gate, then failed with [Errno 20] Not a directory; an --out
+    that is a mount point failed with [Errno 16] Device or resource busy (the export renamed the folder itself).
+    Both are written into: a mount point gets the files moved in (its lost+found left alone), the folder itself is
+    never renamed or removed."""
+    import errno
+    import os
+
+    from export.hf import export_hf
+
+    quiet = lambda *_: None  # noqa: E731
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    export_hf(export_drafter, tmp_path / "link", dtype="fp32", remote_code_check=False, log=quiet)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "empty" / "model.safetensors").is_file()
+
+    mount = tmp_path / "mnt"
+    (mount / "lost+found").mkdir(parents=True)
+    real_rename, real_rmdir, real_ismount = os.rename, os.rmdir, os.path.ismount
+
+    def busy(f):  # what the kernel answers for a mount point
+        def call(src, *a, **k):
+            if Path(src) == mount:
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
+            return f(src, *a, **k)
+        return call
+
+    monkeypatch.setattr(os, "rename", busy(real_rename))
+    monkeypatch.setattr(os, "rmdir", busy(real_rmdir))
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real_ismount(p))
+    export_hf(export_drafter, mount, dtype="fp32", remote_code_check=False, log=quiet)
+    assert _dtype_of(mount) == "float32"
+    export_hf(export_drafter, mount, dtype="bf16", overwrite=True, remote_code_check=False, log=quiet)
+    assert _dtype_of(mount) == "bfloat16"
+    assert sorted(p.name for p in mount.iterdir()) == ["config.json", "lost+found", "model.safetensors",
+                                                       "modeling_dflash.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "empty", "link", "mnt"]
+    message = _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(mount), "--no-remote-code-check"])
+    assert "exists and is not empty" in message  # without --overwrite, as for any folder
