@@ -33,8 +33,9 @@ import numpy as np
 from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, raise_if,
                           random_block, schema_problems, stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
-from export.hf import provenance
+from export.hf import NOT_EXPORTED, provenance
 from export.source import full_precision_source
+from models.weights import check_finite
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -176,6 +177,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     check_out(out, overwrite, src.drafter_dir)
     log(f"source: {src.drafter_dir} ({src.kind})")
     reference = load_torch_drafter(src.drafter_dir, dtype=torch.float32)
+    check_finite(reference.state_dict().items(), str(src.drafter_dir), NOT_EXPORTED)
     model = load_drafter(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
     prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(draftsmith=prov or None)

@@ -30,7 +30,7 @@ from export.check import raise_if, schema_problems, weight_problems
 from export.source import NotADrafterError, is_drafter_dir, training_output
 from models.config import MODELING_FILE, DFlashConfig
 from models.hub import is_hub_id
-from models.weights import INDEX
+from models.weights import INDEX, check_finite, folder_tensors
 
 IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
 # What export.hf / export.mlx (and the card) write: all a push uploads. Any other file in the folder is refused,
@@ -106,6 +106,8 @@ def check_folder(folder: Path) -> DFlashConfig:
     raise_if(schema_problems(d, folder, hf=hf), f"{folder}/config.json fails the engine schema", fix)
     config = DFlashConfig.from_dict(d)
     raise_if(weight_problems(folder, config), f"{folder} weights", fix)
+    check_finite(folder_tensors(folder), f"--folder {folder}", "Nothing was uploaded: export an earlier checkpoint "
+                 "(python -m export.hf --checkpoint runs/NAME/checkpoints/step_N) and push that")
     return config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from models.hub import INDEX, fetch_files, shard_index
+from models.support import UserError
 
 STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")
 
@@ -191,3 +193,41 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
                 continue
             raise absent(key)
     return out
+
+
+class NonFiniteWeights(UserError, ValueError):
+    """A drafter whose weights hold NaN or Inf: it drafts nothing useful, and no engine says why."""
+
+
+def folder_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in a folder's safetensors files, one at a time."""
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """``"fc.weight (3 NaN, 1 Inf of 3072 values)"`` for each floating tensor holding a value that is not finite
+    (packed integer weights of a quantized folder hold none)."""
+    found = []
+    for name, t in named:
+        if not t.is_floating_point():
+            continue
+        finite = torch.isfinite(t)
+        if bool(finite.all()):
+            continue
+        nan = int(torch.isnan(t).sum())
+        found.append(f"{name} ({nan} NaN, {t.numel() - int(finite.sum()) - nan} Inf of {t.numel()} values)")
+    return found
+
+
+def check_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, fix: str) -> None:
+    """Refuse weights holding NaN / Inf, naming the tensor: a NaN drafter ran at tau 1.00 without a word, and an
+    export blamed the disk for it ("fc.weight changed on the way to disk": NaN is not equal to itself)."""
+    bad = nonfinite(named)
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(b.split(' (')[0] for b in bad[1:4])}" + \
+            (", ..." if len(bad) > 4 else "") + ")" if len(bad) > 1 else ""
+        raise NonFiniteWeights(f"{what}: weight {bad[0]} is not finite{more}: the drafter diverged in training or "
+                               f"its file is damaged. {fix}")

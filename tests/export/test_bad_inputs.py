@@ -663,3 +663,41 @@ def test_an_out_that_is_a_symlink_to_an_empty_folder_or_a_mount_point_is_written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "empty", "link", "mnt"]
     message = _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(mount), "--no-remote-code-check"])
     assert "exists and is not empty" in message  # without --overwrite, as for any folder
+
+
+def _poison(folder: Path, name: str = "fc.weight", value: float = float("nan")) -> None:
+    """Set one value of a tensor in a folder's model.safetensors (a diverged or damaged drafter)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    state[name] = state[name].clone()
+    state[name].view(-1)[3] = value
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_a_drafter_with_nan_or_inf_weights_is_refused_naming_the_tensor(tmp_path, export_drafter, monkeypatch):
+    """push --dry-run passed every gate and would have uploaded it; export.hf blamed the disk ("fc.weight changed on
+    the way to disk": NaN is not equal to itself). One finiteness check names the tensor, before any work."""
+    import shutil
+
+    from huggingface_hub import HfApi
+
+    from export.hf import export_hf
+
+    export_hf(export_drafter, tmp_path / "hf", dtype="fp32", remote_code_check=False, log=lambda *_: None)
+    _poison(export_drafter)
+    _poison(export_drafter, "norm.weight", float("inf"))
+    modules = ["hf"] + ["mlx"] * bool(importlib.util.find_spec("mlx"))
+    for module in modules:
+        message = _export_error(module, ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "to" / module)])
+        assert (f"{export_drafter}: weight fc.weight (1 NaN, 0 Inf of 3072 values) is not finite (and 1 more: "
+                "norm.weight): the drafter diverged in training or its file is damaged. Nothing was exported: export "
+                "an earlier checkpoint") in message, message
+        assert not (tmp_path / "to" / module).exists()
+    monkeypatch.setattr(HfApi, "upload_folder", lambda *a, **k: pytest.fail("uploaded"))
+    shutil.copytree(tmp_path / "hf", tmp_path / "hf-nan")
+    _poison(tmp_path / "hf-nan", "layers.0.mlp.down_proj.weight", float("-inf"))
+    message = _export_error("push", ["--folder", str(tmp_path / "hf-nan"), "--repo", "me/d", "--dry-run"])
+    assert "weight layers.0.mlp.down_proj.weight (0 NaN, 1 Inf of 2048 values) is not finite" in message
+    assert "Nothing was uploaded" in message
