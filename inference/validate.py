@@ -45,8 +45,10 @@ in ``inference.report``:
   folder's config; null = not quantized), ``recorded_target``, ``block_size``,
   ``trained_block_size``, ``mask_token_id``, ``draft_quantization`` (None for full precision),
   ``draft_signature`` (first values of the drafter's norm
-  weights: what ``export.push`` matches the report to its folder by), ``temperature``, ``thinking``,
-  ``max_new_tokens``, ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``, ``created``,
+  weights), ``draft_hashes`` (exact hashes of ``fc``'s first rows and the norms, in each dtype: what
+  ``export.push`` matches the report to its folder by), ``temperature``, ``thinking``,
+  ``max_new_tokens``, ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``,
+  ``skipped_too_long`` (prompts past the target's positions, not measured), ``created``,
   ``python_version``, ``torch_version``, ``transformers_version``, ``mlx_version``,
   ``mlx_lm_version``, ``draftsmith_version``;
 - overall numbers: ``tau`` (pooled over all cycles: the headline), ``tau_per_prompt_mean``,
@@ -275,6 +277,14 @@ def draft_signature(draft: str) -> dict[str, list[float]]:
     return norm_signature(hub.resolve_model_dir(draft, what="drafter"))
 
 
+def draft_hashes(draft: str) -> dict[str, dict]:
+    """``models.weights.weight_hashes`` of the drafter measured: what ``export.push`` matches a report to its folder
+    by, exactly."""
+    from models.weights import weight_hashes  # here, not at the top: a CLI's start-up time (it imports torch)
+
+    return weight_hashes(hub.resolve_model_dir(draft, what="drafter"))
+
+
 def skip_too_long(ids: list[list[int]], prompts: list, max_new_tokens: int,
                   positions: int) -> tuple[list[list[int]], list, int]:
     """(ids, prompts) without the prompts whose tokens plus ``--max-new-tokens`` run past the target's positions,
@@ -349,6 +359,7 @@ def validate(args: argparse.Namespace) -> dict:
         "target_quantization": describe_quantization(pre.target.quantization), "recorded_target": pre.recorded_target,
         "block_size": pre.block_size, "trained_block_size": pre.drafter.block_size,
         "mask_token_id": pre.drafter.mask_token_id, "draft_signature": draft_signature(args.draft),
+        "draft_hashes": draft_hashes(args.draft),
         "draft_quantization": describe_quantization(pre.drafter.quantization),  # a 4-bit export's own figures
         "temperature": args.temperature, "thinking": args.thinking,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed, "prompts": args.prompts,

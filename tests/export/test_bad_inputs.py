@@ -701,3 +701,52 @@ def test_a_drafter_with_nan_or_inf_weights_is_refused_naming_the_tensor(tmp_path
     message = _export_error("push", ["--folder", str(tmp_path / "hf-nan"), "--repo", "me/d", "--dry-run"])
     assert "weight layers.0.mlp.down_proj.weight (0 NaN, 1 Inf of 2048 values) is not finite" in message
     assert "Nothing was uploaded" in message
+
+
+def test_a_report_of_another_checkpoint_of_the_run_is_refused_by_an_exact_hash(tmp_path, export_drafter):
+    """push --report R, R measured on another drafter of the same run (a step-100 export with the final drafter's
+    report): the card showed the other drafter's numbers, because the norm fingerprint's tolerance (1e-2) is wider
+    than two checkpoints differ (<= 0.0042). validate records exact hashes of a few tensors, push compares them in
+    the two folders' common dtype: the same drafter in any format matches, another checkpoint does not."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from export.hf import export_hf
+    from models.config import DFlashConfig
+    from models.weights import norm_signature, same_signature, weight_hashes
+
+    quiet = lambda *_: None  # noqa: E731
+    later = Path(shutil.copytree(export_drafter, tmp_path / "step_200"))
+    state = load_file(str(later / "model.safetensors"))
+    save_file({k: v + 0.004 * torch.rand_like(v) if k.endswith("norm.weight") or k == "fc.weight" else v
+               for k, v in state.items()}, str(later / "model.safetensors"), metadata={"format": "pt"})
+    assert same_signature(norm_signature(later), norm_signature(export_drafter))  # the old check let it through
+
+    def report_of(drafter: Path) -> Path:  # what validate writes about the drafter it measured
+        config = DFlashConfig.load(drafter)
+        path = tmp_path / f"report-{drafter.name}.json"
+        path.write_text(json.dumps({
+            "schema": "draftsmith.validate/1", "tau": 2.5, "tau_per_prompt_mean": 2.7, "backend": "torch",
+            "device": "cpu", "dtype": "float32", "target": "t", "num_prompts": 3, "per_category": {},
+            "draft": str(drafter), "trained_block_size": config.block_size, "mask_token_id": config.mask_token_id,
+            "draft_quantization": None, "draft_signature": norm_signature(drafter),
+            "draft_hashes": weight_hashes(drafter)}))
+        return path
+
+    export_hf(export_drafter, tmp_path / "step100-bf16", remote_code_check=False, log=quiet)
+    push = ["--folder", str(tmp_path / "step100-bf16"), "--repo", "me/d", "--dry-run", "--report"]
+    message = _export_error("push", push + [str(report_of(later))])
+    assert (f"was measured with another drafter: other weights (its drafter '{later}' differs from this folder in "
+            "fc.weight, hidden_norm.weight, layers.0.input_layernorm.weight (+") in message
+    from export.push import main
+
+    # the fp32 drafter's report matches its bf16 export, exactly
+    assert main(push + [str(report_of(export_drafter))])["uploaded"] is False
+    if importlib.util.find_spec("mlx"):
+        from export.mlx import export_mlx
+
+        export_mlx(export_drafter, tmp_path / "step100-mlx", log=quiet)  # bf16: MLX rounds as torch does
+        main(["--folder", str(tmp_path / "step100-mlx"), "--repo", "me/d", "--dry-run", "--report",
+              str(report_of(export_drafter))])
