@@ -206,11 +206,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
         stats = gate(tmp, model, torch_dtype, remote_code_check, log)
     cfg = model.config
     commands = serve_commands(str(out.resolve()), prov.get("target"), cfg.block_size, cfg.variant)
-    needs = engine_requirements(cfg.variant)
+    needs = engine_requirements(cfg.variant, cfg.use_sliding_window)
     log(f"exported {out} ({cfg.architecture}, {dtype}, {sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB): "
         f"block_size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}")
-    log("serve with vLLM:\n  " + commands["vllm"] + (f"\n  (needs {needs['vllm']})" if needs else ""))
-    log("serve with SGLang:\n  " + commands["sglang"] + (f"\n  (needs {needs['sglang']})" if needs else ""))
+    log("serve with vLLM:\n  " + commands["vllm"] + f"\n  (needs {needs['vllm']})")
+    log("serve with SGLang:\n  " + commands["sglang"] + f"\n  (needs {needs['sglang']})")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "provenance": prov, "parity": stats,
             "commands": commands, "engines": needs}
 

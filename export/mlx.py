@@ -35,6 +35,7 @@ from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_diffe
 from export.folder import check_out, staging
 from export.hf import NOT_EXPORTED, provenance
 from export.source import full_precision_source
+from export.usage import QUANTIZED_MLX_LOADERS
 from models.weights import check_finite
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -195,6 +196,8 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     log(f"exported {out} (MLX, {dtype}{f', {quantize}-bit g{group_size}' if quantize else ''}, {size:.1f} MB)")
     log("run it with draftsmith's MLX loop:\n  python -m inference.generate --backend mlx --target "
         f"{prov.get('target', 'TARGET')} --draft {out} --prompt \"Explain KV caching.\" --chat --baseline")
+    if quantize:
+        log(f"note: {QUANTIZED_MLX_LOADERS}")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "quantization": model.quantization,
             "provenance": prov, "parity": stats}
 

@@ -750,3 +750,34 @@ def test_a_report_of_another_checkpoint_of_the_run_is_refused_by_an_exact_hash(t
         export_mlx(export_drafter, tmp_path / "step100-mlx", log=quiet)  # bf16: MLX rounds as torch does
         main(["--folder", str(tmp_path / "step100-mlx"), "--repo", "me/d", "--dry-run", "--report",
               str(report_of(export_drafter))])
+
+
+def test_serve_commands_and_cards_state_the_engine_releases_that_load_the_folder(tmp_path, export_drafter):
+    """vLLM 0.20-0.21 tap one layer early and SGLang 0.5.11-0.5.12 ignore the RoPE base (0.5.17 and earlier run
+    sliding layers causally): the folder loads there and drafts worse without a word. Every printed serve command
+    and the card name the releases that load it correctly; a quantized MLX export names the MLX loaders that read
+    it and points the others to the bf16 folder."""
+    from export.card import render_card
+    from export.hf import export_hf
+    from export.usage import engine_requirements
+
+    said = []
+    summary = export_hf(export_drafter, tmp_path / "hf", remote_code_check=False, log=said.append)
+    printed = "\n".join(said)
+    assert "(needs vLLM >= 0.22.0 (0.20-0.21 tap each target layer one layer early: MT-bench acceptance 3.92 " \
+           "instead of 4.11; fixed by vLLM PR #40727))" in printed
+    assert "(needs SGLang >= 0.5.13 (0.5.11-0.5.12 ignore the drafter's RoPE base" in printed
+    assert summary["engines"] == engine_requirements("dflash")
+    card = str(render_card(tmp_path / "hf", "me/d"))
+    assert "vLLM: Needs vLLM >= 0.22.0" in card and "SGLang: Needs SGLang >= 0.5.13" in card
+    assert engine_requirements("dflash", sliding=True)["sglang"].startswith("SGLang >= 0.5.18 (this drafter has "
+                                                                            "sliding-window layers")
+    assert "0.5.18" in engine_requirements("dflash2")["sglang"]  # DFlash2 keeps its own, later builds
+    if importlib.util.find_spec("mlx"):
+        from export.mlx import export_mlx
+
+        said.clear()
+        export_mlx(export_drafter, tmp_path / "q4", quantize=4, group_size=32, log=said.append)
+        loaders = ("loads in draftsmith's MLX loop and in bstnxbt/dflash-mlx; z-lab's model_mlx.py and "
+                   "Aryagm/dflash-mlx refuse its extra scales/biases: give those the bf16 folder")
+        assert loaders in "\n".join(said) and loaders in str(render_card(tmp_path / "q4", "me/d-4bit"))
