@@ -1362,3 +1362,31 @@ def test_generate_and_validate_render_prompts_with_the_drafters_thinking_setting
     report = _validate(infer_dirs, "--prompts", str(prompts), "--max-new-tokens", "2", target=target,
                        draft=str(draft))
     assert report["thinking"] == "on" and "thinking on: as the drafter was trained" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loop", ["eager", "static", "compiled", "mlx"])
+def test_report_md_names_the_loop_that_ran(loop):
+    """report.json said which loop ran (eager / static / compiled); report.md, what people read and paste, did not,
+    and an MLX run said "eager"."""
+    from inference.report import PromptRun, build_report, markdown
+    from inference.stats import GenerationResult
+
+    run = PromptRun("p0", "code", 3)
+    result = GenerationResult(tokens=[1, 2, 3, 4], acceptance_lengths=[2, 1], position_accepts=[1, 0, 0],
+                              block_size=4, prefill_s=0.1, decode_s=0.2)
+    run.dflash.append(result)
+    run.baseline.append(GenerationResult(tokens=[1, 2, 3, 4], decode_s=0.3, prefill_s=0.1))
+    text = markdown(build_report([run], 4, True, {"backend": "mlx" if loop == "mlx" else "torch", "loop": loop,
+                                                 "temperature": 0}))
+    assert f"Loop: {loop} (DFlash and the baseline both ran it)." in text and f"- loop: {loop}" in text
+
+
+def test_an_mlx_session_describes_its_loop_as_mlx():
+    from inference.session import Session
+
+    session = Session.__new__(Session)
+    session.backend, session.loop_kind = "mlx", "eager"
+    pytest.importorskip("mlx.core")
+    session.target = type("T", (), {"dtype": "mlx.core.bfloat16"})()
+    session.proposer = None
+    assert session.describe()["loop"] == "mlx"
