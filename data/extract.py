@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from data.chat import tokenizer_fingerprint
 from data.features import FeatureRow, OnlineFeatures, check_layer_ids
-from data.prepare import load_prepared, require_prepared
+from data.prepare import check_target_tokenizer, load_prepared, require_prepared
 from data.store import DTYPES, quantize_fp8, target_identity
 from data.store_writer import StoreWriter, check_store_folder
 from data.store_writer import LOCK  # in the store folder, held by rank 0 while an extraction writes there
@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     from models.support import check_device, parse_dtype
     from models.target import parse_max_memory  # start-up time (data.extract --help)
 
+    check_target_tokenizer(a.target, "data.extract checks the prepared data against the target's tokenizer: add "
+                           "the target's tokenizer files to the folder (they come with the model's repo)")
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
     a.device = check_device(a.device)
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights

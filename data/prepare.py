@@ -62,13 +62,26 @@ from models.config import read_json_file, refuse_drafter_as_target
 SERVER_LOG = "regenerate-server.log"
 
 
+NO_TOKENIZER_FIX = ("the conversations are rendered with the target's tokenizer and chat template: add the target's "
+                    "tokenizer files to the folder (they come with the model's repo)")
+
+
+def check_target_tokenizer(target: str, fix: str = NO_TOKENIZER_FIX) -> None:
+    """The target folder (a Hub id's small files) has tokenizer files: checked before anything else is read,
+    written or loaded (``models.hub.require_tokenizer_files``, the rule training and generate use)."""
+    from models.hub import SMALL_FILES, require_tokenizer_files, resolve_model_dir  # start-up time (--help)
+
+    require_tokenizer_files(resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES), target, fix)
+
+
 def load_tokenizer(target: str):
-    from models.hub import SMALL_FILES, resolve_model_dir  # start-up time (data.prepare --help)
+    from models.hub import SMALL_FILES, require_tokenizer_files, resolve_model_dir  # start-up time (--help)
     from models.target import load_tokenizer as load  # start-up time (data.prepare --help)
 
     directory = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
     if (directory / "config.json").is_file():  # a drafter's tokenizer has no chat template: "no row has loss tokens"
         refuse_drafter_as_target(target, read_json_file(directory / "config.json"))
+    require_tokenizer_files(directory, target, NO_TOKENIZER_FIX)
     tokenizer = load(directory)
     require_chat_template(tokenizer, target)
     return tokenizer
@@ -409,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     add_generation_args(p)
     a = p.parse_args(argv)
     check_counts(p, a)
+    check_target_tokenizer(a.target)  # before anything else: transformers built an empty tokenizer without them
     if a.quantization != "none" and a.regenerate != "local":
         p.error("--quantization applies to --regenerate local (a server generates with the weights it serves)")
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,

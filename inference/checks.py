@@ -187,10 +187,7 @@ class Preflight:
 def check_target_tokenizer(facts: TargetFacts, target: str, fix: str) -> None:
     """The target folder has tokenizer files when the command needs them: a folder without was found only after
     the target had loaded (minutes for a large one). Same rule as the load (``tokenizer*`` files)."""
-    directory = Path(facts.path).parent
-    if not any(directory.glob("tokenizer*")):
-        raise ValueError(f"--target {target}: {directory} has no tokenizer files (tokenizer.json, "
-                         f"tokenizer_config.json): {fix}")
+    hub.require_tokenizer_files(Path(facts.path).parent, target, fix)
 
 
 def check_draft_weights(draft: str, folder: str | Path | None = None) -> None:

@@ -1465,3 +1465,31 @@ def test_a_prepare_into_a_folder_another_prepare_writes_is_refused_and_a_finishe
     main(args)
     assert (out / LOCK).is_file() and (out / "draftsmith_data.json").is_file()
     main(args)  # the finished folder is reused, the lock file in it is the prepare's own
+
+
+def test_prepare_and_extract_refuse_a_target_without_tokenizer_files_before_anything_else(data_target, tmp_path):
+    """transformers built an empty tokenizer: data.prepare asked for a chat template, then said no row had loss
+    tokens. Both commands give the "no tokenizer files" line training and generate give, before anything is read,
+    written or loaded."""
+    import shutil
+
+    from data.extract import main as extract
+    from data.prepare import main as prepare
+    from models.support import run_cli
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in Path(data_target).iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, bare / f.name)
+    said = f"error: --target {bare}: {bare} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
+    runs = {"prepare": lambda: prepare(["--target", str(bare), "--source", str(_DATA_FIX / "openai.jsonl"), "--out",
+                                        str(tmp_path / "data")]),
+            "extract": lambda: extract(["--target", str(bare), "--data", str(tmp_path / "nope"), "--out",
+                                        str(tmp_path / "feats")])}
+    for name, run in runs.items():
+        with pytest.raises(SystemExit) as e:
+            run_cli(run)
+        assert str(e.value.code).startswith(said), e.value.code
+        assert "tokenizer files to the folder" in str(e.value.code)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare"]  # nothing written
