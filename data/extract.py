@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
-    from models.support import check_device, parse_dtype
+    from models.support import check_device, full_disk_named, parse_dtype
     from models.target import parse_max_memory  # start-up time (data.extract --help)
 
     check_target_tokenizer(a.target, "data.extract checks the prepared data against the target's tokenizer: add "
@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
 
             held.enter_context(hold(a.out, LOCK, "--out", "wait for it to end (rerunning the same command then "
                                     "resumes), or give this extraction its own --out", print))
+        held.enter_context(full_disk_named(a.out, "it resumes: finished shards are kept, the missing ones are "
+                                                 "computed"))
         report = _load_and_extract(a, ranks, rank_device, max_memory)
     # one write per line: the ranks of a launch share stdout, and print's separate newline write let two
     # ranks' lines run together (a write under PIPE_BUF bytes is atomic)

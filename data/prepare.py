@@ -429,12 +429,13 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
     check_source(a.source, a.subset)  # before the target loads (minutes for a large one)
-    from models.support import hold
+    from models.support import full_disk_named, hold
 
     # A second prepare into --out (a relaunch while the first still regenerates) would append to the same
     # answers file and clear what the first wrote: refused before the target loads.
-    with hold(a.out, LOCK, "--out", "wait for it to end (the same command then resumes), or give this one its "
-              "own --out", print):
+    with full_disk_named(a.out, "it resumes: the regenerated answers are kept, the rest is redone"), \
+            hold(a.out, LOCK, "--out", "wait for it to end (the same command then resumes), or give this one its "
+                 "own --out", print):
         target_model = None
         if a.regenerate == "local":  # the target loads in minutes: what can be refused without it is refused first
             check_before_loading(a.target, a.source, a.out, rebuild=a.rebuild, regenerate=a.regenerate,

@@ -92,7 +92,7 @@ from inference.report import (PromptRun, build_report, compare_rows, markdown, t
                               write_plot)
 from models.config import describe_quantization
 from models import hub
-from models.support import hold, set_aside
+from models.support import full_disk_named, hold, set_aside
 from models.provenance import refuse_training_output
 
 
@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare:
         return run_compare(args.compare, args.out)
     # One run per --out (they would share partial.jsonl); an unwritable one fails here, before the models load.
-    with hold(args.out, partial.LOCK, "--out", "wait for it, or give this run its own --out"):
+    with full_disk_named(args.out, f"it resumes: the prompts measured so far are kept in {partial.PARTIAL}"), \
+            hold(args.out, partial.LOCK, "--out", "wait for it, or give this run its own --out"):
         return validate(args)
 
 

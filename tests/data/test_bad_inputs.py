@@ -1493,3 +1493,49 @@ def test_prepare_and_extract_refuse_a_target_without_tokenizer_files_before_anyt
         assert str(e.value.code).startswith(said), e.value.code
         assert "tokenizer files to the folder" in str(e.value.code)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare"]  # nothing written
+
+
+def _disk_full(*args, **kwargs):
+    import errno
+    import os
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_in_prepare_and_extract_names_the_folder_and_says_a_rerun_resumes(data_target, tmp_path,
+                                                                                       monkeypatch):
+    """Both ended in a bare "[Errno 28] No space left on device", naming neither the folder nor what a rerun does.
+    (Fault injection: the writers raise what a full disk raises.)"""
+    import data.rows
+    import data.store_writer
+    from data.extract import main as extract
+    from data.prepare import main as prepare
+    from models.support import run_cli
+
+    def error_of(run) -> str:
+        with pytest.raises(SystemExit) as e:
+            run_cli(run)
+        return str(e.value.code)
+
+    prepared, feats = tmp_path / "data", tmp_path / "feats"
+    argv = ["--target", str(data_target), "--source", str(_DATA_FIX / "openai.jsonl"), "--out", str(prepared),
+            "--no-progress"]
+    real = data.rows.tokenize_to_disk
+    monkeypatch.setattr(data.rows, "tokenize_to_disk", _disk_full)
+    message = error_of(lambda: prepare(argv))
+    assert re.match(rf"error: no space left on the disk of {re.escape(str(prepared))} \(\d+\.\d GiB left there\): free "
+                    "space there and rerun the same command: it resumes: the regenerated answers are kept", message)
+    monkeypatch.setattr(data.rows, "tokenize_to_disk", real)
+    prepare(argv)
+
+    argv = ["--target", str(data_target), "--data", str(prepared), "--out", str(feats), "--layers", "0",
+            "--no-progress", "--device", "cpu", "--target-dtype", "fp32"]
+    real = data.store_writer.write_safetensors
+    monkeypatch.setattr(data.store_writer, "write_safetensors", _disk_full)
+    message = error_of(lambda: extract(argv))
+    assert message.startswith(f"error: no space left on the disk of {feats} (") and message.endswith(
+        "free space there and rerun the same command: it resumes: finished shards are kept, the missing ones are "
+        "computed\n(set DRAFTSMITH_TRACEBACK=1 to see where it came from)")
+    monkeypatch.setattr(data.store_writer, "write_safetensors", real)
+    extract(argv)
+    assert json.loads((feats / "index.json").read_text())["complete"]

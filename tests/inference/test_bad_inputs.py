@@ -1390,3 +1390,27 @@ def test_an_mlx_session_describes_its_loop_as_mlx():
     session.target = type("T", (), {"dtype": "mlx.core.bfloat16"})()
     session.proposer = None
     assert session.describe()["loop"] == "mlx"
+
+
+def test_a_full_disk_in_validate_names_the_folder_and_says_a_rerun_resumes(infer_dirs, tmp_path, monkeypatch):
+    """It ended in a bare "[Errno 28] No space left on device". (Fault injection: the prompt recorder raises what a
+    full disk raises.)"""
+    import errno
+    import os
+
+    from inference import partial
+    from models.support import run_cli
+
+    def full(self, *a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(partial.Recorder, "__call__", full)
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: _validate(infer_dirs, "--prompts", str(prompts), "--max-new-tokens", "2",
+                                  target=infer_dirs["full_dir"]))
+    out = infer_dirs["root"] / "out"
+    assert str(e.value.code).startswith(f"error: no space left on the disk of {out} (")
+    assert "free space there and rerun the same command: it resumes: the prompts measured so far are kept in " \
+           "partial.jsonl" in str(e.value.code)

@@ -911,3 +911,37 @@ def test_target_layer_ids_out_of_order_are_refused_everywhere(tmp_path, export_d
     with pytest.raises(ConfigError, match="strictly increasing"):
         check_layer_ids([3, 1], 8)
     check_layer_ids([1, 3], 8)
+
+
+def test_a_full_disk_is_recognised_however_the_writer_says_it(tmp_path):
+    """safetensors and pyarrow say "No space left on device" in their own error types (no errno), datasets wraps
+    the OSError: each becomes the one line naming the folder; other errors pass through as they are."""
+    import errno
+    import os
+
+    from models.support import DiskFullError, full_disk_named, is_user_error
+
+    class WriterError(Exception):  # e.g. safetensors' SafetensorError
+        pass
+
+    def wrapped():
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            raise RuntimeError("An error occurred while generating the dataset") from e
+
+    for raise_it in (lambda: (_ for _ in ()).throw(WriterError('IoError(Os { code: 28, kind: StorageFull, message: '
+                                                               '"No space left on device" })')), wrapped,
+                     lambda: (_ for _ in ()).throw(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)))):
+        with pytest.raises(DiskFullError, match=f"no space left on the disk of {re.escape(str(tmp_path))} .*: free "
+                                                "space there and rerun the same command: it resumes") as e:
+            with full_disk_named(tmp_path, "it resumes"):
+                raise_it()
+        assert is_user_error(e.value)
+    elsewhere = tmp_path.parent / "cache" / "x.arrow"  # a writer that names a file on another folder: that folder
+    with pytest.raises(DiskFullError, match=f"disk of {re.escape(str(elsewhere.parent))}"):
+        with full_disk_named(tmp_path, "it resumes"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(elsewhere))
+    with pytest.raises(KeyError):
+        with full_disk_named(tmp_path, "it resumes"):
+            raise KeyError("x")
