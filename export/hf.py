@@ -211,6 +211,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
         f"block_size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}")
     log("serve with vLLM:\n  " + commands["vllm"] + f"\n  (needs {needs['vllm']})")
     log("serve with SGLang:\n  " + commands["sglang"] + f"\n  (needs {needs['sglang']})")
+    if prov.get("quantized_target"):  # target.quantization=mlx:DIR
+        log(f"trained against {prov.get('target_quantization') or prov['quantized_target']}, a quantized copy of "
+            f"{prov.get('target')}: on a Mac run it with --target {prov['quantized_target']} (vLLM and SGLang serve "
+            f"{prov.get('target')})")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "provenance": prov, "parity": stats,
             "commands": commands, "engines": needs}
 

@@ -195,7 +195,8 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     size = sum(p.stat().st_size for p in out.iterdir()) / 1e6
     log(f"exported {out} (MLX, {dtype}{f', {quantize}-bit g{group_size}' if quantize else ''}, {size:.1f} MB)")
     log("run it with draftsmith's MLX loop:\n  python -m inference.generate --backend mlx --target "
-        f"{prov.get('target', 'TARGET')} --draft {out} --prompt \"Explain KV caching.\" --chat --baseline")
+        f"{prov.get('quantized_target') or prov.get('target', 'TARGET')} --draft {out} --prompt "
+        "\"Explain KV caching.\" --chat --baseline")
     if quantize:
         log(f"note: {QUANTIZED_MLX_LOADERS}")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "quantization": model.quantization,

@@ -273,7 +273,10 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     check_pair(cfg, facts, draft)
     b = resolve_block_size(block_size, cfg.block_size)
     rec = recorded_target(ddir, raw)
-    if rec is not None and not hub.same_model(rec, target):
+    prov = raw.get("draftsmith") if isinstance(raw.get("draftsmith"), dict) else {}
+    copy = prov.get("quantized_target")  # target.quantization=mlx:DIR: trained against DIR, a copy of the target
+    if rec is not None and not hub.same_model(rec, target) and not (isinstance(copy, str) and
+                                                                    hub.same_model(copy, target)):
         log.warning("the drafter %s records its target as %s, but --target is %s: acceptance will suffer unless they "
                     "are the same weights", draft, rec, target)
     return Preflight(target=facts, drafter=cfg, block_size=b, recorded_target=rec)
