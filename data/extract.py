@@ -349,8 +349,6 @@ def main(argv: list[str] | None = None) -> None:
     from models.support import check_device, full_disk_named, parse_dtype
     from models.target import parse_max_memory  # start-up time (data.extract --help)
 
-    check_target_tokenizer(a.target, "data.extract checks the prepared data against the target's tokenizer: add "
-                           "the target's tokenizer files to the folder (they come with the model's repo)")
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
     a.device = check_device(a.device)
     max_memory = parse_max_memory(a.max_memory)  # a typo fails here, before any process group or weights
@@ -381,6 +379,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _load_and_extract(a: argparse.Namespace, ranks: Ranks, rank_device, max_memory) -> ExtractReport:
     from models.target import TargetModel  # start-up time (data.extract --help)
+
+    # before the target loads: without tokenizer files the data's tokenizer could not be checked against it
+    check_target_tokenizer(a.target, "data.extract checks the prepared data against the target's tokenizer: add the "
+                           "target's tokenizer files to the folder (they come with the model's repo)")
 
     if a.device_map:
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device_map=a.device_map,

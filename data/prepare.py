@@ -422,13 +422,13 @@ def main(argv: list[str] | None = None) -> None:
     add_generation_args(p)
     a = p.parse_args(argv)
     check_counts(p, a)
-    check_target_tokenizer(a.target)  # before anything else: transformers built an empty tokenizer without them
     if a.quantization != "none" and a.regenerate != "local":
         p.error("--quantization applies to --regenerate local (a server generates with the weights it serves)")
     gen_kwargs = dict(model=a.model, temperature=a.temperature, max_tokens=a.max_tokens, concurrency=a.concurrency,
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
     check_source(a.source, a.subset)  # before the target loads (minutes for a large one)
+    check_target_tokenizer(a.target)  # before anything is written: transformers built an empty tokenizer without them
     from models.support import full_disk_named, hold
 
     # A second prepare into --out (a relaunch while the first still regenerates) would append to the same

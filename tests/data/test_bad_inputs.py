@@ -1136,7 +1136,9 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
     monkeypatch.setattr(models.target.TargetModel, "from_pretrained", load)
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "draftsmith_data.json").write_text("{}")  # a prepared folder, as far as the flags go
-    argv = ["--target", "t", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")  # a target with tokenizer files, as far as they go
+    argv = ["--target", str(tmp_path / "t"), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
     with pytest.raises(KeyboardInterrupt):
         data.extract.main([*argv, "--target-dtype", "bf16", "--device", "cpu"])
     assert loaded["dtype"] == "bfloat16"
@@ -1482,17 +1484,20 @@ def test_prepare_and_extract_refuse_a_target_without_tokenizer_files_before_anyt
     for f in Path(data_target).iterdir():
         if not f.name.startswith("tokenizer"):
             shutil.copy(f, bare / f.name)
+    prepared = tmp_path / "data-ready"  # a prepared folder as far as extract checks before loading anything
+    prepared.mkdir()
+    (prepared / "draftsmith_data.json").write_text("{}")
     said = f"error: --target {bare}: {bare} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
     runs = {"prepare": lambda: prepare(["--target", str(bare), "--source", str(_DATA_FIX / "openai.jsonl"), "--out",
                                         str(tmp_path / "data")]),
-            "extract": lambda: extract(["--target", str(bare), "--data", str(tmp_path / "nope"), "--out",
+            "extract": lambda: extract(["--target", str(bare), "--data", str(prepared), "--out",
                                         str(tmp_path / "feats")])}
     for name, run in runs.items():
         with pytest.raises(SystemExit) as e:
             run_cli(run)
         assert str(e.value.code).startswith(said), e.value.code
         assert "tokenizer files to the folder" in str(e.value.code)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "data-ready"]  # nothing written
 
 
 def _disk_full(*args, **kwargs):
