@@ -44,7 +44,7 @@ from export.usage import engine_requirements, serve_commands
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
 from models.drafter2 import load_drafter, select, unary_logits
-from models.weights import check_finite
+from models.weights import check_finite, folder_tensors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOT_EXPORTED = "Nothing was exported: export an earlier checkpoint (runs/NAME/checkpoints/step_N), or retrain"
@@ -194,8 +194,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     check_out(out, overwrite, src.drafter_dir)
     torch_dtype = DTYPES[dtype]
     log(f"source: {src.drafter_dir} ({src.kind})")
+    check_finite(folder_tensors(src.drafter_dir), str(src.drafter_dir), NOT_EXPORTED)  # as stored, before any cast
     model = load_drafter(src.drafter_dir, dtype=torch_dtype)
-    check_finite(model.state_dict().items(), str(src.drafter_dir), NOT_EXPORTED)
     prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(torch_dtype=str(torch_dtype).removeprefix("torch."), draftsmith=prov or None)
     problems, checked = target_problems(model.config, prov.get("target"))

@@ -36,7 +36,7 @@ from export.folder import check_out, staging
 from export.hf import NOT_EXPORTED, provenance
 from export.source import full_precision_source
 from export.usage import QUANTIZED_MLX_LOADERS
-from models.weights import check_finite
+from models.weights import check_finite, folder_tensors
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -177,8 +177,8 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     src = full_precision_source(checkpoint, "export.mlx")
     check_out(out, overwrite, src.drafter_dir)
     log(f"source: {src.drafter_dir} ({src.kind})")
+    check_finite(folder_tensors(src.drafter_dir), str(src.drafter_dir), NOT_EXPORTED)  # as stored, before any cast
     reference = load_torch_drafter(src.drafter_dir, dtype=torch.float32)
-    check_finite(reference.state_dict().items(), str(src.drafter_dir), NOT_EXPORTED)
     model = load_drafter(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
     prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(draftsmith=prov or None)

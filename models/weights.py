@@ -264,11 +264,13 @@ class NonFiniteWeights(UserError, ValueError):
 
 
 def folder_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in a folder's safetensors files, one at a time."""
+    """(name, tensor) of every drafter tensor in a folder's safetensors files, one at a time (a stray copy of the
+    target's embedding or LM head, which loaders drop, is not read)."""
     for path in weight_files(directory):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                if not STRAY_KEY.search(key):
+                    yield key, f.get_tensor(key)
 
 
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
