@@ -267,6 +267,7 @@ def folder_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every drafter tensor in a folder's safetensors files, one at a time (a stray copy of the
     target's embedding or LM head, which loaders drop, is not read)."""
     for path in weight_files(directory):
+        check_complete(path)  # a truncated file is named, not a reader's error
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if not STRAY_KEY.search(key):
