@@ -224,6 +224,7 @@ class Session:
             drafter = getattr(self.proposer, "drafter", None)  # test stand-ins have none
             ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
         return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
-                "loop": self.loop_kind, "platform": platform.platform(), "machine": platform.machine()}
+                "loop": "mlx" if self.backend == "mlx" else self.loop_kind, "platform": platform.platform(),
+                "machine": platform.machine()}
 
 
