@@ -23,6 +23,7 @@ The command is a template with ``{target}``, ``{host}``, ``{port}`` and ``{pytho
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import os
 import shlex
@@ -35,6 +36,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
+
+import torch
 
 from data.regenerate import RegenerationError
 
@@ -83,8 +86,6 @@ def log_tail(path: Path, lines: int = 20) -> str:
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """Linux: the engine gets SIGTERM if draftsmith dies without cleaning up (kill -9)."""
     with contextlib.suppress(Exception):
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -113,8 +114,6 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
 @contextlib.contextmanager
 def offloaded(module) -> Iterator[None]:
     """``module`` on the CPU for the ``with`` block (GPU memory released), then back where it was."""
-    import torch
-
     device = next(module.parameters()).device
     if device.type != "cuda":
         yield

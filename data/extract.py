@@ -36,13 +36,23 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from data.chat import tokenizer_fingerprint
+from data.features import FeatureRow, OnlineFeatures, check_layer_ids
+from data.prepare import load_prepared, require_prepared
+from data.store import DTYPES, quantize_fp8, target_identity
+from data.store_writer import StoreWriter, check_store_folder
 from data.store_writer import LOCK  # in the store folder, held by rank 0 while an extraction writes there
+from models.config import ConfigError, default_layer_ids
 
 
 @dataclass
@@ -114,15 +124,7 @@ def extract(target, data, out: str | Path, *, layer_ids: list[int] | None = None
     ``writers``: shards serialised, hashed and written at once by background threads while the
     target computes the next ones (each holds one shard in host memory; the CLI uses 2).
     """
-    from tqdm import tqdm
-
-    from data.chat import tokenizer_fingerprint
-    from data.features import OnlineFeatures
-    from data.prepare import load_prepared
-    from data.store import DTYPES, target_identity
-    from data.store_writer import StoreWriter
-    from models.config import ConfigError, default_layer_ids
-    from models.target import TargetModel
+    from models.target import TargetModel  # start-up time (data.extract --help)
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {DTYPES}")
@@ -215,9 +217,8 @@ def init_ranks() -> tuple[Ranks, torch.device | None]:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Ranks(), None
-    from datetime import timedelta
 
-    from accelerate import PartialState
+    from accelerate import PartialState  # start-up time (data.extract --help)
 
     # cpu=True is what makes accelerate join a CPU process group (gloo) instead of staying single-process.
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=12))
@@ -233,9 +234,6 @@ class ShardWriters:
     """
 
     def __init__(self, writer, threads: int, on_written):
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
-
         self.writer, self.threads, self.on_written = writer, max(int(threads), 1), on_written
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shard-writer")
         self.pending = deque()
@@ -284,8 +282,6 @@ def _to_host(batch, j: int, dtype: str, taps: int):
     (same rounding as on the CPU: one IEEE division and one e4m3 cast per value) and copies half the
     bytes.
     """
-    from data.store import quantize_fp8
-
     n = int(batch.lengths[j])
     feats = batch.features[j, :n]
     q = quantize_fp8(feats, taps) if dtype == "fp8" else None
@@ -300,8 +296,6 @@ def _to_host(batch, j: int, dtype: str, taps: int):
 
 
 def _unpad(batch, j: int, features: bool = True):
-    from data.features import FeatureRow
-
     n = int(batch.lengths[j])
     sl = lambda t: None if t is None else t[j, :n].cpu()
     return FeatureRow(sl(batch.input_ids), sl(batch.loss_mask), sl(batch.doc_ids), sl(batch.position_ids),
@@ -352,10 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
-    from data.prepare import require_prepared
-    from data.store_writer import check_store_folder
     from models.support import check_device, parse_dtype
-    from models.target import parse_max_memory
+    from models.target import parse_max_memory  # start-up time (data.extract --help)
 
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
     a.device = check_device(a.device)
@@ -363,8 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     check_store_folder(a.out)  # a folder that is no store (the prepared data, a drafter) before the target loads
     require_prepared(a.data)  # a mistyped --data was found only after the target had loaded (minutes for a large one)
     if a.layers:  # an id past the target's depth, too: from its config.json, before its weights load
-        from data.features import check_layer_ids
-        from models.target import read_target_config
+        from models.target_folder import read_target_config  # start-up time (data.extract --help)
 
         config = read_target_config(a.target, weights=False)[1]
         check_layer_ids(a.layers, (config.get("text_config") or config)["num_hidden_layers"])
@@ -385,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _load_and_extract(a: argparse.Namespace, ranks: Ranks, rank_device, max_memory) -> ExtractReport:
-    from models.target import TargetModel
+    from models.target import TargetModel  # start-up time (data.extract --help)
 
     if a.device_map:
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device_map=a.device_map,

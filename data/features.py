@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from models.config import ConfigError
 from models.support import to_device
 
 
@@ -97,8 +98,6 @@ def topk_logprobs(logits: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torc
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> None:
     """Tapped layers of a ``num_layers``-layer target: each once, and never its last layer."""
-    from models.config import ConfigError
-
     layer_ids, last = list(layer_ids), num_layers - 1
     bad = [i for i in layer_ids if not 0 <= i < last]
     if bad:

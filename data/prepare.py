@@ -44,21 +44,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections import Counter
+import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+from data.chat import require_chat_template, tokenizer_fingerprint
+from data.readers import BadRow, ReadStats, check_source, iter_conversations, no_usable_rows, to_messages
+from data.regenerate import (RegenerationError, add_generation_args, check_counts, index_rows, load_local_target,
+                             make_generator, parse_thinking, regenerate as run_regeneration)
+from data.reuse import (CACHE_DIR, LOCK, ROW_SETTINGS, claim_folder, clean_failed, read_json, refuse_folder, reusable,
+                        row_settings, settings_diff)
 from data.reuse import META_FILE, PARTIAL_FILE, REGEN_FILE, STATS_FILE, DataMismatch  # noqa: F401 (re-exported)
+from models.config import read_json_file, refuse_drafter_as_target
 
 SERVER_LOG = "regenerate-server.log"
 
 
 def load_tokenizer(target: str):
-    from data.chat import require_chat_template
-    from models.config import read_json_file, refuse_drafter_as_target
-    from models.hub import SMALL_FILES, resolve_model_dir
-    from models.target import load_tokenizer as load
+    from models.hub import SMALL_FILES, resolve_model_dir  # start-up time (data.prepare --help)
+    from models.target import load_tokenizer as load  # start-up time (data.prepare --help)
 
     directory = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
     if (directory / "config.json").is_file():  # a drafter's tokenizer has no chat template: "no row has loss tokens"
@@ -82,9 +88,7 @@ def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = F
     With ``target``, data whose answers another target regenerated (another model, or the same model
     at another quantization: same tokenizer, other tokens) is refused unless ``force``.
     """
-    from datasets import load_from_disk
-
-    from data.chat import tokenizer_fingerprint
+    from datasets import load_from_disk  # start-up time (data.prepare --help)
 
     path = require_prepared(path)
     meta = json.loads((path / META_FILE).read_text())
@@ -98,7 +102,7 @@ def load_prepared(path: str | Path, tokenizer=None, target=None, force: bool = F
 
 def regeneration_provenance(target) -> dict:
     """What ``draftsmith_data.json`` records about the target that regenerated the answers."""
-    from data.store import target_identity
+    from data.store import target_identity  # start-up time (data.prepare --help)
 
     ident = target_identity(target)
     return {"regenerated_by": ident["target"], "regenerated_by_fingerprint": ident["target_fingerprint"],
@@ -112,7 +116,7 @@ def check_regenerated_by(meta: dict, target, path: Path, force: bool = False, fi
     recorded = meta.get("regenerated_by_fingerprint")
     if not meta.get("regenerated") or recorded is None:
         return
-    from data.store import is_same_target
+    from data.store import is_same_target  # start-up time (data.prepare --help)
 
     now = regeneration_provenance(target)
     if is_same_target(recorded, target, now["regenerated_by_fingerprint"]) and \
@@ -142,8 +146,6 @@ def prepare(target: str, source: str, out: str | Path, *, regenerate: str | None
     ``target_model``: an already loaded ``TargetModel`` for ``regenerate='local'`` (training passes its
     own, so answers come from the weights and device it trains against instead of a second CPU copy).
     """
-    from data.reuse import claim_folder, clean_failed, read_json, reusable
-
     check_row_budget(max_length, pack)
     out = Path(out)
     log = log or (lambda message: print(message, file=sys.stderr))
@@ -179,8 +181,6 @@ def check_before_loading(target: str, source: str, out: str | Path, *, rebuild: 
     """What :func:`prepare` refuses, checked before ``--regenerate local`` loads the target (minutes for a large
     one): the row budget, the target's tokenizer and chat template, and an ``out`` that is not prepared data or
     holds other settings. The regenerating target's fingerprint is compared by ``prepare`` once it is loaded."""
-    from data.reuse import ROW_SETTINGS, refuse_folder
-
     check_row_budget(settings.get("max_length"), settings.get("pack", False))
     _, wanted = wanted_settings(target, source, answers_by=False, **settings)
     refuse_folder(Path(out), wanted, rebuild, keys=[k for k in ROW_SETTINGS if k != "answers_by"])
@@ -192,9 +192,6 @@ def wanted_settings(target: str, source: str, *, regenerate, thinking, max_lengt
     they include the regenerating target's fingerprint and quantization (``answers_by``, unless
     ``answers_by=False``): answers of another target, finished or from an interrupted run, are never reused
     under this one's name."""
-    from data.chat import tokenizer_fingerprint
-    from data.reuse import row_settings
-
     tokenizer = load_tokenizer(target)
     wanted = row_settings(source=source, split=split, subset=subset, limit=limit, regenerate=regenerate,
                           thinking=thinking, max_length=max_length, pack=pack,
@@ -216,8 +213,6 @@ def ensure_prepared(target: str, source: str | None, out: str | Path, *, explici
     ``draftsmith_data.json`` describes it, and a warning names the settings that differ from the
     recipe's. ``kwargs`` are :func:`prepare`'s.
     """
-    from data.reuse import ROW_SETTINGS, read_json, settings_diff
-
     out = Path(out)
     log = log or (lambda message: print(message, file=sys.stderr))
     meta = read_json(out / META_FILE)
@@ -248,8 +243,6 @@ def ensure_prepared(target: str, source: str | None, out: str | Path, *, explici
 
 def _checked(convs: Iterator[dict], read_stats, source: str) -> Iterator[dict]:
     """Pass conversations through; at the end, a source with no usable row is an error (as before streaming)."""
-    from data.readers import no_usable_rows
-
     yield from convs
     if read_stats.kept == 0:
         raise no_usable_rows(source, read_stats)
@@ -271,9 +264,7 @@ def _answered(convs: Iterator[dict], regen_stats, path: Path) -> Iterator[dict]:
 def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, thinking, max_length, pack, limit,
            split, subset, streaming, gen_kwargs, progress, num_proc, server_log: Path, engine_timeout, make_room,
            log, target_model=None) -> dict:
-    from data.reuse import CACHE_DIR
-    from data.rows import COLUMNS, tokenize_to_disk
-    from data.readers import ReadStats, iter_conversations
+    from data.rows import COLUMNS, tokenize_to_disk  # start-up time (data.prepare --help)
 
     read_stats = ReadStats()
     convs = _checked(iter_conversations(source, split=split, subset=subset, streaming=streaming, limit=limit,
@@ -307,10 +298,6 @@ def _build(target, source, out: Path, tokenizer, wanted: dict, *, regenerate, th
 
 def _finish(out: Path, meta: dict, stats: dict) -> None:
     """Stats, then the metadata last and atomically: its presence means the folder is complete."""
-    import shutil
-
-    from data.reuse import CACHE_DIR
-
     shutil.rmtree(out / CACHE_DIR, ignore_errors=True)
     (out / STATS_FILE).write_text(json.dumps(stats, indent=2))
     tmp = out / (META_FILE + ".tmp")
@@ -323,9 +310,6 @@ def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, think
                 progress: bool, server_log: Path, engine_timeout: float, make_room, log, target_model=None):
     """Regenerate every conversation (resumable); returns (in-process target or None, keys in source order,
     report). Starts and stops a vLLM / SGLang engine when asked to."""
-    from data.regenerate import RegenerationError, make_generator
-    from data.regenerate import regenerate as run_regeneration
-
     keys: list[str] = []
 
     def tee() -> Iterator[dict]:  # the source is read once: remember its order for tokenizing
@@ -338,13 +322,13 @@ def _regenerate(target, convs: Iterator[dict], out: Path, regenerate: str, think
     with contextlib.ExitStack() as stack:
         spec = regenerate
         if regenerate in ("vllm", "sglang"):
-            from data.engine import running_engine
+            from data.engine import running_engine  # start-up time (data.prepare --help)
 
             spec = stack.enter_context(running_engine(regenerate, str(target), server_log, timeout=engine_timeout,
                                                       log=log, make_room=make_room))
             server_model = str(target)
         elif regenerate == "local":
-            from models.target import TargetModel
+            from models.target import TargetModel  # start-up time (data.prepare --help)
 
             model = target_model
             if model is None or not model.has_layers:  # none given, or only its embedding and head (offline run)
@@ -365,9 +349,6 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
 
     ``answers`` counts what the answers used hold (rows, truncated rows, turns, tokens generated), whichever
     run generated them: a resumed run's own report counts only what it generated."""
-    from data.readers import BadRow, to_messages
-    from data.regenerate import index_rows
-
     index = index_rows(path)
     with path.open() as f:
         for pos, key in enumerate(keys):
@@ -399,9 +380,6 @@ def regenerated_conversations(path: Path, keys: list[str], stats, answers: Count
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.readers import check_source
-    from data.regenerate import add_generation_args, check_counts, load_local_target, parse_thinking
-
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target folder or Hub id (its tokenizer and chat template)")
@@ -437,7 +415,6 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
     check_source(a.source, a.subset)  # before the target loads (minutes for a large one)
-    from data.reuse import LOCK
     from models.support import hold
 
     # A second prepare into --out (a relaunch while the first still regenerates) would append to the same

@@ -233,8 +233,8 @@ def _jsonl_rows(path: Path) -> Iterator[dict | BadRow]:
 
 
 def _parquet_rows(path: Path) -> Iterator[dict]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # start-up time (data.prepare and data.regenerate --help)
+    import pyarrow.parquet as pq  # start-up time (data.prepare and data.regenerate --help)
 
     # pyarrow's own message ("Parquet magic bytes not found in footer") named no file: in a folder of many shards,
     # the one cut short by an interrupted download could not be found. (The consumer's own errors never reach
@@ -249,7 +249,7 @@ def _parquet_rows(path: Path) -> Iterator[dict]:
 
 def _hub_rows(name: str, split: str, subset: str | None, streaming: bool,
               revision: str | None = None) -> Iterator[dict]:
-    from datasets import load_dataset
+    from datasets import load_dataset  # start-up time (data.prepare and data.regenerate --help)
 
     try:
         ds = load_dataset(name, subset, split=split, streaming=streaming, revision=revision)
@@ -260,7 +260,7 @@ def _hub_rows(name: str, split: str, subset: str | None, streaming: bool,
 
 
 def _disk_rows(path: Path, split: str) -> Iterator[dict]:
-    from datasets import DatasetDict, load_from_disk
+    from datasets import DatasetDict, load_from_disk  # start-up time (data.prepare and data.regenerate --help)
 
     ds = load_from_disk(str(path))
     if not isinstance(ds, DatasetDict):
@@ -295,6 +295,7 @@ def _folder_files(path: Path, split: str | None = None) -> list[Path]:
         raise FileNotFoundError(f"{path} holds no .jsonl/.json/.parquet files and is not a save_to_disk folder")
     if split is None:
         return files
+    # start-up time (data.prepare and data.regenerate --help)
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     named = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))

@@ -18,6 +18,7 @@ import urllib.request
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Iterable, Iterator
+from urllib.parse import urlsplit
 
 from data.readers import split_think
 from data.regen_common import (Completion, RegenerationError, ServerUnavailable, _assistant_message, _for_template,
@@ -65,8 +66,6 @@ class HTTPGenerator:
     @property
     def port(self) -> int:
         """The port of ``base_url`` (the default of its scheme when it names none), for the start command."""
-        from urllib.parse import urlsplit
-
         url = urlsplit(self.base)
         return url.port or (443 if url.scheme == "https" else 80)
 

@@ -44,7 +44,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from data.readers import split_think
+from tqdm import tqdm
+
+from data.chat import encode, render
+from data.readers import ReadStats, iter_conversations, no_usable_rows, split_think
 from data.regen_common import (Completion, RegenerationError, RegenReport, ServerUnavailable,  # noqa: F401
                                _assistant_message, _for_template, _result_row)
 from data.regen_http import HTTPGenerator, start_command  # noqa: F401 (re-exported)
@@ -55,7 +58,7 @@ from models.support import hold
 def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                    seed: int | None = None) -> list[tuple[list[int], bool]]:
     """Left-padded batched ``generate``; per prompt: (new tokens without EOS, stopped at EOS)."""
-    import torch
+    import torch  # start-up time (data.regenerate and data.prepare --help)
 
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -95,8 +98,6 @@ class LocalGenerator:
         self.thinking, self.batch_size = thinking, batch_size
 
     def regenerate_batch(self, convs: list[dict]) -> list[dict]:
-        from data.chat import encode, render
-
         tok = self.target.tokenizer
         msgs = [[] for _ in convs]
         comps = [[] for _ in convs]
@@ -194,8 +195,6 @@ def regenerate(convs: Iterable[dict], out: str | Path, generator, *, progress: b
     ``convs`` is consumed lazily (a streamed source is never held in memory); ``total`` only sizes
     the progress bar.
     """
-    from tqdm import tqdm
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     have, queued = done_keys(out), set()
@@ -369,11 +368,11 @@ def check_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def load_local_target(a: argparse.Namespace, path: str):
     """The in-process generator's target, placed as the flags say: on a GPU when there is one (a
     second CPU-only copy made local regeneration of a real data set hours slower than needed)."""
-    import torch
+    import torch  # start-up time (data.regenerate and data.prepare --help)
 
     from models.support import check_device, parse_dtype
-    from models.quant import resolve_target
-    from models.target import TargetModel
+    from models.quantize import resolve_target  # start-up time (data.regenerate and data.prepare --help)
+    from models.target import TargetModel  # start-up time (data.regenerate and data.prepare --help)
 
     # Flags first: a quantization below may take minutes, and torch's own errors come after the weights load.
     a.dtype, a.device = parse_dtype(a.dtype, auto=True), check_device(a.device, auto=True)
@@ -419,8 +418,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def regenerate_from_args(a: argparse.Namespace) -> None:
     """``main`` once the flags are checked, holding ``--out``."""
-    from data.readers import ReadStats, iter_conversations, no_usable_rows
-
     stats = ReadStats()  # the source is streamed: read as regeneration goes
     convs = iter_conversations(a.source, split=a.split, subset=a.subset, limit=a.limit, stats=stats,
                                need_answers=False)

@@ -12,10 +12,18 @@ for having no loss tokens, template errors); tally rows are summed and filtered 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Iterable
+
+import datasets
+import numpy as np
+from datasets import Dataset, Features, Sequence, Value
+
+from data.chat import TemplateError, tokenize_conversation
+from data.packing import document_columns
 
 COLUMNS = ["input_ids", "loss_mask", "doc_ids", "position_ids", "num_tokens", "num_loss_tokens"]
 TALLIES = ["truncated", "retokenized", "dropped_no_loss", "template_errors"]
@@ -26,10 +34,6 @@ def rows_identity(*splits) -> str:
     loss-token counts, and the token ids of its first and last rows (reading every token of a
     multi-GB data set at each start would cost more than it adds). A checkpoint records it, so a
     resumed run trains on the rows it started on, wherever their folder now lives."""
-    import hashlib
-
-    import numpy as np
-
     digest = hashlib.sha256()
     for ds in splits:
         n = len(ds)
@@ -42,8 +46,6 @@ def rows_identity(*splits) -> str:
 
 
 def row_features(tallies: bool = False):
-    from datasets import Features, Sequence, Value
-
     cols = {"input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
             "doc_ids": Sequence(Value("int32")), "position_ids": Sequence(Value("int32")),
             "num_tokens": Value("int32"), "num_loss_tokens": Value("int32")}
@@ -53,8 +55,6 @@ def row_features(tallies: bool = False):
 
 
 def _row(ids: list[int], mask: list[int], **tallies) -> dict:
-    from data.packing import document_columns
-
     doc_ids, position_ids = document_columns([len(ids)])
     row = {"input_ids": ids, "loss_mask": mask, "doc_ids": doc_ids, "position_ids": position_ids,
            "num_tokens": len(ids), "num_loss_tokens": sum(mask)}
@@ -64,8 +64,6 @@ def _row(ids: list[int], mask: list[int], **tallies) -> dict:
 
 def tokenize_batch(batch: dict, tokenizer, thinking: bool | None, max_length: int | None) -> dict:
     """``datasets.map`` function: conversations (JSON strings) -> rows + one tally row each."""
-    from data.chat import TemplateError, tokenize_conversation
-
     out: dict[str, list] = {k: [] for k in COLUMNS + TALLIES}
 
     def add(row: dict) -> None:
@@ -94,9 +92,6 @@ def tokenize_to_disk(tokenizer, convs: Iterable[dict], out: Path, scratch: Path,
                      max_length: int | None, pack: bool, num_proc: int | None = None,
                      progress: bool = True) -> dict:
     """Tokenize ``convs`` (each ``{"messages": [...]}``) into the ``datasets`` folder ``out``; returns counts."""
-    import datasets
-    from datasets import Dataset
-
     scratch.mkdir(parents=True, exist_ok=True)
     src = scratch / "conversations.jsonl"
     n = 0
@@ -158,8 +153,6 @@ def pack_plan(lengths: list[int], max_length: int) -> list[tuple[int, int]]:
 
 
 def _packed_rows(rows, groups: list[tuple[int, int]]):
-    from data.packing import document_columns
-
     for a, b in groups:
         part = rows[a:b]
         doc_ids, position_ids = document_columns([len(x) for x in part["input_ids"]])
@@ -170,8 +163,6 @@ def _packed_rows(rows, groups: list[tuple[int, int]]):
 
 
 def pack_to_dataset(rows, lengths: list[int], max_length: int, scratch: Path):
-    from datasets import Dataset
-
     groups = pack_plan(lengths, max_length)
     return Dataset.from_generator(_packed_rows, gen_kwargs={"rows": rows, "groups": groups},
                                   features=row_features(), cache_dir=str(scratch / "hf-packed"))

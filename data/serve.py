@@ -21,13 +21,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from data.chat import encode, render
+from data.regenerate import decode_answer, generate_batch
+
 MAX_BODY = 4 << 20
 
 
 def make_handler(target, model_name: str, max_tokens_cap: int, state: dict, delay: float = 0.0):
-    from data.chat import encode, render
-    from data.regenerate import decode_answer, generate_batch
-
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -101,7 +101,7 @@ def start_server(target, host: str = "127.0.0.1", port: int = 0, model_name: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    from models.target import TargetModel
+    from models.target import TargetModel  # start-up time (data.serve --help)
 
     p = argparse.ArgumentParser(prog="python -m data.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -37,8 +37,12 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from datasets import load_from_disk
+from safetensors import safe_open
 
+from data.chat import tokenizer_fingerprint
 from data.features import FeatureBatch, FeatureRow, collate
+from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir, snapshot_commit, weight_file_spans
 from models.support import to_device
 
 FORMAT = "draftsmith-features"
@@ -104,8 +108,6 @@ def target_identity(target) -> dict:
     from the Hub (``models.hub.weight_file_spans``). A target that is neither a folder nor a Hub id
     (built in memory) is fingerprinted by its config alone.
     """
-    from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir, snapshot_commit, weight_file_spans
-
     if getattr(target, "identity", None):  # a loaded target is fingerprinted once (Hub ranged reads included)
         return dict(target.identity)
     name = target if isinstance(target, (str, Path)) else getattr(target, "name", "")
@@ -149,8 +151,6 @@ def is_same_target(recorded: str, target, fingerprint: str) -> bool:
 def legacy_hub_fingerprint(target) -> str | None:
     """The fingerprint versions before file-based Hub fingerprints recorded for a loaded target named by a
     Hub id (its config alone), so stores and prepared data made then stay usable; None otherwise."""
-    from models.hub import is_hub_id
-
     config = getattr(getattr(target, "model", None), "config", None)
     if config is None or not is_hub_id(getattr(target, "name", "")):
         return None
@@ -188,7 +188,6 @@ def prepared_fingerprint(ds) -> str | None:
     folder = Path(files[0]["filename"]).parent
     if not (folder / "state.json").is_file():
         return None
-    from datasets import load_from_disk
 
     try:
         return load_from_disk(str(folder))._fingerprint
@@ -253,8 +252,6 @@ class FeatureStore:
 
     def check_compatible(self, *, target=None, layer_ids: Sequence[int] | None = None, tokenizer=None) -> None:
         """Raise :class:`StoreMismatch` unless the store matches this target, these layers and tokenizer."""
-        from data.chat import tokenizer_fingerprint
-
         problems = []
         if layer_ids is not None and list(layer_ids) != self.layer_ids:
             problems.append(f"layer ids: store {self.layer_ids}, training asks {list(layer_ids)}")
@@ -276,7 +273,6 @@ class FeatureStore:
         if k in self._open:
             self._open.move_to_end(k)
             return self._open[k]
-        from safetensors import safe_open
 
         name = shard_name(k)
         info = self.index["shards"].get(name)

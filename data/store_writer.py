@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +41,6 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) 
     thread hashes the same buffers (hashlib and file writes release the GIL). Names are sorted so
     equal shards give equal bytes; any safetensors reader opens the file.
     """
-    import struct
-
     header, views, offset = {}, [], 0
     for name in sorted(tensors):
         parts = tensors[name] if isinstance(tensors[name], list) else [tensors[name]]

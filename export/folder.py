@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from models.config import ARCHITECTURE
+from models.config import ARCHITECTURES
 from models.provenance import refuse_training_output
 
 
@@ -26,7 +26,8 @@ def _is_export(folder: Path) -> bool:
         d = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
-    return isinstance(d, dict) and ("draftsmith" in d or ARCHITECTURE in (d.get("architectures") or []))
+    names = set(d.get("architectures") or []) if isinstance(d, dict) else set()
+    return isinstance(d, dict) and ("draftsmith" in d or bool(names & set(ARCHITECTURES.values())))
 
 
 def _not_written_by_export(folder: Path) -> list[str]:

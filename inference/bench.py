@@ -73,8 +73,8 @@ def random_models(recipe: str, device: str, seed: int = 0, dtype: str | None = N
     5 taps, block 16), both in ``dtype`` (``--dtype``; default bf16 on CUDA, fp32 on the CPU)."""
     import torch
 
-    from data.bench import recipe_spec, recipe_target
     from models.drafter import DFlashDraftModel
+    from models.random_target import recipe_spec, recipe_target
 
     d = recipe_spec(recipe).get("drafter") or {}
     dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -176,8 +176,9 @@ def profile_loop(loop: str, st, proposer, prompt: list[int], B: int, n: int, gen
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.bench import check_at_least, check_device, recipe_runs_on_cpu, recipe_spec
+    from data.bench import check_at_least, check_device
     from inference.session import Session, pick_backend
+    from models.random_target import recipe_runs_on_cpu, recipe_spec
 
     p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

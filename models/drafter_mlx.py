@@ -21,6 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from models.config import DFlashConfig
 from models.hub import resolve_model_dir
@@ -61,8 +63,6 @@ class DraftCache:
     """
 
     def __init__(self, num_layers: int):
-        from mlx_lm.models.cache import KVCache
-
         self.layers = [KVCache() for _ in range(num_layers)]
 
     def append(self, layer_idx: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
@@ -165,12 +165,15 @@ class _Outside:
 class DFlashDraftModel(nn.Module):
     """Weights are exactly the z-lab names: ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``."""
 
+    variant = "dflash"  # the config variant this class builds (DFlash2: models/drafter2_mlx.py)
+    decoder_layer = DFlashDecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = [DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self.decoder_layer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The target's embedding and LM head: borrowed, never trained, cast, quantized or saved.
         self._target = _Outside({})
@@ -263,8 +266,6 @@ class DFlashDraftModel(nn.Module):
     # -------------------------------------------------------------- save/load
     def save_pretrained(self, directory: str | Path) -> Path:
         """Weights under the torch names + the canonical config (+ ``quantization`` when quantized)."""
-        from mlx.utils import tree_flatten
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(self.parameters()))
@@ -287,8 +288,11 @@ class DFlashDraftModel(nn.Module):
         """An HF drafter folder (flat / nested config, fp32 / bf16) or an MLX (quantized) export."""
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
+        if config.variant != cls.variant:
+            raise ValueError(f"{path_or_id} is a {config.architecture} drafter, which {cls.__name__} does not build: "
+                             "load it with models.drafter2_mlx.load_drafter (either generation)")
         quant = config.quantization
-        state = drop_stray_keys(load_safetensors(directory), directory)
+        state = cls.state_from_disk(drop_stray_keys(load_safetensors(directory), directory))
         model = cls(config)
         if quant:
             quantized = {k.rsplit(".", 1)[0] for k in state if k.endswith(".scales")}
@@ -304,10 +308,13 @@ class DFlashDraftModel(nn.Module):
         model.eval()
         return model
 
+    @staticmethod
+    def state_from_disk(state: dict) -> dict:
+        """The state dict under this class's names, from a folder's tensors (DFlash2 renames old spellings)."""
+        return state
+
     @property
     def num_parameters(self) -> int:
-        from mlx.utils import tree_flatten
-
         return sum(v.size for _, v in tree_flatten(self.parameters()))
 
 
@@ -322,8 +329,6 @@ def _dtype_from_name(name: str | None) -> mx.Dtype | None:
 
 
 def _check_state(model: DFlashDraftModel, state: dict, config: DFlashConfig, directory: Path) -> None:
-    from mlx.utils import tree_flatten
-
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

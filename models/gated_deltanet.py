@@ -22,12 +22,15 @@ a cache, packed sequences (``cu_seq_lens_q``) or any other argument run the laye
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.cache_keywords import CACHE_KWARGS, passes_cache
 
 # What the mixer must have for the fused path (transformers' Qwen3_5GatedDeltaNet and its MoE twin).
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
@@ -176,8 +179,6 @@ def uncached_forward(layer: nn.Module, inputs, output, kernel=None):
     """A replacement for ``layer.forward``: ``inputs`` / ``output`` (``layer_inputs`` / ``layer_output``,
     compiled or not) around the mixer's chunked kernel for a plain uncached pass, the layer's own forward
     otherwise."""
-    from models.target import CACHE_KWARGS, passes_cache  # models.target imports this module
-
     eager = layer.forward
     kernel = kernel or chunk_kernel(layer.linear_attn)
     known = _KNOWN + CACHE_KWARGS
@@ -210,8 +211,6 @@ def _say_slow_path(what: list[str]) -> None:
     """One log line per kind of call that the compiled halves cannot take (another transformers version's
     arguments, packed sequences): such passes run the layer's own, slower, forward, and a speed figure
     taken then would not be the fused path's."""
-    import logging
-
     key = tuple(sorted(what))
     if key not in _SAID:
         _SAID.add(key)

@@ -9,12 +9,17 @@ dozen; a whole load reads the shards the index names, not a consolidated copy be
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path, PurePosixPath
+
+import huggingface_hub  # its functions are looked up at each call (tests stand a fake Hub in for them)
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SMALL_FILES = ["*.json", "*.py", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # all a load reads but the weights
 WEIGHT_FILES = ["*.safetensors"]
+INDEX = "model.safetensors.index.json"  # a sharded folder's index: which shard holds each tensor
 
 
 def is_hub_id(path_or_id: str | Path) -> bool:
@@ -34,11 +39,9 @@ def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what:
         raise NotADirectoryError(f"{what} {text!r} is a file; pass the folder that holds config.json")
     if not HUB_ID.match(text):
         raise FileNotFoundError(f"{what} {text!r} is neither a local folder nor a Hub id of the form org/name")
-    from huggingface_hub import snapshot_download
-
     patterns = allow_patterns or SMALL_FILES + WEIGHT_FILES
     try:
-        return Path(snapshot_download(text, revision=revision, allow_patterns=patterns))
+        return Path(huggingface_hub.snapshot_download(text, revision=revision, allow_patterns=patterns))
     except Exception as e:  # the hub client raises many types; all mean "could not get it"
         reason = (str(e).strip().splitlines() or [""])[0]  # the client's messages run over several lines
         raise OSError(f"could not fetch {what} {text!r} from the Hugging Face Hub ({type(e).__name__}: {reason}), "
@@ -49,8 +52,6 @@ def resolve_model_dir(path_or_id: str | Path, revision: str | None = None, what:
 def repo_id_problem(repo: str) -> str | None:
     """What is wrong with a Hub repo id (None: nothing); ``export.push --repo`` and training's
     ``export.push_repo`` say it."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     if repo.count("/") != 1:
         return "use user/name or org/name (one '/')"
     try:
@@ -60,14 +61,24 @@ def repo_id_problem(repo: str) -> str | None:
     return None
 
 
+def shard_index(directory: Path) -> dict[str, str] | None:
+    """``weight_map`` (tensor name -> shard file) of a sharded folder; None for a single-file one."""
+    path = Path(directory) / INDEX
+    if not path.is_file():
+        return None
+    try:
+        return dict(json.loads(path.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a safetensors shard index ({type(e).__name__}: {e}): a truncated "
+                         "download? Re-download or re-export the folder") from None
+
+
 def fetch_model(path_or_id: str | Path, revision: str | None = None, what: str = "model") -> Path:
     """Everything a full load reads: a local folder as is; a Hub id's small files, then the shards its
     index names (a repo that also ships a consolidated copy or stray ``*.safetensors`` is not downloaded
     twice), or its one ``model.safetensors``."""
     if not is_hub_id(path_or_id):
         return resolve_model_dir(path_or_id, revision=revision, what=what)
-    from models.weights import shard_index
-
     directory = resolve_model_dir(path_or_id, revision=revision, what=what, allow_patterns=SMALL_FILES)
     index = shard_index(directory)
     fetch_files(str(path_or_id), directory, sorted(set(index.values())) if index else ["model.safetensors"], what)
@@ -128,8 +139,6 @@ def weight_file_spans(directory: Path, repo_id: str | None = None, span: int = 1
     and reads the absent ones' two spans by ranged requests (2 MiB per shard, not the shard): the
     same bytes, so the same fingerprint as a full download or a local copy.
     """
-    from models.weights import shard_index
-
     local = sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin"))
     if repo_id is None:  # a local folder is read as it is
         complete = True
@@ -153,11 +162,9 @@ def _local_spans(path: Path, span: int) -> tuple[bytes, bytes]:
 
 
 def _remote_spans(repo_id: str, directory: Path, span: int):
-    from huggingface_hub import HfFileSystem
-
     commit = snapshot_commit(directory)
     try:
-        fs = HfFileSystem()
+        fs = huggingface_hub.HfFileSystem()
         entries = fs.ls(repo_id, detail=True, revision=commit)
         files = sorted((PurePosixPath(e["name"]).name, int(e["size"])) for e in entries
                        if e.get("type") == "file" and e["name"].endswith(".safetensors"))

@@ -9,36 +9,27 @@ cache is being filled, the forward stops right after the deepest tapped layer.
 
 from __future__ import annotations
 
-import inspect
+import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._dynamo.config
 from torch import nn
+from transformers import (AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache, FineGrainedFP8Config,
+                          GenerationConfig)
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from models import gated_deltanet as gdn
 from models.attention import CAUSAL_SDPA, attention_implementation, mask_free
-from models.config import read_json_file, refuse_drafter_as_target
-from models.hub import SMALL_FILES, fetch_model, is_hub_id, resolve_model_dir, snapshot_commit
+from models.cache_keywords import cache_kwarg, passes_cache
+from models.dequantize import dequantized_model
+from models.hub import is_hub_id, snapshot_commit
+from models.quantization import QuantizationError, describe_mlx, is_mlx_quantized, parse_quantization
+from models.target_folder import SUPPORTED, UnsupportedTarget  # noqa: F401  (the adapter's names, as in the MLX twin)
+from models.target_folder import check_supported, load_tokenizer, read_target_config
 from models.weights import read_safetensors_tensors
-
-# model_type -> family. Qwen3.6 checkpoints use the qwen3_5 model types.
-SUPPORTED = {
-    "qwen3": "qwen3", "qwen3_moe": "qwen3",
-    "llama": "llama",
-    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
-}
-
-
-class UnsupportedTarget(ValueError):
-    pass
-
-
-def check_supported(model_type: str) -> str:
-    if model_type not in SUPPORTED:
-        raise UnsupportedTarget(f"not supported yet: {model_type} (draftsmith targets: {sorted(SUPPORTED)})")
-    return SUPPORTED[model_type]
-
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -62,48 +53,12 @@ def parse_max_memory(spec: str | dict | None) -> dict | None:
 
 def warn_if_slow_linear_attention(family: str, device: torch.device) -> None:
     """One line when a Qwen3.5 / 3.6 target runs on CUDA without the fast GatedDeltaNet kernels."""
-    import importlib.util
-    import logging
-
     if family != "qwen3_5" or device.type != "cuda" or importlib.util.find_spec("fla") is not None:
         return
     logging.getLogger(__name__).warning(
         "Qwen3.5 target on CUDA without flash-linear-attention: GatedDeltaNet runs transformers' torch reference "
         "(2.7x slower forward); install the kernels: pip install 'draftsmith[cuda]' "
         "(and causal-conv1d where it builds)")
-
-
-def read_target_config(path_or_id: str | Path, revision: str | None = None,
-                       what: str = "target", weights: bool = True) -> tuple[Path, dict]:
-    """(local folder, config.json) of a target, its architecture checked before any weights load;
-    the torch adapter, the MLX twin and the MLX-quantized loader all start here. ``weights=False``:
-    a Hub id fetches only the small files (config, tokenizer, shard index)."""
-    directory = (fetch_model(path_or_id, revision=revision, what=what) if weights else
-                 resolve_model_dir(path_or_id, revision=revision, what=what, allow_patterns=SMALL_FILES))
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: a {what} folder needs config.json")
-    config = read_json_file(config_path)
-    refuse_drafter_as_target(path_or_id, config, what)
-    check_supported(config.get("model_type", "<missing model_type>"))
-    if weights:  # a truncated shard: one line naming it, not a loader's traceback after minutes of loading
-        from models.weights import check_folder_weights
-
-        check_folder_weights(directory)
-    return directory, config
-
-
-def load_tokenizer(directory: str | Path):
-    """``AutoTokenizer.from_pretrained(directory)``; a truncated tokenizer file is named (transformers raised a
-    bare "Unterminated string starting at: line 11 column 7")."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(directory)
-    except ValueError as e:  # json.JSONDecodeError is one
-        for f in sorted(Path(directory).glob("*.json")):
-            read_json_file(f)  # the first file that does not parse says so, with its path
-        raise ValueError(f"the tokenizer in {directory} does not load ({e})") from e
 
 
 class _StopForward(Exception):
@@ -139,26 +94,8 @@ def check_borrowed_parts_resident(model) -> None:
 def allow_recompiles(n: int) -> None:
     """Raise dynamo's recompile limit (8) to ``n``: HF layers compile once per layer and kind of shape, and
     past the limit the rest would silently run eager."""
-    import torch._dynamo.config as dyn
-
+    dyn = torch._dynamo.config
     dyn.recompile_limit = max(getattr(dyn, "recompile_limit", 8), n)
-
-
-# The keywords a layer takes its cache by across transformers versions (see ``cache_kwarg``).
-CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
-
-
-def passes_cache(kwargs: dict) -> bool:
-    """Whether a layer call's keyword arguments hand it a cache (under any of its names)."""
-    return any(kwargs.get(name) is not None for name in CACHE_KWARGS)
-
-
-def cache_kwarg(module: nn.Module, old: str = "past_key_values") -> str:
-    """The keyword ``module.forward`` takes its cache by: ``cache`` from transformers 5.24 on (the old
-    name, ``past_key_values`` or a GatedDeltaNet mixer's ``cache_params``, still works there with a
-    deprecation warning until 5.40), the old name before."""
-    # the class's forward: compile_layers swaps an instance's forward for a wrapper of (*args, **kwargs)
-    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else old
 
 
 def _around_the_mixer(layer: nn.Module) -> list[nn.Module]:
@@ -316,9 +253,6 @@ class TargetModel:
         ``crop``; a full layer keeps every position and the model's sliding-window mask (built from the
         config, not from the cache) still limits what each query sees, so outputs are the same.
         """
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
         cache = DynamicCache(config=self.model.config)
         cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
                         for layer in cache.layers]
@@ -386,13 +320,9 @@ class TargetModel:
         embedding sits on the first device, and features and logits come back there.
 
         An MLX affine-quantized folder (mlx-community layout) is dequantized bit-exactly
-        (``models.quant.load_mlx_target``), so every consumer runs the weights the Mac runs.
+        (``load_mlx_target``), so every consumer runs the weights the Mac runs.
         ``quantization`` = ``bnb-4bit`` / ``fp8`` loads through transformers' quantizers.
         """
-        from transformers import AutoModelForCausalLM
-
-        from models.quant import is_mlx_quantized, load_mlx_target, transformers_quantization_config
-
         directory, _ = read_target_config(path_or_id, revision)
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
@@ -440,10 +370,6 @@ class TargetModel:
         (shapes and config only), so Qwen3.5-27B costs its ~5 GB of embedding and head per GPU
         instead of 55 GB. ``forward`` refuses. Only the two tensors are read from the safetensors shards.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-        from models.quant import is_mlx_quantized
-
         directory, _ = read_target_config(path_or_id, revision, weights=False)  # shards: only the two tensors'
         if is_mlx_quantized(directory):
             raise ValueError(f"{directory} is MLX-quantized: its embedding and head are packed; load the whole target")
@@ -471,3 +397,45 @@ class TargetModel:
         target.revision = snapshot_commit(directory)
         target.has_layers = False
         return target
+
+
+def load_mlx_target(path_or_id: str | Path, dtype: torch.dtype | None = None, device=None,
+                    revision: str | None = None) -> TargetModel:
+    """An MLX affine-quantized folder or Hub repo -> a ``TargetModel`` on dequantized weights
+    (``models.dequantize``).
+
+    ``dtype`` defaults to the scales' dtype (bf16 for mlx-community repos). The adapter's
+    ``quantization`` attribute says what it was loaded from.
+    """
+    directory, config = read_target_config(path_or_id, revision, what="quantized target")
+    model = dequantized_model(directory, config, dtype)
+    if device is not None:
+        model = model.to(device)
+    tokenizer = None
+    if any(directory.glob("tokenizer*")):
+        tokenizer = load_tokenizer(directory)
+    target = TargetModel(model, tokenizer=tokenizer, name=str(path_or_id))
+    target.quantization = describe_mlx(config)
+    return target
+
+
+def transformers_quantization_config(value: str | None):
+    """``bnb-4bit`` / ``fp8`` -> the transformers ``quantization_config`` to load with; None otherwise.
+
+    The backend must be installed: the error says what to install instead of failing mid-load.
+    """
+    spec = parse_quantization(value)
+    if spec.kind == "bnb":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise QuantizationError("target.quantization=bnb-4bit needs bitsandbytes: pip install bitsandbytes "
+                                    "(CUDA), or use mlx-4bit, which runs anywhere")
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    if spec.kind == "fp8":
+        if not torch.cuda.is_available():
+            raise QuantizationError("target.quantization=fp8 needs a CUDA GPU (transformers' FP8 kernels); "
+                                    "on CPU use mlx-8bit")
+        return FineGrainedFP8Config()
+    if spec.kind == "mlx":
+        raise QuantizationError(f"target.quantization={value}: MLX quantization is resolved to a folder first "
+                                "(models.quantize.resolve_target); load that folder")
+    return None

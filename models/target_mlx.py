@@ -7,7 +7,7 @@ The list is restored on exit, so the model is unmodified between calls, two draf
 different layer ids never see each other's taps, and nested captures compose (each proxy wraps
 whatever the list held and puts it back).
 
-Architectures (same list as the torch adapter, ``models.target.SUPPORTED``): Qwen3 dense / MoE,
+Architectures (same list as the torch adapter, ``models.target_folder.SUPPORTED``): Qwen3 dense / MoE,
 Llama 3.x, Qwen3.5 / 3.6 hybrid (GatedDeltaNet + attention, dense / MoE, the text tower of the
 multimodal checkpoints). bf16 and mlx-community affine-quantized (4 / 8 bit) checkpoints both load
 through ``mlx_lm.load``; transformers 5 folders whose configs mlx_lm does not read yet (only
@@ -21,8 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load
 
-from models.target import SUPPORTED, UnsupportedTarget, check_supported, read_target_config
+from models.quantization import describe_mlx
+from models.target_folder import SUPPORTED, UnsupportedTarget, check_supported, read_target_config
 
 __all__ = ["TargetModel", "TargetOutput", "Capture", "check_supported", "UnsupportedTarget", "SUPPORTED"]
 
@@ -70,8 +75,6 @@ class TargetModel:
         # wrapper is kept for its eos set (tokenizer + generation_config) and streaming detokenizer.
         # Tell the wrapper by its type: a transformers fast tokenizer has a ``_tokenizer`` too (its Rust
         # tokenizer), and taking that for the HF tokenizer left ``self.tokenizer`` uncallable.
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
-
         self.tokenizer_wrapper = tokenizer if isinstance(tokenizer, TokenizerWrapper) else None
         self.tokenizer = tokenizer._tokenizer if self.tokenizer_wrapper is not None else tokenizer
         self.name = name
@@ -137,8 +140,6 @@ class TargetModel:
     @property
     def quantization(self) -> str:
         """``none`` or ``mlx-<bits>bit-g<group>``: the same words as the torch adapter's ``quantization``."""
-        from models.quant import describe_mlx
-
         return describe_mlx(self.config) if self.config.get("quantization") else "none"
 
     def linear_attention_layers(self) -> list[tuple[int, object]]:
@@ -165,8 +166,6 @@ class TargetModel:
         return self.lm_head(hidden)
 
     def new_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-
         return make_prompt_cache(self.model)
 
     @contextmanager
@@ -215,8 +214,6 @@ class TargetModel:
         ``dtype`` casts the floating weights (e.g. ``mx.float32`` for exactness tests); quantized
         weights keep their packing and only their scales/biases are cast.
         """
-        from mlx_lm.utils import load
-
         directory, config = read_target_config(path_or_id, revision)
         model, tokenizer = load(str(directory), model_config=mlx_lm_overrides(config))
         if dtype is not None:
@@ -226,8 +223,6 @@ class TargetModel:
 
 def _cast_floating(model, dtype: mx.Dtype) -> None:
     """Cast floating weights, honouring the model's ``cast_predicate`` (GatedDeltaNet ``A_log`` stays)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
     keep = getattr(model, "cast_predicate", None) or (lambda _path: True)
     cast = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
             if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and keep(k)]

@@ -11,6 +11,11 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config,
+                          Qwen3_5ForConditionalGeneration, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 # Byte-level vocabulary: the 256 byte symbols, then the specials. Ids past the tokenizer's
 # length are spare embedding rows (where the mask token goes).
@@ -53,12 +58,9 @@ def tiny_tokenizer(template: str = "chatml", reserved: int = 0, mask_token: str 
     style; ``reserved=TINY_VOCAB - 265`` leaves no spare embedding row). ``mask_token``: an extra
     special token set as the tokenizer's mask token (e.g. ``"<|mask|>"``).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256.. in list order
@@ -86,18 +88,14 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int):
                   rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
                   bos_token_id=256, eos_token_id=258, pad_token_id=256)
     if arch == "qwen3":
-        from transformers import Qwen3Config
         return Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     if arch == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
         return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                               decoder_sparse_step=1, norm_topk_prob=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     if arch == "llama":
-        from transformers import LlamaConfig
         return LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **common)
     if arch in ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe"):
-        from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
         layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
         hybrid = dict(layer_types=layer_types, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_num_key_heads=2,
                       linear_num_value_heads=4, linear_value_head_dim=16,
@@ -108,7 +106,6 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int):
         text = Qwen3_5TextConfig(**hybrid, **common)
         if arch == "qwen3_5":
             return text
-        from transformers import Qwen3_5Config
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
         return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,
@@ -122,8 +119,6 @@ TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_
 def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_size: int = TINY_VOCAB,
                 dtype: torch.dtype = torch.float32):
     """A tiny causal LM of the given architecture with seeded random weights (fp32, eval mode)."""
-    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
-
     config = tiny_config(arch, vocab_size, num_layers)
     torch.manual_seed(seed)
     if arch == "qwen3_5_vl":

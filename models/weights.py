@@ -8,10 +8,12 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from huggingface_hub import save_torch_state_dict
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-INDEX = "model.safetensors.index.json"
+from models.hub import INDEX, fetch_files, shard_index
+
 STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,6 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_s
     ``huggingface_hub.save_torch_state_dict`` splits, writes and indexes exactly as transformers does
     (and removes stale shards of an earlier save first, so none is read back).
     """
-    from huggingface_hub import save_torch_state_dict
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict({k: _owning(v) for k, v in state.items()}, directory, max_shard_size=max_shard_size,
@@ -51,18 +51,6 @@ def _owning(t: torch.Tensor) -> torch.Tensor:
     safetensors asks for (it refuses to save part of a storage)."""
     t = t.contiguous()
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-
-
-def shard_index(directory: Path) -> dict[str, str] | None:
-    """``weight_map`` (tensor name -> shard file) of a sharded folder; None for a single-file one."""
-    path = Path(directory) / INDEX
-    if not path.is_file():
-        return None
-    try:
-        return dict(json.loads(path.read_text())["weight_map"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a safetensors shard index ({type(e).__name__}: {e}): a truncated "
-                         "download? Re-download or re-export the folder") from None
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -131,8 +119,6 @@ def norm_signature(directory: Path, n: int = 8) -> dict[str, list[float]]:
     records it and ``export.push`` compares it (:func:`same_signature`), so a report measured with
     another drafter never lands on this one's model card.
     """
-    from safetensors import safe_open
-
     out = {}
     for path in weight_files(directory):
         with safe_open(str(path), framework="pt") as f:
@@ -157,10 +143,6 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
     A multimodal checkpoint stores the text tower under ``model.language_model.``: a key the text
     model calls ``model.X`` is looked up there too.
     """
-    from safetensors import safe_open
-
-    from models.hub import fetch_files
-
     def aliases(key: str) -> list[str]:
         return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
 

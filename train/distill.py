@@ -28,8 +28,9 @@ Determinism: the data order of epoch e is a permutation drawn from (seed, e), an
 each row from (seed, epoch, row), both from their own generators (train/rng.py). So the data-order
 state is just (epoch, step in epoch), a resumed run draws exactly the same anchors as an
 uninterrupted one, and a row's blocks do not depend on the batch size, gradient accumulation or
-process count. The loss of an optimizer step is normalised by the slot-weight sum of the whole step
-(see the loop), so ``batch_size=2 grad_accum=1`` and ``batch_size=1 grad_accum=2`` take the same step.
+process count. The loss of an optimizer step is normalised over the whole step (the slot-weight sum, or
+D-PACE's ``train.dpace_normaliser``; see the loop), so ``batch_size=2 grad_accum=1`` and
+``batch_size=1 grad_accum=2`` take the same step.
 """
 
 from __future__ import annotations
@@ -155,15 +156,13 @@ def write_run_config(run) -> None:
 def build_drafter(run, drafter_cfg, target):
     """A fresh drafter (Qwen3 init from the seed) or ``drafter.init_from``, in fp32 on the device, bound to
     the target's frozen embedding and LM head (``train.compile``: both models' layers compiled, ``run.compiled``)."""
-    from models.drafter import DFlashDraftModel
+    from models.drafter2 import new_drafter
     from train.compiling import compile_models
 
     torch.manual_seed(run.cfg.train.seed)
-    drafter = DFlashDraftModel(drafter_cfg)  # the run's config (checked against init_from's): what is saved
-    if run.cfg.drafter.init_from:
-        drafter.load_state_dict(DFlashDraftModel.from_pretrained(run.cfg.drafter.init_from).state_dict())
-    else:
-        drafter.init_weights()
+    # the run's config (checked against init_from's): what is saved. A v1 init_from of a DFlash2 run gives the
+    # backbone, identity convs and a fresh selector.
+    drafter = new_drafter(drafter_cfg, run.cfg.drafter.init_from)
     drafter = drafter.float().to(run.device).train()
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing

@@ -14,13 +14,25 @@ import os
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
+
+from data import tiny_chat
+from data.engine import offloaded
+from data.features import OnlineFeatures, collate
+from data.prepare import ensure_prepared, load_prepared
+from data.store import FeatureStore, prepared_fingerprint
+from models.config import ConfigError, DFlashConfig, TargetShape
+from models.hub import INDEX, resolve_model_dir
+from models.mask_token import resolve_mask_token
+from models.quantization import is_mlx_quantized, parse_quantization
+from models.quantize import resolve_target
+from models.target import TargetModel
+from models.target_folder import read_target_config
+from train.tiny import build_tiny_target, parse_tiny
 
 
 def load_target(cfg, out_dir: Path, accelerator, log):
     """The frozen target on this process's device (bf16 on CUDA unless target.dtype says otherwise)."""
-    from models.target import TargetModel
-    from train.tiny import build_tiny_target, parse_tiny
-
     path = cfg.target.path
     if not path:
         raise ValueError("target.path is empty: set it to a local folder, a Hub id, or tiny:<arch>")
@@ -32,8 +44,6 @@ def load_target(cfg, out_dir: Path, accelerator, log):
         accelerator.wait_for_everyone()
     # target.quantization: the quantized target replaces the bf16 one for everything downstream
     # (regeneration, features, KL, true tau), because that is what the drafter will run against.
-    from models.quant import resolve_target
-
     if accelerator.is_main_process:  # mlx-Nbit quantizes once, into out_dir (cached)
         resolve_target(path, cfg.target.quantization, out_dir, revision=cfg.target.revision, log=log)
     accelerator.wait_for_everyone()
@@ -77,8 +87,6 @@ def loads_whole_target(cfg, is_main: bool, fsdp: bool) -> bool:
 def borrows_target(cfg) -> bool:
     """Offline features with an unquantized target on one device per process: its embedding and LM head
     can be loaded alone (quantized targets come through their quantizer, spread ones through device_map)."""
-    from models.quant import parse_quantization
-
     return (cfg.features.mode == "offline" and not cfg.target.device_map
             and parse_quantization(cfg.target.quantization).kind == "none")
 
@@ -86,10 +94,6 @@ def borrows_target(cfg) -> bool:
 def in_safetensors(path: str, revision: str | None) -> bool:
     """A plain (not MLX-quantized) folder with safetensors shards, the two tensors can be read from.
     A Hub id with a shard index is answered from its small files (no shard downloaded here)."""
-    from models.quant import is_mlx_quantized
-    from models.target import read_target_config
-    from models.weights import INDEX
-
     directory, _ = read_target_config(path, revision, weights=False)
     if is_mlx_quantized(directory):
         return False
@@ -100,8 +104,6 @@ def in_safetensors(path: str, revision: str | None) -> bool:
 
 
 def _fsdp(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
     return accelerator.distributed_type == DistributedType.FSDP
 
 
@@ -112,8 +114,6 @@ def held_out_rows(eval_rows: int, rows: int) -> int:
 
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
-    from data.engine import offloaded
-    from data.prepare import ensure_prepared, load_prepared
     from models.support import run_on_main
 
     prepared = Path(cfg.data.prepared) if cfg.data.prepared else out_dir / "data"
@@ -121,9 +121,8 @@ def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     def prepare_data() -> None:  # main process; re-use / refuse / rebuild rules in data.reuse
         source = cfg.data.source
         if source == "tiny":
-            from data.tiny_chat import write
-
-            source = str(write(out_dir / "tiny_chat.jsonl", n=cfg.data.tiny_conversations, seed=cfg.train.seed))
+            source = str(tiny_chat.write(out_dir / "tiny_chat.jsonl", n=cfg.data.tiny_conversations,
+                                         seed=cfg.train.seed))
         ensure_prepared(target_path, source, prepared, explicit=bool(cfg.data.prepared), rebuild=cfg.data.rebuild,
                         log=log, regenerate=cfg.data.regenerate, thinking=cfg.data.thinking,
                         max_length=cfg.data.max_length, pack=cfg.data.pack, limit=cfg.data.limit,
@@ -179,16 +178,12 @@ class _Subset:
 def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
     """Providers for the training and held-out rows: online (target in the step) or offline (store)."""
     if cfg.features.mode == "online":
-        from data.features import OnlineFeatures
-
         topk = cfg.train.kl_topk if cfg.train.loss != "ce" else 0
         if topk > target.vocab_size:  # torch.topk's "selected index k out of range" at the first step
             raise ValueError(f"train.kl_topk={topk} is more than the target's {target.vocab_size} tokens: keep "
                              "fewer (default 32)")
         return (OnlineFeatures(target, layer_ids, data=train_ds, topk=topk),
                 OnlineFeatures(target, layer_ids, data=eval_ds, topk=0))
-    from data.store import FeatureStore, prepared_fingerprint
-
     store = FeatureStore(cfg.features.store, dtype=target.dtype, device=device)
     store.check_compatible(target=target, layer_ids=layer_ids, tokenizer=target.tokenizer)
     if len(store) != len(train_ds) + len(eval_ds):
@@ -212,8 +207,6 @@ def make_features(cfg, target, layer_ids: list[int], train_ds, eval_ds, device):
 def token_batch(ds, indices):
     """The token columns of prepared rows as a right-padded ``FeatureBatch`` (no features): what the
     anchor draw needs, read before any feature is computed or loaded."""
-    from data.features import collate
-
     return collate([ds[int(i)] for i in indices])
 
 
@@ -242,9 +235,6 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
     One resolver (``DFlashConfig.for_target``) for training, the dry-run plan and the benches; the
     mask token follows ``models.mask_token.resolve_mask_token`` and the choice is printed with its reason.
     """
-    from models.config import DFlashConfig, TargetShape
-    from models.mask_token import resolve_mask_token
-
     d = cfg.drafter
     mask = resolve_mask_token(target.vocab_size, target.tokenizer, explicit=d.mask_token_id, produced_ids=produced_ids)
     shape = TargetShape.from_config(target.config)
@@ -254,13 +244,14 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
         num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
         target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
-        block_size=d.block_size, rope_theta=d.rope_theta,
+        block_size=d.block_size, rope_theta=d.rope_theta, variant=d.variant,
         torch_dtype="bfloat16" if mixed_precision == "bf16" else "float32")
     drafter_cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                              num_layers=target.num_layers)
     named = f" {mask.token!r}" if mask.token else ""
     log(f"mask token: {mask.id}{named}: {mask.reason}")
-    log(f"drafter: {drafter_cfg.num_hidden_layers} layers, taps {drafter_cfg.target_layer_ids}, block "
+    kind = "DFlash2, " if drafter_cfg.variant == "dflash2" else ""
+    log(f"drafter: {kind}{drafter_cfg.num_hidden_layers} layers, taps {drafter_cfg.target_layer_ids}, block "
         f"{drafter_cfg.block_size}, RoPE base {drafter_cfg.rope_theta:g}, "
         f"{drafter_cfg.num_parameters() / 1e6:.2f}M parameters")
     return drafter_cfg
@@ -273,14 +264,16 @@ WARM_START_TARGET = ("hidden_size", "vocab_size", "num_target_layers")
 WARM_START_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                    "target_layer_ids", "block_size", "mask_token_id", "rope_theta")
 WARM_START_KEPT = ("rms_norm_eps", "layer_types", "sliding_window", "sliding_block_attention")
+# A DFlash2 run from a DFlash2 folder keeps its conv and selector settings too (no recipe key sets them); from a v1
+# folder only the backbone is taken (not its layer kinds: DFlash2's are sliding), with identity convs and a fresh
+# selector.
+WARM_START_DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                      "final_logit_softcapping", "input_embedding_scale")
 
 
 def warm_start_source(init_from: str):
     """The drafter config of ``drafter.init_from``'s folder; a folder that is missing or no full-precision drafter
     is refused. Training calls it before anything loads, and again when it has the run's config to compare."""
-    from models.config import ConfigError, DFlashConfig
-    from models.hub import resolve_model_dir
-
     directory = resolve_model_dir(init_from, what="drafter.init_from")
     try:
         loaded = DFlashConfig.load(directory)
@@ -308,9 +301,15 @@ def warm_start_config(init_from: str, drafter_cfg):
     if differing(WARM_START_TARGET):
         raise ValueError(f"drafter.init_from={init_from} was trained for another target "
                          f"({listed(differing(WARM_START_TARGET))}): warm-start from a drafter of this target")
+    if loaded.variant == "dflash2" and drafter_cfg.variant != "dflash2":
+        raise ValueError(f"drafter.init_from={init_from} is a DFlash2 drafter and this run trains variant "
+                         f"{drafter_cfg.variant}: set drafter.variant=dflash2")
+    same_variant = loaded.variant == drafter_cfg.variant
     rows = differing(WARM_START_KEYS)
     if rows:
         fix = " ".join(f"drafter.{n}={json.dumps(have).replace(' ', '')}" for n, have, _ in rows)
         raise ValueError(f"drafter.init_from={init_from} does not match the drafter this run resolved "
                          f"({listed(rows)}). To continue from it, add: {fix}")
-    return drafter_cfg.replace(**{n: getattr(loaded, n) for n in WARM_START_KEPT})
+    kept = (WARM_START_KEPT + (WARM_START_DFLASH2 if loaded.variant == "dflash2" else ())) if same_variant else \
+        ("rms_norm_eps",)
+    return drafter_cfg.replace(**{n: getattr(loaded, n) for n in kept})

@@ -3,8 +3,8 @@
     python lab/gpu/e2e.py qwen35-9b --work /dev/shm/measure --jsonl OUT/measure.jsonl    # CUDA, a few minutes
     python lab/gpu/e2e.py qwen35-9b --work /tmp/measure --jsonl /tmp/measure.jsonl --dry  # CPU, tiny shapes
 
-1. A random-weight target of the recipe's exact shape (``data.bench.recipe_target``, bf16, built on the GPU)
-   is saved to ``--work`` with the tiny byte tokenizer (``models.tiny``): a folder ``target.path`` can name.
+1. A random-weight target of the recipe's exact shape (``models.random_target.recipe_target``, bf16, built on
+   the GPU) is saved to ``--work`` with the tiny byte tokenizer (``models.tiny``): a folder ``target.path`` names.
 2. ``python -m train.bench --e2e RECIPE --compile``: the bench's MFU at this commit, on this card.
 3. ``accelerate launch train/distill.py recipe=RECIPE`` with the recipe's settings (``train.compile`` left at
    its default), ``train.max_steps=60``, ``data.regenerate=none`` on a synthetic chat source whose rows fill
@@ -72,7 +72,7 @@ def save_random_target(recipe: str, out: Path, dry: bool) -> dict:
     """A random-weight target of ``recipe``'s shape (dry: its tiny twin) with the tiny byte tokenizer, saved."""
     import torch
 
-    from data.bench import recipe_spec, recipe_target
+    from models.random_target import recipe_spec, recipe_target
     from models.tiny import tiny_target, tiny_tokenizer
 
     t0 = time.perf_counter()

@@ -828,14 +828,13 @@ def test_prepare_out_that_is_foreign_or_of_other_settings_is_refused_before_the_
     """With --regenerate local the target loaded (minutes for a large one) before an --out holding other files or
     data prepared with other settings, or --pack without --max-length, was refused."""
     import data.prepare
-    import data.regenerate as rg
     from data.reuse import DataMismatch, NotPreparedFolder
 
     prepared, mine = tmp_path / "prepared", tmp_path / "mine"
     data.prepare.prepare(str(data_target), str(_DATA_FIX / "openai.jsonl"), prepared, progress=False)
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    monkeypatch.setattr(data.prepare, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
     run = lambda out, *extra: data.prepare.main(["--target", str(data_target), "--source",  # noqa: E731
                                                  str(_DATA_FIX / "openai.jsonl"), "--out", str(out), "--regenerate",
                                                  "local", "--no-progress", *extra])
@@ -853,9 +852,8 @@ def test_prepare_out_that_is_foreign_or_of_other_settings_is_refused_before_the_
 
 def test_prepare_source_that_is_missing_is_named_before_the_regenerating_target_loads(tmp_path, monkeypatch):
     import data.prepare
-    import data.regenerate as rg
 
-    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    monkeypatch.setattr(data.prepare, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
     with pytest.raises(FileNotFoundError, match="'./chatz.jsonl' is neither a local file/folder nor a Hub id"):
         data.prepare.main(["--source", "./chatz.jsonl", "--out", str(tmp_path / "data"), "--target", "t",
                            "--regenerate", "local", "--no-progress"])
@@ -869,12 +867,11 @@ def test_prepare_source_no_reader_reads_is_named_before_the_regenerating_target_
     """A .csv source, or a folder of other files, was found only when the rows were first read: after the
     regenerating target had loaded (minutes for a large one)."""
     import data.prepare
-    import data.regenerate as rg
 
     (tmp_path / "chats.csv").write_text((_DATA_FIX / "openai.jsonl").read_text())
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "chats.txt").write_text("hello")
-    monkeypatch.setattr(rg, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
+    monkeypatch.setattr(data.prepare, "load_local_target", lambda *_: pytest.fail("the target loaded before the check"))
     with pytest.raises((ValueError, FileNotFoundError), match=said):
         data.prepare.main(["--source", str(tmp_path / source), "--out", str(tmp_path / "data"), "--target",
                            str(data_target), "--regenerate", "local", "--no-progress"])
@@ -1007,12 +1004,12 @@ def test_data_bench_removes_its_stores(tmp_path, monkeypatch, capsys):
 def test_data_bench_removes_its_stores_on_an_error(tmp_path, monkeypatch):
     import tempfile
 
-    import data.store
+    import data.bench
 
     def broken(*a, **k):
         raise KeyboardInterrupt
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(data.store, "FeatureStore", broken)  # after the first store is written
+    monkeypatch.setattr(data.bench, "FeatureStore", broken)  # after the first store is written
     with pytest.raises(KeyboardInterrupt):
         bench("data")(TOY_DATA)
     assert bench_stores(tmp_path) == []

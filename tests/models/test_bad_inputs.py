@@ -261,7 +261,7 @@ def test_an_mlx_drafter_fed_features_of_another_width_is_refused(export_drafter)
 def mlx_q4_folder(tmp_path_factory):
     """A tiny Qwen3 target and its MLX 4-bit (group 32) folder, written by mlx_lm's own functions."""
     pytest.importorskip("mlx_lm")
-    from models.quant import quantize_to_mlx
+    from models.quantize import quantize_to_mlx
     from models.tiny import save_tiny_target
 
     root = tmp_path_factory.mktemp("bad_quant")
@@ -275,7 +275,7 @@ def test_a_target_retrained_in_place_is_quantized_again(tmp_path):
     pytest.importorskip("mlx_lm")
     from safetensors.torch import load_file
 
-    from models.quant import quantize_to_mlx
+    from models.quantize import quantize_to_mlx
     from models.tiny import save_tiny_target
 
     said = []
@@ -309,14 +309,15 @@ def _copy_with(folder, dst, drop=(), config_update=None):
 
 
 def test_mlx_prefix_without_a_path_is_refused():
-    from models.quant import QuantizationError, parse_quantization
+    from models.quantization import QuantizationError, parse_quantization
 
     with pytest.raises(QuantizationError, match="needs a folder or Hub id after 'mlx:'"):
         parse_quantization("mlx:")
 
 
 def test_group_size_not_dividing_the_hidden_size_is_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, quantize_to_mlx
+    from models.quantization import QuantizationError
+    from models.quantize import quantize_to_mlx
     from models.tiny import save_tiny_target
 
     with pytest.raises(QuantizationError, match="group size 128 does not divide the target's hidden size 64.*"
@@ -334,7 +335,8 @@ def test_quantizing_to_a_width_or_family_mlx_lm_cannot_take_is_refused_before_it
     does not pack, or a model family draftsmith does not train for, is named before mlx_lm reads the weights."""
     import shutil
 
-    from models.quant import QuantizationError, quantize_to_mlx
+    from models.quantization import QuantizationError
+    from models.quantize import quantize_to_mlx
     from models.target import UnsupportedTarget
 
     with pytest.raises(QuantizationError, match="7 bits is not an MLX affine width; use one of \\[2, 3, 4, 5, 6, 8\\]"):
@@ -348,7 +350,8 @@ def test_quantizing_to_a_width_or_family_mlx_lm_cannot_take_is_refused_before_it
 
 
 def test_missing_scales_is_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, load_mlx_target
+    from models.quantization import QuantizationError
+    from models.target import load_mlx_target
 
     bad = _copy_with(mlx_q4_folder[1], tmp_path / "bad", drop=("model.layers.0.mlp.up_proj.scales",))
     with pytest.raises(QuantizationError, match="up_proj.weight is packed .* but model.layers.0.mlp.up_proj.scales "
@@ -357,7 +360,8 @@ def test_missing_scales_is_refused(mlx_q4_folder, tmp_path):
 
 
 def test_missing_biases_is_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, load_mlx_target
+    from models.quantization import QuantizationError
+    from models.target import load_mlx_target
 
     bad = _copy_with(mlx_q4_folder[1], tmp_path / "bad", drop=("model.layers.1.self_attn.o_proj.biases",))
     with pytest.raises(QuantizationError, match="o_proj: has .scales but no .biases"):
@@ -365,7 +369,8 @@ def test_missing_biases_is_refused(mlx_q4_folder, tmp_path):
 
 
 def test_config_bits_that_do_not_match_the_weights_are_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, load_mlx_target
+    from models.quantization import QuantizationError
+    from models.target import load_mlx_target
 
     bad = _copy_with(mlx_q4_folder[1], tmp_path / "bad", config_update={"bits": 8})
     with pytest.raises(QuantizationError, match="do not fit 8 bits at group size 32.*does not match the weights"):
@@ -377,7 +382,8 @@ def test_dequantize_refuses_scales_and_biases_of_other_shapes():
     one row's groups, read at the wrong group size, spread over the rows."""
     import torch
 
-    from models.quant import QuantizationError, dequantize
+    from models.dequantize import dequantize
+    from models.quantization import QuantizationError
 
     packed, scales, biases = torch.zeros(4, 8, dtype=torch.uint32), torch.ones(4, 2), torch.zeros(4, 2)
     assert dequantize(packed, scales, biases, 32, 4).shape == (4, 64)  # 4 rows of 64 4-bit values
@@ -393,7 +399,8 @@ def test_dequantize_refuses_scales_and_biases_of_other_shapes():
 def test_scales_without_their_weight_are_refused():
     import torch
 
-    from models.quant import QuantizationError, dequantize_weights
+    from models.dequantize import dequantize_weights
+    from models.quantization import QuantizationError
 
     weights = {"a.weight": torch.ones(2, 2), "b.scales": torch.ones(2, 1), "b.biases": torch.zeros(2, 1)}
     with pytest.raises(QuantizationError, match="b.scales has no matching .weight"):
@@ -402,7 +409,9 @@ def test_scales_without_their_weight_are_refused():
 
 def test_mlx_path_that_is_not_quantized_is_refused(mlx_q4_folder, tmp_path):
 
-    from models.quant import QuantizationError, load_mlx_target, resolve_target
+    from models.quantization import QuantizationError
+    from models.quantize import resolve_target
+    from models.target import load_mlx_target
 
     with pytest.raises(QuantizationError, match="has no MLX 'quantization' in its config.json"):
         resolve_target(str(mlx_q4_folder[0]), f"mlx:{mlx_q4_folder[0]}", tmp_path)
@@ -422,7 +431,8 @@ def test_an_mlx_checkpoint_that_does_not_fit_the_model_names_the_tensors(mlx_q4_
 
     import torch
 
-    from models.quant import QuantizationError, build_hf_model, dequantize_weights, read_safetensors, to_hf_state_dict
+    from models.dequantize import build_hf_model, dequantize_weights, read_safetensors, to_hf_state_dict
+    from models.quantization import QuantizationError
 
     folder = mlx_q4_folder[1]
     config = json.loads((folder / "config.json").read_text())
@@ -439,7 +449,8 @@ def test_an_mlx_checkpoint_that_does_not_fit_the_model_names_the_tensors(mlx_q4_
 
 
 def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
-    from models.quant import QuantizationError, quantize_to_mlx
+    from models.quantization import QuantizationError
+    from models.quantize import quantize_to_mlx
 
     (tmp_path / "mine.txt").write_text("not yours")
     with pytest.raises(QuantizationError, match="was not written by draftsmith's quantizer"):
@@ -452,7 +463,9 @@ def test_quantizing_into_a_foreign_folder_is_refused(mlx_q4_folder, tmp_path):
 def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch, tmp_path):
     import importlib.util
 
-    from models.quant import QuantizationError, resolve_target, transformers_quantization_config
+    from models.quantization import QuantizationError
+    from models.quantize import resolve_target
+    from models.target import transformers_quantization_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -466,7 +479,8 @@ def test_bnb_without_bitsandbytes_says_what_to_install(monkeypatch, tmp_path):
 def test_fp8_without_cuda_says_so(monkeypatch):
     import torch
 
-    from models.quant import QuantizationError, transformers_quantization_config
+    from models.quantization import QuantizationError
+    from models.target import transformers_quantization_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(QuantizationError, match="fp8 needs a CUDA GPU.*use mlx-8bit"):
@@ -591,7 +605,8 @@ def test_a_truncated_or_garbled_target_shard_is_named_by_every_loader(tmp_path, 
     own loader already named the file)."""
     import importlib.util
 
-    from models.quant import load_mlx_target, quantize_to_mlx
+    from models.quantize import quantize_to_mlx
+    from models.target import load_mlx_target
     from models.target import TargetModel
     from models.tiny import save_tiny_target
 
@@ -642,7 +657,7 @@ def test_a_garbled_safetensors_header_is_named_as_such(tmp_path, header, said):
 
 
 def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):
-    """``runs/small-target`` (recipe=small before train.small_target built it) is also an org/name id:
+    """``runs/small-target`` (recipe=small before lab.small_target built it) is also an org/name id:
     the error names the Hub failure in one line and the local folder that is not there."""
     from models.hub import resolve_model_dir
 
@@ -802,3 +817,68 @@ def test_a_bad_flex_backward_setting_says_the_accepted_forms(setting, said):
 
     with pytest.raises(ValueError, match=re.escape(said)):
         parse_flex_backward(setting)
+
+
+# ----------------------------------------------------------------------------- DFlash2 drafters
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d["dflash_config"].update(conv_group_size=24), "conv_group_size=24: must divide hidden_size=64"),
+    (lambda d: d["dflash_config"].update(selector_top_k=300), "selector_top_k=300: is more than the 288 tokens"),
+    (lambda d: d["dflash_config"].update(conv_kernel_size=9), "conv_kernel_size=9: reaches past the block (8 slots)"),
+    (lambda d: d["dflash_config"].update(selector_rank=0), "selector_rank=0: must be a positive integer"),
+    (lambda d: d["dflash_config"].pop("selector_rank"), "selector_rank=None: missing from config.json"),
+    (lambda d: d["dflash_config"].update(output_multiplier=-1), "output_multiplier=-1: must be a positive number"),
+    (lambda d: d.update(layer_types=["full_attention", "sliding_attention"]),
+     "a DFlash2 drafter has sliding_attention in every layer"),
+    (lambda d: d.pop("is_causal"), "is_causal=None: a DFlash2 drafter attends to its whole block"),
+    (lambda d: d.update(is_causal=True), "is_causal=True: a DFlash2 drafter attends to its whole block"),
+    (lambda d: d.update(sliding_window=4), "sliding_window=4: is smaller than the block (8)"),
+    (lambda d: d.update(architectures=["DFlashDraftModel"]), "names DFlashDraftModel but the config has DFlash2's"),
+])
+def test_a_dflash2_config_with_inconsistent_shape_keys_is_refused_before_any_weight_loads(tmp_path, edit, problem):
+    """Each published-layout key checked with the shape it depends on, in one line naming the key and the fix."""
+    from models.config import ConfigError
+    from models.drafter2 import load_drafter
+    from tests.helpers.dflash2 import published_folder
+
+    folder = published_folder(tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    edit(d)
+    (folder / "config.json").write_text(json.dumps(d))
+    (folder / "model.safetensors").write_bytes(b"not read")  # refused before the weights are opened
+    with pytest.raises(ConfigError, match=re.escape(problem)) as e:
+        load_drafter(folder)
+    assert "\n" not in str(e.value) and "Fix: " in str(e.value)
+
+
+def test_dflash2_settings_on_a_v1_drafter_and_a_v2_folder_in_a_v1_loader_are_refused(tmp_path):
+    from models.config import ConfigError
+    from models.drafter import DFlashDraftModel
+    from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
+
+    with pytest.raises(ConfigError, match="selector_rank=8: is a DFlash2 setting on a variant dflash drafter"):
+        tiny_dflash2_config(variant="dflash")
+    with pytest.raises(ConfigError, match="variant='dflash3': unknown drafter generation"):
+        tiny_dflash2_config(variant="dflash3")
+    with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter, which DFlashDraftModel does not build: "
+                                         "load it with models.drafter2.load_drafter"):
+        DFlashDraftModel.from_pretrained(published_folder(tmp_path))
+
+
+def test_a_dflash2_block_that_is_not_whole_blocks_is_refused():
+    from tests.helpers.dflash2 import random_dflash2, tiny_dflash2_config
+
+    model = random_dflash2(tiny_dflash2_config())
+    with pytest.raises(ValueError, match="12 block slots is not a multiple of block_size 8"):
+        model(torch.zeros(1, 12, 64), torch.zeros(1, 3, 192), torch.arange(15)[None])
+
+
+def test_init_from_a_dflash2_drafter_for_a_v1_run_is_refused(tmp_path):
+    from models.drafter2 import new_drafter
+    from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
+
+    folder = published_folder(tmp_path)
+    config = tiny_dflash2_config(num_target_layers=6, target_layer_ids=[1, 2, 3], mask_token_id=265)
+    config = config.as_variant("dflash")
+    with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter and this run trains a DFlashDraftModel: "
+                                         "set drafter.variant=dflash2"):
+        new_drafter(config, init_from=folder)

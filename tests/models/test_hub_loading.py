@@ -251,7 +251,7 @@ def test_a_hub_target_quantized_at_a_pinned_revision_is_quantized_from_that_revi
     """target.revision reaches the quantizer and its cache key: a folder quantized from the repo's head is not
     handed back for a pinned commit (which may hold other weights), and the pinned one is then reused."""
     pytest.importorskip("mlx_lm")
-    from models.quant import QUANT_MARKER, resolve_target
+    from models.quantize import QUANT_MARKER, resolve_target
 
     said = []
     head, _ = resolve_target("org/tiny", "mlx-4bit-g32", tmp_path, log=said.append)

@@ -18,16 +18,10 @@ import torch
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from models.quant import (  # noqa: E402
-    QuantizationError,
-    dequantize,
-    dequantize_weights,
-    load_mlx_target,
-    parse_quantization,
-    quantize_to_mlx,
-    read_safetensors,
-    resolve_target,
-)
+from models.dequantize import dequantize, dequantize_weights, read_safetensors  # noqa: E402
+from models.quantization import QuantizationError, parse_quantization  # noqa: E402
+from models.quantize import quantize_to_mlx, resolve_target  # noqa: E402
+from models.target import load_mlx_target  # noqa: E402
 from models.tiny import save_tiny_target  # noqa: E402
 
 TOL = 1e-4  # see the module docstring for the measured differences
@@ -193,7 +187,7 @@ def test_quantization_values_parse():
 
 
 def test_trained_against_names_what_the_run_used(sources, tmp_path):
-    from models.quant import trained_against
+    from models.provenance import trained_against
 
     src = sources("qwen3")
     out = quantize_to_mlx(src, tmp_path / "q", bits=4, group_size=32, log=lambda *_: None)
@@ -276,7 +270,7 @@ def test_quantizing_an_already_quantized_folder_is_refused(sources, tmp_path):
 
 # ---------------------------------------------------------------------------- reading an MLX folder: small cases
 def test_layer_params_take_a_layers_own_entry_and_name_the_layer_that_does_not_fit():
-    from models.quant import layer_params
+    from models.dequantize import layer_params
 
     quant = {"bits": 4, "group_size": 64, "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}}
     assert layer_params(quant, "model.layers.1.mlp.down_proj", 8, 1) == (4, 64)  # 8 words = 256 bits = 64 x 4
@@ -295,7 +289,7 @@ def test_layer_params_take_a_layers_own_entry_and_name_the_layer_that_does_not_f
 def test_qwen35_names_layouts_and_norms_come_back_to_transformers(sanitized):
     """mlx_lm's sanitize moves conv1d to [C, K, 1] and adds 1 to the norms: both are undone, but only for a
     folder it sanitized (an HF-layout conv1d [C, 1, K] means the norms are still transformers' own)."""
-    from models.quant import to_hf_state_dict
+    from models.dequantize import to_hf_state_dict
 
     conv = torch.arange(8.0).reshape(2, 1, 4)
     weights = {
@@ -319,7 +313,7 @@ def test_qwen35_names_layouts_and_norms_come_back_to_transformers(sanitized):
 
 
 def test_only_a_config_with_bits_and_group_size_is_an_mlx_quantized_folder(tmp_path):
-    from models.quant import is_mlx_quantized
+    from models.quantization import is_mlx_quantized
 
     assert not is_mlx_quantized(tmp_path)  # no config.json
     for quantization, expected in (({"bits": 4, "group_size": 64}, True), ({"bits": 4}, False), (None, False)):
@@ -329,7 +323,7 @@ def test_only_a_config_with_bits_and_group_size_is_an_mlx_quantized_folder(tmp_p
 
 def test_unpack_reads_a_little_endian_bit_stream_and_refuses_a_partial_pack():
     """3-bit values: every 3 bytes hold 8 values, lowest bits first (built here as one Python integer)."""
-    from models.quant import unpack
+    from models.dequantize import unpack
 
     values = [(7 * i + 3) % 8 for i in range(32)]
     stream = sum(v << (3 * i) for i, v in enumerate(values)).to_bytes(12, "little")
@@ -355,7 +349,7 @@ def test_dequantize_is_bitwise_for_the_other_mlx_widths_too(dtype):
 
 def test_unpack_refuses_words_that_are_not_32_bit():
     """Packed weights read as int64 (or float) would unpack byte soup: only uint32 / int32 words are read."""
-    from models.quant import unpack
+    from models.dequantize import unpack
 
     assert unpack(torch.tensor([[0x76543210]], dtype=torch.int32), 4).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
     for dtype in (torch.int64, torch.float32):
@@ -364,7 +358,7 @@ def test_unpack_refuses_words_that_are_not_32_bit():
 
 
 def test_layer_params_refuse_a_layers_own_mode_or_width_and_name_the_layer():
-    from models.quant import layer_params
+    from models.dequantize import layer_params
 
     quant = {"bits": 4, "group_size": 64, "model.layers.0.mlp.gate": {"bits": 8, "group_size": 64, "mode": "mxfp4"},
              "model.layers.0.mlp.up_proj": {"bits": 7, "group_size": 32}}
@@ -395,7 +389,7 @@ def test_dequantize_weights_casts_the_unquantized_tensors_and_needs_a_quantizati
 def test_a_checkpoint_without_lm_head_needs_tied_embeddings(sources, tmp_path):
     """No lm_head.weight: the embedding stands in only when the config ties them; otherwise it is refused
     (a copied embedding would be a wrong head)."""
-    from models.quant import build_hf_model, to_hf_state_dict
+    from models.dequantize import build_hf_model, to_hf_state_dict
 
     out = quantize_to_mlx(sources("qwen3"), tmp_path / "q", bits=8, group_size=32, log=lambda *_: None)
     config = json.loads((out / "config.json").read_text())
@@ -431,7 +425,7 @@ def test_transformers_quantizers_are_configured_as_documented(sources, tmp_path,
     """bnb-4bit is NF4 computing in bf16; none leaves the target as it is (no quantization to pass on)."""
     import importlib.util
 
-    from models.quant import transformers_quantization_config
+    from models.target import transformers_quantization_config
 
     src = str(sources("qwen3"))
     assert resolve_target(src, "none", tmp_path) == (src, None) and resolve_target(src, None, tmp_path) == (src, None)
@@ -451,7 +445,7 @@ def test_the_quantized_folders_cache_key_reads_the_first_and_last_mib_of_each_we
     """A target retrained in place keeps its path and config: its weight files' names, sizes and both ends are
     hashed, so a change in the first or the last MiB (the last layers and the head of a large shard), or a shard
     renamed, quantizes it again."""
-    from models.quant import weights_digest
+    from models.quantize import weights_digest
 
     shard = tmp_path / "model.safetensors"
     data = bytearray(bytes(range(256)) * (3 << 12))  # 3 MiB: a middle MiB neither end covers

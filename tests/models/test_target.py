@@ -198,12 +198,11 @@ def test_a_tiny_target_is_built_in_its_own_folder_of_the_run_and_loaded_from_it(
     """tiny:<arch> is built in out_dir/tiny_target, beside the run's data and checkpoints, and that folder
     (not "tiny:<arch>") is the path training loads and records. The main process builds it; every process
     waits for it before reading it."""
-    import models.quant
-    import train.tiny
+    import train.setup
     from train.config import load_config
     from train.setup import load_target
 
-    events, resolve = [], models.quant.resolve_target
+    events, resolve = [], train.setup.resolve_target
 
     def build(path, arch, log):
         events.append(("build", path, arch))
@@ -213,8 +212,8 @@ def test_a_tiny_target_is_built_in_its_own_folder_of_the_run_and_loaded_from_it(
         def wait_for_everyone(self):
             events.append("wait")
 
-    monkeypatch.setattr(train.tiny, "build_tiny_target", build)
-    monkeypatch.setattr(models.quant, "resolve_target", lambda *a, **kw: events.append("read") or resolve(*a, **kw))
+    monkeypatch.setattr(train.setup, "build_tiny_target", build)
+    monkeypatch.setattr(train.setup, "resolve_target", lambda *a, **kw: events.append("read") or resolve(*a, **kw))
     cfg = load_config(["recipe=tiny", "target.path=tiny:llama", "eval.true_tau_prompts=0"])
     _, path = load_target(cfg, tmp_path, Recorded(), log=lambda *_: None)
     assert path == str(tmp_path / "tiny_target")
@@ -289,7 +288,7 @@ def test_a_shard_with_bytes_past_its_tensors_is_refused(tmp_path):
 # ------------------------------------------------------------------ MLX-quantized targets (loading side)
 def _quantize(src, out, bits, group_size):
     pytest.importorskip("mlx_lm")
-    from models.quant import quantize_to_mlx
+    from models.quantize import quantize_to_mlx
 
     return quantize_to_mlx(src, out, bits=bits, group_size=group_size, log=lambda *_: None)
 
@@ -306,7 +305,7 @@ def test_an_mlx_quantized_bf16_target_loads_in_bf16_by_default(tmp_path):
 def test_quantizing_again_with_other_bits_rebuilds_the_cached_folder(tmp_path):
     """The cache is keyed on every argument: asking for 8 bits where a 4-bit folder was made rebuilds it,
     never hands back the 4-bit weights under an 8-bit name; so does another group size or dtype."""
-    from models.quant import quantize_to_mlx
+    from models.quantize import quantize_to_mlx
 
     src = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
     out = tmp_path / "q"
@@ -324,7 +323,7 @@ def test_quantizing_again_with_other_bits_rebuilds_the_cached_folder(tmp_path):
 def test_a_group_size_that_does_not_divide_the_hidden_size_is_refused(tmp_path):
     """hidden 64 and group 128: mlx_lm would leave every such layer unquantized (a bf16 target named 4-bit);
     refused with the sizes that fit, before anything is written."""
-    from models.quant import QuantizationError
+    from models.quantization import QuantizationError
 
     src = save_tiny_target(tmp_path / "t", "qwen3", num_layers=2)
     with pytest.raises(QuantizationError, match=r"group size 128 does not divide the target's hidden size 64: .*"
@@ -350,7 +349,7 @@ def test_an_mlx_folder_of_the_older_weights_nn_layout_reads_every_file(tmp_path)
     without model*.safetensors reads all of its safetensors files."""
     from safetensors.torch import load_file, save_file
 
-    from models.quant import read_safetensors
+    from models.dequantize import read_safetensors
 
     q = _quantize(save_tiny_target(tmp_path / "t", "qwen3", num_layers=2), tmp_path / "q", 4, 32)
     weights = load_file(str(q / "model.safetensors"))
@@ -420,7 +419,7 @@ def test_weight_files_are_each_shard_once_in_name_order(tmp_path):
 
 @pytest.mark.parametrize("index", ['{"metadata": {}}', '["model.safetensors"]', '{"weight_map": '])
 def test_an_index_without_a_weight_map_is_named_as_a_broken_index(tmp_path, index):
-    from models.weights import INDEX, shard_index
+    from models.hub import INDEX, shard_index
 
     (tmp_path / INDEX).write_text(index)
     with pytest.raises(ValueError, match=f"{INDEX} is not a safetensors shard index"):
