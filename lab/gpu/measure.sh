@@ -7,7 +7,7 @@
 #   bash lab/gpu/measure.sh qwen3-8b test-cuda   # there: only these stages (what a first call left out)
 #   bash lab/gpu/measure.sh --dry          # a CPU: the same plumbing on tiny shapes, no figures
 #
-# Stages, in this order unless named: qwen35-9b, validate-loops, test-cuda, qwen3-8b.
+# Stages, in this order unless named: qwen35-9b, validate-loops, test-cuda, qwen3-8b, qwen35-loops.
 #   qwen35-9b / qwen3-8b  lab/gpu/e2e.py: a random-weight target of the recipe's shape saved to disk, then
 #                   `python -m train.bench --e2e RECIPE --compile` and a 60-step `accelerate launch
 #                   train/distill.py recipe=RECIPE` (default settings, data.regenerate=none, synthetic chats);
@@ -15,6 +15,8 @@
 #   validate-loops  tests/test_cuda.py's validate test: inference.validate in fp32 with a trained tiny drafter,
 #                   the eager, static and compiled CUDA loops against the CPU eager loop's acceptance lengths.
 #   test-cuda       the rest of `pytest tests/test_cuda.py -v` (each test capped by pytest-timeout).
+#   qwen35-loops    `python -m inference.bench --random-target qwen35-9b --loop static eager`: the Qwen3.5 graph
+#                   loop's speed, what --loop auto waits for (inference/session.py, AUTO_LOOP_ON_CUDA).
 # A stage starts only if the time it needs is left, and is stopped (its whole process group) at its cap;
 # a stage left out says so in a "skipped" line. Logs: $OUT/<stage>.log (at most 8 files come back).
 #
@@ -53,7 +55,7 @@ for arg in "$@"; do
     *) STAGES+=("$arg") ;;
   esac
 done
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(qwen35-9b validate-loops test-cuda qwen3-8b)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(qwen35-9b validate-loops test-cuda qwen3-8b qwen35-loops)
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 line() { echo "$1" | tee -a "$J"; }
@@ -140,6 +142,18 @@ EOF
 )"
 }
 
+json_from_log() {  # a bench's JSON lines, from its stage log into measure.jsonl
+  "$PY" - "$OUT/$1.log" "$1" <<'EOF' | tee -a "$J"
+import json, sys
+for text in open(sys.argv[1], errors="replace"):
+    if text.startswith("{"):
+        try:
+            print(json.dumps({"measure": "inference_bench", "stage": sys.argv[2], "row": json.loads(text)}))
+        except ValueError:
+            pass
+EOF
+}
+
 E2E=("$PY" lab/gpu/e2e.py --work "$WORK" --jsonl "$J")
 [ "$DRY" = 1 ] && E2E+=(--dry)
 PYTEST=("$PY" -m pytest tests/test_cuda.py -v -p no:cacheprovider -o console_output_style=classic)
@@ -150,6 +164,10 @@ for s in "${STAGES[@]}"; do
     qwen3-8b) stage qwen3-8b 150 280 "${E2E[@]}" qwen3-8b --log "$OUT/qwen3-8b.log" ;;
     validate-loops) stage validate-loops 120 240 "${PYTEST[@]}" -k validate_gives && pytest_summary validate-loops ;;
     test-cuda) stage test-cuda 90 480 "${PYTEST[@]}" -k "not validate_gives" && pytest_summary test-cuda ;;
+    qwen35-loops)
+      if [ "$DRY" = 1 ]; then loops=(--random-target tiny --device cpu); else loops=(--random-target qwen35-9b); fi
+      stage qwen35-loops 100 200 "$PY" -m inference.bench "${loops[@]}" --loop static eager --prompts a b \
+        --max-new-tokens 128 && json_from_log qwen35-loops ;;
     *) line "{\"measure\": \"unknown_stage\", \"stage\": \"$s\"}" ;;
   esac
 done
