@@ -104,9 +104,9 @@ class Compiled:
     def summary(self) -> str:
         spent = self.compile_s()
         what = f"{spent:.1f} s of one-time compilation" if spent is not None else "one-time compilation"
-        return (f"train.compile: {self.what} compiled: {what} (layers, flex attention, the loss kernel; the step-0 "
-                f"eval included), first step {self.first_step_s:.1f} s; a new row length recompiles once "
-                "(dynamic shapes)")
+        return (f"train.compile: {self.what} compiled: {what} (everything compiled since the layers were wrapped: "
+                f"layers, flex attention, the loss kernel), first step {self.first_step_s:.1f} s; a row length not "
+                "seen before recompiles once (dynamic shapes)")
 
     def eager_again(self, error: BaseException) -> None:
         """Put back the layers' eager forwards, once, with one warning naming the failure."""
