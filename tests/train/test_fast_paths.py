@@ -280,6 +280,26 @@ def test_a_failing_compile_falls_back_to_eager_once_with_the_eager_losses(first_
     assert not any("compile_s" in r or "mfu" in r for r in metrics(tmp_path / "fell_back"))  # CPU: no MFU
 
 
+def test_a_compiled_run_prints_its_one_time_compile_and_logs_it_in_the_first_row(tmp_path, monkeypatch, capsys):
+    """A compiled run (here torch.compile hands back the functions as they are) prints one train.compile line
+    after its first step, and its first logged row, alone, carries compile_s; the losses are the eager run's."""
+    import train.compiling
+    from tests.helpers.tiny_run import FAST, golden_input_dirs, losses, metrics, run
+
+    args = [*golden_input_dirs(tmp_path / "inputs"), *FAST, "train.max_steps=3", "logging.every=2"]
+    run(tmp_path / "eager", *args)
+    monkeypatch.setattr(train.compiling, "compile_wanted", lambda setting, device_type: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: fn)
+    capsys.readouterr()
+    run(tmp_path / "compiled", *args)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train.compile:")]
+    assert len(said) == 1 and said[0].startswith("train.compile: drafter and target layers compiled: ")
+    assert "first step" in said[0]
+    rows = [r for r in metrics(tmp_path / "compiled") if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 3] and "compile_s" in rows[0] and "compile_s" not in rows[1]
+    assert losses(tmp_path / "compiled") == losses(tmp_path / "eager")
+
+
 def test_logged_flops_are_the_benchs_count_and_mfu_divides_by_the_cards_peak(monkeypatch):
     """The training log's model FLOPs (train.loop.flop_counter, on the host's blocks) are train.bench's count for
     the same blocks plus the tapped target layers; on CUDA the step row's mfu divides by the bench's peak."""
