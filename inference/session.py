@@ -7,9 +7,10 @@ timers and cache treatment). The loop (``--loop auto|eager|static|compiled``, ``
 * ``auto``: the static-buffer loop with CUDA graphs (``inference.static_loop``) on a GPU where it applies,
   else the eager loop (``inference.torch_loop``). An eager batch-1 forward on a GPU is launch-bound (an 8B
   target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager speedups there measure
-  the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) stay eager until their graph
-  replay has been measured on a GPU (``--loop static`` runs them); drafters with sliding-window layers
-  run eager (the static drafter pass has full-attention layers only).
+  the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) and GLM 4.x MoE stay eager
+  until their graph replay has been measured on a GPU (``--loop static`` runs them, exact on the CPU);
+  Qwen3-Next and latent-attention targets (DeepSeek-V3, Kimi) run eager (the static loop refuses them);
+  drafters with sliding-window layers run eager (the static drafter pass has full-attention layers only).
 * a block size other than the drafter's runs the eager loop, DFlash and the baseline both (the graphs
   are captured for one block shape), with one warning saying so;
 * ``static`` / ``compiled`` (graphs + torch.compile'd layers) / ``eager`` force one; the MLX backend runs
@@ -30,6 +31,7 @@ from inference.stats import resolve_block_size
 from models.support import check_device
 from models.drafter import DFlashDraftModel
 from models.target import TargetModel
+from models.target_folder import family_facts
 
 log = logging.getLogger("inference")
 
@@ -51,10 +53,12 @@ def pick_backend(requested: str) -> str:
 
 def choose_loop(requested: str, target, drafter, block_size: int | None = None) -> str:
     """The torch loop a session runs (the rules in the module docstring): eager, static or compiled."""
-    if requested == "auto" and target.device.type == "cuda" and target.is_hybrid:
-        log.warning("Qwen3.5 target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the "
-                    "speedup partly measures the host); --loop static runs the CUDA-graph loop, not yet checked "
-                    "on a GPU")
+    facts = family_facts(getattr(target, "family", ""))
+    if requested == "auto" and target.device.type == "cuda" and (target.is_hybrid or facts.static_loop == "asked"):
+        if facts.static_loop in ("auto", "asked"):
+            log.warning("%s target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the speedup "
+                        "partly measures the host); --loop static runs the CUDA-graph loop, exact on the CPU but not "
+                        "yet checked on a GPU", target.model_type)
         return "eager"
     if requested == "eager" or (requested == "auto" and target.device.type != "cuda"):
         return "eager"
