@@ -54,9 +54,9 @@ from dataclasses import dataclass
 SENTINEL = "\u2063DRAFTSMITH\u2063"  # invisible separator: never produced by a template
 # Version of the rules above that turn a conversation into labels. Every prepared folder records it, so a
 # folder labelled by older rules is rebuilt (its regenerated answers kept) instead of trained as if current.
-# 1: a cut answer's end-of-turn token was labelled. 2: it is context.
-# 3: a template without an end-of-turn token (GLM) labels the role token that opens the next turn.
-LABEL_RULES = 3
+# 1: a cut answer's end-of-turn token was labelled. 2: it is context. (Labelling the next turn's role token of a
+# template without an end-of-turn token changed no version: no family supported before had such a template.)
+LABEL_RULES = 2
 LABEL_RULES_BEFORE_RECORDED = 1  # folders prepared before the version was recorded
 
 
