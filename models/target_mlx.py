@@ -24,9 +24,11 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
+import re
+
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from models.quantization import describe_mlx
 from models.target_folder import SUPPORTED, UnsupportedTarget, check_supported, read_target_config
@@ -217,7 +219,7 @@ class TargetModel:
         weights keep their packing and only their scales/biases are cast.
         """
         directory, config = read_target_config(path_or_id, revision)
-        model, tokenizer = load(str(directory), model_config=mlx_lm_overrides(config))
+        model, tokenizer, _ = mlx_lm_load(directory, config)
         if dtype is not None:
             _cast_floating(model, dtype)
         return cls(model, tokenizer=tokenizer, config=config, name=str(path_or_id))
@@ -231,6 +233,38 @@ def _cast_floating(model, dtype: mx.Dtype) -> None:
     if cast:
         model.update(tree_unflatten(cast))
         mx.eval(model.parameters())
+
+
+def mlx_lm_load(directory: Path, config: dict, lazy: bool = False) -> tuple:
+    """``mlx_lm.load`` of a target folder: (model, tokenizer wrapper, config as mlx_lm read it), with the config
+    overrides below and, for a folder transformers wrote, its weight names as mlx_lm reads them
+    (``SAVED_NAMES``)."""
+    overrides = mlx_lm_overrides(config)
+    renames = SAVED_NAMES.get(config.get("model_type"))
+    classes = _get_classes if renames is None else _renaming(renames)
+    model, read = load_model(Path(directory), lazy, model_config=overrides, get_model_classes=classes)
+    return model, load_tokenizer(Path(directory), eos_token_ids=read.get("eos_token_id", None)), read
+
+
+# Weight names transformers' save_pretrained writes where mlx_lm reads the published checkpoint's: transformers 5.24
+# saves Kimi K2.5's text layers as ``language_model.model.blocks.N`` and its projector as ``model.mm_projector``.
+SAVED_NAMES = {"kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+                            (r"^model\.mm_projector\.", "mm_projector."))}
+
+
+def _renaming(renames):
+    """mlx_lm's model classes lookup (``mlx_lm.utils._get_classes``), with a model class that renames the weights
+    before its own ``sanitize``."""
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights):
+            for pattern, name in renames:
+                weights = {re.sub(pattern, name, k): v for k, v in weights.items()}
+            return model_class.sanitize(self, weights)
+        return type(model_class.__name__, (model_class,), {"sanitize": sanitize,
+                                                            "__module__": model_class.__module__}), args_class
+    return classes
 
 
 def mlx_lm_overrides(config: dict) -> dict:

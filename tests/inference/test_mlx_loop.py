@@ -753,6 +753,37 @@ def test_mlx_lm_overrides_fill_what_transformers_5_configs_spell_differently():
         "model_type": "qwen3_5", "rope_theta": 5e6}
     assert mlx_lm_overrides({"model_type": "qwen3", "rope_theta": 1e6, "rope_parameters": {"rope_theta": 5e6}}) == {}
     assert mlx_lm_overrides({"model_type": "qwen3_5", "text_config": {}, "rope_parameters": {"rope_theta": 5e6}}) == {}
+    # GLM / Qwen3-Next / DeepSeek-V3 / Kimi: mlx_lm's rope keys from transformers 5's rope_parameters (a YaRN block
+    # becomes rope_scaling: without it DeepSeek-V3 runs plain RoPE, silently); a published config keeps its own
+    yarn = {"rope_type": "yarn", "factor": 64.0, "rope_theta": 5e4}
+    assert mlx_lm_overrides({"model_type": "glm4_moe", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}}) == {
+        "rope_theta": 1e6, "partial_rotary_factor": 0.5, "rope_scaling": None}
+    assert mlx_lm_overrides({"model_type": "deepseek_v3", "rope_parameters": yarn}) == {
+        "rope_theta": 5e4, "rope_scaling": yarn}
+    text = {"model_type": "deepseek_v3", "hidden_size": 8, "rope_parameters": yarn}
+    assert mlx_lm_overrides({"model_type": "kimi_k25", "text_config": text}) == {
+        "text_config": {**text, "rope_theta": 5e4, "rope_scaling": yarn}}  # the whole text config: mlx_lm replaces it
+    published = {"model_type": "deepseek_v3", "rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 64.0}}
+    assert mlx_lm_overrides(published) == {} and mlx_lm_overrides({"model_type": "kimi_k25", "text_config":
+                                                                    published}) == {}
+
+
+def test_a_kimi_folder_as_transformers_writes_it_loads_in_mlx_lm(tmp_path):
+    """transformers 5.24 saves Kimi K2.5's text layers as language_model.model.blocks.N and its projector under
+    model.mm_projector, which mlx_lm refuses ("parameters not in model"): the loader renames them."""
+    from models.target import TargetModel as TorchTarget
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    full = tiny_target("kimi_k25", num_layers=4)
+    full.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    target = TargetModel.from_pretrained(tmp_path)
+    ids = PROMPT[:12]
+    ref = TorchTarget.from_pretrained(tmp_path, dtype=torch.float32).forward(torch.tensor([ids]), [1])
+    out = target.forward(mx.array([ids]), [1], cache=target.new_cache())
+    assert_close(np.array(out.logits), ref.logits, 1e-4, "logits")
+    assert_close(np.array(out.features), ref.features, 1e-4, "layer 1")
 
 
 def test_logits_slice_gives_only_the_requested_positions(runs):
