@@ -62,6 +62,8 @@ def test_extract_train_export_generate(inputs, arch, tmp_path, capsys):
     export_hf(["--checkpoint", str(tmp_path / "offline" / "final" / "drafter"), "--out", str(tmp_path / "hf"),
                "--dtype", "fp32", "--target", str(target), "--no-remote-code-check"])
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == taps
+    if arch == "kimi_k25":  # the exported folder with the keys of z-lab's published Kimi-K2.5 drafter config only
+        published_layout(tmp_path / "hf")
     capsys.readouterr()
     backends = ["torch"] + (["mlx"] if _has_mlx() else [])
     for backend in backends:
@@ -70,6 +72,21 @@ def test_extract_train_export_generate(inputs, arch, tmp_path, capsys):
                         "--json"])
         # the seeded target may end at its EOS early: the same place as the target alone
         assert out["matches_baseline"] and out["first_divergence"] is None and out["tokens"], (backend, out)
+
+
+# The keys of z-lab/Kimi-K2.5-DFlash's config.json (flat layout; block 8, mask 163838 there). Its YaRN rope block
+# (a copy of the target's) is left out: the drafter config reads plain RoPE only for now.
+PUBLISHED_KIMI_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "vocab_size", "head_dim",
+                       "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "num_target_layers",
+                       "max_position_embeddings", "rope_theta", "rms_norm_eps", "block_size", "torch_dtype",
+                       "hidden_act", "attention_bias", "tie_word_embeddings", "auto_map")
+
+
+def published_layout(folder) -> None:
+    d = json.loads((folder / "config.json").read_text())
+    kept = {k: d[k] for k in PUBLISHED_KIMI_KEYS}
+    kept["dflash_config"] = {k: d["dflash_config"][k] for k in ("target_layer_ids", "mask_token_id")}
+    (folder / "config.json").write_text(json.dumps(kept, indent=2))
 
 
 def _has_mlx() -> bool:
