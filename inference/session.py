@@ -8,8 +8,10 @@ timers and cache treatment). The loop (``--loop auto|eager|static|compiled``, ``
   lossless for it on a GPU, with the measurement that admitted it; elsewhere (and where the static loop
   does not apply) the eager loop (``inference.torch_loop``). An eager batch-1 forward on a GPU is
   launch-bound (an 8B target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager
-  speedups there measure the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) stay
-  eager until their graph replay's speed has been measured on a GPU (``--loop static`` runs them).
+  speedups there measure the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) and GLM
+  4.x MoE stay eager until their graph replay's speed has been measured on a GPU (``--loop static`` runs
+  them, exact on the CPU); Qwen3-Next and latent-attention targets (DeepSeek-V3, Kimi) run eager (the static
+  loop refuses them).
 * a block size other than the drafter's runs the eager loop, DFlash and the baseline both (the graphs
   are captured for one block shape), with one warning saying so;
 * ``static`` / ``compiled`` (graphs + torch.compile'd layers) / ``eager`` force one; the MLX backend runs
@@ -31,6 +33,7 @@ from inference.stats import resolve_block_size
 from models.drafter2 import load_drafter
 from models.support import check_device
 from models.target import TargetModel
+from models.target_folder import family_facts
 
 log = logging.getLogger("inference")
 
@@ -89,9 +92,10 @@ def choose_loop(requested: str, target, drafter, block_size: int | None = None) 
     """The torch loop a session runs (the rules in the module docstring): eager, static or compiled."""
     rule = auto_loop(getattr(target, "family", None))
     if requested == "auto" and target.device.type == "cuda" and rule.loop == "eager":
-        log.warning("%s target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the speedup "
-                    "partly measures the host): %s; --loop static runs the CUDA-graph loop",
-                    getattr(target, "family", None) or "this", rule.why)
+        if family_facts(getattr(target, "family", "") or "").static_loop in ("auto", "asked"):  # else: it refuses
+            log.warning("%s target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the speedup "
+                        "partly measures the host): %s; --loop static runs the CUDA-graph loop",
+                        getattr(target, "family", None) or "this", rule.why)
         return "eager"
     if requested == "eager" or (requested == "auto" and target.device.type != "cuda"):
         return "eager"

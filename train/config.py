@@ -66,6 +66,9 @@ class TargetConfig:
     rope_theta: float | None = None  # the target's RoPE base (the drafter's default base)
     params_b: float | None = None  # total parameters, billions
     active_params_b: float | None = None  # per-token parameters for MoE targets (FLOPs), billions
+    # GiB of weights as loaded, for a checkpoint not stored in bf16 (FP8 DeepSeek-V3, Kimi K2.5's INT4 experts);
+    # the plan counts params_b x 2 bytes otherwise
+    weights_gib: float | None = None
 
 
 @dataclass
