@@ -13,6 +13,8 @@ lazily there, because the point of the measurement is to run *the* inference loo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
@@ -23,8 +25,6 @@ from train.rng import row_generators
 def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: int, num_anchors: int, gamma: float,
                  seed: int, max_batches: int, use_flex: bool, ce_chunk: int, autocast=None) -> dict:
     """Held-out simulated tau, loss, per-slot accuracy/acceptance. Same anchors every call (fixed seed)."""
-    import contextlib
-
     cfg = drafter.config
     was_training = drafter.training
     drafter.eval()

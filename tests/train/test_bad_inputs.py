@@ -989,7 +989,7 @@ def test_dry_run_devices_that_are_not_count_x_gib(spec):
 
 def test_fewer_training_rows_than_one_micro_batch_per_process_are_refused():
     from train.config import load_config
-    from train.loop import make_schedule
+    from train.plan import make_schedule
 
     cfg = load_config(["recipe=tiny", "train.batch_size=4"])
     with pytest.raises(ValueError, match=re.escape("7 training rows is less than one micro-batch per process "
