@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config,
-                          Qwen3_5ForConditionalGeneration, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig, PreTrainedTokenizerFast,
+                          Qwen3_5Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
 # Byte-level vocabulary: the 256 byte symbols, then the specials. Ids past the tokenizer's
 # length are spare embedding rows (where the mask token goes).
@@ -122,7 +121,7 @@ def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_s
     config = tiny_config(arch, vocab_size, num_layers)
     torch.manual_seed(seed)
     if arch == "qwen3_5_vl":
-        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=dtype)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)  # Qwen3_5ForConditionalGeneration
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
