@@ -28,10 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 import yaml
-from datasets import Dataset
 
 from data.extract import extract
 from data.store import DTYPES, FeatureStore
@@ -157,6 +155,10 @@ def disk_speed(nbytes: int) -> dict:
 
 
 def random_data(rows: int, seq: int, vocab: int):
+    # start-up time (data.bench --help)
+    import pyarrow as pa
+    from datasets import Dataset
+
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
     table = pa.table({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,

@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import ModelCard, ModelCardData
+
+from export.report import render_report
 from export.usage import draftsmith_commands, serve_commands, transformers_snippet
 from models.hub import is_hub_id
 
@@ -22,8 +25,6 @@ TAGS = ["dflash", "speculative-decoding", "draftsmith"]
 
 def render_card(folder: str | Path, repo_id: str, report: dict[str, Any] | None = None, license: str | None = None):
     """A ``huggingface_hub.ModelCard`` for the drafter folder as published under ``repo_id``."""
-    from huggingface_hub import ModelCard, ModelCardData
-
     cfg = json.loads((Path(folder) / "config.json").read_text())
     prov = cfg.get("draftsmith") or {}
     nested = cfg.get("dflash_config") or {}
@@ -44,8 +45,6 @@ def render_card(folder: str | Path, repo_id: str, report: dict[str, Any] | None 
     lines += _usage(repo_id, shown_target, B, mlx_only)
     lines += _recipe(prov, cfg, nested)
     if report is not None:
-        from export.report import render_report
-
         lines += render_report(report)
     lines += ["", MARKER, ""]
     body = "\n".join(lines)

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from export.card import MARKER
+from export.push import sort_files
 from models.config import ARCHITECTURE
 from models.provenance import refuse_training_output
 
@@ -32,9 +37,6 @@ def _is_export(folder: Path) -> bool:
 def _not_written_by_export(folder: Path) -> list[str]:
     """Files in an earlier export that no export writes (``export.push.sort_files``), and a README.md that is
     not push's generated card."""
-    from export.card import MARKER
-    from export.push import sort_files
-
     written, other = sort_files(folder)
     readme = folder / "README.md"
     if "README.md" in written and MARKER not in readme.read_text(errors="replace"):
@@ -100,8 +102,6 @@ def recover_replaced(out: Path) -> None:
     """Finish what an ``--overwrite`` export killed between its two renames left (``staging`` moves the
     previous export to ``.NAME.old``, then the new one to ``NAME``): the previous export goes back to
     ``out`` when nothing took its place; when the new one is in place, the old copy is removed."""
-    import sys
-
     old = out.with_name(f".{out.name}.old")
     if not (old.is_dir() and _is_export(old)):
         return
@@ -122,9 +122,6 @@ def remove_stale_staging(out: Path) -> None:
     """Remove the staging folders a killed export to ``out`` left (a drafter's size each): exactly this
     folder's name and mkdtemp's 8 random characters (``.drafter.x`` is not ``.drafter.mlx-q4.x``), and
     nothing written for an hour (a concurrent export's staging folder is being written)."""
-    import re
-    import time
-
     shape = re.compile(rf"\.{re.escape(out.name)}\.[A-Za-z0-9_]{{8}}\.tmp")
     for p in out.parent.iterdir() if out.parent.is_dir() else []:
         if not (p.is_dir() and shape.fullmatch(p.name)):

@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
-from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, raise_if,
-                          random_block, schema_problems, stand_in_head, target_problems, weight_problems)
+from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, modeling_file_name,
+                          raise_if, random_block, schema_problems, stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
 from export.hf import provenance
 from export.source import full_precision_source
+from models.config import DFlashConfig, mlx_only
+from models.drafter import DFlashDraftModel as TorchDrafter
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -57,8 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def torch_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
-    import torch
-
     with torch.no_grad():
         hidden = model(torch.from_numpy(inputs["noise"]), torch.from_numpy(inputs["features"]),
                        torch.from_numpy(inputs["positions"]))
@@ -66,7 +67,7 @@ def torch_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
 
 
 def mlx_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
-    import mlx.core as mx
+    import mlx.core as mx  # optional dependency: mlx
 
     dtype = model.dtype
     hidden = model(mx.array(inputs["noise"]).astype(dtype), mx.array(inputs["features"]).astype(dtype),
@@ -76,11 +77,10 @@ def mlx_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
 
 def gate(folder: Path, model, reference, dtype: str, log: Callable[[str], None]) -> dict[str, Any]:
     """Checks on the written MLX folder; raises ``ExportCheckError`` (nothing moved) on failure."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # optional dependency: mlx
+    from mlx.utils import tree_flatten  # optional dependency: mlx
 
-    from models.config import DFlashConfig
-    from models.drafter_mlx import DFlashDraftModel
+    from models.drafter_mlx import DFlashDraftModel  # optional dependency: mlx
 
     d = json.loads((folder / "config.json").read_text())
     raise_if(schema_problems(d, folder, hf=False), f"{folder.name}/config.json fails the engine schema")
@@ -118,17 +118,13 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
                dtype: str = "bf16", target: str | None = None, target_revision: str | None = None,
                overwrite: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Write, check and place the MLX folder; returns a summary (paths, parity figures)."""
-    import torch
-
-    from models.drafter import DFlashDraftModel as TorchDrafter
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # optional dependency: mlx
     except ImportError:
         raise OSError("export.mlx needs MLX: pip install 'draftsmith[mlx]' (mlx on macOS, mlx[cpu] on Linux)") from None
-    from models.drafter_mlx import DFlashDraftModel
+    from models.drafter_mlx import DFlashDraftModel  # optional dependency: mlx
 
     if quantize not in (None, 4, 8):
         raise ValueError(f"--quantize {quantize}: use 4 or 8 (bits)")
@@ -163,7 +159,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
 def check_group_size(model, group_size: int) -> None:
     """Refuse a group size that does not divide every linear's input width: those linears would stay
     unquantized in a folder labelled as quantized (mlx quantizes a row in whole groups)."""
-    import mlx.nn as nn
+    import mlx.nn as nn  # optional dependency: mlx
 
     widths = {name: m.weight.shape[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     left = sorted(name for name, width in widths.items() if width % group_size)
@@ -178,16 +174,13 @@ def check_group_size(model, group_size: int) -> None:
 
 
 def _flat(params):
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # optional dependency: mlx
 
     return tree_flatten(params)
 
 
 def _finish_folder(folder: Path, quantized: bool) -> None:
     """A quantized folder is MLX-only (no ``auto_map``); an unquantized one ships the modeling file."""
-    from export.check import modeling_file_name
-    from models.config import mlx_only
-
     if quantized:
         path = folder / "config.json"
         path.write_text(json.dumps(mlx_only(json.loads(path.read_text())), indent=2) + "\n")

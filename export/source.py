@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from models.config import ARCHITECTURE
+from models.config import ARCHITECTURE, DFlashConfig
 # The block's builders and the run folder's layout are shared with train/ (which writes them): models/provenance.py.
 # describe_target_quantization and provenance_from_run are imported from here by export.hf and the tests.
 from models.provenance import (FINAL_STATE, STEP_DIR, describe_target_quantization, latest_checkpoint,  # noqa: F401
@@ -104,8 +104,6 @@ def resolve_source(path: str | Path) -> Source:
 def full_precision_source(checkpoint: str | Path, command: str) -> Source:
     """``resolve_source`` for an export, refusing a quantized MLX export as the source (both exports
     need the full-precision drafter: re-exporting quantized weights would compound the error)."""
-    from models.config import DFlashConfig
-
     src = resolve_source(checkpoint)
     if DFlashConfig.load(src.drafter_dir).quantization:
         raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: {command} needs the full-precision "

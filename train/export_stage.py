@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import huggingface_hub
+import huggingface_hub  # get_token looked up at each call (tests stand in for it)
 
 from models.hub import repo_id_problem
 
