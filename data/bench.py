@@ -28,12 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
-import yaml
+from datasets import Dataset
 
 from data.extract import extract
 from data.store import DTYPES, FeatureStore
 from models.config import default_layer_ids
+from models.random_target import qwen3_target
 
 
 def _sync(device) -> None:
@@ -41,85 +43,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def random_target(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, Qwen3Config  # start-up time (data.bench --help)
-
-    from models.target import TargetModel  # start-up time (data.bench --help)
-
-    heads = max(hidden // 128, 2)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
-                      head_dim=128 if hidden >= 256 else hidden // heads,
-                      max_position_embeddings=8192, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised where it runs: an 8B-shaped init on the CPU takes minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return TargetModel(model, tokenizer=None, name=f"random-qwen3-h{hidden}-l{layers}")
-
-
-RECIPE_SHAPES = ("qwen3-8b", "qwen35-9b", "llama31-8b", "qwen35-4b", "qwen35-27b", "tiny")
-_SHAPE_KINDS = ("qwen3", "llama", "qwen3_5")  # model types with a random-target builder below
-
-
-def recipe_spec(recipe: str) -> dict:
-    """A shipped recipe's YAML, refused in one line when no random target of its shape can be built."""
-    path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
-    if not path.is_file():
-        raise ValueError(f"no recipe {recipe!r}: use one of {RECIPE_SHAPES}")
-    spec = yaml.safe_load(path.read_text())
-    t = spec["target"]
-    if not str(t.get("path", "")).startswith("tiny:") and (t.get("model_type") not in _SHAPE_KINDS
-                                                           or "vocab_size" not in t):
-        # small.yaml names a local folder, MoE recipes have no builder here: neither has a shape to build
-        raise ValueError(f"recipe {recipe!r} has no random-target shape (model_type {t.get('model_type')!r}): "
-                         f"use one of {RECIPE_SHAPES}")
-    return spec
-
-
-def recipe_runs_on_cpu(spec: dict) -> bool:
-    """Only the tiny recipe's target fits a CPU run; the others are 4B-27B parameters."""
-    return str(spec["target"]["path"]).startswith("tiny:")
-
-
-def recipe_target(recipe: str, device: str, dtype: torch.dtype = torch.bfloat16, num_layers: int | None = None):
-    """A random-weight target with the exact shape of a shipped recipe's target (``recipes/NAME.yaml``).
-
-    Built directly on ``device``: initialising 8B parameters on the CPU takes minutes. Qwen3.5
-    recipes get the hybrid (GatedDeltaNet + attention) text model with transformers' default
-    layer pattern, which is the published 9B/4B one. ``tiny`` gets the tiny seeded architecture
-    its ``tiny:<arch>`` path names (random weights, not the fitted ones). Speed only: weights are random.
-    """
-    # start-up time (data.bench --help)
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
-
-    from models.target import TargetModel  # start-up time (data.bench --help)
-
-    t = recipe_spec(recipe)["target"]
-    if str(t["path"]).startswith("tiny:"):
-        from models.tiny import tiny_target  # start-up time (data.bench --help)
-
-        arch = t["path"].split(":", 1)[1] or "qwen3"
-        model = tiny_target(arch, num_layers=num_layers or 6, dtype=dtype)  # 6: as train/tiny.py builds it
-        return TargetModel(model.to(device), tokenizer=None, name=f"random-{recipe}")
-    shape = dict(vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
-                 num_hidden_layers=num_layers or t["num_layers"], num_attention_heads=t["num_attention_heads"],
-                 num_key_value_heads=t["num_key_value_heads"], head_dim=t["head_dim"],
-                 max_position_embeddings=min(t["max_position_embeddings"], 32768), tie_word_embeddings=False)
-    kind = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_5": Qwen3_5TextConfig}[t["model_type"]]
-    if kind is Qwen3_5TextConfig and num_layers:
-        shape["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(kind(**shape), dtype=dtype)
-    return TargetModel(model.eval(), tokenizer=None, name=f"random-{recipe}")
-
-
 def check_device(p: argparse.ArgumentParser, device: str | None) -> str:
-    """``--device`` up front (``models.cli.check_device``, cpu or cuda only): a malformed name is an argparse
-    error, CUDA where torch sees none one line (as ``train.ablate``), not torch's "not compiled with CUDA"
+    """``--device`` up front (``models.support.check_device``, cpu or cuda only): a malformed name is an argparse
+    error, CUDA where torch sees none one line, not torch's "not compiled with CUDA"
     assertion after the model is built. None: cuda when there is one, else cpu."""
-    from models.cli import DeviceNameError
-    from models.cli import check_device as check
+    from models.support import DeviceNameError
+    from models.support import check_device as check
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,10 +84,6 @@ def disk_speed(nbytes: int) -> dict:
 
 
 def random_data(rows: int, seq: int, vocab: int):
-    # start-up time (data.bench --help)
-    import pyarrow as pa
-    from datasets import Dataset
-
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
     table = pa.table({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
@@ -230,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(a: argparse.Namespace, device: str, root: str) -> None:
     layer_ids = default_layer_ids(a.layers, a.taps)  # too many taps for the layers: one line before any build
-    target = random_target(a.hidden, a.layers, a.vocab, device, torch.bfloat16)
+    target = qwen3_target(a.hidden, a.layers, a.vocab, device, torch.bfloat16)
     data = random_data(a.rows, a.seq, a.vocab)
     tokens = a.rows * a.seq
     common = {"device": device, "hidden": a.hidden, "layers": a.layers, "taps": layer_ids, "rows": a.rows, "seq": a.seq}
@@ -299,6 +224,6 @@ def _run(a: argparse.Namespace, device: str, root: str) -> None:
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

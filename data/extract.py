@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
-    from models.cli import check_device, parse_dtype
+    from models.support import check_device, parse_dtype
     from models.target import parse_max_memory  # start-up time (data.extract --help)
 
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     ranks, rank_device = init_ranks()
     with contextlib.ExitStack() as held:
         if ranks.is_main:  # a second extraction into the store (a relaunch while the first runs) would write the
-            from models.lock import hold  # same shards and index: refused before its target loads
+            from models.support import hold  # same shards and index: refused before its target loads
 
             held.enter_context(hold(a.out, LOCK, "--out", "wait for it to end (rerunning the same command then "
                                     "resumes), or give this extraction its own --out", print))
@@ -392,7 +392,7 @@ def _load_and_extract(a: argparse.Namespace, ranks: Ranks, rank_device, max_memo
 
 def cli() -> None:
     """The ``draftsmith-extract`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted='rerun the same command to resume: finished shards are kept')
 

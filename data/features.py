@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from models.config import ConfigError
-from models.transfer import to_device
+from models.support import to_device
 
 
 @dataclass
@@ -125,7 +125,7 @@ class OnlineFeatures:
     def features_for(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None):
         """(features, topk_ids, topk_logprobs) for a right-padded batch; doc_ids < 0 marks padding."""
         t = self.target
-        # not waiting for the GPU's queue: staged through pinned memory (models/transfer.py)
+        # not waiting for the GPU's queue: staged through pinned memory (models/support.py)
         input_ids = to_device(input_ids, t.device)
         packed = doc_ids is not None and bool((doc_ids.numpy() > 0).any())  # the host copy (numpy refuses a GPU's)
         if not packed:

@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
     check_source(a.source, a.subset)  # before the target loads (minutes for a large one)
-    from models.lock import hold
+    from models.support import hold
 
     # A second prepare into --out (a relaunch while the first still regenerates) would append to the same
     # answers file and clear what the first wrote: refused before the target loads.
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def cli() -> None:
     """The ``draftsmith-prepare`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted='rerun the same command to resume: regenerated answers are kept, the rest is redone')
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from models.cli import UserError
+from models.support import UserError
 
 LAYOUTS = ("openai", "sharegpt", "alpaca", "nemotron", "prompt")
 ROLE_ALIASES = {

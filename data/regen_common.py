@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from models.cli import UserError
+from models.support import UserError
 
 
 class RegenerationError(UserError, RuntimeError):

@@ -51,7 +51,7 @@ from data.readers import ReadStats, iter_conversations, no_usable_rows, split_th
 from data.regen_common import (Completion, RegenerationError, RegenReport, ServerUnavailable,  # noqa: F401
                                _assistant_message, _for_template, _result_row)
 from data.regen_http import HTTPGenerator, start_command  # noqa: F401 (re-exported)
-from models.lock import hold
+from models.support import hold
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -370,7 +370,7 @@ def load_local_target(a: argparse.Namespace, path: str):
     second CPU-only copy made local regeneration of a real data set hours slower than needed)."""
     import torch  # start-up time (data.regenerate and data.prepare --help)
 
-    from models.cli import check_device, parse_dtype
+    from models.support import check_device, parse_dtype
     from models.quantize import resolve_target  # start-up time (data.regenerate and data.prepare --help)
     from models.target import TargetModel  # start-up time (data.regenerate and data.prepare --help)
 
@@ -450,7 +450,12 @@ def regenerate_from_args(a: argparse.Namespace) -> None:
                                 f"{a.out}.failed.jsonl, and rerun the same command to retry them")
 
 
-if __name__ == "__main__":
-    from models.cli import run_cli
+def cli() -> None:
+    """``draftsmith regenerate``: ``main`` with one-line user errors, as ``python -m`` runs it."""
+    from models.support import run_cli
 
     run_cli(main, interrupted='rerun the same command to resume: finished answers are kept')
+
+
+if __name__ == "__main__":
+    cli()

@@ -27,14 +27,14 @@ import shutil
 from pathlib import Path
 
 from data.chat import LABEL_RULES, LABEL_RULES_BEFORE_RECORDED
-from models.cli import UserError
+from models.support import UserError
 
 META_FILE = "draftsmith_data.json"
 PARTIAL_FILE = "draftsmith_data.partial.json"
 STATS_FILE = "stats.json"
 REGEN_FILE = "regenerated.jsonl"
 CACHE_DIR = ".prepare-cache"
-LOCK = ".prepare.lock"  # data.prepare holds it while it writes the folder (models.lock)
+LOCK = ".prepare.lock"  # data.prepare holds it while it writes the folder (models.support)
 # Settings that change the prepared rows, compared on re-use (in this order in messages).
 ROW_SETTINGS = ("source", "source_fingerprint", "split", "subset", "limit", "regenerate", "answers_by", "generation",
                 "thinking", "max_length", "packed", "tokenizer_hash", "label_rules")

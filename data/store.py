@@ -42,7 +42,7 @@ from safetensors import safe_open
 from data.chat import tokenizer_fingerprint
 from data.features import FeatureBatch, FeatureRow, collate
 from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir, snapshot_commit, weight_file_spans
-from models.transfer import to_device
+from models.support import to_device
 
 FORMAT = "draftsmith-features"
 VERSION = 1

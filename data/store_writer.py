@@ -23,7 +23,7 @@ from data.features import FeatureRow
 from data.store import (FORMAT, INDEX, VERSION, StoreMismatch, quantize_fp8, read_index, sha256_file, shard_name,
                         sidecar_name)
 
-LOCK = ".extract.lock"  # in the store folder, held by data.extract's rank 0 while it writes there (models.lock)
+LOCK = ".extract.lock"  # in the store folder, held by data.extract's rank 0 while it writes there (models.support)
 # What a store folder may hold before its index.json exists: the extraction's lock, and the index's temp file of a
 # run killed while writing the index the first time.
 _BEFORE_INDEX = {LOCK, INDEX + ".tmp"}

@@ -7,8 +7,12 @@ message listing every problem, so nothing wrong is exported quietly.
 
 - ``schema_problems``: every key vLLM ``dflash``, SGLang ``DFLASH``, z-lab's code and the MLX
   runtimes read (``REQUIRED_KEYS``), both ``block_size`` places and both rope places agreeing, plain
-  RoPE, no last-layer tap, no ``eagle_aux_hidden_state_layer_ids``, ``auto_map`` resolving to a file.
-- ``weight_problems``: tensor names and shapes against the config (no ``embed_tokens`` / ``lm_head``).
+  RoPE, no last-layer tap, no ``eagle_aux_hidden_state_layer_ids``, ``auto_map`` resolving to a file;
+  for DFlash2 the published layout too (``dflash2_schema_problems``: the conv/selector keys,
+  ``is_causal: false``, every layer ``sliding_attention``).
+- ``weight_problems``: tensor names and shapes against the config (no ``embed_tokens`` / ``lm_head``);
+  a DFlash2 folder holds exactly the published names and shapes (``DFlashConfig.weight_shapes``: codebooks
+  without ``.weight``, in float even in a quantized folder).
 - ``config_differences``: the reloaded config against the in-memory one, field by field.
 - ``target_problems``: when the target folder is on this machine, its hidden size, vocabulary,
   layer count and tokenizer (the mask id must be a row the tokenizer never emits).
@@ -24,7 +28,8 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from models.config import ARCHITECTURE, MODELING_FILE, ConfigError, DFlashConfig, is_drafter_config, read_json_file
+from models.config import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS, DFLASH2_KEYS, MODELING_FILE,
+                           ConfigError, DFlashConfig, is_drafter_config, read_json_file)
 from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir
 from models.mask_token import tokenizer_emitted_ids
 from models.weights import STRAY_KEY, weight_files
@@ -57,8 +62,10 @@ def schema_problems(d: dict[str, Any], folder: Path | None = None, *, hf: bool =
         problems.append("missing key 'auto_map' (AutoModel(trust_remote_code=True) needs it)")
     problems += [f"key {k!r} must not be written (a drafter has plain RoPE and no eagle aux ids)"
                  for k in FORBIDDEN_KEYS if k in d]
-    if d.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"architectures={d.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+    if d.get("architectures") not in [[name] for name in ARCHITECTURES.values()]:
+        problems.append(f"architectures={d.get('architectures')!r}, expected [{ARCHITECTURE!r}] or [{ARCHITECTURE2!r}]")
+    if d.get("architectures") == [ARCHITECTURE2]:
+        problems += dflash2_schema_problems(d)
     nested = d.get("dflash_config") or {}
     problems += [f"missing key 'dflash_config.{k}'" for k in REQUIRED_DFLASH_KEYS if k not in nested]
     if "block_size" in d and "block_size" in nested and d["block_size"] != nested["block_size"]:
@@ -96,6 +103,49 @@ def schema_problems(d: dict[str, Any], folder: Path | None = None, *, hf: bool =
     return problems
 
 
+def dflash2_schema_problems(d: dict[str, Any]) -> list[str]:
+    """What the published DFlash2 layout needs beyond v1's keys (what vLLM, SGLang and z-lab's code read)."""
+    nested = d.get("dflash_config") or {}
+    problems = [f"missing key 'dflash_config.{k}' (DFlash2)" for k in DFLASH2_KEYS if k not in nested]
+    if d.get("is_causal") is not False:
+        problems.append(f"is_causal={d.get('is_causal')!r}: a DFlash2 drafter must say is_causal: false (absent or "
+                        "true, engines make its layers causal inside the block)")
+    types = d.get("layer_types")
+    if not isinstance(types, list) or not types or any(t != "sliding_attention" for t in types):
+        problems.append(f"layer_types={types!r}: every DFlash2 layer is sliding_attention")
+    if d.get("use_sliding_window") is not True:
+        problems.append("use_sliding_window must be true (transformers drops sliding_window when it is false)")
+    window, block = d.get("sliding_window"), nested.get("block_size")
+    if not isinstance(window, int) or (isinstance(block, int) and window < block):
+        problems.append(f"sliding_window={window!r}: a DFlash2 drafter needs a window of at least the block")
+    H, G = d.get("hidden_size"), nested.get("conv_group_size")
+    if isinstance(H, int) and isinstance(G, int) and (G <= 0 or H % G):
+        problems.append(f"dflash_config.conv_group_size={G} does not divide hidden_size={H}")
+    return problems
+
+
+def dflash2_weight_problems(shapes: dict[str, tuple[int, ...]], config: DFlashConfig) -> list[str]:
+    """A DFlash2 folder's tensors against the published names and shape formulas. In an MLX-quantized folder the
+    packed linears (``.weight`` + ``.scales`` + ``.biases``) are checked by name only; codebooks stay in float."""
+    packed = {k.rsplit(".", 1)[0] for k in shapes if k.endswith(".scales")}
+    problems = [f"weight {name!r} is quantized: the DFlash2 codebooks stay in float" for name in CODEBOOKS
+                if name in packed]
+    suffixed = [name for name in CODEBOOKS if f"{name}.weight" in shapes]
+    problems += [f"weight '{name}.weight': DFlash2 codebooks are stored without '.weight' (engines read {name!r})"
+                 for name in suffixed]
+    want = {k: v for k, v in config.weight_shapes().items() if k.rsplit(".", 1)[0] not in packed}
+    have = {k: v for k, v in shapes.items() if k.rsplit(".", 1)[0] not in packed and not STRAY_KEY.search(k)}
+    missing = sorted(set(want) - set(have) - set(suffixed))
+    unexpected = sorted(set(have) - set(want) - {f"{name}.weight" for name in suffixed})
+    if missing:
+        problems.append(f"weights {missing} are missing")
+    if unexpected:
+        problems.append(f"weights {unexpected} are not in the DFlash2 layout")
+    problems += [f"{k} has shape {have[k]}, expected {want[k]}" for k in sorted(want)
+                 if k in have and have[k] != want[k]]
+    return problems
+
+
 def weight_problems(folder: Path, config: DFlashConfig) -> list[str]:
     """Tensor names and shapes in the folder against the config (read from the headers only)."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -116,6 +166,8 @@ def weight_problems(folder: Path, config: DFlashConfig) -> list[str]:
     layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.")}
     if layers != set(range(config.num_hidden_layers)):
         problems.append(f"weights hold layers {sorted(layers)}, config.json says {config.num_hidden_layers}")
+    if config.variant == "dflash2":
+        problems += dflash2_weight_problems(shapes, config)
     return problems
 
 

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from export.card import MARKER
 from export.push import sort_files
-from models.config import ARCHITECTURE
+from models.config import ARCHITECTURES
 from models.provenance import refuse_training_output
 
 
@@ -31,7 +31,8 @@ def _is_export(folder: Path) -> bool:
         d = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
-    return isinstance(d, dict) and ("draftsmith" in d or ARCHITECTURE in (d.get("architectures") or []))
+    names = set(d.get("architectures") or []) if isinstance(d, dict) else set()
+    return isinstance(d, dict) and ("draftsmith" in d or bool(names & set(ARCHITECTURES.values())))
 
 
 def _not_written_by_export(folder: Path) -> list[str]:

@@ -18,11 +18,17 @@ drafter's logits on a random block equal after reloading with draftsmith and (un
 target folder is on this machine, the target's shape and tokenizer (the mask id must be a row the
 tokenizer never emits). Logits go through a seeded stand-in LM head (see ``export/check.py``).
 It ends by printing the vLLM and SGLang serve commands.
+
+A DFlash2 drafter (``drafter.variant=dflash2``) is written in the published DFlash2 layout
+(``DFlash2DraftModel``, the conv/selector keys in ``dflash_config``, ``is_causal: false``, sliding
+layers, codebooks without ``.weight``); the gate also checks its names and shapes against the
+published formulas and that its greedy proposals (selector walk) are the same after reloading.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 from pathlib import Path
@@ -30,13 +36,14 @@ from typing import Any, Callable
 
 import torch
 
-from export.check import (check_parity, config_differences, logit_stats, raise_if, random_block, schema_problems,
-                          stand_in_head, target_problems, weight_problems)
+from export.check import (ExportCheckError, check_parity, config_differences, logit_stats, raise_if, random_block,
+                          schema_problems, stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
 from export.source import describe_target_quantization, full_precision_source
-from export.usage import serve_commands
+from export.usage import engine_requirements, serve_commands
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
+from models.drafter2 import load_drafter, select, unary_logits
 from models.hub import HUB_ID, same_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -115,6 +122,22 @@ def block_outputs(model: torch.nn.Module, inputs: dict, dtype: torch.dtype, head
     return hidden.float() @ head.T
 
 
+def proposal_tokens(model: torch.nn.Module, inputs: dict, head: torch.Tensor) -> torch.Tensor:
+    """DFlash2: the greedy selector walk of each random block (float32, through the stand-in head), from our
+    drafter or the shipped modeling file's ``propose``. Casts ``model`` to float32 in place."""
+    model = model.float()
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(inputs["noise"]), torch.from_numpy(inputs["features"]),
+                       torch.from_numpy(inputs["positions"]))[:, 1:]
+        bonus = torch.arange(hidden.shape[0]) % head.shape[0]
+        if not isinstance(model, DFlashDraftModel):  # the shipped modeling file's class
+            return model.propose(hidden, head, bonus)
+        c, selector = model.config, model.candidate_selector
+        return select(unary_logits(hidden @ head.T, c.output_multiplier, c.final_logit_softcapping),
+                      selector.hidden_projection(hidden), selector.predecessor_codebook, selector.successor_codebook,
+                      bonus, c.selector_top_k).tokens
+
+
 def gate(folder: Path, model: DFlashDraftModel, dtype: torch.dtype, remote_code: bool,
          log: Callable[[str], None]) -> dict[str, Any]:
     """Every check on the written folder; raises ``ExportCheckError`` (nothing moved) on the first failure."""
@@ -125,7 +148,7 @@ def gate(folder: Path, model: DFlashDraftModel, dtype: torch.dtype, remote_code:
     raise_if(weight_problems(folder, again_cfg), "the written weights do not match config.json")
     log("check: engine schema, config round trip and weight names ok")
 
-    again = DFlashDraftModel.from_pretrained(folder, dtype=dtype)
+    again = load_drafter(folder, dtype=dtype)
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, again.state_dict()[k])]
     raise_if([f"{k} changed on the way to disk" for k in changed], "the reloaded weights differ")
     inputs = random_block(model.config)
@@ -142,6 +165,17 @@ def gate(folder: Path, model: DFlashDraftModel, dtype: torch.dtype, remote_code:
         stats["transformers"] = logit_stats(ref.numpy(), block_outputs(hf, inputs, dtype, head).numpy())
         check_parity(stats["transformers"], name, "reloaded with AutoModel(trust_remote_code=True)")
         log(f"check: reloaded with transformers AutoModel, logits max |diff| {stats['transformers']['max_abs']:.2e}")
+    if model.config.variant == "dflash2":
+        tokens = proposal_tokens(copy.deepcopy(model), inputs, head)
+        reloaded = {"draftsmith": again} | ({"transformers": hf} if remote_code else {})
+        for what, other in reloaded.items():
+            same = (proposal_tokens(other, inputs, head) == tokens).float().mean().item()
+            stats[what]["selector_tokens"] = same
+            if same < 1:
+                raise ExportCheckError(f"reloaded with {what}: the greedy selector walk drafts other tokens "
+                                       f"({same:.1%} equal, float32). Nothing was exported: the written folder does "
+                                       "not propose what the drafter does")
+        log(f"check: the selector walk drafts the same tokens after reloading ({' and '.join(reloaded)})")
     return stats
 
 
@@ -157,7 +191,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     check_out(out, overwrite, src.drafter_dir)
     torch_dtype = DTYPES[dtype]
     log(f"source: {src.drafter_dir} ({src.kind})")
-    model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=torch_dtype)
+    model = load_drafter(src.drafter_dir, dtype=torch_dtype)
     prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(torch_dtype=str(torch_dtype).removeprefix("torch."), draftsmith=prov or None)
     problems, checked = target_problems(model.config, prov.get("target"))
@@ -167,13 +201,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
         model.save_pretrained(tmp, max_shard_size=max_shard_size, dtype=torch_dtype)
         stats = gate(tmp, model, torch_dtype, remote_code_check, log)
     cfg = model.config
-    commands = serve_commands(str(out.resolve()), prov.get("target"), cfg.block_size)
-    log(f"exported {out} ({dtype}, {sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB): block_size "
-        f"{cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}")
-    log("serve with vLLM:\n  " + commands["vllm"])
-    log("serve with SGLang:\n  " + commands["sglang"])
+    commands = serve_commands(str(out.resolve()), prov.get("target"), cfg.block_size, cfg.variant)
+    needs = engine_requirements(cfg.variant)
+    log(f"exported {out} ({cfg.architecture}, {dtype}, {sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB): "
+        f"block_size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}")
+    log("serve with vLLM:\n  " + commands["vllm"] + (f"\n  (needs {needs['vllm']})" if needs else ""))
+    log("serve with SGLang:\n  " + commands["sglang"] + (f"\n  (needs {needs['sglang']})" if needs else ""))
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "provenance": prov, "parity": stats,
-            "commands": commands}
+            "commands": commands, "engines": needs}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -185,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli() -> None:
     """The ``draftsmith-export-hf`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted=("--out is untouched (an export is written aside and moved in when complete): "
                                     "rerun the command"))

@@ -14,6 +14,11 @@ Gate before the folder is moved into place: the schema (``export/check.py``), th
 trip, the reloaded weights bit-equal to the ones written, and the MLX drafter's logits on a random
 block against the float32 torch drafter's: within a tolerance for the dtype when not quantized; for
 a quantized draft the logit error and the top-1 agreement are reported, with a warning below 90%.
+
+A DFlash2 drafter keeps its published names; quantization covers its linears (``kernel_projection``
+and ``hidden_projection`` included) and leaves ``base_kernel`` and the two selector codebooks in the
+folder's float dtype. Its gate also reports how often the MLX selector walk drafts the torch fp32
+one's tokens on the random block.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from export.folder import check_out, staging
 from export.hf import provenance
 from export.source import full_precision_source
 from models.config import DFlashConfig, mlx_only
-from models.drafter import DFlashDraftModel as TorchDrafter
+from models.drafter2 import load_drafter as load_torch_drafter, select as torch_select, unary_logits as torch_unary
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -75,19 +80,45 @@ def mlx_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
     return np.array(hidden.astype(mx.float32)).astype(np.float64) @ head.T.astype(np.float64)
 
 
+def selector_agreement(reference, model, inputs: dict, head: np.ndarray) -> float:
+    """DFlash2: the share of slots where the MLX drafter's greedy selector walk (through the stand-in head) drafts
+    the torch fp32 drafter's token, on the gate's random blocks."""
+    import mlx.core as mx  # optional dependency: mlx
+
+    from models.drafter2_mlx import select, unary_logits  # optional dependency: mlx
+
+    c = reference.config
+    with torch.no_grad():
+        hidden = reference(torch.from_numpy(inputs["noise"]), torch.from_numpy(inputs["features"]),
+                           torch.from_numpy(inputs["positions"]))[:, 1:]
+        bonus = torch.arange(hidden.shape[0]) % head.shape[0]
+        sel = reference.candidate_selector
+        want = torch_select(torch_unary(hidden @ torch.from_numpy(head).T, c.output_multiplier,
+                                        c.final_logit_softcapping), sel.hidden_projection(hidden),
+                            sel.predecessor_codebook, sel.successor_codebook, bonus, c.selector_top_k).tokens.numpy()
+    dtype = model.dtype
+    hidden = model(mx.array(inputs["noise"]).astype(dtype), mx.array(inputs["features"]).astype(dtype),
+                   mx.array(inputs["positions"]))[:, 1:].astype(mx.float32)
+    sel = model.candidate_selector
+    got = select(unary_logits(hidden @ mx.array(head).T, c.output_multiplier, c.final_logit_softcapping),
+                 sel.hidden_projection(hidden.astype(dtype)), sel.predecessor_codebook, sel.successor_codebook,
+                 mx.array(bonus.numpy()), c.selector_top_k).tokens
+    return float((np.array(got) == want).mean())
+
+
 def gate(folder: Path, model, reference, dtype: str, log: Callable[[str], None]) -> dict[str, Any]:
     """Checks on the written MLX folder; raises ``ExportCheckError`` (nothing moved) on failure."""
     import mlx.core as mx  # optional dependency: mlx
     from mlx.utils import tree_flatten  # optional dependency: mlx
 
-    from models.drafter_mlx import DFlashDraftModel  # optional dependency: mlx
+    from models.drafter2_mlx import load_drafter  # optional dependency: mlx
 
     d = json.loads((folder / "config.json").read_text())
     raise_if(schema_problems(d, folder, hf=False), f"{folder.name}/config.json fails the engine schema")
     written = model.config.replace(torch_dtype=dtype, quantization=model.quantization)
     raise_if(config_differences(written, DFlashConfig.from_dict(d)), "config.json does not read back as written")
     raise_if(weight_problems(folder, written), "the written weights do not match config.json")
-    again = DFlashDraftModel.from_pretrained(folder)
+    again = load_drafter(folder)
     mine, theirs = dict(tree_flatten(model.parameters())), dict(tree_flatten(again.parameters()))
     changed = [k for k, v in mine.items() if k not in theirs or not mx.array_equal(v, theirs[k]).item()]
     raise_if([f"{k} changed on the way to disk" for k in changed], "the reloaded MLX weights differ")
@@ -96,6 +127,9 @@ def gate(folder: Path, model, reference, dtype: str, log: Callable[[str], None])
     head = stand_in_head(written)
     stats = logit_stats(torch_logits(reference, inputs, head), mlx_logits(again, inputs, head))
     what = f"MLX drafter ({dtype}{', %d-bit' % model.quantization['bits'] if model.quantization else ''}) vs torch fp32"
+    if written.variant == "dflash2":
+        stats["selector_tokens"] = selector_agreement(reference, again, inputs, head)
+        log(f"check: {what}: the selector walk drafts the same token in {stats['selector_tokens']:.1%} of slots")
     if model.quantization:
         log(f"check: {what}: logits max |diff| {stats['max_abs']:.3e} (mean {stats['mean_abs']:.3e}), "
             f"top-1 agreement {stats['top1']:.1%} on a random block")
@@ -124,7 +158,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
         import mlx.core as mx  # optional dependency: mlx
     except ImportError:
         raise OSError("export.mlx needs MLX: pip install 'draftsmith[mlx]' (mlx on macOS, mlx[cpu] on Linux)") from None
-    from models.drafter_mlx import DFlashDraftModel  # optional dependency: mlx
+    from models.drafter2_mlx import load_drafter  # optional dependency: mlx
 
     if quantize not in (None, 4, 8):
         raise ValueError(f"--quantize {quantize}: use 4 or 8 (bits)")
@@ -134,8 +168,8 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     src = full_precision_source(checkpoint, "export.mlx")
     check_out(out, overwrite, src.drafter_dir)
     log(f"source: {src.drafter_dir} ({src.kind})")
-    reference = TorchDrafter.from_pretrained(src.drafter_dir, dtype=torch.float32)
-    model = DFlashDraftModel.from_pretrained(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
+    reference = load_torch_drafter(src.drafter_dir, dtype=torch.float32)
+    model = load_drafter(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
     prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(draftsmith=prov or None)
     problems, checked = target_problems(model.config, prov.get("target"))
@@ -197,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli() -> None:
     """The ``draftsmith-export-mlx`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted=("--out is untouched (an export is written aside and moved in when complete): "
                                     "rerun the command"))

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli() -> None:
     """The ``draftsmith-push`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted=("no commit was made (the upload commits once, at its end): rerun the "
                                     "same command"))

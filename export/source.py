@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from models.config import ARCHITECTURE, DFlashConfig
+from models.config import DFlashConfig, is_drafter_config
 # The block's builders and the run folder's layout are shared with train/ (which writes them): models/provenance.py.
 # describe_target_quantization and provenance_from_run are imported from here by export.hf and the tests.
 from models.provenance import (FINAL_STATE, STEP_DIR, describe_target_quantization, latest_checkpoint,  # noqa: F401
@@ -40,7 +40,7 @@ class Source:
 
 
 def is_drafter_dir(path: Path) -> bool:
-    """A folder whose config.json names the DFlash architecture."""
+    """A folder whose config.json names a DFlash architecture (v1 or DFlash2) or has ``dflash_config``."""
     cfg = path / "config.json"
     if not cfg.is_file():
         return False
@@ -48,7 +48,7 @@ def is_drafter_dir(path: Path) -> bool:
         d = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise NotADrafterError(f"{cfg} is not valid JSON: re-export the drafter") from None
-    return isinstance(d, dict) and (ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d)
+    return is_drafter_config(d)
 
 
 def training_output(folder: Path) -> Path | None:

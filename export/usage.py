@@ -1,7 +1,8 @@
 """The exact commands to serve and run an exported drafter (printed by the exports, written in the card).
 
 vLLM and SGLang flags are the ones their DFlash integrations read: vLLM drafts ``B - 1`` tokens
-after the bonus token, SGLang counts the whole block ``B``.
+after the bonus token, SGLang counts the whole block ``B``. Both pick DFlash2 from the folder's
+``DFlash2DraftModel`` architecture (same flags); vLLM runs its selector only on the V2 model runner.
 """
 
 from __future__ import annotations
@@ -10,12 +11,30 @@ import json
 import shlex
 
 
-def serve_commands(drafter: str, target: str | None, block_size: int) -> dict[str, str]:
+# What each engine needs to serve a DFlash2 drafter: only what is established (SPEC of the published support).
+ENGINE_REQUIREMENTS = {
+    "dflash2": {
+        "vllm": ("a vLLM build containing PR #52816 (DFlash2DraftModel, merged 2026-08-21): the first release "
+                 "containing PR #52816 (0.28.0 is expected to be it; not verified), or a nightly from after the "
+                 "merge; the selector runs only on the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)"),
+        "sglang": ("an SGLang build containing PR #35371 (merged 2026-08-18): unreleased as of 0.5.18 (no tagged "
+                   "release had it on 2026-09-02): install SGLang from its main branch"),
+    },
+}
+
+
+def engine_requirements(variant: str) -> dict[str, str]:
+    """``{"vllm": ..., "sglang": ...}``: the minimum engine builds for a drafter generation ({} for DFlash v1)."""
+    return dict(ENGINE_REQUIREMENTS.get(variant, {}))
+
+
+def serve_commands(drafter: str, target: str | None, block_size: int, variant: str = "dflash") -> dict[str, str]:
     """``{"vllm": ..., "sglang": ...}`` for a drafter folder or Hub id and its target."""
     target = target or "TARGET"
     spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": block_size - 1})
+    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if variant == "dflash2" else ""  # DFlash2's selector: V2 runner only
     return {
-        "vllm": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
+        "vllm": f"{runner}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
         "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
                    f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(str(drafter))} "
                    f"--speculative-num-draft-tokens {block_size}"),

@@ -11,9 +11,10 @@ and whether the greedy outputs match (first divergence index otherwise). A warm-
 runs first so that one-time costs (kernel selection, allocation, graph capture) are not timed.
 
 ``--loop`` (torch backend): ``eager`` is the reference loop (``inference.torch_loop``), ``static``
-the preallocated-cache loop with CUDA graphs (``inference.static_loop``),
-``compiled`` the same with ``torch.compile``d target layers and drafter block pass (one-time
-compile before the timed runs); the baseline runs through the same loop kind. Torch lines also
+the preallocated-cache loop with CUDA graphs (``inference.static_loop``), ``compiled`` the same with
+``torch.compile``d target layers and drafter block pass (one-time compile before the timed runs): the
+one cycle of ``inference.cycle`` over each loop's state adapters; the baseline is the same cycle
+without a drafter, through the same loop kind. Torch lines also
 give the **cycle cost** (decode seconds per DFlash cycle over baseline seconds per token: 1.0
 means a draft+verify cycle costs one target decode step) and a ``decode_parts`` line per loop:
 per-cycle milliseconds of draft, verify, accept (the one host sync) and host bookkeeping (eager:
@@ -31,6 +32,15 @@ import argparse
 import json
 import tempfile
 
+from inference.checks import check_dtype, preflight
+from inference.report import report_of
+from inference.stats import resolve_block_size
+from models.config import DFlashConfig
+from models.mask_token import choose_mask_token, tokenizer_emitted_ids
+
+# torch, transformers and the modules that import them are imported inside the functions that use them: a CLI's
+# start-up time (seconds that --help and the argument errors do without).
+
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain, step by step, why the sky is blue.",
@@ -42,8 +52,6 @@ def tiny_folders(arch: str, root: str) -> tuple[str, str]:
     """A tiny target and a random drafter saved as folders (speed plumbing only: tau ~ 1)."""
     import torch
 
-    from models.config import DFlashConfig
-    from models.mask_token import choose_mask_token, tokenizer_emitted_ids
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
     from models.tiny import save_tiny_target
@@ -65,9 +73,8 @@ def random_models(recipe: str, device: str, seed: int = 0, dtype: str | None = N
     5 taps, block 16), both in ``dtype`` (``--dtype``; default bf16 on CUDA, fp32 on the CPU)."""
     import torch
 
-    from data.bench import recipe_spec, recipe_target
-    from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
+    from models.random_target import recipe_spec, recipe_target
 
     d = recipe_spec(recipe).get("drafter") or {}
     dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -96,7 +103,6 @@ def torch_runs(target, drafter, prompts: list[list[int]], loops: list[str], max_
     host between them. Both kinds run on the same built loop, so one compile serves them."""
     from inference import static_loop as sl
     from inference import torch_loop as tl
-    from inference.stats import resolve_block_size
 
     B = resolve_block_size(block_size, drafter.config.block_size)
     warm = 2 * B  # tokens of the warm-up generation below
@@ -158,7 +164,7 @@ def profile_loop(loop: str, st, proposer, prompt: list[int], B: int, n: int, gen
 
     The passes replay on whatever the last generation left in their buffers: speed only.
     """
-    from models.profiling import top_ops
+    from models.support import top_ops
 
     if st is None:
         print(json.dumps({"bench": "profile", "loop": loop, "what": "generation", **top_ops(generation, n)}),
@@ -170,9 +176,9 @@ def profile_loop(loop: str, st, proposer, prompt: list[int], B: int, n: int, gen
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.bench import check_at_least, check_device, recipe_runs_on_cpu, recipe_spec
-    from inference.checks import check_dtype, preflight
-    from inference.generate import Session, pick_backend, report_of
+    from data.bench import check_at_least, check_device
+    from inference.session import Session, pick_backend
+    from models.random_target import recipe_runs_on_cpu, recipe_spec
 
     p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -264,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory() as root:
         target, draft = tiny_folders(args.tiny, root) if args.tiny else (args.target, args.draft)
-        session = Session(pick_backend(args.backend), target, draft, args.device, args.dtype)
+        session = Session(pick_backend(args.backend), target, draft, args.device, args.dtype,
+                          block_size=args.block_size)
         prompts = [_chat_ids(session.tokenizer, x) for x in args.prompts]
         session.run(prompts[0], baseline=True, max_new_tokens=16)  # warm-up: one-time costs are not timed
         for rep in range(args.repeat):
@@ -286,6 +293,6 @@ def _chat_ids(tok, text: str) -> list[int]:
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from inference.stats import resolve_block_size, warn_if_mask_is_emitted
+from models import hub
 from models.config import ARCHITECTURE, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
 
 log = logging.getLogger("inference")
@@ -24,10 +28,22 @@ log = logging.getLogger("inference")
 
 def check_dtype(name: str | None) -> str | None:
     """A ``--dtype`` name as both backends spell it, for ``getattr(torch, name)`` / ``getattr(mx, name)``
-    (``bf16`` -> ``bfloat16``: ``models.cli.DTYPE_NAMES``; None: the backend's default)."""
-    from models.cli import parse_dtype
+    (``bf16`` -> ``bfloat16``: ``models.support.DTYPE_NAMES``; None: the backend's default)."""
+    from models.support import parse_dtype
 
     return parse_dtype(name)
+
+
+LOOPS = ("auto", "eager", "static", "compiled")  # --loop: the torch loop a session runs (inference.session)
+
+
+def check_loop(backend: str, loop: str) -> None:
+    """``--loop`` names a torch loop; the MLX backend has its own (auto and eager stand for it)."""
+    if loop not in LOOPS:
+        raise ValueError(f"--loop {loop!r}: use one of {', '.join(LOOPS)}")
+    if backend == "mlx" and loop not in ("auto", "eager"):
+        raise ValueError(f"--loop {loop} is a torch loop; the MLX backend runs its own (drop --loop, or use "
+                         "--backend torch)")
 
 
 # ------------------------------------------------------------------ loop checks
@@ -49,8 +65,6 @@ def check_temperature(temperature: float) -> None:
 def check_proposer_binding(config: DFlashConfig, target: Any) -> None:
     """Before a drafter is bound to a loaded target (either backend's ``TargetModel``): same hidden size,
     vocabulary and depth; warn when the mask id is a token the tokenizer emits."""
-    from inference.stats import warn_if_mask_is_emitted
-
     config.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=target.num_layers)
     warn_if_mask_is_emitted(config.mask_token_id, target.tokenizer)
 
@@ -118,8 +132,6 @@ def recorded_target(directory: str | Path, raw: dict) -> str | None:
     if card.is_file():
         text = card.read_text(errors="replace")
         if text.startswith("---"):
-            import yaml
-
             try:
                 meta = yaml.safe_load(text.split("---", 2)[1])
             except yaml.YAMLError:  # metadata that is not YAML records no target
@@ -184,7 +196,7 @@ def check_target_tokenizer(facts: TargetFacts, target: str, fix: str) -> None:
 def check_draft_weights(draft: str) -> None:
     """A local drafter folder holds its weights (a Hub id's come with the load): missing ones were found only
     after the target had loaded (minutes for a large one)."""
-    from models.weights import weight_files
+    from models.weights import weight_files  # here, not at the top: the commands' start-up time (it imports torch)
 
     path = Path(draft).expanduser()
     if not path.is_dir():
@@ -201,13 +213,10 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
 
     Hub ids fetch only the small files here (``*.json``, ``*.md``); the weights come with the load.
     """
-    from inference.stats import resolve_block_size
-    from models.hub import resolve_model_dir, same_model
-
     check_temperature(temperature)
     small = ["*.json", "*.md"]
-    tdir = resolve_model_dir(target, what="target", allow_patterns=small)
-    ddir = resolve_model_dir(draft, what="drafter", allow_patterns=small)
+    tdir = hub.resolve_model_dir(target, what="target", allow_patterns=small)
+    ddir = hub.resolve_model_dir(draft, what="drafter", allow_patterns=small)
     tpath, dpath = tdir / "config.json", ddir / "config.json"
     if tpath.is_file() and dpath.is_file():
         t_raw, d_raw = _read_json(tpath, "target"), _read_json(dpath, "drafter")  # a truncated file is named
@@ -219,7 +228,7 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     check_pair(cfg, facts, draft)
     b = resolve_block_size(block_size, cfg.block_size)
     rec = recorded_target(ddir, raw)
-    if rec is not None and not same_model(rec, target):
+    if rec is not None and not hub.same_model(rec, target):
         log.warning("the drafter %s records its target as %s, but --target is %s: acceptance will suffer unless they "
                     "are the same weights", draft, rec, target)
     return Preflight(target=facts, drafter=cfg, block_size=b, recorded_target=rec)

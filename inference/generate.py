@@ -9,7 +9,8 @@
 JSON object (tokens, acceptance_lengths, tau, decode_tokens_per_s, ...). ``--baseline`` also runs
 the target alone on the same prompt and reports the speedup and whether the outputs match, after a
 short untimed warm-up of both (one-time costs would otherwise fall on DFlash, which runs first); the
-static and compiled loops warm up too (their CUDA graphs are captured on first use).
+static and compiled loops warm up too (their CUDA graphs are captured on first use). The loop (``--loop``)
+is chosen once, when the session is built (``inference.session``).
 
 Before any weights load, the two ``config.json`` files are checked (``inference.checks.preflight``):
 a swapped ``--target``/``--draft``, a drafter for another target, ``--block-size`` above the trained
@@ -20,14 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import platform
 import sys
 
-from inference.checks import check_draft_weights, check_dtype, check_prompt_ids, check_target_tokenizer, preflight
-from models.cli import check_device
-
-WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
+from data.chat import require_chat_template
+from inference.checks import (
+    LOOPS,
+    check_draft_weights,
+    check_dtype,
+    check_prompt_ids,
+    check_target_tokenizer,
+    preflight,
+)
+from inference.report import report_of
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None,
                    help="compute dtype, e.g. float32 for exactness (torch default: bfloat16 on cuda, float32 on cpu; "
                         "mlx default: the checkpoint's)")
-    p.add_argument("--loop", choices=TORCH_LOOPS, default="auto",
+    p.add_argument("--loop", choices=LOOPS, default="auto",
                    help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
                         "else eager; static / compiled (graphs + torch.compile) / eager force one (static also "
                         "runs Qwen3.5 targets)")
@@ -81,18 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def pick_backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    if platform.system() == "Darwin" and platform.machine() == "arm64":
-        try:
-            import mlx.core  # noqa: F401
-            return "mlx"
-        except ImportError:
-            pass
-    return "torch"
-
-
 def parse_prompt_ids(text: str, vocab_size: int | None) -> list[int]:
     """``--prompt-ids 1,2,3``, checked against the target's vocabulary before any model loads."""
     parts = [x.strip() for x in text.strip().strip(",").split(",")]
@@ -109,221 +102,12 @@ def encode_prompt(args: argparse.Namespace, tokenizer, vocab_size: int | None = 
     if tokenizer is None:
         raise SystemExit("the target folder has no tokenizer: pass --prompt-ids instead of --prompt")
     if args.chat:
-        from data.chat import require_chat_template
-
         require_chat_template(tokenizer, args.target, "; or drop --chat to tokenize --prompt as plain text")
         kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking == "on"}
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             tokenize=True, **kwargs)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return list(tokenizer(args.prompt, add_special_tokens=True)["input_ids"])
-
-
-TORCH_LOOPS = ("auto", "eager", "static", "compiled")
-
-
-def pick_torch_loop(requested: str, target, drafter) -> str:
-    """The torch loop a session runs: ``auto`` = the static-cache CUDA-graph loop on a GPU where it
-    applies (full-attention target, drafter without sliding-window layers), else the eager loop.
-
-    An eager batch-1 forward on a GPU is launch-bound (an 8B target's decode step took 84 ms eager,
-    10.8 ms replayed as a graph), so eager speedups there measure the host, not the drafter.
-    Qwen3.5 / 3.6 (GatedDeltaNet) targets run the static loop when asked (``--loop static``); ``auto``
-    keeps them eager until its graph replay has been checked on a GPU (``tests/test_cuda.py``).
-    """
-    from inference.static_loop import StaticLoopUnsupported, check_static_target
-
-    if requested == "auto" and target.device.type == "cuda" and target.is_hybrid:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "Qwen3.5 target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the speedup "
-            "partly measures the host); --loop static runs the CUDA-graph loop, not yet checked on a GPU")
-        return "eager"
-    if requested == "eager" or (requested == "auto" and target.device.type != "cuda"):
-        return "eager"
-    try:
-        check_static_target(target)
-        if drafter.config.use_sliding_window:
-            raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
-                                        "sliding-window layers: use --loop eager")
-    except StaticLoopUnsupported:
-        if requested == "auto":
-            return "eager"
-        raise
-    return "static" if requested == "auto" else requested
-
-
-class Session:
-    """A loaded target + drafter on one backend; ``run`` generates (and optionally the baseline)."""
-
-    def __init__(self, backend: str, target: str, draft: str, device: str | None = None, dtype: str | None = None,
-                 loop: str = "auto"):
-        self.backend, requested = backend, loop  # `loop` is rebound to the backend's loop module below
-        if loop not in TORCH_LOOPS:
-            raise ValueError(f"--loop {loop!r}: use one of {', '.join(TORCH_LOOPS)}")
-        self.loop_kind, self._static = "eager", None
-        if backend == "mlx" and loop not in ("auto", "eager"):
-            raise ValueError(f"--loop {loop} is a torch loop; the MLX backend runs its own (drop --loop, or use "
-                             "--backend torch)")
-        dtype = check_dtype(dtype)
-        if backend == "mlx" and device is not None:  # was ignored without a word
-            raise ValueError(f"--device {device} is a torch flag; the MLX backend runs on its own device (Metal on "
-                             "a Mac, the CPU on Linux): drop --device, or use --backend torch")
-        if backend != "mlx":  # torch's own errors ("not compiled with CUDA", "Expected one of cpu, cuda...") are
-            check_device(device)  # tracebacks after the target loaded
-        if backend == "mlx":
-            try:
-                from inference import mlx_loop as loop
-            except ImportError as e:
-                raise SystemExit(f"--backend mlx needs MLX: pip install -e '.[mlx]' ({e})") from None
-            self.target, self.proposer = loop.load(target, draft, dtype=dtype)
-        else:
-            import torch
-
-            from inference import torch_loop as loop
-            from models.drafter import DFlashDraftModel
-            from models.target import TargetModel
-
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            default = torch.bfloat16 if device.startswith("cuda") else torch.float32
-            tdtype = getattr(torch, dtype) if dtype else default
-            self.target = TargetModel.from_pretrained(target, dtype=tdtype, device=device)
-            drafter = DFlashDraftModel.from_pretrained(draft, dtype=tdtype, device=device)
-            self.proposer = loop.DrafterProposer(drafter, self.target)
-            self.loop_kind = pick_torch_loop(requested, self.target, drafter)
-        self.loop = loop
-        self.tokenizer = self.target.tokenizer
-
-    def run(self, prompt: list[int], baseline: bool = False, block_size: int | None = None, **kw):
-        trained = self.proposer.drafter.config.block_size if self.loop_kind != "eager" else None
-        if block_size not in (None, trained) and self.loop_kind != "eager":
-            # The graphs are captured for one block shape: DFlash would run eager against a static baseline
-            # (a speedup of two different loops), so both run the eager loop, and the report says so.
-            logging.getLogger("inference").warning(
-                "--block-size %d is not the drafter's %d: the %s loop is captured for one block shape, so "
-                "DFlash and the baseline both run the eager loop", block_size, trained, self.loop_kind)
-            self.loop_kind = "eager"
-        kw = self._static_budget(prompt, kw, block_size)
-        static = self._static_loop(prompt, kw.get("max_new_tokens", 256), block_size)
-        if static is not None:
-            from inference.static_loop import static_dflash_generate
-
-            result = static_dflash_generate(*static, prompt, block_size=block_size, **kw)
-        else:
-            result = self.loop.dflash_generate(self.target, self.proposer, prompt, block_size=block_size, **kw)
-        base = self.baseline(prompt, **kw) if baseline else None
-        return result, base
-
-    def baseline(self, prompt: list[int], **kw):
-        """The target alone through the same loop kind: same dtype, stop rules, timers and cache treatment."""
-        kw = self._static_budget(prompt, kw, None)
-        static = self._static_loop(prompt, kw.get("max_new_tokens", 256), None)
-        if static is not None:
-            from inference.static_loop import static_target_generate
-
-            return static_target_generate(static[0], prompt, **kw)
-        return self.loop.target_generate(self.target, prompt, **kw)
-
-    def _static_budget(self, prompt: list[int], kw: dict, block_size: int | None) -> dict:
-        """``kw`` with ``max_new_tokens`` capped at the target's positions when the static loop runs.
-
-        Its K/V buffers are preallocated for prompt + max_new_tokens (+ block slack): ``--max-new-tokens
-        1000000000`` asked the allocator for 128 GB (a CUDA OOM on a GPU). The target addresses
-        ``max_position_embeddings`` positions; like the eager loop past them (a warning, and it runs), the
-        static loop then generates up to them with a note saying so, the buffers sized for that.
-        """
-        if self.loop_kind == "eager" or block_size not in (None, self.proposer.drafter.config.block_size):
-            return kw
-        asked = kw.get("max_new_tokens", 256)
-        positions = int(self.target.max_position_embeddings)
-        room = max(positions - len(prompt), 1)  # a prompt past them already: one token (eager warns and runs too)
-        if asked <= room:
-            return kw
-        logging.getLogger("inference").warning(
-            "--max-new-tokens %d with a %d-token prompt runs past the target's %d positions "
-            "(max_position_embeddings): the %s loop preallocates its caches, so it generates at most %d new tokens "
-            "(about %.1f GiB of buffers otherwise); --loop eager generates past the target's positions",
-            asked, len(prompt), positions, self.loop_kind, room, self._static_bytes(len(prompt) + asked) / 2**30)
-        return {**kw, "max_new_tokens": room}
-
-    def _static_bytes(self, positions: int) -> int:
-        """Bytes of the static loop's K/V buffers (target and drafter) for ``positions`` positions.
-
-        Only the target's attention layers have one: a GatedDeltaNet layer's state does not grow with the
-        positions (three of four Qwen3.5 layers)."""
-        c, d = self.target.config, self.proposer.drafter.config
-        size = getattr(self.target.dtype, "itemsize", 2)  # torch.dtype.itemsize; 2 bytes for anything else
-        head = lambda cfg: getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # noqa: E731
-        kv = lambda cfg: getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # noqa: E731
-        attention = sum(kind == "full_attention" for kind in self.target.layer_types)
-        per = 2 * (attention * kv(c) * head(c) + d.num_hidden_layers * kv(d) * head(d)) * size
-        return per * positions
-
-    def _static_loop(self, prompt: list[int], max_new_tokens: int, block_size: int | None):
-        """(StaticTarget, StaticDrafterProposer) when this session runs the static loop, else None.
-
-        Built on first use with room for 4096 positions (or what the call needs, rounded up to 1024):
-        a longer call rebuilds them, and its CUDA graphs are captured again. A block size other than
-        the drafter's runs the eager loop (the graphs are captured for one block shape).
-        """
-        if self.loop_kind == "eager":
-            return None
-        B = self.proposer.drafter.config.block_size
-        if block_size not in (None, B):
-            return None
-        need = len(prompt) + max_new_tokens + 2 * B
-        if self._static is None or self._static[0].max_len < need:
-            from inference.static_loop import build_static_loop
-
-            self._static = build_static_loop(self.target, self.proposer.drafter, max(4096, -(-need // 1024) * 1024),
-                                             compile=self.loop_kind == "compiled")
-        return self._static
-
-    def reset_peak_memory(self) -> None:
-        if self.backend == "mlx":
-            import mlx.core as mx
-
-            mx.reset_peak_memory()
-        elif self.target.device.type == "cuda":
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(self.target.device)
-
-    def peak_memory_bytes(self) -> int | None:
-        """MLX ``mx.get_peak_memory``, CUDA ``torch.cuda.max_memory_allocated``; None on a torch CPU run."""
-        if self.backend == "mlx":
-            import mlx.core as mx
-
-            return int(mx.get_peak_memory())
-        if self.target.device.type == "cuda":
-            import torch
-
-            return int(torch.cuda.max_memory_allocated(self.target.device))
-        return None
-
-    def describe(self) -> dict:
-        """Backend, device and dtypes, for reports."""
-        import platform as pf
-
-        if self.backend == "mlx":
-            import mlx.core as mx
-
-            device = str(mx.default_device())
-            if mx.metal.is_available():
-                device += f" ({mx.metal.device_info().get('device_name', 'Metal')})"
-            dtype = str(self.target.dtype).removeprefix("mlx.core.")
-            ddtype = str(getattr(getattr(self.proposer, "drafter", None), "dtype", None)).removeprefix("mlx.core.")
-        else:
-            import torch
-
-            dev = self.target.device
-            device = str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
-            dtype = str(self.target.dtype).removeprefix("torch.")
-            drafter = getattr(self.proposer, "drafter", None)  # test stand-ins have none
-            ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
-        return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
-                "loop": self.loop_kind, "platform": pf.platform(), "machine": pf.machine()}
 
 
 def warn_past_positions(prompt_len: int, max_new_tokens: int, positions: int) -> bool:
@@ -339,23 +123,6 @@ def warn_past_positions(prompt_len: int, max_new_tokens: int, positions: int) ->
     return True
 
 
-def report_of(backend: str, result, baseline, greedy: bool = True) -> dict:
-    """The --json report. Sampled (``greedy`` False), DFlash and the baseline draw their tokens differently from
-    one seed, so their outputs differ by design: ``matches_baseline`` / ``first_divergence`` are None, as
-    validate reports them, not a ``False`` that reads as a lossless loop gone wrong."""
-    from inference.report import first_divergence
-
-    report = {"backend": backend, **result.to_json()}
-    if baseline is not None:
-        report["baseline_decode_tokens_per_s"] = baseline.decode_tokens_per_s
-        report["speedup"] = (result.decode_tokens_per_s / baseline.decode_tokens_per_s
-                             if baseline.decode_tokens_per_s else None)
-        first_diff = first_divergence(result.tokens, baseline.tokens) if greedy else None
-        report["matches_baseline"] = first_diff is None if greedy else None
-        report["first_divergence"] = first_diff
-    return report
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.dtype = check_dtype(args.dtype)
@@ -365,8 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     if early_ids is None:
         check_target_tokenizer(pre.target, args.target, "pass --prompt-ids instead of --prompt, or add the "
                                "target's tokenizer files to the folder")
+    # Imported here, not at the top: a CLI's start-up time (the session imports torch and transformers, seconds
+    # that --help and the pre-flight errors above do without).
+    from inference.session import WARMUP_TOKENS, Session, pick_backend
+
     backend = pick_backend(args.backend)
-    session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop)
+    session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop,
+                      block_size=args.block_size)
     tokenizer = session.tokenizer
     prompt = early_ids if early_ids is not None else encode_prompt(args, tokenizer)
     if session.loop_kind == "eager":  # the static loops cap --max-new-tokens at the positions, with their own warning
@@ -398,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def cli() -> None:
     """The ``draftsmith-generate`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)
 

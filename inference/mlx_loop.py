@@ -1,27 +1,27 @@
-"""The DFlash decoding loop in MLX (Metal on a Mac, CPU on Linux); the twin of ``torch_loop.py``.
+"""The DFlash decoding loop in MLX (Metal on a Mac, CPU on Linux); the twin of ``inference/cycle.py``.
 
-Same cycle and semantics (docs/design.md, "Decoding cycle"): draft a block from the bonus token, verify the
-whole block in one target pass, accept the longest prefix where draft == target token plus the
-target's own token at the first mismatch, roll the target cache back to the committed length
-(``rollback_mlx``), and carry the target's features at the committed positions into the next
-draft. Drafts are greedy; the target's tokens are sampled at the requested temperature, so
-every committed token is a sample from the target's own distribution (greedy: identical to
-target-only greedy decoding). Results are ``inference.stats.GenerationResult``, as in torch.
+One cycle, written once (``dflash_generate``), with the torch cycle's steps and semantics (docs/design.md,
+"Decoding cycle"): propose a block from the bonus token (``propose_block``: the proposal step, DFlash v1
+the argmax of each slot's logits), verify the whole block in one target pass, accept the longest prefix
+where draft == target token plus the target's own token at the first mismatch (``accept``), roll the
+target cache back to the committed length (``rollback_mlx``) and carry the target's features at the
+committed positions into the next proposal. Drafts are greedy; the target's tokens are sampled at the
+requested temperature, so every committed token is a sample from the target's own distribution (greedy:
+identical to target-only greedy decoding). Results are ``inference.stats.GenerationResult``, as in torch.
+The baseline (``target_generate``) is the same cycle without a drafter (``NoDrafter``: blocks of one token).
 
 MLX is lazy: the draft pass and the verify pass of a cycle are one graph, evaluated once when
 the acceptance count is read (the only host sync of a cycle). Long prompts are prefilled in
 chunks; ``memory_limit_gb`` sets ``mx.set_memory_limit`` for the call and the buffer cache is
 cleared every ``clear_cache_every`` cycles, so long runs do not grow without bound.
-
-The baseline (``target_generate``) is stock ``mlx_lm.generate.generate_step`` on the same ids.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from typing import Protocol
+from contextlib import contextmanager, nullcontext
+from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 
@@ -39,6 +39,29 @@ from models.target_mlx import TargetModel
 PREFILL_STEP = 2048
 
 
+class Proposal(NamedTuple):
+    """A drafter's proposal for block slots 1..B-1 (unevaluated arrays: no extra sync)."""
+
+    drafts: mx.array  # [B-1] token ids
+    q: mx.array | None = None  # [B-1, K] draft probabilities over ``candidates`` when drafts are sampled
+    candidates: mx.array | None = None  # [B-1, K] the token ids ``q`` is over
+
+
+def propose_block(drafter: DFlashDraftModel, hidden: mx.array, bonus: mx.array) -> Proposal:
+    """The proposal step, the one place a drafter generation decides its drafts (twin of
+    ``cycle.propose_block``). ``hidden``: the drafter's final-norm hidden states at block slots 1..B-1
+    (``[1, B-1, H]``); ``bonus``: the block's first token (``[1]``), where a selector walk starts. DFlash v1:
+    the argmax of each slot's logits through the target's LM head."""
+    return Proposal(drafts=mx.argmax(drafter.logits(hidden)[0], axis=-1))
+
+
+def as_proposal(drafts) -> Proposal:
+    """A proposer's answer as a ``Proposal``: drafts alone (an array or a list) are greedy drafts."""
+    if isinstance(drafts, Proposal):
+        return drafts
+    return Proposal(drafts=drafts if isinstance(drafts, mx.array) else mx.array(drafts, dtype=mx.int32))
+
+
 def sample(logits: mx.array, temperature: float, key: mx.array | None = None) -> mx.array:
     """Greedy at temperature 0, else a draw from softmax(logits / T). ``[..., V] -> [...]``."""
     if temperature <= 0:
@@ -46,21 +69,48 @@ def sample(logits: mx.array, temperature: float, key: mx.array | None = None) ->
     return mx.random.categorical(logits.astype(mx.float32) / temperature, axis=-1, key=key)
 
 
+def accept(logits: mx.array, proposal: Proposal, temperature: float, key: mx.array | None = None) -> mx.array:
+    """The target's token after each block position (``[T, V] -> [T]``), matched against the drafts on the
+    host (twin of ``cycle.accept``): a draw from the target at each position for greedy drafts; a proposal
+    with ``q`` is where rejection sampling against the drafts' distribution belongs."""
+    return sample(logits, temperature, key)
+
+
 class Proposer(Protocol):
-    """Anything that drafts a block: the real drafter, or test stand-ins."""
+    """The drafter's state: anything that drafts a block (the real drafter, ``NoDrafter``, test stand-ins)."""
 
     layer_ids: list[int]
     block_size: int
 
     def reset(self) -> None: ...
 
-    def propose(self, bonus: int, new_features: mx.array, start: int, block_size: int) -> mx.array | list[int]:
-        """Draft tokens for block slots 1..B-1 (an unevaluated ``mx.array`` is best: no extra sync).
+    def propose(self, bonus: int, new_features: mx.array | None, start: int,
+                block_size: int) -> Proposal | mx.array | list[int]:
+        """Drafts for block slots 1..B-1 (unevaluated arrays are best: no extra sync).
         ``new_features`` are the target's features at positions ``start - c .. start - 1`` (not yet
         seen); the bonus token sits at position ``start``."""
         ...
 
     def context_length(self) -> int: ...
+
+
+class NoDrafter:
+    """The baseline's proposer: nothing proposed, so each block is the bonus token alone (B = 1) and the cycle
+    is target-only decoding through the same code."""
+
+    block_size = 1
+
+    def __init__(self):
+        self.layer_ids: list[int] = []
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, bonus: int, new_features, start: int, block_size: int) -> Proposal:
+        return Proposal(drafts=mx.zeros((0,), dtype=mx.int32))
+
+    def context_length(self) -> int:
+        return -1
 
 
 class DrafterProposer:
@@ -82,12 +132,13 @@ class DrafterProposer:
     def reset(self) -> None:
         self.cache = DraftCache(self.drafter.config.num_hidden_layers)
 
-    def propose(self, bonus: int, new_features: mx.array, start: int, block_size: int) -> mx.array:
+    def propose(self, bonus: int, new_features: mx.array, start: int, block_size: int) -> Proposal:
         c = new_features.shape[1]
         block = mx.array([[bonus] + [self.mask_id] * (block_size - 1)])
         positions = mx.arange(start - c, start + block_size)[None]
-        logits = self.drafter.draft(block, new_features.astype(self.drafter.dtype), positions, cache=self.cache)
-        return mx.argmax(logits[0], axis=-1)
+        hidden = self.drafter(self.drafter.embed(block), new_features.astype(self.drafter.dtype), positions,
+                              cache=self.cache)
+        return propose_block(self.drafter, hidden[:, 1:], block[:, 0])
 
     def context_length(self) -> int:
         return len(self.cache)
@@ -131,7 +182,8 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
                     seed: int = 0, prefill_step_size: int = PREFILL_STEP, memory_limit_gb: float | None = None,
                     clear_cache_every: int = 64,
                     on_cycle: Callable[[list, int], None] | None = None) -> GenerationResult:
-    """Speculative generation with a DFlash drafter on MLX; lossless with respect to the target.
+    """Speculative generation on MLX, lossless with respect to the target: the one cycle of this backend
+    (``NoDrafter`` gives the baseline, ``target_generate``).
 
     ``on_cycle(cache, committed)`` is called after every cycle's rollback (tests use it to compare
     the rolled-back caches with a fresh prefill).
@@ -158,13 +210,14 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
         cycle = 0
         while stop is None:
             bonus = result.tokens[-1]
-            drafts = proposer.propose(bonus, new_features, committed, B)
-            drafts = drafts if isinstance(drafts, mx.array) else mx.array(drafts)
+            proposal = as_proposal(proposer.propose(bonus, new_features, committed, B))  # the draft pass
+            drafts = proposal.drafts
             block = mx.concatenate([mx.array([bonus], dtype=drafts.dtype), drafts])[None]
-            with rollback.recording(cache):
-                verify = target.forward(block, proposer.layer_ids, cache=cache)
+            # A one-token block (the baseline's) is always kept whole: nothing to snapshot or record.
+            with rollback.recording(cache) if B > 1 else nullcontext():
+                verify = target.forward(block, proposer.layer_ids, cache=cache)  # the target pass
             key, sub = _split(key)
-            target_tokens = sample(verify.logits[0], temperature, sub)
+            target_tokens = accept(verify.logits[0], proposal, temperature, sub)
             mx.eval(drafts, target_tokens)  # the one sync of the cycle
             drafts_l, target_l = drafts.tolist(), target_tokens.tolist()
             check_draft_context(proposer.context_length(), committed)
@@ -174,7 +227,7 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
             rollback.check(cache, committed)
             if on_cycle is not None:
                 on_cycle(cache, committed)
-            new_features = verify.features[:, :keep]
+            new_features = verify.features[:, :keep] if proposer.layer_ids else None
             cycle += 1
             if clear_cache_every and cycle % clear_cache_every == 0:
                 mx.clear_cache()
@@ -187,35 +240,9 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
 def target_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                     eos_token_ids: list[int] | None = None, seed: int = 0, prefill_step_size: int = PREFILL_STEP,
                     memory_limit_gb: float | None = None) -> GenerationResult:
-    """The baseline: stock ``mlx_lm`` ``generate_step`` on the same ids, same stop rules and timers."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
-    check_generation_args(prompt_ids, max_new_tokens, temperature)
-    eos = set(target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
-    if temperature > 0:
-        mx.random.seed(seed)
-    result = GenerationResult(tokens=[], block_size=1)
-    stop = None
-    with memory_limit(memory_limit_gb):
-        t0 = time.perf_counter()
-        steps = generate_step(mx.array(prompt_ids), target.model, max_tokens=max_new_tokens,
-                              sampler=make_sampler(temp=temperature), prefill_step_size=prefill_step_size)
-        t1 = None
-        for tok, _ in steps:
-            first = t1 is None  # the prefill's token: not a decode step
-            if first:
-                t1 = time.perf_counter()
-                result.prefill_s = t1 - t0
-            stop = commit_tokens([int(tok)], result.tokens, eos, max_new_tokens)
-            if not first:
-                result.acceptance_lengths.append(int(stop != "eos"))  # the EOS step emits nothing
-            if stop is not None:
-                break
-        steps.close()
-        result.decode_s = time.perf_counter() - (t1 if t1 is not None else t0)
-    result.stop_reason = stop or "max_new_tokens"
-    return result
+    """The baseline: the same cycle without a drafter, one token per target pass, same stop rules and timers."""
+    return dflash_generate(target, NoDrafter(), prompt_ids, max_new_tokens, temperature, eos_token_ids=eos_token_ids,
+                           seed=seed, prefill_step_size=prefill_step_size, memory_limit_gb=memory_limit_gb)
 
 
 def load(target: str, drafter: str, revision: str | None = None, drafter_revision: str | None = None,

@@ -8,7 +8,7 @@ settings themselves; a file written with other settings is set aside as ``partia
 ones shifted to ``.old.1`` ...), never mixed in, and the note names the settings that differ. The
 finished report replaces the file.
 
-Only one run writes into a folder at a time (``LOCK``, held by validate through ``models.lock.hold``): two
+Only one run writes into a folder at a time (``LOCK``, held by validate through ``models.support.hold``): two
 runs sharing ``partial.jsonl`` would set each other's rows aside or append to one file, and the first to
 finish would delete the other's.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from inference.report import PromptRun
 from inference.stats import GenerationResult
-from models.lock import set_aside
+from models.support import set_aside
 
 PARTIAL = "partial.jsonl"
 LOCK = ".validate.lock"

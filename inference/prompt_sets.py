@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from data import readers
+from data.chat import encode, render, require_chat_template
+from data.readers import BadRow, detect_layout, to_messages
+
 BUILTIN = ("code", "math", "chat", "long")
 
 
@@ -40,8 +44,6 @@ def builtin_path(name: str) -> Path:
 
 def _row_messages(row: dict) -> list[dict] | None:
     """The prompt turns of one raw row (None: no usable user turn)."""
-    from data.readers import BadRow, detect_layout, to_messages
-
     # a blank question or first turn is no prompt (measured as an empty user turn), as a blank message is not
     if isinstance(row.get("question"), str):
         return [{"role": "user", "content": row["question"]}] if row["question"].strip() else None
@@ -67,8 +69,6 @@ def _source_name(source: str) -> str:
 
 def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: str | None = None) -> list[Prompt]:
     """The prompts ``--prompts spec`` names, the first ``n`` per category; empty is an error."""
-    from data.readers import BadRow, iter_source_rows
-
     if n is not None and n < 1:
         raise ValueError(f"--n {n}: give at least 1 prompt per category (or leave --n out for all of them)")
     names = BUILTIN if spec == "all" else (spec,) if spec in BUILTIN else ()
@@ -88,7 +88,7 @@ def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: s
     first_at: dict[str, str] = {}  # where the first row of a reason is, for reasons the reader locates
     for source, default_category in sources:
         categorized = False  # whether any row so far names its category (then more categories may follow)
-        for index, row in enumerate(iter_source_rows(source, split=split, subset=subset)):
+        for index, row in enumerate(readers.iter_source_rows(source, split=split, subset=subset)):
             if not isinstance(row, dict):
                 why = str(row) if isinstance(row, BadRow) else "malformed JSON"
                 skipped[why] += 1
@@ -124,8 +124,6 @@ def prompt_set_hash(prompts: list[Prompt], thinking: str) -> str:
 
 def render_prompts(tokenizer, prompts: list[Prompt], thinking: str) -> list[list[int]]:
     """Token ids of each prompt through the target's chat template, generation prompt added."""
-    from data.chat import encode, render, require_chat_template
-
     if tokenizer is None:
         raise ValueError("the target folder has no tokenizer: validate renders prompts with the target's chat template")
     require_chat_template(tokenizer, "the target", "; validate's prompts are chat turns")

@@ -25,6 +25,7 @@ are the median over ``--repeats``. Groups (a category, or all prompts) pool cycl
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,6 +48,23 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     """First index where two outputs differ (None: identical)."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
+
+
+def report_of(backend: str, result: GenerationResult, baseline: GenerationResult | None,
+              greedy: bool = True) -> dict:
+    """One generation against its baseline, as ``generate --json`` and ``bench`` report it. Sampled (``greedy``
+    False), DFlash and the baseline draw their tokens differently from one seed, so their outputs differ by
+    design: ``matches_baseline`` / ``first_divergence`` are None, as validate reports them, not a ``False``
+    that reads as a lossless loop gone wrong."""
+    report = {"backend": backend, **result.to_json()}
+    if baseline is not None:
+        report["baseline_decode_tokens_per_s"] = baseline.decode_tokens_per_s
+        report["speedup"] = (result.decode_tokens_per_s / baseline.decode_tokens_per_s
+                             if baseline.decode_tokens_per_s else None)
+        first_diff = first_divergence(result.tokens, baseline.tokens) if greedy else None
+        report["matches_baseline"] = first_diff is None if greedy else None
+        report["first_divergence"] = first_diff
+    return report
 
 
 def _median(xs: list[float]) -> float:
@@ -255,14 +273,12 @@ def write_plot(reports: list[dict], labels: list[str], path: str) -> str | None:
     matplotlib is an optional extra (``pip install 'draftsmith[plot]'``): without it, one warning and
     no file (returns None).
     """
-    try:
+    try:  # optional dependency: the plot extra
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        import logging
-
         logging.getLogger("inference").warning("matplotlib is not installed: skipping %s "
                                                "(pip install 'draftsmith[plot]')", path)
         return None

@@ -88,7 +88,8 @@ class CacheRollback:
             n = c.offset
             if n != committed:
                 raise AssertionError(f"target cache layer {idx} holds {n} positions, committed length is {committed}")
-            if isinstance(c, RotatingKVCache):
+            if isinstance(c, RotatingKVCache) and self._kept != (1, 1):  # a one-token pass (the baseline's)
+                # writes a rotating buffer in place, as mlx_lm decodes: no temporal order to check, nothing trimmed
                 held = 0 if c.keys is None else c.keys.shape[2]
                 if c._idx != held or held < min(committed, c.max_size - 1):
                     raise AssertionError(

@@ -11,6 +11,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from models.mask_token import mask_problem
+
 log = logging.getLogger("inference")
 
 
@@ -105,8 +107,6 @@ def warn_if_mask_is_emitted(mask_id: int, tokenizer) -> None:
     """A drafter whose mask is a token the target produces (EOS, pad, a chat-control or text token) still
     runs losslessly, so warn rather than refuse. A reserved/unused special token (Llama 3.x's choice, as
     training resolves it in ``models.mask_token``) is a proper mask and gets no warning."""
-    from models.mask_token import mask_problem
-
     why = mask_problem(tokenizer, mask_id) if tokenizer is not None else None
     if why:
         log.warning("the drafter's mask_token_id %d (%r) is %s for the target's tokenizer; drafts stay lossless "

@@ -18,7 +18,7 @@ Method (the same for every backend, so numbers compare):
    explicit ``--thinking`` switch; DFlash and the baseline get the identical prompt token ids.
 3. A warm-up generation of both (not recorded), then for every prompt and every repeat the
    baseline (the target alone through the same backend's loop module, same dtype, stop rules and
-   timers: ``inference.generate.Session.baseline``) and DFlash (``Session.run``), alternating.
+   timers: ``inference.session.Session.baseline``) and DFlash (``Session.run``), alternating.
    Timings are the median over ``--repeats``; acceptance comes from the loop's own
    ``GenerationResult`` (``inference.stats``). Peak memory: ``mx.get_peak_memory`` (MLX),
    ``torch.cuda.max_memory_allocated`` (CUDA); null on a torch CPU run.
@@ -62,16 +62,26 @@ import json
 import platform
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
+import tqdm
+
 from inference import partial
-from inference.checks import check_draft_weights, check_dtype, check_target_tokenizer, check_temperature, preflight
-from inference.generate import TORCH_LOOPS, WARMUP_TOKENS
+from inference.checks import (
+    LOOPS,
+    check_draft_weights,
+    check_dtype,
+    check_target_tokenizer,
+    check_temperature,
+    preflight,
+)
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 from models.config import describe_quantization
-from models.lock import hold, set_aside
+from models import hub
+from models.support import hold, set_aside
 from models.provenance import refuse_training_output
 
 
@@ -97,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype: float32, bfloat16 or float16 (default: the "
                                                   "backend's: torch bf16 on cuda / fp32 on cpu, mlx the checkpoint's)")
-    p.add_argument("--loop", choices=TORCH_LOOPS, default="auto",
+    p.add_argument("--loop", choices=LOOPS, default="auto",
                    help="torch: auto (default) = static caches + CUDA graphs on a GPU for full-attention targets, "
                         "else eager; static / compiled (graphs + torch.compile) / eager force one (static also "
                         "runs Qwen3.5 targets)")
@@ -134,8 +144,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _versions() -> dict:
-    from importlib import metadata
-
     out = {"python_version": platform.python_version()}
     for dist, key in (("torch", "torch"), ("transformers", "transformers"), ("mlx", "mlx"), ("mlx-lm", "mlx_lm"),
                       ("draftsmith", "draftsmith")):
@@ -154,7 +162,8 @@ def measure(session, ids: list[list[int]], prompts: list, *, repeats: int = 1, b
     ``done``: prompts measured by an interrupted run (position -> (run, peaks), ``inference.partial``),
     taken as they are; ``record(position, run, peaks)`` is called as each new prompt finishes.
     """
-    from tqdm import tqdm
+    # Imported here, not at the top: a CLI's start-up time (the session module imports torch and transformers).
+    from inference.session import WARMUP_TOKENS
 
     done = done or {}
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -169,7 +178,7 @@ def measure(session, ids: list[list[int]], prompts: list, *, repeats: int = 1, b
             into[key] = max(into[key] or 0, value)
 
     runs = []
-    bar = tqdm(total=len(ids) * repeats, initial=(len(ids) - len(todo)) * repeats, desc="validate", unit="run",
+    bar = tqdm.tqdm(total=len(ids) * repeats, initial=(len(ids) - len(todo)) * repeats, desc="validate", unit="run",
                file=sys.stderr, disable=not progress)
     for i, (prompt, p_ids) in enumerate(zip(prompts, ids)):
         if i in done:
@@ -250,10 +259,9 @@ def run_compare(files: list[str], out: str | Path) -> dict:
 
 def draft_signature(draft: str) -> dict[str, list[float]]:
     """``models.weights.norm_signature`` of the drafter measured (already fetched by the load)."""
-    from models.hub import resolve_model_dir
-    from models.weights import norm_signature
+    from models.weights import norm_signature  # here, not at the top: a CLI's start-up time (it imports torch)
 
-    return norm_signature(resolve_model_dir(draft, what="drafter"))
+    return norm_signature(hub.resolve_model_dir(draft, what="drafter"))
 
 
 def warn_if_too_long(ids: list[list[int]], max_new_tokens: int, positions: int) -> int:
@@ -292,7 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def validate(args: argparse.Namespace) -> dict:
     """One measurement (``main`` without --compare), holding ``--out``."""
-    from inference.generate import Session, pick_backend
+    # Imported here, not at the top: a CLI's start-up time (the session imports torch and transformers, seconds
+    # that --help, --compare and the pre-flight errors do without).
+    from inference.session import Session, pick_backend
 
     args.dtype = check_dtype(args.dtype)
     check_temperature(args.temperature)
@@ -301,7 +311,8 @@ def validate(args: argparse.Namespace) -> dict:
     check_target_tokenizer(pre.target, args.target, "validate renders its prompts with the target's chat template: "
                            "add the target's tokenizer files to the folder")
     prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)
-    session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype, loop=args.loop)
+    session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype, loop=args.loop,
+                      block_size=pre.block_size)
     ids = render_prompts(session.tokenizer, prompts, args.thinking)
     warn_if_too_long(ids, args.max_new_tokens, session.target.max_position_embeddings)
     print(f"validate: {len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), block size "
@@ -340,7 +351,7 @@ def validate(args: argparse.Namespace) -> dict:
 
 def cli() -> None:
     """The ``draftsmith-validate`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)
 

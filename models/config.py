@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any, Iterable
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE2 = "DFlash2DraftModel"  # DFlash2: the v1 backbone + per-layer dynamic convs + a candidate selector
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": ARCHITECTURE2}  # by variant (the recipe's drafter.variant)
 MODELING_FILE = "modeling_dflash"  # shipped next to config.json so auto_map resolves
+# DFlash2's keys inside dflash_config, with the values of z-lab's published drafters; the reader requires these four.
+DFLASH2_KEYS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+# Optional DFlash2 keys, written only when they differ from these defaults (softcap None = off).
+DFLASH2_OPTIONAL = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+DFLASH2_WINDOW = 2048  # sliding_window of every published DFlash2 drafter
+# DFlash2's selector codebooks: published (and written by us) without ".weight"; z-lab's torch class adds it.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 SLIDING_BLOCK_MODES = ("bidirectional", "causal")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -34,7 +43,8 @@ def read_json_file(path: str | Path) -> Any:
 
 def is_drafter_config(d: Any) -> bool:
     """A ``config.json`` of a DFlash drafter (our architecture name, or z-lab's nested ``dflash_config``)."""
-    return isinstance(d, dict) and (ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d)
+    return isinstance(d, dict) and (bool(set(ARCHITECTURES.values()) & set(d.get("architectures") or []))
+                                    or "dflash_config" in d)
 
 
 def refuse_drafter_as_target(directory: str | Path, d: Any, flag: str = "--target") -> None:
@@ -157,6 +167,16 @@ def _sliding_block_mode(d: dict[str, Any], nested: dict[str, Any], layer_types: 
     return "causal" if is_causal is None else "bidirectional"
 
 
+def _variant(d: dict[str, Any], nested: dict[str, Any]) -> str:
+    """"dflash2" for the DFlash2 architecture or its conv/selector keys (what SGLang switches on), else "dflash"."""
+    names = d.get("architectures") or []
+    keys = [k for k in DFLASH2_KEYS if k in nested or k in d]
+    if ARCHITECTURE in names and keys:
+        raise ConfigError("architectures", names, f"names {ARCHITECTURE} but the config has DFlash2's {keys}",
+                          f"write architectures: [{ARCHITECTURE2!r}] (a DFlash2 drafter) or drop those keys")
+    return "dflash2" if ARCHITECTURE2 in names or keys else "dflash"
+
+
 def drafter_inside_hint(folder: str | Path) -> str:
     """" (a training run or checkpoint folder: pass DIR/drafter)" when ``folder`` holds the drafter one level
     down: the run and checkpoint folders are what users pass by mistake (their config.json is the drafter's)."""
@@ -194,9 +214,28 @@ class DFlashConfig:
     quantization: dict[str, Any] | None = None
     # Provenance of an export (target id/revision/quantization, recipe, steps, data); engines ignore it.
     draftsmith: dict[str, Any] | None = None
+    # The drafter generation: "dflash" (v1) or "dflash2". The fields below are DFlash2's (None on a v1 drafter):
+    # conv taps K and group size G of the per-layer dynamic convs, rank r and candidates K of the selector,
+    # and the optional logit multiplier, logit soft-cap and block-embedding scale.
+    variant: str = "dflash"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [whole_number("target_layer_ids", i) for i in self.target_layer_ids]
+        if self.variant == "dflash2":  # the published layout: every layer sliding, a 2048 window
+            for name, default in {**DFLASH2_KEYS, **DFLASH2_OPTIONAL}.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
+            if not self.layer_types:
+                self.layer_types = ["sliding_attention"] * self.num_hidden_layers
+            if self.sliding_window is None:
+                self.sliding_window = DFLASH2_WINDOW
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
@@ -214,6 +253,15 @@ class DFlashConfig:
     @property
     def use_sliding_window(self) -> bool:
         return "sliding_attention" in self.layer_types
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES.get(self.variant, ARCHITECTURE)
+
+    @property
+    def conv_groups(self) -> int:
+        """DFlash2: channel groups of a dynamic conv (H / G), one dynamic coefficient per group and tap."""
+        return self.hidden_size // self.conv_group_size
 
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -283,6 +331,56 @@ class DFlashConfig:
         if self.sliding_block_attention not in SLIDING_BLOCK_MODES:
             raise ConfigError("sliding_block_attention", self.sliding_block_attention,
                               "unknown in-block semantics for sliding layers", f"use one of {SLIDING_BLOCK_MODES}")
+        if self.variant not in ARCHITECTURES:
+            raise ConfigError("variant", self.variant, "unknown drafter generation",
+                              f"use one of {tuple(ARCHITECTURES)}")
+        if self.variant == "dflash2":
+            self._validate_dflash2()
+        else:
+            stray = [n for n in (*DFLASH2_KEYS, *DFLASH2_OPTIONAL) if getattr(self, n) is not None]
+            if stray:
+                raise ConfigError(stray[0], getattr(self, stray[0]), "is a DFlash2 setting on a variant dflash drafter",
+                                  "set variant=dflash2, or leave it out")
+
+    def _validate_dflash2(self) -> None:
+        """DFlash2's keys, checked together with the shape they depend on, before any weight is read."""
+        for name in DFLASH2_KEYS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(name, v, "must be a positive integer", f"use {DFLASH2_KEYS[name]} (z-lab's value)")
+        H, G = self.hidden_size, self.conv_group_size
+        if H % G:
+            fits = max(g for g in range(1, min(G, H) + 1) if H % g == 0)
+            raise ConfigError("conv_group_size", G, f"must divide hidden_size={H} (the dynamic convs share one "
+                              "coefficient per group of conv_group_size channels)",
+                              f"use a divisor of {H}, e.g. {fits}")
+        if self.conv_kernel_size > self.block_size:
+            raise ConfigError("conv_kernel_size", self.conv_kernel_size,
+                              f"reaches past the block ({self.block_size} slots): the convs never cross a "
+                              "block's start",
+                              "use at most block_size taps (default 2)")
+        if self.selector_top_k > self.vocab_size:
+            raise ConfigError("selector_top_k", self.selector_top_k, f"is more than the {self.vocab_size} tokens",
+                              "use fewer candidates (default 16)")
+        for name in DFLASH2_OPTIONAL:
+            v = getattr(self, name)
+            if v is None and name == "final_logit_softcapping":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ConfigError(name, v, "must be a positive number", f"leave {name} out (default "
+                                  f"{DFLASH2_OPTIONAL[name] if DFLASH2_OPTIONAL[name] is not None else 'off'})")
+            setattr(self, name, float(v))
+        if any(t != "sliding_attention" for t in self.layer_types):
+            raise ConfigError("layer_types", self.layer_types, "a DFlash2 drafter has sliding_attention in every layer "
+                              "(the layout vLLM, SGLang and z-lab's code load)",
+                              f"write layer_types as sliding_attention for each layer, with sliding_window "
+                              f"{DFLASH2_WINDOW}")
+        if self.sliding_block_attention != "bidirectional":
+            raise ConfigError("is_causal", True, "a DFlash2 drafter attends to its whole block",
+                              "write is_causal: false at the top level of config.json")
+        if self.sliding_window < self.block_size:  # engines disagree on a window inside the block
+            raise ConfigError("sliding_window", self.sliding_window, f"is smaller than the block ({self.block_size})",
+                              f"use a window of at least block_size (published drafters: {DFLASH2_WINDOW})")
 
     def check_target(self, *, hidden_size: int, vocab_size: int, num_layers: int,
                      emitted_ids: Iterable[int] | None = None) -> None:
@@ -308,9 +406,9 @@ class DFlashConfig:
     def to_dict(self) -> dict[str, Any]:
         """The flat z-lab layout with every resolved value (what vLLM, SGLang, z-lab and MLX read)."""
         d: dict[str, Any] = {
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
-            "auto_map": {"AutoModel": f"{MODELING_FILE}.{ARCHITECTURE}"},
+            "auto_map": {"AutoModel": f"{MODELING_FILE}.{self.architecture}"},
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -340,6 +438,12 @@ class DFlashConfig:
                 "sliding_block_attention": self.sliding_block_attention,
             },
         }
+        if self.variant == "dflash2":  # exactly the published dflash_config keys (always bidirectional: is_causal)
+            nested = d["dflash_config"]
+            del nested["sliding_block_attention"]
+            nested.update({k: getattr(self, k) for k in DFLASH2_KEYS})
+            nested.update({k: getattr(self, k) for k, default in DFLASH2_OPTIONAL.items()
+                           if getattr(self, k) != default})
         if self.quantization:
             d["quantization"] = dict(self.quantization)
             d["quantization_config"] = dict(self.quantization)  # mlx-lm writes both, with the same value
@@ -362,9 +466,11 @@ class DFlashConfig:
         """Read the flat or the nested layout; the two must agree where both are present."""
         nested = d.get("dflash_config") or {}
 
-        def pick(name: str, *sources: tuple[str, Any]) -> Any:
+        def pick(name: str, *sources: tuple[str, Any], required: bool = True) -> Any:
             found = [(where, v) for where, v in sources if v is not None]
             if not found:
+                if not required:
+                    return None
                 raise ConfigError(name, None, "missing from config.json",
                                   f"add {name} (flat top level or inside dflash_config)")
             values = {json.dumps(v) for _, v in found}
@@ -398,6 +504,20 @@ class DFlashConfig:
         if num_target_layers is None:
             raise ConfigError("num_target_layers", None, "missing from config.json",
                               "add the target's decoder layer count (SGLang needs it too)")
+        variant = _variant(d, nested)
+        dflash2 = {}
+        if variant == "dflash2":
+            if d.get("is_causal") is not False:  # absent: z-lab's code makes the sliding layers causal
+                raise ConfigError("is_causal", d.get("is_causal"), "a DFlash2 drafter attends to its whole block, so "
+                                  "config.json must say is_causal: false (absent or true makes its layers causal)",
+                                  "write is_causal: false at the top level of config.json")
+            # z-lab's lookup: dflash_config first, then the top level (speculators' flat configs)
+            for name in (*DFLASH2_KEYS, *DFLASH2_OPTIONAL):
+                value = pick(name, (f"dflash_config.{name}", nested.get(name)), (name, d.get(name)),
+                             required=name in DFLASH2_KEYS)
+                dflash2[name] = whole_number(name, value) if name in DFLASH2_KEYS else value
+            if not dflash2["final_logit_softcapping"]:  # 0 means off, as in z-lab's code
+                dflash2["final_logit_softcapping"] = None
         slides = d.get("use_sliding_window") or "sliding_attention" in layer_types
         sliding = d.get("sliding_window") if slides else None
         if d.get("use_sliding_window") and not layer_types:
@@ -425,6 +545,8 @@ class DFlashConfig:
             torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
             quantization=d.get("quantization") or None,
             draftsmith=d.get("draftsmith") or None,
+            variant=variant,
+            **dflash2,
         )
 
     @classmethod
@@ -447,6 +569,16 @@ class DFlashConfig:
                               f"use one of {[f.name for f in fields(self)]}")
         d.update(changes)
         return DFlashConfig(**d)
+
+    def as_variant(self, variant: str) -> "DFlashConfig":
+        """The same backbone as another generation: DFlash2's fields at their defaults for "dflash2" (sliding
+        layers, window 2048: the published layout), cleared for "dflash" (its layer kinds kept)."""
+        if variant == self.variant:
+            return self.replace()
+        if variant == "dflash2":
+            return self.replace(variant=variant, layer_types=[], sliding_window=None,
+                                sliding_block_attention="bidirectional")
+        return self.replace(variant=variant, **{k: None for k in (*DFLASH2_KEYS, *DFLASH2_OPTIONAL)})
 
     @classmethod
     def for_target(cls, target: TargetShape | None = None, /, *, mask_token_id: int, num_hidden_layers: int = 5,
@@ -495,16 +627,63 @@ class DFlashConfig:
         )
 
     # ------------------------------------------------------------------ size
-    def num_parameters(self) -> int:
-        """Trained parameters (fc, hidden_norm, layers, norm; the target's embedding and head are borrowed)."""
+    def parameter_counts(self) -> dict[str, int]:
+        """Trained parameters by part: ``backbone`` (fc, hidden_norm, layers, norm), and for DFlash2 ``convs`` (two
+        per layer, each ``base_kernel`` [2, K, H] + ``kernel_projection`` [2 K H / G, H]) and ``selector`` (two
+        [V, r] codebooks + ``hidden_projection`` [r, H]). The target's embedding and LM head are borrowed."""
         H, hd = self.hidden_size, self.head_dim
         attn = H * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * H
         per_layer = attn + 3 * H * self.intermediate_size + 2 * H + 2 * hd
-        return self.num_hidden_layers * per_layer + self.fc_in_features * H + 2 * H
+        counts = {"backbone": self.num_hidden_layers * per_layer + self.fc_in_features * H + 2 * H}
+        if self.variant == "dflash2":
+            K, r = self.conv_kernel_size, self.selector_rank
+            counts["convs"] = self.num_hidden_layers * 2 * (2 * K * H + 2 * K * self.conv_groups * H)
+            counts["selector"] = 2 * self.vocab_size * r + r * H
+        counts["total"] = sum(counts.values())
+        return counts
+
+    def num_parameters(self) -> int:
+        """Trained parameters (every part of :meth:`parameter_counts`)."""
+        return self.parameter_counts()["total"]
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the drafter's folder, by its published name, with its shape (the layout vLLM, SGLang and
+        z-lab's code read). DFlash2's codebooks have no ``.weight``; nothing of the target is stored."""
+        H, hd, heads, kv, inter = (self.hidden_size, self.head_dim, self.num_attention_heads,
+                                   self.num_key_value_heads, self.intermediate_size)
+        shapes = {"fc.weight": (H, self.fc_in_features), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+        for i in range(self.num_hidden_layers):
+            p = f"layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                p + "mlp.down_proj.weight": (H, inter)})
+            if self.variant == "dflash2":
+                for conv in ("attention_conv", "mlp_conv"):
+                    shapes[f"{p}{conv}.base_kernel"] = (2, self.conv_kernel_size, H)
+                    shapes[f"{p}{conv}.kernel_projection.weight"] = (2 * self.conv_kernel_size * self.conv_groups, H)
+        if self.variant == "dflash2":
+            r = self.selector_rank
+            shapes.update({"candidate_selector.hidden_projection.weight": (r, H),
+                           "candidate_selector.predecessor_codebook": (self.vocab_size, r),
+                           "candidate_selector.successor_codebook": (self.vocab_size, r)})
+        return shapes
 
     def flops_per_token(self, context: float, lm_head: bool = True) -> float:
-        """Forward FLOPs (2 x MACs) per block token, attending to ``context`` keys; LM head included by default."""
+        """Forward FLOPs (2 x MACs) per block token, attending to ``context`` keys; LM head included by default.
+
+        DFlash2 adds per layer two convs (the coefficient projection, 2 H x 2 K H / G, and the K-tap product on
+        both sides of the sublayer) and, with the LM head, the selector (``hidden_projection`` and K candidate
+        scores of rank r)."""
         H, hd = self.hidden_size, self.head_dim
         proj = H * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         per_layer = 2 * (proj + 3 * H * self.intermediate_size) + 2 * 2 * self.num_attention_heads * hd * context
-        return self.num_hidden_layers * per_layer + (2 * H * self.vocab_size if lm_head else 0)
+        head = 2 * H * self.vocab_size
+        if self.variant == "dflash2":
+            K, r = self.conv_kernel_size, self.selector_rank
+            per_layer += 2 * (2 * H * 2 * K * self.conv_groups + 2 * 2 * K * H)
+            head += 2 * H * r + 3 * self.selector_top_k * r
+        return self.num_hidden_layers * per_layer + (head if lm_head else 0)

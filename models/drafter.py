@@ -202,12 +202,15 @@ def sliding_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, num_ctx: int, window:
 class DFlashDraftModel(nn.Module):
     """Weights are exactly the z-lab names: ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``."""
 
+    variant = "dflash"  # the config variant this class builds (DFlash2: models/drafter2.py)
+    decoder_layer = DFlashDecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._target: dict[str, nn.Module] = {}  # borrowed, so not a submodule: never trained or saved
         # Training only: recompute each layer's activations in the backward pass (train.grad_checkpointing).
@@ -346,7 +349,10 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"{path_or_id} is a quantized MLX export ({q.get('bits')}-bit, group "
                              f"{q.get('group_size')}): only the MLX backend runs it (--backend mlx); with PyTorch "
                              "use the full-precision drafter (its HF export or the run's final/drafter)")
-        state = drop_stray_keys(load_state_dict(directory), directory)
+        if config.variant != cls.variant:
+            raise ValueError(f"{path_or_id} is a {config.architecture} drafter, which {cls.__name__} does not build: "
+                             "load it with models.drafter2.load_drafter (either generation)")
+        state = cls.state_from_disk(drop_stray_keys(load_state_dict(directory), directory))
         model = cls(config)
         expected = model.state_dict()
         missing = sorted(set(expected) - set(state))
@@ -364,6 +370,11 @@ class DFlashDraftModel(nn.Module):
         model.load_state_dict(state, strict=True)
         target_dtype = dtype or getattr(torch, config.torch_dtype, None) or next(iter(state.values())).dtype
         return model.to(device=device, dtype=target_dtype).eval()
+
+    @staticmethod
+    def state_from_disk(state: dict) -> dict:
+        """The state dict under this class's names, from a folder's tensors (DFlash2 renames old spellings)."""
+        return state
 
     @property
     def num_parameters(self) -> int:

@@ -165,12 +165,15 @@ class _Outside:
 class DFlashDraftModel(nn.Module):
     """Weights are exactly the z-lab names: ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``."""
 
+    variant = "dflash"  # the config variant this class builds (DFlash2: models/drafter2_mlx.py)
+    decoder_layer = DFlashDecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = [DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self.decoder_layer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The target's embedding and LM head: borrowed, never trained, cast, quantized or saved.
         self._target = _Outside({})
@@ -285,8 +288,11 @@ class DFlashDraftModel(nn.Module):
         """An HF drafter folder (flat / nested config, fp32 / bf16) or an MLX (quantized) export."""
         directory = resolve_model_dir(path_or_id, revision=revision, what="drafter")
         config = DFlashConfig.load(directory)
+        if config.variant != cls.variant:
+            raise ValueError(f"{path_or_id} is a {config.architecture} drafter, which {cls.__name__} does not build: "
+                             "load it with models.drafter2_mlx.load_drafter (either generation)")
         quant = config.quantization
-        state = drop_stray_keys(load_safetensors(directory), directory)
+        state = cls.state_from_disk(drop_stray_keys(load_safetensors(directory), directory))
         model = cls(config)
         if quant:
             quantized = {k.rsplit(".", 1)[0] for k in state if k.endswith(".scales")}
@@ -301,6 +307,11 @@ class DFlashDraftModel(nn.Module):
         mx.eval(model.parameters())
         model.eval()
         return model
+
+    @staticmethod
+    def state_from_disk(state: dict) -> dict:
+        """The state dict under this class's names, from a folder's tensors (DFlash2 renames old spellings)."""
+        return state
 
     @property
     def num_parameters(self) -> int:

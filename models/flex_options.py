@@ -4,7 +4,7 @@
 
 - ``auto``: the tiles measured best for this GPU and head dim (``TUNED`` below), else torch's choice;
 - ``torch``: torch's own choice (its per-architecture default);
-- ``M1,N1,M2,N2,STAGES,WARPS``: explicit tiles, as ``python -m train.bench --flex-sweep`` prints them.
+- ``M1,N1,M2,N2,STAGES,WARPS``: explicit tiles, as the lab's sweep (``python -m lab.flex_sweep``) prints them.
 
 Why tiles of our own: the training mask is block-sparse in a pattern torch's defaults were not tuned
 for, and at head_dim 256 (Qwen3.5 targets) torch's Hopper default left the backward at several
@@ -22,7 +22,7 @@ import torch
 FORMAT = "M1,N1,M2,N2,STAGES,WARPS"
 NAMES = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps")
 
-# (compute capability, head_dim) -> backward tiles, from `python -m train.bench --flex-sweep` on that
+# (compute capability, head_dim) -> backward tiles, from `python -m lab.flex_sweep` on that
 # GPU at the recipe's shape. Filled only from measurements; anything else keeps torch's choice.
 TUNED: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {
     # H200 (sm 9.0), qwen35-9b's drafter (16 heads, 4 KV heads, 3072 + 512 x 16 keys): torch's tiles
@@ -40,7 +40,7 @@ def parse_flex_backward(setting: str) -> str | tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != len(NAMES) or not all(p.isdigit() for p in parts):
         raise ValueError(f"flex backward setting {setting!r}: use auto, torch, or six whole numbers {FORMAT} "
-                         "(e.g. 64,64,64,64,2,4), as python -m train.bench --flex-sweep prints them")
+                         "(e.g. 64,64,64,64,2,4), as python -m lab.flex_sweep prints them")
     m1, n1, m2, n2, stages, warps = tiles = tuple(int(p) for p in parts)
     # The sparse mask is built from 128 x 128 tiles: each kernel tile must divide it; the kernel also
     # asserts that its inner loop steps divide the outer ones (N1 by M1, M2 by N2).

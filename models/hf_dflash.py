@@ -1,14 +1,19 @@
-"""Standalone DFlash drafter for ``AutoModel.from_pretrained(dir, trust_remote_code=True)``.
+"""Standalone DFlash and DFlash2 drafters for ``AutoModel.from_pretrained(dir, trust_remote_code=True)``.
 
 draftsmith copies this file into every drafter folder as ``modeling_dflash.py`` (the target of
-``auto_map`` in config.json). It depends on torch and transformers only, and computes exactly what
-draftsmith's ``models/drafter.py`` computes (a parity test holds them together).
+``auto_map`` in config.json: ``DFlashDraftModel`` or ``DFlash2DraftModel``). It depends on torch and
+transformers only, and computes exactly what draftsmith's ``models/drafter.py`` and ``models/drafter2.py``
+compute (parity tests hold them together).
 
 forward(noise_embedding [b, q, H], target_hidden [b, c, taps*H], position_ids [b, c+q],
 attention_mask=None) -> hidden states at the block positions (apply the target's LM head).
 With ``attention_mask=None`` the block sees all its context and itself; sliding-window layers
 (``layer_types``) see context keys within ``sliding_window`` positions, and inside the block all
 of it (``dflash_config.sliding_block_attention: bidirectional``) or only earlier slots (``causal``).
+
+DFlash2 adds a dynamic conv around each sublayer (over the slots of each block of ``block_size``) and a
+candidate selector: ``propose(hidden[:, 1:], lm_head_weight, bonus)`` gives the greedy draft tokens.
+Embed the block as ``embedding[ids] * dflash_config.input_embedding_scale`` (default 1).
 """
 
 import torch
@@ -88,14 +93,15 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = ""
-    _no_split_modules = ["DFlashDecoderLayer"]
+    _no_split_modules = ["DFlashDecoderLayer", "DFlash2DecoderLayer"]
+    layer_class = DFlashDecoderLayer
 
     def __init__(self, config):
         super().__init__(config)
         taps = len(config.dflash_config["target_layer_ids"])
         self.fc = nn.Linear(taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
@@ -109,3 +115,80 @@ class DFlashDraftModel(PreTrainedModel):
         for layer in self.layers:
             x = layer(x, ctx, position_ids, masks[layer.attention_type])
         return self.norm(x)
+
+
+# ----------------------------------------------------------------------------------------------- DFlash2
+class DynamicConv(nn.Module):
+    """Grouped dynamic causal conv over each block's slots: tap j of slot t reads slot t-j of its block with
+    weight base_kernel[side, j, c] + kernel_projection(a_t)[side, j, c // group]; side 0 the sublayer input."""
+
+    def __init__(self, config):
+        super().__init__()
+        dc = config.dflash_config
+        self.taps, self.block = dc["conv_kernel_size"], dc["block_size"]
+        self.groups = config.hidden_size // dc["conv_group_size"]
+        self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, config.hidden_size))
+        self.kernel_projection = nn.Linear(config.hidden_size, 2 * self.taps * self.groups, bias=False)
+
+    def convolve(self, u, side, dyn):
+        b, q, h = u.shape
+        blocks = u.view(b, q // self.block, self.block, h)
+        out = 0
+        for j in range(self.taps):
+            past = F.pad(blocks[:, :, :self.block - j], (0, 0, j, 0)).reshape(b, q, h)
+            out = out + past * self.base_kernel[side, j].to(u.dtype) + (
+                past.view(b, q, self.groups, -1) * dyn[:, :, side, j, :, None]).view(b, q, h)
+        return out
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, config, layer_idx=0):
+        super().__init__(config, layer_idx)
+        self.attention_conv = DynamicConv(config)
+        self.mlp_conv = DynamicConv(config)
+
+    def forward(self, x, ctx, pos, mask):
+        attn = lambda a: self.self_attn(a, ctx, pos, mask)  # noqa: E731
+        for conv, norm, sublayer in ((self.attention_conv, self.input_layernorm, attn),
+                                     (self.mlp_conv, self.post_attention_layernorm, self.mlp)):
+            a = norm(x)
+            dyn = conv.kernel_projection(a).view(*a.shape[:2], 2, conv.taps, conv.groups)
+            x = x + conv.convolve(sublayer(conv.convolve(a, 0, dyn)), 1, dyn)
+        return x
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rank = config.dflash_config["selector_rank"]
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def propose(self, hidden, lm_head_weight, bonus):
+        """Greedy draft tokens [b, B-1]: hidden [b, B-1, H] (slots 1..B-1), the target's LM head [V, H], bonus [b].
+        Unary logits (x output_multiplier, soft-capped), their top-K, re-scored walking from the bonus token."""
+        dc = self.config.dflash_config
+        logits = (hidden @ lm_head_weight.T) * dc.get("output_multiplier", 1.0)
+        if dc.get("final_logit_softcapping"):
+            logits = dc["final_logit_softcapping"] * torch.tanh(logits / dc["final_logit_softcapping"])
+        unary, cand = logits.float().topk(dc["selector_top_k"], dim=-1)
+        sel = self.candidate_selector
+        z = sel.hidden_projection(hidden).float()
+        prev, out = bonus, []
+        for s in range(cand.shape[1]):
+            edge = sel.predecessor_codebook[prev].float() * z[:, s]
+            score = unary[:, s] + torch.einsum("bkr,br->bk", sel.successor_codebook[cand[:, s]].float(), edge)
+            prev = cand[:, s].gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1)
+            out.append(prev)
+        return torch.stack(out, 1)

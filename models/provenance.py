@@ -63,6 +63,12 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+# The decay weighting's paper gamma by block size (docs/design.md, "Training objective"): train/config.py resolves
+# train.gamma with it, and the block below names the objective of a run config that left gamma unset.
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+DPACE_ALPHA = 0.5  # D-PACE's smoothing when train.dpace_alpha is unset (the paper's and its ports' value)
+NORMALISER_WORDS = {"weights": "weight sum", "tokens": "scored tokens", "rows": "rows"}
+
 # Keys of the run config worth recording: enough to say how the drafter was trained, no paths to caches.
 DATA_KEYS = ("source", "split", "subset", "limit", "regenerate", "thinking", "max_length", "pack")
 TRAIN_KEYS = ("epochs", "max_steps", "batch_size", "grad_accum", "lr", "schedule", "anchors", "loss", "seed")
@@ -103,6 +109,7 @@ def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
         "data": {k: data[k] for k in DATA_KEYS if data.get(k) is not None},
         "features": (run.get("features") or {}).get("mode"),
         "train": {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
+        "objective": objective_of_run(run),
     }
     return {k: v for k, v in prov.items() if v not in (None, {}, "")}
 
@@ -117,6 +124,32 @@ def trained_against(path: str, quantization: str | None) -> str:
             return f"mlx:{path} ({describe_mlx(json.loads((folder / 'config.json').read_text()))})"
         return "none (unquantized weights)"
     return spec.describe()
+
+
+def objective_of_run(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The loss weighting a run config trained with: ``{"weighting": "decay", "gamma": 7.0}`` or ``{"weighting":
+    "dpace", "alpha": 0.5, "normaliser": "weights"}``. A config saved before ``train.loss_weighting`` existed trained
+    with decay; None for a config that records neither (not a saved run config)."""
+    train = run.get("train") or {}
+    if "loss_weighting" not in train and "gamma" not in train:
+        return None
+    if train.get("loss_weighting", "decay") == "dpace":
+        alpha = train.get("dpace_alpha")
+        return {"weighting": "dpace", "alpha": DPACE_ALPHA if alpha is None else alpha,
+                "normaliser": train.get("dpace_normaliser") or "weights"}
+    gamma = train.get("gamma")
+    if gamma is None:
+        gamma = GAMMA_BY_BLOCK.get((run.get("drafter") or {}).get("block_size", 16))
+    return {"weighting": "decay", "gamma": gamma}
+
+
+def describe_objective(objective: dict[str, Any]) -> str:
+    """``decay (gamma 7)`` or ``D-PACE (alpha 0.5, normalised by weight sum)``: the loss weighting in words."""
+    if objective.get("weighting") == "dpace":
+        alpha, norm = objective.get("alpha", DPACE_ALPHA), objective.get("normaliser", "weights")
+        return f"D-PACE (alpha {alpha:g}, normalised by {NORMALISER_WORDS.get(norm, norm)})"
+    gamma = objective.get("gamma")
+    return "decay" if gamma is None else f"decay (gamma {gamma:g})"
 
 
 def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:

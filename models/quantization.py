@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.cli import UserError
+from models.support import UserError
 
 BITS = (2, 3, 4, 5, 6, 8)  # affine widths MLX packs
 GROUP_SIZES = (32, 64, 128)

@@ -109,11 +109,11 @@ def no_cuda(monkeypatch):
 @pytest.fixture
 def no_build(monkeypatch):
     """Building a recipe-shaped target fails the test: refusals must come before it."""
-    import data.bench
+    import models.random_target
 
     def refuse(*a, **k):
         raise AssertionError("a random target was built")
-    monkeypatch.setattr(data.bench, "recipe_target", refuse)
+    monkeypatch.setattr(models.random_target, "recipe_target", refuse)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ def exact_matmuls():
 @pytest.mark.parametrize("sliding", [False, True])
 def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
     """head_dim 16 takes the compiled flex kernel, 8 the eager fallback (the kernel needs >= 16)."""
-    from test_train_objective import MASK, B, H, _rows
+    from tests.train.test_objective import MASK, B, H, _rows
 
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
@@ -45,7 +45,7 @@ def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
 
 
 def _drafter(layer_types, head_dim):
-    from test_train_objective import MASK, B, H, V
+    from tests.train.test_objective import MASK, B, H, V
 
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
@@ -109,10 +109,10 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
     greedy step and cycle) against the eager loop in fp32: same tokens as target-only decoding, same
     acceptance lengths, same drafts. Qwen3.5: the GatedDeltaNet rollback (an index into the kept
     states) inside the graphs."""
-    from inference.static_greedy import greedy_cycle, greedy_decode
     from inference.static_loop import (
         StaticDrafterProposer,
         StaticTarget,
+        resident_cycle,
         static_dflash_generate,
         static_target_generate,
     )
@@ -147,7 +147,7 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
         assert_same_loop(static, eager, ref.tokens[:64], target.is_hybrid)
     assert st._passes[1].graph is not None and st._passes[8].graph is not None  # replayed, not eager
     assert proposer._pass.graph is not None
-    assert greedy_cycle(st, proposer)._graph.graph is not None and greedy_decode(st)._graph.graph is not None
+    assert resident_cycle(st, proposer)._graph.graph is not None and resident_cycle(st, None)._graph.graph is not None
 
 
 def test_compiled_flex_over_varying_row_lengths_equals_dense():
@@ -197,7 +197,7 @@ def test_fused_adamw_step_equals_the_reference_step():
 def test_compiled_drafter_layers_equal_eager():
     """train.compile=true: the compiled layers give the eager layers' loss and gradients (flex masks,
     with and without gradient checkpointing)."""
-    from test_train_objective import MASK, B, H, _rows
+    from tests.train.test_objective import MASK, B, H, _rows
 
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
@@ -295,7 +295,7 @@ def test_compiled_graph_loop_equals_eager_loop_on_cuda(arch):
 def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
     """train.flex_backward changes speed only: explicit tiles reach the compiled kernel and give
     torch's tiles' loss and gradients."""
-    from test_train_objective import MASK, B, H, _rows
+    from tests.train.test_objective import MASK, B, H, _rows
 
     from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
 
@@ -320,10 +320,10 @@ def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
 def test_flex_sweep_reports_each_candidate_and_the_best_on_cuda(capsys):
     import json
 
-    from train.bench import main
+    from lab.flex_sweep import main
 
-    main(["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "256", "--anchors", "8",
-          "--block", "8", "--steps", "2", "--flex-sweep", "32,32,32,32,1,4", "16,32,32,16,2,4"])
+    main(["--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "256", "--anchors", "8", "--block", "8",
+          "--steps", "2", "32,32,32,32,1,4", "16,32,32,16,2,4"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     rows, win = lines[:-1], lines[-1]
     assert [r["tiles"] for r in rows] == ["torch", "32,32,32,32,1,4", "16,32,32,16,2,4"]
@@ -336,7 +336,7 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
     blocks as a draw on the GPU (the keys come from CPU generators either way)."""
     from dataclasses import fields
 
-    from test_fast_paths import _packed_rows
+    from tests.train.test_fast_paths import _packed_rows
 
     from train.objective import draw_blocks
     from train.rng import row_generators
@@ -392,10 +392,10 @@ def test_a_training_step_on_cuda_waits_for_nothing(features, tmp_path, tmp_path_
 
 
 def test_host_tensors_reach_the_gpu_without_waiting_for_its_queue():
-    """``models.transfer.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
+    """``models.support.to_device`` stages a pageable host tensor through pinned memory: the copy is queued
     behind a kernel still running instead of waiting for it (the stream is still busy when it returns), and
     the values arrive."""
-    from models.transfer import to_device
+    from models.support import to_device
 
     x = torch.arange(1 << 20, dtype=torch.float32)  # pageable, 4 MiB
     # The first pinned block of a size is a fresh page-locked allocation, which the driver may make wait for

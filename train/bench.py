@@ -8,7 +8,6 @@
     python -m train.bench --e2e qwen35-9b --batch 2
     python -m train.bench --e2e qwen3-8b --compile          # as train.compile=true (drafter + target layers)
     python -m train.bench --e2e tiny            # the same plumbing on the CPU: tiny target, tiny recipe's drafter
-    python -m train.bench --e2e qwen35-9b --flex-sweep      # flex backward tiles at the recipe's shape (CUDA)
 
 Times the drafter's full training step (mask build, forward, chunked LM head + CE, backward, the
 acceptance counts; gradient clipping and the AdamW step once per ``--grad-accum`` micro-batches) on
@@ -27,7 +26,8 @@ timed alone with device syncs (mask build, the generic ``create_block_mask`` for
 target forward, drafter forward + loss, backward, optimizer step). ``--profile N`` adds one
 ``profile`` line: the N kernels of most device time in one more step (operators on the CPU), and
 ``busy_share``: that step's kernel time over the timed step's (1 - busy_share: the GPU idle,
-waiting for the host).
+waiting for the host). ``--flex-backward`` takes the tiles a sweep found (``python -m lab.flex_sweep``,
+from a checkout).
 """
 
 from __future__ import annotations
@@ -96,11 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="--e2e: fewer target layers (smoke tests) (default: the recipe's)")
     p.add_argument("--flex-backward", default="auto", metavar="TILES",
                    help="flex attention's backward tiles: auto (measured best for this GPU and head dim, else "
-                        "torch's), torch, or M1,N1,M2,N2,STAGES,WARPS as --flex-sweep prints them (default auto)")
-    p.add_argument("--flex-sweep", nargs="*", default=None, metavar="TILES",
-                   help="instead of training steps, time the drafter's flex attention forward + backward at this "
-                        "shape under each of these tiles (none given: a built-in list for the head dim) and print "
-                        "the fastest whose gradients match torch's tiles (CUDA only)")
+                        "torch's), torch, or M1,N1,M2,N2,STAGES,WARPS as python -m lab.flex_sweep prints them "
+                        "(default auto)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timing, profile one more step and print its N most expensive kernels (GPU) or "
                         "operators (CPU) as a 'profile' line (default 0: off)")
@@ -109,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
     """Refuse bad flags in one line each, before anything is built; the --e2e recipe's spec."""
-    from data.bench import check_at_least, recipe_runs_on_cpu, recipe_spec  # start-up time (train.bench --help)
+    from data.bench import check_at_least  # start-up time (train.bench --help)
+    from models.random_target import recipe_runs_on_cpu, recipe_spec  # start-up time (train.bench --help)
 
     spec = None
     # vocab 2: the last id is the mask token, random ids are drawn below it
@@ -121,15 +119,11 @@ def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
     if a.attention == "flex" and not torch.cuda.is_available():
         raise ValueError("--attention flex needs a CUDA GPU (flex attention has no CPU backward): "
                          "use --attention dense (or auto) on the CPU")
-    from train.flex_sweep import parse_candidates
 
     try:
         parse_flex_backward(a.flex_backward)
-        parse_candidates(a.flex_sweep or [])
     except ValueError as e:
         p.error(str(e))
-    if a.flex_sweep is not None and not torch.cuda.is_available():
-        raise ValueError("--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU (none found)")
     if a.e2e:
         # the drafter of an --e2e run takes the target's shape: these flags were replaced by it without a word
         shape = [f"--{n.replace('_', '-')}" for n in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
@@ -138,7 +132,7 @@ def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
             p.error(f"{', '.join(shape)} with --e2e: the drafter takes the target's shape (hidden size, heads, KV "
                     "heads, head dim, MLP, vocabulary); leave them out, or drop --e2e to time a drafter of that shape")
         spec = recipe_spec(a.e2e)  # an unknown recipe or one without a target shape: one line, before any build
-        if not torch.cuda.is_available() and not recipe_runs_on_cpu(spec) and a.flex_sweep is None:
+        if not torch.cuda.is_available() and not recipe_runs_on_cpu(spec):
             size = f"{spec['target']['params_b']}B-parameter" if "params_b" in spec["target"] else "full-size"
             raise ValueError(f"--e2e {a.e2e} builds its {size} target: it needs a CUDA GPU (none found). On the CPU "
                              "run --e2e tiny, or leave --e2e out to time the drafter step alone")
@@ -149,8 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p = _parser()
     a = p.parse_args(argv)
     spec = _checked(p, a)
-    # a sweep needs only the shapes: the target on the meta device, no weights
-    target = _e2e_setup(a, argv, spec, "meta" if a.flex_sweep is not None else None) if a.e2e else None
+    target = e2e_setup(a, argv, spec) if a.e2e else None
     a.grad_accum = a.grad_accum or 1
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -163,18 +156,11 @@ def main(argv: list[str] | None = None) -> None:
                                   num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.intermediate,
                                   target_layer_ids=list(range(1, a.taps + 1)), block_size=a.block)
     dtype = torch.bfloat16 if cuda else torch.float32
-    if a.flex_sweep is not None:
-        from train import flex_sweep
-
-        ids, lm, doc, pos = _rows(a, device)
-        blocks = draw_blocks(ids, lm, doc, pos, a.anchors[0], a.block, cfg.mask_token_id,
-                             torch.Generator().manual_seed(0))
-        return flex_sweep.run(a, cfg, blocks, doc)
     drafter, embed, head, opt = _models(a, cfg, target, device, dtype)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     for n_anchors in a.anchors:
-        ids, lm, doc, pos = _rows(a, device)
+        ids, lm, doc, pos = random_rows(a, device)
         feats = torch.randn(a.batch, a.seq, a.taps * H, device=device, dtype=dtype)
         target_flops = 2 * a.target_params * a.seq * a.batch if target is not None else 0
 
@@ -227,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                           **_parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos,
                                    n_anchors, use_flex, device)}), flush=True)
         if a.profile:
-            from models.profiling import top_ops
+            from models.support import top_ops
 
             prof = top_ops(lambda: step(200), a.profile)
             # kernel time over the timed (unprofiled) step: 1 - busy_share is what the GPU sat idle, waiting
@@ -300,7 +286,7 @@ def step_flops(a, blocks, scored: int) -> float:
             + 2 * 2 * H * a.vocab * scored)
 
 
-def _rows(a, device):
+def random_rows(a, device):
     """Random token rows: ids, loss mask (a prompt, then the answer), document ids, positions."""
     ids = torch.randint(0, a.vocab - 1, (a.batch, a.seq), device=device)
     lm = torch.ones_like(ids)
@@ -310,10 +296,11 @@ def _rows(a, device):
     return ids, lm, doc, pos
 
 
-def _e2e_setup(a, argv, spec: dict, device: str | None = None):
+def e2e_setup(a, argv, spec: dict, device: str | None = None):
     """Recipe shapes for ``--e2e``: the drafter's from the target's, the rest from the recipe (paper
-    recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors) unless a flag gives it."""
-    from data.bench import recipe_target  # start-up time (train.bench --help)
+    recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors) unless a flag gives it. ``device``
+    ``meta``: the target's shapes alone, no weights (``lab.flex_sweep``)."""
+    from models.random_target import recipe_target  # start-up time (train.bench --help)
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     drafter, data, train = spec.get("drafter") or {}, spec.get("data") or {}, spec.get("train") or {}
@@ -379,6 +366,6 @@ def _parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)

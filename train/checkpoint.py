@@ -30,8 +30,8 @@ import yaml
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models.cli import UserError
-from models.drafter import DFlashDraftModel
+from models.drafter2 import drafter_class
+from models.support import UserError
 # The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
 from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
 
@@ -45,7 +45,7 @@ def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None 
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        copy = DFlashDraftModel(unwrapped.config)
+        copy = drafter_class(unwrapped.config)(unwrapped.config)
         copy.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
         copy.save_pretrained(directory, dtype=dtype)
 
@@ -158,6 +158,11 @@ HARMLESS_KEYS = (
 LENGTH_KEYS = ("train.epochs", "train.max_steps")
 
 
+# What a checkpoint saved before a key existed trained with, where that is not necessarily the key's default
+# now: the loss weighting was decay before train.loss_weighting existed, whatever the default becomes.
+BEFORE_THE_KEY = {"train.loss_weighting": "decay"}
+
+
 class ResumeConfigError(UserError, ValueError):
     """``resume=true`` with settings that would mix two different runs in one checkpoint."""
 
@@ -189,11 +194,12 @@ def _same_path(a, b) -> bool:
 
 def config_changes(saved: dict, now: dict, defaults: dict) -> tuple[list[str], list[str]]:
     """(refused, harmless) changes between a checkpoint's config and this run's, as ``key: old -> new``.
-    A key the checkpoint predates counts as its default there."""
+    A key the checkpoint predates counts as its value before it existed (:data:`BEFORE_THE_KEY`), else as its
+    default there."""
     old, new, dflt = _flat(saved), _flat(now), _flat(defaults)
     refused, harmless = [], []
     for key in sorted((set(old) | set(new)) - {"resume", "dry_run"}):  # the flags of this very command
-        a, b = old.get(key, dflt.get(key)), new.get(key, dflt.get(key))
+        a, b = old.get(key, BEFORE_THE_KEY.get(key, dflt.get(key))), new.get(key, dflt.get(key))
         if a != b and not (key in PATH_KEYS and _same_path(a, b)):
             (harmless if is_harmless(key) or key in LENGTH_KEYS else refused).append(f"{key}: {a!r} -> {b!r}")
     return refused, harmless

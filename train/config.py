@@ -20,12 +20,11 @@ from typing import Any
 
 import yaml
 
+from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK  # shared with exports, which name the objective
 from models.quantization import parse_quantization
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
                              set_dotted)
 from train.overrides import valid_keys as keys_of
-
-GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # paper values (docs/design.md, "Training objective")
 
 
 @dataclass
@@ -103,6 +102,8 @@ class DrafterConfig:
     mask_token_id: int | None = None
     rope_theta: float | None = None  # None = the target's own RoPE base frequency
     init_from: str | None = None  # start from an existing drafter folder
+    # dflash | dflash2 (v1 backbone + per-layer dynamic convs + candidate selector; models/drafter2.py)
+    variant: str = "dflash"
 
 
 @dataclass
@@ -119,7 +120,18 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     clip: float = 1.0
     anchors: int = 512  # blocks per row, re-drawn every epoch
-    gamma: float | None = None  # loss decay; None = 7 / 5 / 4 for block 16 / 10 / 8
+    # How the per-slot losses of a block are weighted (docs/design.md, "Training objective"):
+    # decay: the paper's fixed w_k = exp(-(k-1)/gamma), normalised by the weight sum;
+    # dpace: D-PACE, w_j = sum_{k>=j} prod_{i<=k} ((1 - dpace_alpha) exp(-CE_i) + dpace_alpha), from the drafter's
+    # own per-slot CE (detached), normalised by dpace_normaliser.
+    loss_weighting: str = "decay"  # decay | dpace
+    gamma: float | None = None  # decay only; None = 7 / 5 / 4 for block 16 / 10 / 8
+    dpace_alpha: float | None = None  # dpace only, in [0, 1]; None = 0.5 (1 = weights independent of the drafter)
+    # dpace only; None = weights. weights: sum w CE / sum w (the decay's convention, a weighted mean CE);
+    # tokens: / scored slots; rows: / training rows. With rows the loss, and its gradients, are ~N*B times
+    # those of weights (N anchors per row, B the block): train.clip=1.0 then always binds, and clipping sets
+    # the step size rather than the lr alone.
+    dpace_normaliser: str | None = None
     loss: str = "ce"  # ce | kl | ce+kl
     kl_weight: float = 1.0
     kl_topk: int = 32  # online KL: top-k of the target distribution kept per position
@@ -205,12 +217,22 @@ class RunConfig:
 
     @property
     def gamma(self) -> float:
+        """The decay's gamma (``train.gamma``, else the paper's value for the block size)."""
         if self.train.gamma is not None:
             return float(self.train.gamma)
         if self.drafter.block_size not in GAMMA_BY_BLOCK:
             raise ValueError(f"train.gamma is not set and block size {self.drafter.block_size} has no paper value "
                              f"(known: {GAMMA_BY_BLOCK}); set train.gamma explicitly")
         return GAMMA_BY_BLOCK[self.drafter.block_size]
+
+    def loss_weighting(self) -> dict[str, Any]:
+        """The weighting keywords of ``train.objective.block_loss`` for this run (D-PACE's unset keys resolved)."""
+        t = self.train
+        if t.loss_weighting == "dpace":
+            alpha = DPACE_ALPHA if t.dpace_alpha is None else float(t.dpace_alpha)
+            return {"gamma": None, "weighting": "dpace", "dpace_alpha": alpha,
+                    "normaliser": t.dpace_normaliser or "weights"}
+        return {"gamma": self.gamma, "weighting": "decay", "normaliser": "weights"}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,7 +241,7 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def validate(self) -> None:
-        from models.cli import DTYPE_NAMES
+        from models.support import DTYPE_NAMES
         from models.flex_options import parse_flex_backward  # start-up time: `train.distill --help` imports no torch
 
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
@@ -233,7 +255,8 @@ class RunConfig:
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),
                    "features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
-                   "train.mixed_precision": ("auto", "bf16", "fp16", "no")}
+                   "train.mixed_precision": ("auto", "bf16", "fp16", "no"), "drafter.variant": ("dflash", "dflash2"),
+                   "train.loss_weighting": ("decay", "dpace")}
         for key, allowed in choices.items():
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)
@@ -281,7 +304,7 @@ class RunConfig:
         if len(self.train.betas) != 2 or not all(0 <= b < 1 for b in self.train.betas):
             raise ValueError(f"train.betas={self.train.betas} must be two numbers in [0, 1), e.g. [0.9,0.95]")
         self._check_counts()
-        _ = self.gamma
+        self._check_weighting()
         if self.export.dir and (self.export.hf or self.export.mlx):
             run, out = self.resolved_out_dir().absolute(), Path(self.export.dir).absolute()
             for part in (run / "final", run / "checkpoints"):  # replaced whole by this run's later saves
@@ -289,6 +312,31 @@ class RunConfig:
                     raise ValueError(f"export.dir={self.export.dir} is inside {part}, which training replaces "
                                      f"whole: the exports would be lost. Unset it ({run / 'export'}) or give a "
                                      "folder outside final/ and checkpoints/")
+
+    def _check_weighting(self) -> None:
+        """Each weighting's own keys, and only those (a key of the other one would be ignored without a word); D-PACE's
+        unset keys are resolved here, so the saved config (checkpoints, provenance) says what the run used."""
+        t = self.train
+        if t.loss_weighting == "decay":
+            _ = self.gamma  # a block size without a paper gamma fails here
+            given = [f"train.{k}={getattr(t, k)}" for k in ("dpace_alpha", "dpace_normaliser")
+                     if getattr(t, k) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} set with train.loss_weighting=decay, which ignores it: add "
+                                 "train.loss_weighting=dpace, or drop the dpace_* key(s)")
+            return
+        if t.gamma is not None:
+            raise ValueError(f"train.gamma={t.gamma} is the decay weighting's constant and does nothing with "
+                             "train.loss_weighting=dpace: unset it with train.gamma=null (a recipe may set it), or use "
+                             "train.loss_weighting=decay")
+        if t.dpace_alpha is not None and not 0 <= t.dpace_alpha <= 1:
+            raise ValueError(f"train.dpace_alpha={t.dpace_alpha} must be in [0, 1] (D-PACE's smoothing q~ = "
+                             f"(1 - alpha) q + alpha; unset = {DPACE_ALPHA})")
+        if t.dpace_normaliser not in (None, "weights", "tokens", "rows"):
+            raise ValueError(f"train.dpace_normaliser={t.dpace_normaliser!r}: use weights (the default), tokens "
+                             "or rows")
+        t.dpace_alpha = DPACE_ALPHA if t.dpace_alpha is None else float(t.dpace_alpha)
+        t.dpace_normaliser = t.dpace_normaliser or "weights"
 
     def _check_counts(self) -> None:
         """Counts and sizes that otherwise fail late (after the target and data loaded, or after training in

@@ -1,7 +1,9 @@
 """Train a DFlash drafter: block-diffusion distillation from a target model (docs/design.md).
 
-    python train/distill.py recipe=tiny                                  # laptop CPU, under a minute
-    python train/distill.py recipe=qwen35-9b --dry-run                   # the plan, no download
+    draftsmith train recipe=tiny                                         # laptop CPU, under a minute
+    draftsmith train recipe=qwen35-9b --dry-run                          # the plan, no download
+    accelerate launch --no_python --num_processes 8 draftsmith train recipe=qwen3-8b   # installed, 8 GPUs
+    python train/distill.py recipe=tiny                                  # the same from a checkout
     accelerate launch train/distill.py recipe=qwen35-9b                  # one GPU node
     accelerate launch --num_processes 8 train/distill.py recipe=qwen3-8b train.lr=3e-4
     accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_machines 4 --machine_rank $RANK \\
@@ -26,8 +28,9 @@ Determinism: the data order of epoch e is a permutation drawn from (seed, e), an
 each row from (seed, epoch, row), both from their own generators (train/rng.py). So the data-order
 state is just (epoch, step in epoch), a resumed run draws exactly the same anchors as an
 uninterrupted one, and a row's blocks do not depend on the batch size, gradient accumulation or
-process count. The loss of an optimizer step is normalised by the slot-weight sum of the whole step
-(see the loop), so ``batch_size=2 grad_accum=1`` and ``batch_size=1 grad_accum=2`` take the same step.
+process count. The loss of an optimizer step is normalised over the whole step (the slot-weight sum, or
+D-PACE's ``train.dpace_normaliser``; see the loop), so ``batch_size=2 grad_accum=1`` and
+``batch_size=1 grad_accum=2`` take the same step.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import shutil
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -48,7 +53,7 @@ from tqdm import tqdm
 from data.readers import refuse_local_subset
 from models.provenance import data_provenance, provenance_of_run
 from train.config import RunConfig, load_config, valid_keys
-from train.metrics import open_metrics
+from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, open_metrics, step_line, tau_trend
 from train.overrides import recipe_names
 
 LOCK = ".draftsmith.lock"  # in out_dir, held by the main process while the run writes there
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(a in ("-h", "--help") for a in argv):
         print_help()
         return {}
-    cfg = load_config(argv)  # a mistyped key or recipe ends in models.cli.run_cli's one-line error
+    cfg = load_config(argv)  # a mistyped key or recipe ends in models.support.run_cli's one-line error
     if cfg.dry_run:
         from train.plan import print_plan  # start-up time: `train.distill --help` imports no torch
 
@@ -81,8 +86,8 @@ def print_help() -> None:
 
 def setup_run(cfg, held: contextlib.ExitStack | None = None):
     """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``.
-    ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.lock``)."""
-    from data.sync import run_on_main
+    ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.support``)."""
+    from models.support import run_on_main
     # start-up time: `train.distill --help` imports no torch
     import torch
     from accelerate import Accelerator
@@ -123,12 +128,13 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     run = Run(cfg, accelerator, out_dir, cfg.to_yaml(), mp, log, ckpt)
     if accelerator.is_main_process:
         if held is not None:  # a second run into out_dir (resumed or not) would write the same checkpoints
-            from models.lock import hold
+            from models.support import hold
 
             held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
                                     "out_dir=...", log))
         out_dir.mkdir(parents=True, exist_ok=True)
-        log(f"resolved config:\n{run.config_yaml}")
+        # the resolved settings go to out_dir/config.yaml, not the console (a hundred lines before anything ran)
+        log(f"train: recipe {cfg.recipe} into {out_dir} (every setting: {out_dir / 'config.yaml'})")
         if note := true_tau_cadence_note(cfg):
             log(f"note: {note}")
     if not replaces:
@@ -148,14 +154,12 @@ def build_drafter(run, drafter_cfg, target):
     # start-up time: `train.distill --help` imports no torch
     import torch
 
-    from models.drafter import DFlashDraftModel
+    from models.drafter2 import new_drafter
 
     torch.manual_seed(run.cfg.train.seed)
-    drafter = DFlashDraftModel(drafter_cfg)  # the run's config (checked against init_from's): what is saved
-    if run.cfg.drafter.init_from:
-        drafter.load_state_dict(DFlashDraftModel.from_pretrained(run.cfg.drafter.init_from).state_dict())
-    else:
-        drafter.init_weights()
+    # the run's config (checked against init_from's): what is saved. A v1 init_from of a DFlash2 run gives the
+    # backbone, identity convs and a fresh selector.
+    drafter = new_drafter(drafter_cfg, run.cfg.drafter.init_from)
     drafter = drafter.float().to(run.device).train()
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
@@ -248,9 +252,9 @@ def resume_state(run, sched, scheduler, rows: str):
 
 
 def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_ds, eval_feats, drafter_cfg, sched,
-               state, logger) -> tuple[dict, dict]:
-    """Optimizer steps until ``total_steps``: log, evaluate and checkpoint on their cadence.
-    Returns (the last logged step row, the eval row of the untrained drafter or {})."""
+               state, logger) -> tuple[dict, dict, list[dict], int]:
+    """Optimizer steps until ``total_steps``: log, evaluate and checkpoint on their cadence. Returns (the last
+    logged step row, the eval row of the untrained drafter or {}, every eval row, the true-tau prompts)."""
     # start-up time: `train.distill --help` imports no torch
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
@@ -258,14 +262,15 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                             run_eval, step_row, train_step)
     from train.rng import epoch_order
 
-    cfg = run.cfg
+    cfg, total = run.cfg, sched.total_steps
     drafter = run.accelerator.unwrap_model(model)
     prompts = true_tau_prompt_set(eval_ds, cfg.eval.true_tau_prompts, run.log)
-    first_eval = (run_eval(run, drafter, target, eval_feats, prompts, 0, True, logger)
+    first_eval = (run_eval(run, drafter, target, eval_feats, prompts, 0, True, logger, total)
                   if cfg.eval.at_start and state.step == 0 else {})
-    bar = tqdm(total=sched.total_steps, initial=state.step, disable=not (run.is_main and cfg.logging.progress),
+    evals = [first_eval] if first_eval else []
+    bar = tqdm(total=total, initial=state.step, disable=not (run.is_main and cfg.logging.progress),
                unit="step", dynamic_ncols=True)
-    speed, last = Throughput(), {}
+    speed, last, started, first_step = Throughput(), {}, time.perf_counter(), state.step
     while state.step < sched.total_steps:
         epoch = state.epoch
         order = epoch_order(len(train_ds), cfg.train.seed, epoch, run.rank, run.world)
@@ -280,8 +285,10 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                 last = step_row(run, state, stats, scheduler, speed, progress)
                 if not math.isfinite(last["loss"]):
                     raise diverged(run, state.step, f"the loss is {last['loss']}")
-                # No bar (logs, CI): the console still gets every logged step.
-                logger.log(last, echo=None if cfg.logging.progress else "step")
+                # No bar (logs, CI): the console still gets every logged step, as a line (the bar shows it otherwise).
+                elapsed = time.perf_counter() - started
+                left = elapsed / (state.step - first_step) * (total - state.step)
+                logger.log(last, echo=None if cfg.logging.progress else step_line(last, total, elapsed, left))
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['tau']:.2f}",
                                 tok_s=f"{last['tokens_per_s']:.0f}")
                 speed.reset()
@@ -296,9 +303,9 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                                 cfg.checkpoint.keep_last)
             evaluate, with_true = eval_due(cfg, state.step, final)
             if evaluate:
-                run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger)
+                evals.append(run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger, total))
     bar.close()
-    return last, first_eval
+    return last, first_eval, [r for r in evals if len(r) > 1], len(prompts)  # {"step": N} alone: no held-out rows
 
 
 def save_final(run, model, step: int) -> Path:
@@ -342,8 +349,7 @@ def save_final(run, model, step: int) -> Path:
                               f"resume=true (it writes final/ again), or export it (python -m export.hf "
                               f"--checkpoint {newest} --out DIR)") from e
     run.accelerator.wait_for_everyone()
-    run.log(f"final drafter: {final / 'drafter'}")
-    return final / "drafter"
+    return final / "drafter"  # the closing summary names it
 
 
 def train(cfg, argv: list[str] | None = None) -> dict:
@@ -375,6 +381,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
     feats, eval_feats = make_features(cfg, target, drafter_cfg.target_layer_ids, train_ds, eval_ds, run.device)
     sched = make_schedule(cfg, len(train_ds), run.world, run.rank)
     drafter = build_drafter(run, drafter_cfg, target)
+    n_params = sum(p.numel() for p in drafter.parameters())  # before accelerate wraps it (FSDP shards it)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
     state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
     if not cfg.resume:  # every input is loaded and checked: only now are the earlier (finished) run's checkpoints
@@ -382,12 +389,11 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         write_run_config(run)
     logger = open_metrics(cfg, run.out_dir, run.is_main, resumed_step=state.step, wandb_run_id=state.wandb_run_id,
                           log=run.log)
-    run.log(f"training: {len(train_ds)} rows, {sched.steps_per_epoch} steps/epoch, {sched.total_steps} steps, "
-            f"{run.world} process(es), {'flex' if run.use_flex else 'dense'} attention, mixed precision "
-            f"{run.mixed_precision}")
+    run.log(run_header(run, target, target_path, train_ds, eval_ds, drafter_cfg, n_params, sched, state.step))
+    resumed_at = state.step
     try:
-        last, first_eval = train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_ds, eval_feats,
-                                      drafter_cfg, sched, state, logger)
+        last, first_eval, evals, prompts = train_loop(run, model, optimizer, scheduler, target, train_ds, feats,
+                                                      eval_ds, eval_feats, drafter_cfg, sched, state, logger)
         final_drafter = save_final(run, model, state.step)  # Ctrl-C here too: resume=true writes final/ again
     except KeyboardInterrupt:
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
@@ -400,12 +406,71 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         from train.export_stage import run_export_stage  # start-up time: `train.distill --help` imports no torch
 
         run_export_stage(cfg.export, final_drafter, run.out_dir, run.log)
-    return {"out_dir": str(run.out_dir), "steps": state.step, "last": last, "first_eval": first_eval}
+        run.log(closing_summary(run, state.step, resumed_at, evals, prompts, final_drafter, target_path))
+    return {"out_dir": str(run.out_dir), "steps": state.step, "last": last, "first_eval": first_eval,
+            "last_eval": evals[-1] if evals else {}}
+
+
+def run_header(run, target, target_path: str, train_ds, eval_ds, d, n_params: int, sched, step: int) -> str:
+    """What is about to train, once everything has loaded: target, data, drafter, steps, devices, output."""
+    cfg, tr = run.cfg, run.cfg.train
+    quantized = "" if target.quantization in (None, "none") else f", quantization {target.quantization}"
+    warm = f", from {cfg.drafter.init_from}" if cfg.drafter.init_from else ""
+    processes = f"{run.world} process{'es' if run.world > 1 else ''}"
+    resumed = f", resumed at step {step}" if step else ""
+    prepared = cfg.data.prepared or run.out_dir / "data"
+    return header("training", [
+        ("target", f"{target_path}: {target.model_type}, {target.num_layers} layers, "
+                   f"{str(target.dtype).removeprefix('torch.')}{quantized}"),
+        ("data", f"{len(train_ds)} training rows, {len(eval_ds)} held out ({prepared})"),
+        ("drafter", f"{d.num_hidden_layers} layers, block {d.block_size}, taps {list(d.target_layer_ids)}, "
+                    f"{n_params / 1e6:.2f}M parameters{warm}"),
+        ("steps", f"{sched.total_steps} ({sched.total_steps / sched.steps_per_epoch:.3g} epochs of "
+                  f"{sched.steps_per_epoch}){resumed}; {tr.batch_size * tr.grad_accum * run.world} rows a step "
+                  f"(batch {tr.batch_size} x accumulation {tr.grad_accum} x {processes}); lr {tr.lr:g}, {tr.schedule}"),
+        ("devices", f"{processes} on {run.device.type}, {'flex' if run.use_flex else 'dense'} attention, mixed "
+                    f"precision {run.mixed_precision}"),
+        ("output", f"{run.out_dir}: metrics.jsonl, checkpoints/, final/drafter (every setting: config.yaml)"),
+    ])
+
+
+def closing_summary(run, steps: int, resumed_at: int, evals: list[dict], prompts: int, drafter: Path,
+                    target_path: str) -> str:
+    """Elapsed time, where tau went (and what each tau means), where the drafter is, and the commands that
+    take it further, with this run's paths."""
+    cfg = run.cfg
+    this_run = f" ({steps - resumed_at} in this run, resumed at step {resumed_at})" if resumed_at else ""
+    sim, true = tau_trend(evals, "eval_tau_sim"), tau_trend(evals, "eval_tau_true")
+    no_rows = "not measured (no held-out rows: data.eval_rows=0)" if not evals else None
+    no_prompts = "eval.true_tau_prompts=0" if not cfg.eval.true_tau_prompts else "the held-out rows gave no prompts"
+    rows = [("simulated tau", f"{sim}: {SIMULATED_TAU}" if sim else no_rows or "not measured"),
+            ("true tau", f"{true}: {TRUE_TAU.format(n=prompts, m=cfg.eval.true_tau_max_new_tokens)}" if true
+             else no_rows or f"not measured ({no_prompts})")]
+    rows.append(("drafter", str(drafter)))
+    q = shlex.quote
+    tiny = cfg.data.source == "tiny"  # the tiny target only talks its own chats: no shipped prompt set suits it
+    thinking = "" if cfg.data.thinking is None else f" --thinking {'on' if cfg.data.thinking else 'off'}"
+    prompt = "Spell the word river." if tiny else "Explain speculative decoding in two sentences."
+    export = Path(cfg.export.dir) if cfg.export.dir else run.out_dir / "export"
+    commands = [
+        f"draftsmith generate --target {q(str(target_path))} --draft {q(str(drafter))} --prompt {q(prompt)} --chat"
+        f"{thinking} --baseline",
+        f"draftsmith validate --target {q(str(target_path))} --draft {q(str(drafter))}"
+        + (f" --prompts {q(str(run.out_dir / 'tiny_chat.jsonl'))} --n 16 --max-new-tokens "
+           f"{cfg.eval.true_tau_max_new_tokens}" if tiny else "")
+        + f"{thinking} --out {q(str(run.out_dir / 'validate'))}",
+    ]
+    if not cfg.export.hf:
+        commands.append(f"draftsmith export-hf --checkpoint {q(str(drafter))} --out {q(str(export / 'hf'))}")
+    if not cfg.export.push_repo:
+        commands.append(f"draftsmith push --folder {q(str(export / 'hf'))} --repo YOUR_NAME/REPO --dry-run")
+    return (header(f"done: {steps} steps{this_run} in {clock(time.perf_counter() - run.started)}", rows)
+            + "\nnext:\n" + "\n".join(f"  {c}" for c in commands))
 
 
 def cli() -> None:
-    """The ``draftsmith-distill`` console script: ``main`` with one-line user errors, as ``python -m`` runs it."""
-    from models.cli import run_cli
+    """``draftsmith train`` and ``draftsmith-distill``: ``main`` with one-line user errors, as ``python -m`` runs it."""
+    from models.support import run_cli
 
     run_cli(main)
 

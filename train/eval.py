@@ -22,9 +22,13 @@ from train.rng import row_generators
 
 
 @torch.no_grad()
-def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: int, num_anchors: int, gamma: float,
-                 seed: int, max_batches: int, use_flex: bool, ce_chunk: int, autocast=None) -> dict:
-    """Held-out simulated tau, loss, per-slot accuracy/acceptance. Same anchors every call (fixed seed)."""
+def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: int, num_anchors: int,
+                 gamma: float | None = None, seed: int, max_batches: int, use_flex: bool, ce_chunk: int, autocast=None,
+                 objective: dict | None = None) -> dict:
+    """Held-out simulated tau, loss, per-slot accuracy/acceptance. Same anchors every call (fixed seed).
+
+    objective: ``block_loss``'s weighting keywords (``RunConfig.loss_weighting()``; None: the decay of ``gamma``),
+    so the held-out loss is the training loss's; the simulated tau does not depend on it."""
     cfg = drafter.config
     was_training = drafter.training
     drafter.eval()
@@ -43,7 +47,7 @@ def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: i
         mask = attention_masks(cfg, blocks, doc, pos, use_flex)
         with (autocast() if autocast else contextlib.nullcontext()):
             hidden = drafter_forward(drafter, target.embed_tokens, blocks, batch.features.to(dev), pos, mask)
-            out = block_loss(hidden, blocks, target.lm_head.weight, gamma, chunk=ce_chunk)
+            out = block_loss(hidden, blocks, target.lm_head.weight, chunk=ce_chunk, **(objective or {"gamma": gamma}))
         loss_sum += float(out.loss)
         n_batches += 1
         for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():

@@ -52,8 +52,10 @@ def check_export_stage(export_cfg) -> None:
 
 
 def export_commands(export_cfg, final_drafter: Path, out_dir: Path) -> list[list[str]]:
-    """The ``python -m export.*`` command lines for a run's ``export.*`` settings, in order."""
-    root = Path(export_cfg.dir) if export_cfg.dir else Path(out_dir) / "export"
+    """The ``python -m export.*`` command lines for a run's ``export.*`` settings, in order (absolute paths: they
+    run from the package's folder)."""
+    root = (Path(export_cfg.dir) if export_cfg.dir else Path(out_dir) / "export").absolute()
+    final_drafter = Path(final_drafter).absolute()
     py = [sys.executable, "-m"]
     cmds: list[list[str]] = []
     if export_cfg.hf:
@@ -80,7 +82,9 @@ def run_export_stage(export_cfg, final_drafter: Path, out_dir: Path, log: Callab
         # the package root on the path, so `-m export.*` resolves from any working directory
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        done = subprocess.run(cmd, env=env)
+        # from the package's folder: `python -m` puts the working folder first on sys.path, and a models.py or an
+        # export/ there (ML project folders often hold them) would run instead of ours
+        done = subprocess.run(cmd, env=env, cwd=root)
         if done.returncode != 0:
             raise ExportStageError(f"export stage failed (exit {done.returncode}); the drafter is saved in "
                                f"{final_drafter}. Fix the problem printed above and re-run: {line}")

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.utils import DistributedType
 
-from models.cli import UserError
-from models.transfer import to_device
+from models.support import UserError, to_device
 from train.block_mask import documents_contiguous
 from train.checkpoint import latest_checkpoint
 from train.eval import evaluate_sim, true_tau
+from train.metrics import eval_line
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.plan import Schedule
 from train.rng import row_generators
@@ -48,6 +48,7 @@ class Run:
     mixed_precision: str
     log: Callable[[str], None]  # console lines, main process only
     resume_from: Path | None = None  # the checkpoint to resume (resume=true and one exists)
+    started: float = field(default_factory=time.perf_counter)  # the closing summary's elapsed time
 
     @property
     def device(self) -> torch.device:
@@ -155,6 +156,7 @@ class StepStats:
     tokens_all: int = 0  # every process's context tokens
     acceptance: dict = field(default_factory=dict)
     grad_norm: float | None = None
+    slot_weight: torch.Tensor | int = 0  # [B-1] loss weight per slot, summed over the scored blocks (on the device)
 
 
 def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Schedule, drafter_cfg) -> list[MicroBatch]:
@@ -165,6 +167,7 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
     means would weigh a slot of a row with few anchors more than one of a row with many, so
     batch_size=2 x grad_accum=1 and 1 x 2 would train differently. The denominator must be known
     before the first backward, so every micro-batch's blocks are drawn first (cheap; no features).
+    (D-PACE's weight sum is known only after the last forward: ``train_step`` rescales the gradients.)
     """
     tr, dev = run.cfg.train, run.device
     first = state.step_in_epoch * tr.grad_accum
@@ -187,18 +190,36 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
                drafter_cfg) -> StepStats:
     """Forward + backward of every micro-batch (gradient sync on the last only), clip, optimizer step."""
     cfg, acc, dev = run.cfg, run.accelerator, run.device
-    weight = sum(loss_weight(m.blocks, cfg.gamma) for m in micro_batches).float()
+    objective = cfg.loss_weighting()
+    # The step's loss is sum(w * loss) / normaliser over all its micro-batches and processes (draw_step). The
+    # normaliser is known before any forward for decay (its weight sum) and for D-PACE's tokens and rows. D-PACE's
+    # weight sum is known only after the last forward: the scored-slot count stands in for it (gradients of the
+    # usual size), and the gradients are rescaled by count / weight sum once every micro-batch is through.
+    rescale = objective["weighting"] == "dpace" and objective["normaliser"] == "weights"
+    if rescale:
+        if acc.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed steps inside backward(), before a rescale
+            raise UserError("train.dpace_normaliser=weights rescales the gradients after the last micro-batch, "
+                            "which DeepSpeed does not allow: use train.dpace_normaliser=tokens, or DDP / FSDP")
+    if objective["weighting"] == "decay":
+        local = sum(loss_weight(m.blocks, cfg.gamma) for m in micro_batches).float()
+    elif objective["normaliser"] == "rows":
+        local = float(sum(len(m.rows) for m in micro_batches))
+    else:  # tokens (and the stand-in of weights): the shapes of the scored-slot indices, known on the host
+        local = float(sum(m.blocks.scored_index.shape[0] for m in micro_batches))
     # Nothing in here reads a device value back (tests/test_host_reads.py): a read waits for every queued
     # kernel, and the GPU then idles while the host queues the next ones. The host counts come from draw_step.
     tokens = float(sum(m.n_tokens for m in micro_batches))
-    if run.world > 1:  # one collective for both: the step's weight sum (the loss denominator) and its tokens
-        step_weight, tokens_all = acc.reduce(torch.stack([weight, weight.new_tensor(tokens)]), "sum")
+    if run.world > 1:  # one collective for both: the step's normaliser (the loss denominator) and its tokens
+        pair = torch.stack([torch.as_tensor(local, dtype=torch.float32, device=dev),
+                            torch.tensor(tokens, dtype=torch.float32, device=dev)])
+        step_norm, tokens_all = acc.reduce(pair, "sum")
     else:  # nothing to add up: reading a GPU sum back would wait for the previous step's queue
-        step_weight, tokens_all = weight, tokens
-    denom = step_weight.clamp_min(1e-12)
+        step_norm, tokens_all = local, tokens
+    denom = step_norm.clamp_min(1e-12) if torch.is_tensor(step_norm) else max(step_norm, 1e-12)
     scale = run.world / denom  # DDP / FSDP average gradients over processes: scale so they sum instead
     zero = torch.zeros((), device=dev)
     stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all))
+    dpace_weight = zero.clone()  # this process's D-PACE weight sum (rescale)
     for i, m in enumerate(micro_batches):
         batch = feats.get_batch(m.rows)  # an offline store's provider checks its tokens against the prepared rows
         # with the host's contiguity check the mask reads nothing back: it queues behind the target's forward
@@ -208,23 +229,39 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         topk_ids, topk_lp = (None if t is None else to_device(t, dev) for t in (batch.topk_ids, batch.topk_logprobs))
         with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
             hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)
-            out = block_loss(hidden, m.blocks, target.lm_head.weight, cfg.gamma, chunk=cfg.train.ce_chunk,
+            out = block_loss(hidden, m.blocks, target.lm_head.weight, chunk=cfg.train.ce_chunk,
                              mode=cfg.train.loss, kl_weight=cfg.train.kl_weight, topk_ids=topk_ids,
-                             topk_logprobs=topk_lp)
+                             topk_logprobs=topk_lp, **objective)
             acc.backward(out.weighted_sum * scale)
         stats.loss += out.weighted_sum.detach() / denom
+        dpace_weight = dpace_weight + out.weight
+        stats.slot_weight = stats.slot_weight + out.slot_weight
         stats.ce_sum, stats.kl_sum = stats.ce_sum + out.ce_sum, stats.kl_sum + out.kl_sum
         stats.scored += out.scored
         for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
             stats.acceptance[k] = stats.acceptance[k] + v if k in stats.acceptance else v
         stats.tokens += m.n_tokens  # the provider's rows are these rows (an offline store's are checked)
         stats.anchors = stats.anchors + out.valid.sum()  # on the device: an int() here waited for the backward
+    if rescale:
+        rescale_gradients(run, model, stats, denom, dpace_weight)
     if cfg.train.clip > 0:
         stats.grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.train.clip)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return stats
+
+
+def rescale_gradients(run: Run, model, stats: StepStats, stand_in, weight: torch.Tensor) -> None:
+    """D-PACE normalised by its weight sum: the micro-batches were normalised by ``stand_in`` (the step's scored
+    slots); now that the step's weight sum is known (one collective, no read back), the gradients and the logged
+    loss become those of ``sum w loss / sum w``. Exact: the gradients are linear in the loss."""
+    total = (run.accelerator.reduce(weight, "sum") if run.world > 1 else weight).clamp_min(1e-12)
+    factor = stand_in / total
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)  # a 0-dim tensor: FSDP2's DTensor gradients take it as replicated
+    stats.loss = stats.loss * factor
 
 
 def reshard_position(step_in_epoch: int, rows_per_step_before: int, rows_per_step_now: int) -> tuple[int, int]:
@@ -300,10 +337,15 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
     kl = acc.reduce(stats.kl_sum.float(), "sum") / scored
     tau_sum = acc.reduce(stats.acceptance["tau_sum"], "sum")
     blocks = acc.reduce(stats.acceptance["blocks"], "sum")
+    # The step's share of the loss weight at each block slot (sums to 1), for decay and D-PACE alike: where the loss
+    # goes. D-PACE's moves to later slots as the drafter gets them right.
+    w_slot = acc.reduce(torch.as_tensor(stats.slot_weight, dtype=torch.float32, device=dev), "sum")
+    w_slot = w_slot / w_slot.sum().clamp_min(1e-12)
     dt = time.perf_counter() - speed.t
     return {"step": state.step, "epoch": round(epoch_progress, 4), "loss": float(loss), "ce": float(ce),
             "tau": float(tau_sum / blocks.clamp_min(1)),
             **({"kl": float(kl)} if run.cfg.train.loss != "ce" else {}),
+            "w_slot": [round(float(w), 3) for w in w_slot.tolist()],
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": None if stats.grad_norm is None else float(stats.grad_norm),
             "tokens_per_s": round(speed.tokens * run.world / dt, 1),
@@ -311,8 +353,9 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
 
 
 def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], step: int, with_true: bool,
-             logger) -> dict:
-    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged.
+             logger, total: int | None = None) -> dict:
+    """Held-out simulated tau (and true tau with the torch loop) on the main process; logged (``total``: the
+    run's steps, for the console line).
 
     Under FSDP every process runs it too: the drafter's forward all-gathers its sharded weights, a
     collective that would wait forever for processes that skipped it.
@@ -322,7 +365,8 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
     sharded = run.accelerator.distributed_type == DistributedType.FSDP
     if (run.is_main or sharded) and len(eval_feats):
         row.update(evaluate_sim(drafter, target, eval_feats, list(range(len(eval_feats))),
-                                batch_size=cfg.train.batch_size, num_anchors=cfg.train.anchors, gamma=cfg.gamma,
+                                batch_size=cfg.train.batch_size, num_anchors=cfg.train.anchors,
+                                objective=cfg.loss_weighting(),
                                 # eval.batches counts optimizer-step batches (batch x accum x processes rows), so
                                 # the held-out rows, and the figure, do not depend on how a step is split
                                 seed=cfg.train.seed, max_batches=cfg.eval.batches * cfg.train.grad_accum * run.world,
@@ -332,7 +376,7 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
             with run.accelerator.autocast():
                 row.update(true_tau(drafter, target, prompts, cfg.eval.true_tau_max_new_tokens))
         if run.is_main:
-            logger.log(row, echo="eval")
+            logger.log(row, echo=eval_line(row, total))
     run.accelerator.wait_for_everyone()
     return row
 
@@ -369,9 +413,9 @@ def checkpoint_due(cfg, step: int, final: bool) -> bool:
 
 # ----------------------------------------------------------------------------- interruption
 def launch_command(world: int) -> str:
-    """How this run was started, for the resume hint: ``python train/distill.py`` (the script, in the
-    checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch`` with
-    several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
+    """How this run was started, for the resume hint: ``draftsmith train``, ``python train/distill.py`` (the
+    script, in the checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch``
+    with several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
     from any directory once the package is installed."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     script = sys.argv[0] if sys.argv else ""
@@ -381,6 +425,9 @@ def launch_command(world: int) -> str:
         program = [script]
     elif Path(script).name == "draftsmith-distill" and world == 1:
         return "draftsmith-distill"
+    elif Path(script).name == "draftsmith":  # the draftsmith command, an executable: accelerate's --no_python
+        launcher = ["accelerate", "launch", "--no_python", "--num_processes", str(world)] if world > 1 else []
+        return shlex.join(launcher + ["draftsmith", "train"])
     else:
         program = ["-m", "train.distill"]
     launcher = ["accelerate", "launch", "--num_processes", str(world)] if world > 1 else ["python"]

@@ -1,8 +1,9 @@
 """Where training metrics go: the console, ``metrics.jsonl`` and (optionally) Weights & Biases.
 
-One object, :class:`MetricsLogger`, behind ``log(row)`` and ``close()``. Only the main process
-writes; the others hold a logger that drops everything. wandb is optional: when
-``logging.wandb=true`` and it is not installed, a no-op run stands in and one warning says so.
+One object, :class:`MetricsLogger`, behind ``log(row)`` and ``close()``. The rows are JSON in ``metrics.jsonl``;
+the console gets lines a person reads (``step_line``, ``eval_line``, and the run's header and closing summary
+through ``header``). Only the main process writes; the others hold a logger that drops everything. wandb is
+optional: when ``logging.wandb=true`` and it is not installed, a no-op run stands in and one warning says so.
 The wandb run id is kept in the loop state (saved in every checkpoint), so ``resume=true``
 continues the same wandb run instead of starting a new one.
 """
@@ -16,13 +17,79 @@ from pathlib import Path
 from typing import Any
 
 
-def rounded(row: dict) -> dict:
-    """A row for the console: floats to 4 decimals (4 significant digits below 0.001, so an lr of 6e-5
-    does not print as 0.0), lists and dicts (histograms, per-slot) left out."""
-    def short(v: float) -> float:
-        return round(v, 4) if abs(v) >= 1e-3 or v == 0 else float(f"{v:.4g}")
+# ----------------------------------------------------------------------------- console lines
+# Keys the step line spells out itself; every other number of a row (ce, kl, grad_norm, what a new objective
+# adds) follows as `name value`, so a new metric shows up without touching the line. Lists and dicts (per-slot
+# figures, histograms) stay in metrics.jsonl.
+STEP_KEYS = {"step", "epoch", "loss", "tau", "lr", "tokens_per_s", "anchors_per_s"}
+EVAL_KEYS = {"step", "eval_loss", "eval_tau_sim", "eval_blocks", "eval_tau_true", "eval_true_cycles",
+             "eval_tau_true_uncut"}
+SIMULATED_TAU = "acceptance of blocks at uniform anchors on held-out rows"
+TRUE_TAU = "the real DFlash loop on {n} held-out prompt(s), cut at {m} new tokens"
 
-    return {k: (short(v) if isinstance(v, float) else v) for k, v in row.items() if not isinstance(v, (list, dict))}
+
+def number(v: float) -> str:
+    """A metric for the eye: 4 significant digits, small values in exponent form (an lr of 6e-5 is not 0.0)."""
+    if isinstance(v, bool) or not isinstance(v, float):
+        return str(v)
+    if v == 0 or abs(v) >= 1e4:
+        return f"{v:.0f}"
+    return f"{v:.4g}" if abs(v) >= 1e-3 else f"{v:.2e}"
+
+
+def clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def per_second(v: float) -> str:
+    return f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+def extras(row: dict, known: set[str]) -> list[str]:
+    return [f"{k} {number(v)}" for k, v in row.items()
+            if k not in known and isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def step_line(row: dict, total: int, elapsed: float, left: float | None = None) -> str:
+    """``step  20/200  epoch 0.25  loss 4.2156  sim tau 1.87  lr 0.0006  5.1k tok/s  0:01:02 (~0:09:18 left)
+    ce 4.3  grad_norm 1.2``: a logged step (``step_row``) for the console; the row itself goes to metrics.jsonl."""
+    width = len(str(total))
+    left_s = f" (~{clock(left)} left)" if left and left >= 1 else ""
+    return "  ".join([f"step  {row['step']:>{width}}/{total}", f"epoch {row['epoch']:.2f}",
+                      f"loss {row['loss']:.4f}", f"sim tau {row['tau']:.2f}", f"lr {number(row['lr'])}",
+                      f"{per_second(row['tokens_per_s'])} tok/s", clock(elapsed) + left_s, *extras(row, STEP_KEYS)])
+
+
+def eval_line(row: dict, total: int | None = None) -> str:
+    """``eval  200/200  held-out loss 3.9  sim tau 2.31 (512 blocks)  true tau 2.05 (96 cycles; 2.12 ...)``."""
+    at = f"{row['step']:>{len(str(total))}}/{total}" if total else str(row["step"])
+    parts = [f"eval  {at}"]
+    if "eval_loss" in row:
+        parts.append(f"held-out loss {row['eval_loss']:.4f}")
+    if "eval_tau_sim" in row:
+        parts.append(f"sim tau {row['eval_tau_sim']:.2f} ({row.get('eval_blocks', 0)} blocks)")
+    if "eval_tau_true" in row:
+        parts.append(f"true tau {row['eval_tau_true']:.2f} ({row.get('eval_true_cycles', 0)} cycles; "
+                     f"{row.get('eval_tau_true_uncut', 0.0):.2f} without each prompt's last cycle)")
+    if len(parts) == 1:
+        parts.append("no held-out rows (data.eval_rows=0)")
+    return "  ".join(parts + extras(row, EVAL_KEYS))
+
+
+def header(title: str, rows: list[tuple[str, str]]) -> str:
+    """A titled block of ``name  value`` lines (the run's header and closing summary)."""
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([title] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def tau_trend(evals: list[dict], key: str) -> str | None:
+    """``0.96 at step 0 -> 2.27 at step 200`` over the evals that measured ``key``; None when none did."""
+    seen = [r for r in evals if key in r]
+    if not seen:
+        return None
+    ends = [seen[0]] if len(seen) == 1 else [seen[0], seen[-1]]
+    return " -> ".join(f"{r[key]:.2f} at step {r['step']}" for r in ends)
 
 
 class _NoWandb:
@@ -53,8 +120,8 @@ def start_wandb(project: str, config: dict, out_dir: Path, mode: str | None, run
 
 
 class MetricsLogger:
-    """``log(row)`` appends the row to ``metrics.jsonl``, sends its numbers to wandb and, when asked,
-    prints it on the console (``echo``: a prefix such as ``"eval"``). ``close()`` ends the wandb run."""
+    """``log(row)`` appends the row to ``metrics.jsonl``, sends its numbers to wandb and, when asked, prints its
+    console line (``echo``: ``step_line`` / ``eval_line`` of the row). ``close()`` ends the wandb run."""
 
     def __init__(self, path: Path | None, console: Callable[[str], None] | None = None, wandb_run=None):
         self.path, self.console, self.wandb_run = path, console, wandb_run
@@ -71,7 +138,7 @@ class MetricsLogger:
             numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.wandb_run.log(numbers, step=row["step"])
         if echo and self.console is not None:
-            self.console(f"{echo} " + json.dumps(rounded(row)))
+            self.console(echo)
 
     def close(self) -> None:
         if self.wandb_run is not None:

@@ -16,11 +16,13 @@ Slot ``k`` (1..B-1) predicts the token at ``a_n + k``. A slot is scored only whi
 labels ``a_n+1 .. a_n+k`` stays inside the loss mask and the document ("slots past the loss mask
 get no loss": once the assistant turn ends, later slots are not scored even if another assistant
 turn starts within the block). The loss is ``sum w_k * l_k / sum w_k`` over scored slots of the
-batch, ``w_k = exp(-(k-1)/gamma)``, where ``l_k`` is cross-entropy to the label (``ce``), KL from
-the target's next-token distribution (``kl``), or their sum (``ce+kl``, KL scaled by
-``kl_weight``). LM head + loss run in chunks, so ``N*(B-1) x vocab`` logits never exist at once, not
-even for the backward pass: with the target's frozen head each chunk's ``d loss / d hidden`` is
-computed while its logits exist (``_LinearLoss``); a trained head falls back to checkpointing.
+batch, ``w_k = exp(-(k-1)/gamma)`` (``decay``, the paper's) or the D-PACE weights of each block's
+per-slot CE (``dpace``, :func:`dpace_weights`; divided by their sum, the scored slots or the rows),
+where ``l_k`` is cross-entropy to the label (``ce``), KL from the target's next-token distribution
+(``kl``), or their sum (``ce+kl``, KL scaled by ``kl_weight``). LM head + loss run in chunks, so
+``N*(B-1) x vocab`` logits never exist at once, not even for the backward pass: with the target's
+frozen head each chunk's ``d loss / d hidden`` is computed while its logits exist (``_LinearLoss``);
+a trained head falls back to checkpointing.
 
 Two mask builders give the same mask: ``dense_mask`` (boolean ``[b, 1, N*B, s+N*B]``, used with
 SDPA on CPU, where flex attention has no backward) and ``flex_block_mask`` (a flex-attention
@@ -38,7 +40,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import checkpoint
 
-from models.transfer import to_device
+from models.support import to_device
 from train import block_mask  # direct_block_mask looked up at each call (train.bench swaps it to time the other)
 
 
@@ -53,6 +55,22 @@ def loss_weight(blocks: "Blocks", gamma: float) -> torch.Tensor:
     """Sum of ``w_k`` over the scored slots of ``blocks``: the denominator of their loss (before any forward)."""
     w = slot_weights(blocks.block_size, gamma, blocks.label_mask.device)
     return (w * blocks.label_mask).sum()
+
+
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE weights of the slots of each block: ``[..., B-1]`` per-slot CE and slot mask -> ``[..., B-1]``.
+
+    ``q_j = exp(-CE_j)`` is the drafter's probability of the label, smoothed to ``q~_j = (1 - alpha) q_j + alpha``
+    (a masked slot counts as ``q~ = 1``); ``C_k = prod_{i<=k} q~_i`` is the chance that the first ``k`` slots are
+    all accepted, and ``w_j = sum_{k>=j} C_k m_k`` (0 on masked slots) is how much of the block's expected
+    acceptance hangs on slot ``j``. Computed from detached CE: the weights steer the loss, no gradient flows
+    through them. ``alpha = 1`` makes them independent of the drafter: ``w_j`` = scored slots from ``j`` on.
+    """
+    ce = ce.detach().float()
+    q = (1 - alpha) * torch.exp(-ce) + alpha
+    q = torch.where(mask, q, torch.ones_like(q))  # also replaces whatever a masked slot's CE holds (inf, NaN)
+    reach = torch.cumprod(q, dim=-1) * mask
+    return reach.flip(-1).cumsum(-1).flip(-1) * mask
 
 
 # ----------------------------------------------------------------------------- anchors and blocks
@@ -247,19 +265,20 @@ def attention_masks(drafter_config, blocks: Blocks, doc_ids: torch.Tensor, posit
 # ----------------------------------------------------------------------------- forward + loss
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar, weighted mean over scored slots (= weighted_sum / weight)
+    loss: torch.Tensor  # scalar: weighted_sum / normaliser (decay, D-PACE "weights": / weight, a weighted mean)
     correct: torch.Tensor  # [b, n, B-1] bool: argmax == label (False where not scored)
     label_mask: torch.Tensor  # [b, n, B-1]
     valid: torch.Tensor  # [b, n]
     ce: torch.Tensor  # scalar: unweighted mean CE over scored slots (for logs)
     # Sums, for normalising over several micro-batches / processes (the trainer divides by the
-    # weight sum of the whole optimizer step): sum of w_k * loss_k, sum of w_k, and the unweighted
+    # normaliser of the whole optimizer step): sum of w_k * loss_k, sum of w_k, and the unweighted
     # per-slot CE and KL sums over the `scored` slots (logs).
     weighted_sum: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     ce_sum: torch.Tensor | None = None
     kl_sum: torch.Tensor | None = None
     scored: int = 0
+    slot_weight: torch.Tensor | None = None  # [B-1]: sum of w at each slot over the scored blocks (where the loss goes)
 
     @property
     def num_blocks(self) -> int:
@@ -347,15 +366,25 @@ class _LinearLoss(torch.autograd.Function):
         return (grad_per_slot[:, None] * g).to(g.dtype), None, None, None, None, None, None
 
 
-def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, gamma: float, *, chunk: int = 4096,
-               mode: str = "ce", kl_weight: float = 1.0, topk_ids: torch.Tensor | None = None,
-               topk_logprobs: torch.Tensor | None = None) -> LossOutput:
-    """Decayed, normalised loss over the scored slots of every block; LM head + loss in chunks.
+NORMALISERS = ("weights", "tokens", "rows")
+
+
+def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, gamma: float | None, *,
+               chunk: int = 4096, mode: str = "ce", kl_weight: float = 1.0, topk_ids: torch.Tensor | None = None,
+               topk_logprobs: torch.Tensor | None = None, weighting: str = "decay", dpace_alpha: float = 0.5,
+               normaliser: str = "weights") -> LossOutput:
+    """Weighted, normalised loss over the scored slots of every block; LM head + loss in chunks.
 
     hidden: drafter output ``[b, n*B, H]``. topk_ids / topk_logprobs (KL only, ``[b, s, k]``): the
     target's top-k next-token log-probs at every position; slot k's teacher is the target's
     distribution at position ``anchor + k - 1`` (the one that predicts ``anchor + k``).
+    weighting: ``decay`` (``slot_weights`` of ``gamma``) or ``dpace`` (``dpace_weights`` of ``dpace_alpha`` and
+    the per-slot hard-label CE, whatever ``mode`` is). normaliser: the loss is ``weighted_sum`` over the
+    weight sum (``weights``), the scored slots (``tokens``) or the rows of the batch (``rows``).
     """
+    if weighting not in ("decay", "dpace") or normaliser not in NORMALISERS:
+        raise ValueError(f"weighting={weighting!r}, normaliser={normaliser!r}: use decay or dpace, and one of "
+                         f"{NORMALISERS}")
     b, n = blocks.anchors.shape
     B = blocks.block_size
     H = hidden.shape[-1]
@@ -365,7 +394,6 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
     k_slot = idx % (B - 1)  # each scored slot's place in its block, less the anchor
     h = hidden.reshape(b * n * B, H).index_select(0, idx // (B - 1) * B + k_slot + 1)  # [M, H]
     y = blocks.labels.flatten().index_select(0, idx)
-    w = slot_weights(B, gamma, hidden.device)[k_slot]
     t_ids = t_logp = None
     if mode != "ce":
         if topk_ids is None or topk_logprobs is None:
@@ -391,18 +419,30 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         ce.append(c)
         kl.append(k_)
         pred.append(p)
+    slot_weight = torch.zeros(B - 1, device=hidden.device)
     if per_slot:
         per_slot_t, ce_t, kl_t, pred_t = torch.cat(per_slot), torch.cat(ce), torch.cat(kl), torch.cat(pred)
+        if weighting == "dpace":
+            # Every chunk's CE is in hand (detached) before a weight is needed, so a block that straddles chunks
+            # gets the weights of the whole block: they multiply the chunks' per-slot losses afterwards, and the
+            # backward only scales each chunk's kept d loss / d hidden rows (no logits again).
+            grid = torch.zeros(b * n * (B - 1), device=hidden.device).index_copy(0, idx, ce_t.float())
+            w = dpace_weights(grid.view(b * n, B - 1), sel.view(b * n, B - 1), dpace_alpha)
+            w = w.view(-1).index_select(0, idx)
+        else:
+            w = slot_weights(B, gamma, hidden.device)[k_slot]
         weighted_sum, weight = (w * per_slot_t).sum(), w.sum()
-        loss = weighted_sum / weight
+        loss = weighted_sum / {"weights": weight, "tokens": float(y.shape[0]), "rows": float(b)}[normaliser]
         ce_mean, ce_sum, kl_sum = ce_t.mean(), ce_t.sum(), kl_t.sum()
+        slot_weight = slot_weight.index_add(0, k_slot, w)
     else:  # no scored slot in this batch: a zero loss that still touches the graph
         loss = weighted_sum = hidden.sum() * 0.0
         weight = ce_mean = ce_sum = kl_sum = loss.detach()
         pred_t = y
     correct = torch.zeros_like(sel).view(-1).scatter(0, idx, pred_t == y).view_as(sel)
     return LossOutput(loss=loss, correct=correct, label_mask=sel, valid=blocks.valid, ce=ce_mean,
-                      weighted_sum=weighted_sum, weight=weight, ce_sum=ce_sum, kl_sum=kl_sum, scored=int(y.shape[0]))
+                      weighted_sum=weighted_sum, weight=weight, ce_sum=ce_sum, kl_sum=kl_sum, scored=int(y.shape[0]),
+                      slot_weight=slot_weight)
 
 
 def drafter_forward(drafter, embed, blocks: Blocks, features: torch.Tensor, position_ids: torch.Tensor,

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from models.cli import UserError
+from models.support import UserError
 
 
 class ConfigKeyError(UserError, KeyError):

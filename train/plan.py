@@ -26,6 +26,7 @@ from huggingface_hub import constants
 
 from models.config import DFlashConfig, TargetShape
 from models.hub import is_hub_id
+from models.provenance import describe_objective, objective_of_run
 from models.quantization import parse_quantization
 from train.rng import epoch_order
 
@@ -100,6 +101,7 @@ def _fetch_config(cfg) -> tuple[dict | None, str]:
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
         return json.loads(local.read_text()), f"local {local}"
+
     if not is_hub_id(path):  # a local path (a typo, a folder not copied yet): not the Hub's network to blame
         what = "has no config.json" if local.parent.is_dir() else "does not exist"
         return None, f"the local folder {path} {what}; using the recipe's shape facts"
@@ -218,7 +220,7 @@ def plan(cfg) -> dict:
         target, mask_token_id=d.mask_token_id or 0, num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
         target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
-        block_size=d.block_size, rope_theta=d.rope_theta)
+        block_size=d.block_size, rope_theta=d.rope_theta, variant=d.variant)
     heads, kv, hd, inter = (draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim,
                             draft.intermediate_size)
     taps = draft.target_layer_ids
@@ -262,8 +264,12 @@ def plan(cfg) -> dict:
         "target_layer_ids": taps,
         "drafter": {"layers": d.num_hidden_layers, "hidden": H, "heads": heads, "kv_heads": kv, "head_dim": hd,
                     "intermediate": inter, "block_size": B, "params_m": round(n_draft / 1e6, 1),
-                    "rope_theta": draft.rope_theta},
-        "objective": {"anchors_per_row": N, "gamma": cfg.gamma, "loss": tr.loss, "query_tokens_per_row": q,
+                    "rope_theta": draft.rope_theta, "variant": draft.variant,
+                    # per part (DFlash2: the convs and the selector), and forward FLOPs per block token
+                    "params_m_by_part": {k: round(v / 1e6, 2) for k, v in draft.parameter_counts().items()},
+                    "flops_per_token": draft_fwd},
+        "objective": {"anchors_per_row": N, "weighting": describe_objective(objective_of_run(cfg.to_dict())),
+                      "gamma": cfg.loss_weighting()["gamma"], "loss": tr.loss, "query_tokens_per_row": q,
                       "max_length": S},
         "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
                  "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
@@ -290,11 +296,14 @@ def print_plan(cfg) -> dict:
         print(f"  target: {s['model_type']}, {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
               f"vocab {s['vocab_size']}, ~{p['target_params_b']:.1f}B params; taps {p['target_layer_ids']}")
         dr = p["drafter"]
-        print(f"  drafter: {dr['layers']} layers x hidden {dr['hidden']} ({dr['heads']} heads / {dr['kv_heads']} kv "
-              f"x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, "
-              f"RoPE base {dr['rope_theta']:g}, {dr['params_m']}M params")
+        parts = dr["params_m_by_part"]
+        extra = (f" (convs {parts['convs']}M, selector {parts['selector']}M; {dr['flops_per_token'] / 1e9:.3g} "
+                 "GFLOPs per block token with both)") if dr["variant"] == "dflash2" else ""
+        print(f"  drafter: {dr['variant']}, {dr['layers']} layers x hidden {dr['hidden']} ({dr['heads']} heads / "
+              f"{dr['kv_heads']} kv x {dr['head_dim']}, mlp {dr['intermediate']}), block {dr['block_size']}, "
+              f"RoPE base {dr['rope_theta']:g}, {dr['params_m']}M params{extra}")
         o = p["objective"]
-        print(f"  objective: {o['anchors_per_row']} anchors/row, gamma {o['gamma']}, loss {o['loss']}, "
+        print(f"  objective: {o['anchors_per_row']} anchors/row, {o['weighting']}, loss {o['loss']}, "
               f"{o['query_tokens_per_row']} query tokens/row, max length {o['max_length']}")
         dt = p["data"]
         print(f"  data: {dt['source']} -> {dt['prepared']} (rows {dt['rows']}, tokens {dt['tokens']}), "

@@ -91,7 +91,7 @@ def _fsdp(accelerator) -> bool:
 
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):
     """(train rows, held-out rows, meta) of the prepared data set, preparing it first if needed."""
-    from data.sync import run_on_main
+    from models.support import run_on_main
 
     prepared = Path(cfg.data.prepared) if cfg.data.prepared else out_dir / "data"
 
@@ -221,13 +221,14 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
         num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
         target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
-        block_size=d.block_size, rope_theta=d.rope_theta,
+        block_size=d.block_size, rope_theta=d.rope_theta, variant=d.variant,
         torch_dtype="bfloat16" if mixed_precision == "bf16" else "float32")
     drafter_cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                              num_layers=target.num_layers)
     named = f" {mask.token!r}" if mask.token else ""
     log(f"mask token: {mask.id}{named}: {mask.reason}")
-    log(f"drafter: {drafter_cfg.num_hidden_layers} layers, taps {drafter_cfg.target_layer_ids}, block "
+    kind = "DFlash2, " if drafter_cfg.variant == "dflash2" else ""
+    log(f"drafter: {kind}{drafter_cfg.num_hidden_layers} layers, taps {drafter_cfg.target_layer_ids}, block "
         f"{drafter_cfg.block_size}, RoPE base {drafter_cfg.rope_theta:g}, "
         f"{drafter_cfg.num_parameters() / 1e6:.2f}M parameters")
     return drafter_cfg
@@ -240,6 +241,11 @@ WARM_START_TARGET = ("hidden_size", "vocab_size", "num_target_layers")
 WARM_START_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                    "target_layer_ids", "block_size", "mask_token_id", "rope_theta")
 WARM_START_KEPT = ("rms_norm_eps", "layer_types", "sliding_window", "sliding_block_attention")
+# A DFlash2 run from a DFlash2 folder keeps its conv and selector settings too (no recipe key sets them); from a v1
+# folder only the backbone is taken (not its layer kinds: DFlash2's are sliding), with identity convs and a fresh
+# selector.
+WARM_START_DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                      "final_logit_softcapping", "input_embedding_scale")
 
 
 def warm_start_source(init_from: str):
@@ -272,9 +278,15 @@ def warm_start_config(init_from: str, drafter_cfg):
     if differing(WARM_START_TARGET):
         raise ValueError(f"drafter.init_from={init_from} was trained for another target "
                          f"({listed(differing(WARM_START_TARGET))}): warm-start from a drafter of this target")
+    if loaded.variant == "dflash2" and drafter_cfg.variant != "dflash2":
+        raise ValueError(f"drafter.init_from={init_from} is a DFlash2 drafter and this run trains variant "
+                         f"{drafter_cfg.variant}: set drafter.variant=dflash2")
+    same_variant = loaded.variant == drafter_cfg.variant
     rows = differing(WARM_START_KEYS)
     if rows:
         fix = " ".join(f"drafter.{n}={json.dumps(have).replace(' ', '')}" for n, have, _ in rows)
         raise ValueError(f"drafter.init_from={init_from} does not match the drafter this run resolved "
                          f"({listed(rows)}). To continue from it, add: {fix}")
-    return drafter_cfg.replace(**{n: getattr(loaded, n) for n in WARM_START_KEPT})
+    kept = (WARM_START_KEPT + (WARM_START_DFLASH2 if loaded.variant == "dflash2" else ())) if same_variant else \
+        ("rms_norm_eps",)
+    return drafter_cfg.replace(**{n: getattr(loaded, n) for n in kept})

@@ -810,7 +810,7 @@ def test_a_regenerate_into_an_out_another_run_is_writing_is_refused_before_anyth
     import os
 
     import data.regenerate as rg
-    from models.lock import hold
+    from models.support import hold
 
     out = tmp_path / "answers.jsonl"
     argv = ["--source", str(tmp_path / "missing.jsonl"), "--out", str(out), "--target", "t", "--no-progress"]
@@ -845,7 +845,7 @@ def test_prepare_out_that_is_foreign_or_of_other_settings_is_refused_before_the_
     with pytest.raises(ValueError, match="--pack needs --max-length"):
         run(tmp_path / "new", "--pack")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "prepared"]
-    # the refusal leaves no lock file in the user's folder (it did: models.lock kept every lock file it made)
+    # the refusal leaves no lock file in the user's folder (it did: models.support kept every lock file it made)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     assert ".prepare.lock" not in {p.name for p in prepared.iterdir()}
 
@@ -1424,7 +1424,7 @@ def test_an_extraction_into_a_store_another_extraction_writes_is_refused_before_
     import os
 
     from data.extract import LOCK, main
-    from models.lock import hold
+    from models.support import hold
 
     store = tmp_path / "feats"
     (tmp_path / "data").mkdir()
@@ -1447,7 +1447,7 @@ def test_a_prepare_into_a_folder_another_prepare_writes_is_refused_and_a_finishe
 
     from data.prepare import main
     from data.reuse import LOCK
-    from models.lock import hold
+    from models.support import hold
     from models.tiny import save_tiny_target
 
     target = save_tiny_target(tmp_path / "target", "qwen3", num_layers=4)

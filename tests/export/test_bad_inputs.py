@@ -412,7 +412,7 @@ def test_push_private_to_a_repo_that_exists_public_uploads_nothing(tmp_path, exp
 
     from export.hf import main as export_hf
     from export.push import main as push
-    from models.cli import run_cli
+    from models.support import run_cli
 
     export_hf(["--checkpoint", str(export_drafter), "--out", str(tmp_path / "hf"), "--no-remote-code-check"])
     sent = []
@@ -526,3 +526,60 @@ def test_a_checkpoints_drafter_folder_exports_with_the_checkpoints_steps_and_run
     out = export_hf(ckpt / "drafter", tmp_path / "out", remote_code_check=False, log=lambda *_: None)
     prov = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith"]
     assert (prov["steps"], prov["recipe"]) == (7, "tiny") and out["source"] == str(ckpt / "drafter")
+
+
+# ----------------------------------------------------------------------------- DFlash2 folders
+def _dflash2_folder(root, edit_config=None, suffix_codebooks=False):
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.dflash2 import random_dflash2, tiny_dflash2_config
+
+    model = random_dflash2(tiny_dflash2_config())
+    folder = model.save_pretrained(root / "drafter")
+    if suffix_codebooks:  # what z-lab's own save_pretrained writes
+        state = load_file(str(folder / "model.safetensors"))
+        state = {k + ".weight" if k.endswith("_codebook") else k: v for k, v in state.items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if edit_config:
+        d = json.loads((folder / "config.json").read_text())
+        edit_config(d)
+        (folder / "config.json").write_text(json.dumps(d))
+    return model, folder
+
+
+@pytest.mark.parametrize("case, message", [
+    ("suffixed codebooks", "weight 'candidate_selector.predecessor_codebook.weight': DFlash2 codebooks are "
+                           "stored without '.weight' (engines read 'candidate_selector.predecessor_codebook')"),
+    ("full-attention layers", "fails the engine schema: layer_types=['full_attention', 'full_attention']: every "
+                              "DFlash2 layer is sliding_attention"),
+    ("causal layers", "fails the engine schema: is_causal=None: a DFlash2 drafter must say is_causal: false"),
+])
+def test_the_export_gate_refuses_a_dflash2_folder_off_the_published_layout_in_one_line(tmp_path, case, message):
+    """The gate (export.hf) and push's folder check refuse, in one line, codebooks spelled as z-lab's torch class
+    saves them and a layer list engines would run causally or without the window."""
+    import torch
+
+    from export.check import ExportCheckError
+    from export.hf import gate
+    from export.push import check_folder
+
+    edit = {"full-attention layers": lambda d: d.update(layer_types=["full_attention"] * 2),
+            "causal layers": lambda d: d.pop("is_causal")}.get(case)
+    model, folder = _dflash2_folder(tmp_path, edit, suffix_codebooks=case == "suffixed codebooks")
+    for check in (lambda: gate(folder, model, torch.float32, False, lambda *_: None), lambda: check_folder(folder)):
+        with pytest.raises(ExportCheckError) as e:
+            check()
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_exporting_a_folder_with_suffixed_codebooks_writes_the_published_names(tmp_path):
+    """Our loaders read z-lab's torch spelling; what we export is the published one."""
+    from safetensors import safe_open
+
+    from export.hf import export_hf
+
+    _, folder = _dflash2_folder(tmp_path, suffix_codebooks=True)
+    export_hf(folder, tmp_path / "out", dtype="fp32", remote_code_check=False, log=lambda *_: None)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "candidate_selector.successor_codebook" in names and not any(n.endswith("codebook.weight") for n in names)

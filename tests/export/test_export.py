@@ -291,6 +291,21 @@ def test_provenance_keeps_every_recorded_key_with_falsy_values_and_drops_only_un
         "weird-9bit"
 
 
+def test_provenance_records_the_loss_weighting_of_the_run():
+    """A saved run config names its objective: D-PACE with its resolved keys, decay with its gamma (the paper's for
+    the block size when unset); a config saved before train.loss_weighting existed trained with decay."""
+    from models.provenance import objective_of_run, provenance_from_run
+    from train.config import load_config
+
+    dpace = load_config(["recipe=tiny", "train.loss_weighting=dpace", "train.dpace_normaliser=tokens"]).to_dict()
+    assert provenance_from_run(dpace)["objective"] == {"weighting": "dpace", "alpha": 0.5, "normaliser": "tokens"}
+    decay = load_config(["recipe=tiny"]).to_dict()
+    assert provenance_from_run(decay)["objective"] == {"weighting": "decay", "gamma": 4.0}  # block 8
+    assert objective_of_run(load_config(["recipe=small"]).to_dict()) == {"weighting": "decay", "gamma": 1.0}
+    older = {"drafter": {"block_size": 16}, "train": {"gamma": None, "lr": 6e-4}}
+    assert objective_of_run(older) == {"weighting": "decay", "gamma": 7.0}
+
+
 def test_target_quantization_reads_the_folders_config(tmp_path):
     """MLX (top level or the text tower, group size 64 and affine by default), a transformers quant_method, plain
     weights; nothing to say for no folder, a folder without config.json or an unreadable one."""
@@ -755,7 +770,7 @@ def test_gate_checks_a_hub_target_from_its_small_files(setup, tmp_path, monkeypa
 
 def test_cli_prints_serve_commands_and_help(setup, tmp_path, capsys):
     from export.hf import main
-    from models.cli import run_cli
+    from models.support import run_cli
 
     _, _, _, ckpt = setup
     with pytest.raises(SystemExit, match="^error: .* is a run folder without final/drafter"):

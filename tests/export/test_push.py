@@ -447,6 +447,21 @@ def test_card_recipe_rows_name_each_value_and_a_commit_message_is_sent_as_given(
     assert dict(hub)["upload_folder"]["commit_message"] == "retrained at step 900"
 
 
+def test_card_names_the_loss_weighting(folder, hub):
+    """The objective recorded by training reads as words on the card: the decay's gamma, or D-PACE's alpha and
+    normaliser; a block without it (an older export) has no such row."""
+    for objective, said in [({"weighting": "dpace", "alpha": 0.5, "normaliser": "weights"},
+                             "D-PACE (alpha 0.5, normalised by weight sum)"),
+                            ({"weighting": "dpace", "alpha": 0.25, "normaliser": "rows"},
+                             "D-PACE (alpha 0.25, normalised by rows)"),
+                            ({"weighting": "decay", "gamma": 7.0}, "decay (gamma 7)")]:
+        _with_provenance(folder, {"target": "Qwen/Qwen3-8B", "objective": objective})
+        card = push(folder, "me/x", dry_run=True, log=quiet)["card"]
+        assert f"| loss weighting | `{said}` |" in card
+    _with_provenance(folder, {"target": "Qwen/Qwen3-8B"})
+    assert "loss weighting" not in push(folder, "me/x", dry_run=True, log=quiet)["card"]
+
+
 def test_cli_pushes_to_main_by_default(folder, hub):
     ops = main(["--folder", str(folder), "--repo", "me/x", "--dry-run"])["ops"]
     assert [op["op"] for op in ops] == ["create_repo", "upload_folder"] and ops[1]["revision"] == "main"

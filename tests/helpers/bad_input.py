@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# data re-use and preparation (data/reuse.py, data/prepare.py, data/regenerate.py, models/cli.py)
+# data re-use and preparation (data/reuse.py, data/prepare.py, data/regenerate.py, models/support.py)
 _DATA_FIX = Path(__file__).parents[1] / "fixtures" / "data"
 
 
@@ -15,7 +15,7 @@ def _export_error(module: str, argv: list[str]) -> str:
     """The one line an export command ends with on a user mistake."""
     import importlib
 
-    from models.cli import run_cli
+    from models.support import run_cli
 
     main = importlib.import_module(f"export.{module}").main
     with pytest.raises(SystemExit) as e:

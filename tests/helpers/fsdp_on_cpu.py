@@ -36,7 +36,7 @@ def _fsdp_on_cpu(self, *args, **kwargs):
 accelerate.Accelerator.__init__ = _fsdp_on_cpu
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
     from train.distill import main
 
     run_cli(main)

@@ -515,7 +515,7 @@ def test_a_validate_into_an_out_another_run_is_writing_is_refused_before_the_mod
 
     from inference import partial
     from inference.validate import main
-    from models.lock import hold
+    from models.support import hold
 
     out = tmp_path / "val"
     args = ["--backend", "torch", "--target", infer_dirs["full_dir"], "--draft", infer_dirs["draft"], "--prompts",
@@ -602,7 +602,7 @@ def test_mlx_loop_draft_cache_out_of_step_is_an_error_not_an_assert(infer_dirs):
 
 def test_torch_loop_choice_on_the_mlx_backend(tmp_path):
     """--loop picks among the torch loops: asking the MLX backend for one is refused before anything loads."""
-    from inference.generate import Session
+    from inference.session import Session
 
     with pytest.raises(ValueError, match="--loop static is a torch loop; the MLX backend runs its own"):
         Session("mlx", str(tmp_path / "t"), str(tmp_path / "d"), loop="static")
@@ -625,7 +625,7 @@ def test_mlx_rollback_of_an_unsupported_cache_is_a_user_error():
     """Once a bare TypeError (a traceback, as for a bug); now one line naming the supported caches."""
     pytest.importorskip("mlx.core")
     from inference.rollback_mlx import CacheRollback
-    from models.cli import is_user_error
+    from models.support import is_user_error
     from models.target import UnsupportedTarget
 
     class FixedCache:  # an mlx_lm cache kind that cannot be trimmed
@@ -654,8 +654,8 @@ def test_device_that_is_no_device_before_any_weights_load(infer_dirs, run):
 def test_short_dtype_names_are_the_ones_training_takes(infer_dirs):
     import torch
 
-    from inference.generate import Session
-    from models.cli import parse_dtype
+    from inference.session import Session
+    from models.support import parse_dtype
 
     assert [parse_dtype(n) for n in ("bf16", "fp16", "half", "fp32", "BFloat16")] == \
         ["bfloat16", "float16", "float16", "float32", "bfloat16"]
@@ -803,7 +803,7 @@ def test_validate_prompts_missing_file_and_skipped_rows(tmp_path, capsys):
 def test_session_device_that_cannot_be_used(backend, device, said, monkeypatch):
     import torch
 
-    from inference.generate import Session
+    from inference.session import Session
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=said):

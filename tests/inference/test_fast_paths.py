@@ -59,7 +59,7 @@ def test_static_loop_equals_eager_loop(tiny_targets, arch):
     start, new = len(PROMPT), feats[:, :len(PROMPT)]
     for keep in (3, 1, 8, 2, 5):
         a, b = p_e.propose(seq[start], new, start, B), p_s.propose(seq[start], new, start, B)
-        assert torch.equal(a, b) and p_s.context_length() == p_e.context_length() == start
+        assert torch.equal(a.drafts, b.drafts) and p_s.context_length() == p_e.context_length() == start
         new, start = feats[:, start:start + keep], start + keep
 
 
@@ -211,11 +211,11 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
     GatedDeltaNet passes rewrite the state they start from, so the warm-up advanced it: the first
     1-token and B-token passes of a Qwen3.5 target started two passes ahead (wrong tokens). Here the
     capture is emulated on the CPU: the same warm-up, then the pass itself for each replay."""
-    from inference import static_loop
-    from inference.static_greedy import greedy_cycle, greedy_decode
+    from inference import static_target
     from inference.static_loop import (
         StaticDrafterProposer,
         StaticTarget,
+        resident_cycle,
         static_dflash_generate,
         static_target_generate,
     )
@@ -231,7 +231,7 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
             self.graph = "captured"
         return self.fn()
 
-    monkeypatch.setattr(static_loop._Graphed, "__call__", emulated_capture)
+    monkeypatch.setattr(static_target.GraphedPass, "__call__", emulated_capture)
     target = tiny_targets(arch)
     torch.manual_seed(1)
     drafter = DFlashDraftModel(tiny_drafter_config(target)).eval()
@@ -245,13 +245,13 @@ def test_graph_warm_up_leaves_the_state_the_replay_starts_from(tiny_targets, arc
     for resident in (True, False):
         graphed = static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[], resident=resident)
         assert graphed.tokens == eager.tokens and graphed.acceptance_lengths == eager.acceptance_lengths
-    resident_graphs = [greedy_cycle(st, proposer)._graph, greedy_decode(st)._graph]
+    resident_graphs = [resident_cycle(st, proposer)._graph, resident_cycle(st, None)._graph]
     assert all(p.graph == "captured" for p in [*st._passes.values(), proposer.graphed_pass(), *resident_graphs])
 
 
 def test_graph_warm_up_runs_twice_each_from_the_saved_state():
     """Both untimed runs before a capture start from the committed state, and leave it as it was."""
-    from inference.static_loop import _Graphed
+    from inference.static_target import GraphedPass
 
     state, seen = torch.zeros(1), []
 
@@ -259,7 +259,7 @@ def test_graph_warm_up_runs_twice_each_from_the_saved_state():
         seen.append(state.item())
         state.add_(1)
 
-    _Graphed(step, use_graph=False, mutable=[state]).warm_up()
+    GraphedPass(step, use_graph=False, mutable=[state]).warm_up()
     assert seen == [0.0, 0.0] and state.item() == 0.0
 
 
@@ -267,7 +267,7 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     """generate / validate --loop static (the default on a GPU for full-attention targets): same tokens,
     acceptance lengths and baseline as the eager loop; auto stays eager off CUDA."""
     from inference.bench import tiny_folders
-    from inference.generate import Session
+    from inference.session import Session
 
     target, draft = tiny_folders("qwen3", str(tmp_path))
     prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64]
@@ -281,7 +281,7 @@ def test_session_static_loop_equals_eager_loop(tmp_path):
     assert runs["static"][1] == runs["static"][3]  # lossless in fp32
     # A smaller block than the drafter's: DFlash once ran eager against the static loop's baseline (a
     # speedup of two different loops, reported as "static"). Both run eager now, and the report says so.
-    session = Session("torch", target, draft, "cpu", "float32", loop="static")
+    session = Session("torch", target, draft, "cpu", "float32", loop="static", block_size=2)
     result, base = session.run(prompt, baseline=True, block_size=2, max_new_tokens=24, eos_token_ids=[])
     assert session.describe()["loop"] == "eager" and session._static is None
     assert result.tokens == base.tokens == runs["eager"][3]
@@ -291,7 +291,7 @@ def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, ca
     """--loop static runs Qwen3.5 (GatedDeltaNet) with the eager loop's tokens; auto on a GPU picks static for
     full-attention targets and keeps hybrid ones eager (their graph replay is checked in test_cuda.py)."""
     from inference.bench import tiny_folders
-    from inference.generate import Session, pick_torch_loop
+    from inference.session import Session, choose_loop
 
     target, draft = tiny_folders("qwen3_5", str(tmp_path))
     hybrid = Session("torch", target, draft, "cpu", "float32", loop="eager")
@@ -315,11 +315,11 @@ def test_session_static_loop_on_a_hybrid_target_and_what_auto_picks(tmp_path, ca
         def __getattr__(self, name):
             return getattr(self.t, name)
 
-    assert pick_torch_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
+    assert choose_loop("auto", OnGpu(hybrid.target), hybrid.proposer.drafter) == "eager"
     assert "--loop static runs the CUDA-graph loop" in caplog.text  # says what it left on the table
-    assert pick_torch_loop("static", OnGpu(hybrid.target), hybrid.proposer.drafter) == "static"
-    assert pick_torch_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
-    assert pick_torch_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
+    assert choose_loop("static", OnGpu(hybrid.target), hybrid.proposer.drafter) == "static"
+    assert choose_loop("auto", OnGpu(dense.target), dense.proposer.drafter) == "static"
+    assert choose_loop("auto", dense.target, dense.proposer.drafter) == "eager"  # CPU
 
 
 def bench_lines(capsys, module: str, argv: list[str]) -> list[dict]:

@@ -96,7 +96,7 @@ def test_command_line_mistakes_print_one_line(folders):
 
 def test_baseline_comparison_is_timed_after_a_warm_up(folders, monkeypatch, capsys):
     # The speedup line compared a cold DFlash run (first kernels, first allocations) with a warm baseline.
-    from inference.generate import Session
+    from inference.session import Session
 
     calls = []
     real = Session.run
@@ -234,7 +234,7 @@ def test_static_loop_buffers_stop_at_the_targets_positions(folders, tmp_path, ca
     import shutil
     from pathlib import Path
 
-    from inference.generate import Session
+    from inference.session import Session
 
     target, draft = folders
     short = shutil.copytree(target, tmp_path / "target")
@@ -269,7 +269,7 @@ def test_static_buffer_estimate_counts_only_the_layers_with_a_kv_cache():
 
     import torch
 
-    from inference.generate import Session
+    from inference.session import Session
 
     target_cfg = SimpleNamespace(num_hidden_layers=8, num_key_value_heads=2, head_dim=64, hidden_size=256,
                                  num_attention_heads=4)
@@ -310,7 +310,7 @@ def test_auto_backend_is_mlx_only_on_apple_silicon_with_mlx_installed(monkeypatc
     import platform
     import types
 
-    from inference.generate import pick_backend
+    from inference.session import pick_backend
 
     monkeypatch.setattr(platform, "system", lambda: system)
     monkeypatch.setattr(platform, "machine", lambda: machine)
@@ -371,12 +371,12 @@ def _static_session(loop_kind="static"):
 def test_static_budget_caps_new_tokens_at_the_targets_positions_only_on_the_static_loop(caplog):
     import logging
 
-    from inference.generate import Session
+    from inference.session import Session
 
     session = _static_session()
 
-    def budget(prompt_len, asked, block_size=None):
-        kw = Session._static_budget(session, [1] * prompt_len, {"max_new_tokens": asked, "seed": 3}, block_size)
+    def budget(prompt_len, asked):
+        kw = Session._static_budget(session, [1] * prompt_len, {"max_new_tokens": asked, "seed": 3})
         assert kw["seed"] == 3
         return kw["max_new_tokens"]
 
@@ -384,8 +384,7 @@ def test_static_budget_caps_new_tokens_at_the_targets_positions_only_on_the_stat
         assert budget(4, 36) == 36 and caplog.text == ""  # fills the positions exactly: no note
         assert budget(4, 37) == 36 and "so it generates at most 36 new tokens" in caplog.text
         assert budget(45, 10) == 1  # a prompt past them already: one token, as the eager loop runs on
-        assert budget(4, 37, block_size=4) == 37  # another block shape runs the eager loop
-        session.loop_kind = "eager"
+        session.loop_kind = "eager"  # what another block shape runs (chosen when the session is built)
         assert budget(4, 37) == 37
 
 
@@ -393,11 +392,11 @@ def test_a_baseline_run_on_its_own_is_capped_at_the_targets_positions_too():
     """validate calls Session.baseline directly (not through run, which caps the budget first)."""
     from types import SimpleNamespace
 
-    from inference.generate import Session
+    from inference.session import Session
 
     session, sized = _static_session(), []
     session._static_budget = lambda *a: Session._static_budget(session, *a)
-    session._static_loop = lambda prompt, max_new_tokens, block_size: sized.append(max_new_tokens)  # None: eager
+    session._static_loop = lambda prompt, max_new_tokens: sized.append(max_new_tokens)  # None: eager
     session.loop = SimpleNamespace(target_generate=lambda target, prompt, **kw: kw)
     assert Session.baseline(session, [1] * 4, max_new_tokens=10**9, seed=3) == {"max_new_tokens": 36, "seed": 3}
     assert sized == [36]
@@ -409,7 +408,7 @@ def test_static_loop_is_sized_for_the_call_and_rebuilt_only_when_a_call_needs_mo
     from types import SimpleNamespace
 
     import inference.static_loop
-    from inference.generate import Session
+    from inference.session import Session
 
     built = []
 
@@ -419,22 +418,21 @@ def test_static_loop_is_sized_for_the_call_and_rebuilt_only_when_a_call_needs_mo
 
     monkeypatch.setattr(inference.static_loop, "build_static_loop", build)
     session = _static_session("compiled")
-    loop = Session._static_loop(session, [1] * 4000, 80, None)  # 4000 + 80 + 2 x 8 = 4096
-    assert built == [(4096, True)] and Session._static_loop(session, [1] * 4000, 80, 8) is loop
-    Session._static_loop(session, [1] * 4000, 81, None)  # one position more: the next step
-    Session._static_loop(session, [1] * 4000, 1000, None)  # fits in that one
-    Session._static_loop(session, [1] * 5100, 10, None)
+    loop = Session._static_loop(session, [1] * 4000, 80)  # 4000 + 80 + 2 x 8 = 4096
+    assert built == [(4096, True)] and Session._static_loop(session, [1] * 4000, 80) is loop
+    Session._static_loop(session, [1] * 4000, 81)  # one position more: the next step
+    Session._static_loop(session, [1] * 4000, 1000)  # fits in that one
+    Session._static_loop(session, [1] * 5100, 10)
     assert built == [(4096, True), (5120, True), (6144, True)]
-    assert Session._static_loop(session, [1], 8, 4) is None and len(built) == 3  # another block shape: eager
-    assert Session._static_loop(_static_session("eager"), [1], 8, None) is None
+    assert Session._static_loop(_static_session("eager"), [1], 8) is None
 
 
 def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off_the_gpu(caplog):
     import logging
     from types import SimpleNamespace
 
-    from inference.generate import pick_torch_loop
-    from inference.static_loop import StaticLoopUnsupported
+    from inference.session import choose_loop
+    from inference.static_target import StaticLoopUnsupported
 
     def target(device, hybrid=False):
         return SimpleNamespace(device=torch.device(device), is_hybrid=hybrid, family="qwen3_5" if hybrid else "qwen3",
@@ -444,19 +442,45 @@ def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off
     def drafter(sliding):
         return SimpleNamespace(config=SimpleNamespace(use_sliding_window=sliding))
 
-    assert pick_torch_loop("auto", target("cuda"), drafter(False)) == "static"
-    assert pick_torch_loop("compiled", target("cuda"), drafter(False)) == "compiled"
-    assert pick_torch_loop("static", target("cuda", hybrid=True), drafter(False)) == "static"  # asked for: runs
-    assert pick_torch_loop("auto", target("cuda"), drafter(True)) == "eager"
+    assert choose_loop("auto", target("cuda"), drafter(False)) == "static"
+    assert choose_loop("compiled", target("cuda"), drafter(False)) == "compiled"
+    assert choose_loop("static", target("cuda", hybrid=True), drafter(False)) == "static"  # asked for: runs
+    assert choose_loop("auto", target("cuda"), drafter(True)) == "eager"
     with pytest.raises(StaticLoopUnsupported, match="this drafter has sliding-window layers: use --loop eager"):
-        pick_torch_loop("static", target("cuda"), drafter(True))
+        choose_loop("static", target("cuda"), drafter(True))
     with caplog.at_level(logging.WARNING):
-        assert pick_torch_loop("auto", target("cpu", hybrid=True), drafter(False)) == "eager"
+        assert choose_loop("auto", target("cpu", hybrid=True), drafter(False)) == "eager"
     assert caplog.text == ""  # the note about CUDA graphs is for a GPU run
 
 
+def test_a_block_size_other_than_the_drafters_is_decided_when_the_session_is_built(caplog):
+    """The static loops are captured for the drafter's block: another block size picks the eager loop for DFlash and
+    the baseline when the session is built (one warning); a static session asked for another one by a single call
+    refuses it instead of falling back mid-session."""
+    import logging
+    from types import SimpleNamespace
+
+    from inference.session import Session, choose_loop
+
+    gpu = SimpleNamespace(device=torch.device("cuda"), is_hybrid=False, family="qwen3", layer_types=["full_attention"],
+                          model_type="qwen3", model=SimpleNamespace(config=SimpleNamespace()))
+    drafter = SimpleNamespace(config=SimpleNamespace(use_sliding_window=False, block_size=8))
+    with caplog.at_level(logging.WARNING, logger="inference"):
+        assert choose_loop("auto", gpu, drafter, 8) == "static" and caplog.text == ""
+        assert choose_loop("compiled", gpu, drafter, 4) == "eager"
+    assert ("--block-size 4 is not the drafter's 8: the compiled loop is captured for one block shape, so DFlash and "
+            "the baseline both run the eager loop") in caplog.text
+    session = SimpleNamespace(loop_kind="static", block_size=None, proposer=SimpleNamespace(block_size=8))
+    assert Session._block_size(session, None) is None and Session._block_size(session, 8) == 8
+    with pytest.raises(ValueError, match="this session runs the static loop, captured for blocks of 8; build the "
+                                         "Session with block_size=4"):
+        Session._block_size(session, 4)
+    session.loop_kind = "eager"  # any block up to the trained one
+    assert Session._block_size(session, 4) == 4
+
+
 def test_report_of_gives_each_sides_speed_and_no_speedup_without_a_baseline_speed():
-    from inference.generate import report_of
+    from inference.report import report_of
     from inference.stats import GenerationResult
 
     dflash = GenerationResult(tokens=[1, 2, 3, 4, 5], acceptance_lengths=[2, 2], block_size=2, decode_s=1.0)
@@ -492,9 +516,9 @@ def test_session_loads_both_models_in_bfloat16_on_cuda_float32_on_cpu_or_the_dty
     """Only what the loads are asked for: no weights load and no GPU is used."""
     from types import SimpleNamespace
 
-    import inference.generate
+    import inference.session
     import inference.torch_loop
-    from inference.generate import Session
+    from inference.session import Session
 
     loaded = []
 
@@ -505,8 +529,8 @@ def test_session_loads_both_models_in_bfloat16_on_cuda_float32_on_cpu_or_the_dty
     monkeypatch.setattr(TargetModel, "from_pretrained", from_pretrained)
     monkeypatch.setattr(DFlashDraftModel, "from_pretrained", from_pretrained)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(inference.generate, "check_device", lambda device: None)  # there is no GPU to check
-    monkeypatch.setattr(inference.generate, "pick_torch_loop", lambda *a: "eager")
+    monkeypatch.setattr(inference.session, "check_device", lambda device: None)  # there is no GPU to check
+    monkeypatch.setattr(inference.session, "choose_loop", lambda *a: "eager")
     monkeypatch.setattr(inference.torch_loop, "DrafterProposer", lambda drafter, target: None)
     Session("torch", "t", "d", device=device, dtype=dtype)
     on = device or "cuda"
@@ -516,7 +540,7 @@ def test_session_loads_both_models_in_bfloat16_on_cuda_float32_on_cpu_or_the_dty
 def test_no_speed_is_printed_for_a_run_that_decoded_no_token(folders, monkeypatch, capsys):
     """The first cycle drew EOS: a decode step ran (its seconds count) but gave no token, so the speed is "-",
     not 0.0 tok/s."""
-    from inference.generate import Session
+    from inference.session import Session
     from inference.stats import GenerationResult
 
     eos_first = GenerationResult(tokens=[72], acceptance_lengths=[0], position_accepts=[0] * 7, block_size=8,

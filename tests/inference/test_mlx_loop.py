@@ -100,7 +100,7 @@ def fuse_experts(folder) -> None:
 
 @pytest.fixture(scope="module")
 def runs(folders):
-    """Per target: the MLX target, its mlx_lm greedy reference (prompt + NEW + slack) and a random drafter."""
+    """Per target: the MLX target, its greedy reference (prompt + NEW + slack) and a random drafter."""
     cache = {}
 
     def get(name: str):
@@ -172,6 +172,25 @@ def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     assert [start for start, _ in proposer.received][:2] == [len(PROMPT), len(PROMPT) + res.acceptance_lengths[0]]
     for start, feats in proposer.received:
         assert_close(np.array(feats), full[:, start - feats.shape[1]:start], 1e-4, f"features handed over at {start}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_baseline_is_the_cycle_without_a_drafter(runs, arch, monkeypatch):
+    """target_generate is this backend's one cycle with NoDrafter: blocks of the bonus token alone, the target's
+    greedy tokens (mlx_lm's own generate_step: an independent reference) and one token committed per cycle."""
+    from mlx_lm.generate import generate_step
+
+    from inference import mlx_loop
+
+    target, _, _ = runs(arch)
+    ref = [int(tok) for tok, _ in generate_step(mx.array(PROMPT), target.model, max_tokens=24)]
+    cycles, real = [], mlx_loop.dflash_generate
+    monkeypatch.setattr(mlx_loop, "dflash_generate", lambda t, proposer, *a, **k: cycles.append(proposer)
+                        or real(t, proposer, *a, **k))
+    res = target_generate(target, PROMPT, 24, eos_token_ids=[])
+    assert [type(p) for p in cycles] == [mlx_loop.NoDrafter]
+    assert res.tokens == ref and len(ref) == 24
+    assert res.acceptance_lengths == [1] * 23 and res.block_size == 1 and res.position_accepts == []
 
 
 def test_quantized_4bit_target_is_lossless(runs, tmp_path):
@@ -342,8 +361,8 @@ def test_mlx_proposer_drafts_what_the_torch_proposer_drafts(folders, runs, tmp_p
     theirs = torch_loop.DrafterProposer(drafter, torch_target)
     start, new, differing = len(PROMPT), feats[:, :len(PROMPT)], 0
     for keep in (3, 1, 8, 2, 5, 7):
-        a = theirs.propose(seq[start], new, start, B).tolist()
-        b = np.array(ours.propose(seq[start], mx.array(new.numpy()), start, B)).tolist()
+        a = theirs.propose(seq[start], new, start, B).drafts.tolist()
+        b = np.array(ours.propose(seq[start], mx.array(new.numpy()), start, B).drafts).tolist()
         assert a == b, f"drafts at {start}"
         assert ours.context_length() == theirs.context_length() == start
         differing += len(set(a)) > 1

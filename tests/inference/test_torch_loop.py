@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from inference.torch_loop import DrafterProposer, dflash_generate, sample, target_generate
+from inference.cycle import sample
+from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
 from models.drafter import DFlashDraftModel
 from models.target import cache_kwarg
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
@@ -53,6 +54,37 @@ def test_perfect_stand_in_accepts_whole_blocks(runs, arch):
     assert res.acceptance_lengths == expected_acceptance(len(PROMPT), NEW, B, set())
     assert res.tau == (NEW - 1) / len(res.acceptance_lengths)
     assert res.position_accepts == [len(full) + (k < last) for k in range(B - 1)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_baseline_is_the_cycle_without_a_drafter(tiny_targets, monkeypatch, arch):
+    """target_generate (eager) and static_target_generate (two-graph and device-resident) are the one cycle with
+    NoDrafter: every block is the bonus token alone (one target pass of one token per cycle), the tokens are the
+    target's greedy ones (full forwards without a cache: an independent reference) and every cycle commits
+    exactly one token."""
+    from inference import cycle, static_loop, torch_loop
+    from inference.static_loop import StaticTarget, static_target_generate
+
+    target = tiny_targets(arch)
+    seq = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(24):
+            seq.append(int(target.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    cycles, blocks = [], []
+    real_generate, real_verify = cycle.generate, torch_loop.DynamicTarget.verify
+    for loop in (torch_loop, static_loop):
+        monkeypatch.setattr(loop, "generate", lambda t, proposer, *a, **k: cycles.append(proposer)
+                            or real_generate(t, proposer, *a, **k))
+    monkeypatch.setattr(torch_loop.DynamicTarget, "verify", lambda self, block, start: blocks.append(
+        (tuple(block.shape), start)) or real_verify(self, block, start))
+    eager = target_generate(target, PROMPT, 24, eos_token_ids=[])
+    assert [type(p) for p in cycles] == [cycle.NoDrafter]
+    assert blocks == [((1, 1), len(PROMPT) + k) for k in range(23)]  # one one-token pass per cycle
+    st = StaticTarget(target, [1, 3], max_len=len(PROMPT) + 24 + 2 * B, block_size=B)
+    for res in (eager, *(static_target_generate(st, PROMPT, 24, eos_token_ids=[], resident=r) for r in (False, True))):
+        assert res.tokens == seq[len(PROMPT):]
+        assert res.acceptance_lengths == [1] * 23 and res.block_size == 1 and res.position_accepts == []
+    assert [type(p) for p in cycles] == [cycle.NoDrafter] * 3
 
 
 def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
@@ -227,10 +259,10 @@ def test_parts_add_each_part_up_over_the_cycles(runs, monkeypatch):
     import itertools
     import types
 
-    from inference import torch_loop
+    from inference import cycle
 
     ticks = itertools.count()
-    monkeypatch.setattr(torch_loop, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(cycle, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     target, seq, drafter = runs("qwen3")
     parts: dict[str, float] = {}
     res = dflash_generate(target, ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES), PROMPT,

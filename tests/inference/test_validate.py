@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from inference.generate import Session
+from inference.session import Session
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import build_report
 from inference.validate import main, measure, run_compare
@@ -106,7 +106,7 @@ def test_torch_report_matches_the_loop_and_is_lossless(setup, torch_report):
 def test_an_interrupted_validate_measures_only_the_missing_prompts(setup, torch_report, monkeypatch, tmp_path):
     """Ctrl-C during the second prompt: partial.jsonl holds the first; the same command then measures
     prompts 2 and 3 only and gives the uninterrupted run's acceptance and outputs, and removes the file."""
-    from inference.generate import Session
+    from inference.session import Session
 
     real, calls = Session.run, []
 
@@ -553,7 +553,7 @@ def test_measure_takes_the_largest_peak_of_each_mode_and_warms_up_on_the_first_m
 
     import tqdm
 
-    from inference.generate import WARMUP_TOKENS
+    from inference.session import WARMUP_TOKENS
 
     prompts = [SimpleNamespace(id=f"p{i}", category="x") for i in range(3)]
     ids = [[10], [11], [12]]

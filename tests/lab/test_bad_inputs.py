@@ -18,7 +18,7 @@ pytestmark = pytest.mark.bad_input
 def stand_in_small_target(folder, chats: int | None = 3, prompts: int | None = 16):
     """A folder with the small target's stamp, chats.jsonl and prompts.jsonl (None: left out), no model:
     enough for the ablation's checks that come before any model is loaded."""
-    from train.small_target import STAMP_FILE
+    from lab.small_target import STAMP_FILE
 
     folder.mkdir()
     (folder / STAMP_FILE).write_text("{}")
@@ -29,14 +29,14 @@ def stand_in_small_target(folder, chats: int | None = 3, prompts: int | None = 1
 
 
 def test_ablation_cell_name_that_does_not_exist():
-    from train.ablate import main
+    from lab.ablate import main
 
     with pytest.raises(ValueError, match="unknown cell 'loss=kll'; did you mean 'loss=kl'"):
         main(["--grid", "paper,loss=kll"])
 
 
 def test_ablation_budget_larger_than_the_chats_of_the_target(tmp_path):
-    from train.ablate import main
+    from lab.ablate import main
 
     target = stand_in_small_target(tmp_path / "target")
     with pytest.raises(ValueError, match="has 3 conversations, the budget needs 10: use fewer --steps"):
@@ -44,7 +44,7 @@ def test_ablation_budget_larger_than_the_chats_of_the_target(tmp_path):
 
 
 def test_ablation_target_folder_not_from_small_target(tmp_path):
-    from train.ablate import main
+    from lab.ablate import main
 
     target = stand_in_small_target(tmp_path / "target", chats=None, prompts=None)
     with pytest.raises(FileNotFoundError, match="chats.jsonl not found: the target folder must come from"):
@@ -54,7 +54,7 @@ def test_ablation_target_folder_not_from_small_target(tmp_path):
 def test_ablation_cell_named_twice_in_the_grid_runs_once(tmp_path, monkeypatch):
     """--grid gamma=1,lr=2e-3,gamma=1 queued gamma=1's runs twice: with --workers 2, two processes trained into
     the same folder at once."""
-    import train.ablate as ab
+    import lab.ablate as ab
 
     target = stand_in_small_target(tmp_path / "target")
     queued = []
@@ -66,15 +66,15 @@ def test_ablation_cell_named_twice_in_the_grid_runs_once(tmp_path, monkeypatch):
 
 
 def test_ablation_target_that_does_not_exist_is_not_built(tmp_path, monkeypatch):
-    """A mistyped --target started a ~45-minute build of a new small target there; as train.quant_experiment,
+    """A mistyped --target started a ~45-minute build of a new small target there; as lab.quant_experiment,
     only the default folder is built when missing."""
-    import train.small_target
-    from train.ablate import main
+    import lab.small_target
+    from lab.ablate import main
 
     def build(*a, **k):
         raise AssertionError("built a small target")
 
-    monkeypatch.setattr(train.small_target, "build_small_target", build)
+    monkeypatch.setattr(lab.small_target, "build_small_target", build)
     with pytest.raises(FileNotFoundError, match="--target .*typo is not a small target .*leave --target out"):
         main(["--grid", "paper", "--target", str(tmp_path / "typo"), "--out", str(tmp_path / "abl")])
     assert list(tmp_path.iterdir()) == []
@@ -82,7 +82,7 @@ def test_ablation_target_that_does_not_exist_is_not_built(tmp_path, monkeypatch)
 
 def test_ablation_asking_for_more_prompts_than_the_target_holds(tmp_path):
     """The table once said "true tau on 16 held-out prompts" when the target had 2."""
-    from train.ablate import main
+    from lab.ablate import main
 
     target = stand_in_small_target(tmp_path / "target", prompts=2)
     with pytest.raises(ValueError, match="--prompts 16 but .*prompts.jsonl holds 2 held-out prompts: use --prompts 2"):
@@ -101,7 +101,7 @@ def test_ablation_run_of_a_rebuilt_target_or_by_other_code_is_trained_again(tmp_
     same for a training finished before the code changed: not reused for an evaluation now."""
 
     import train.distill
-    from train.ablate import run_one
+    from lab.ablate import run_one
 
     class Trained(Exception):
         pass
@@ -121,7 +121,7 @@ def test_ablation_run_of_a_rebuilt_target_or_by_other_code_is_trained_again(tmp_
 
 def test_ablation_table_marks_runs_of_other_code():
     """Results of two code versions in one table, unmarked, read as one experiment; now the cell says so."""
-    from train.ablate import summarize
+    from lab.ablate import summarize
 
     run = lambda tau, code: {"tau_pooled": tau, "tau_per_prompt": tau, "code_key": code}  # noqa: E731
     table, rows = summarize({"paper": [run(1.0, "now"), run(1.2, "now")], "gamma=1": [run(1.5, "now"), run(1.3, None)]},
@@ -137,7 +137,7 @@ def test_ablation_table_marks_runs_of_other_code():
 
 def test_ablation_finished_run_of_other_code_counts_unless_asked(tmp_path):
 
-    from train.ablate import finished
+    from lab.ablate import finished
 
     spec = {"argv": ["x"], "prompts": 2, "max_new_tokens": 8, "target_key": "t", "data_key": "d", "code_key": "now"}
     (tmp_path / "result.json").write_text(json.dumps({**spec, "code_key": "before"}))
@@ -151,7 +151,7 @@ def test_ablation_result_or_training_record_cut_by_a_kill_runs_that_run_again(tm
     file; a cut trained.json failed the run the same way on each retry."""
 
     import train.distill
-    from train.ablate import finished, main, run_one
+    from lab.ablate import finished, main, run_one
 
     target = stand_in_small_target(tmp_path / "target")
     run_dir = tmp_path / "abl" / "paper" / "seed0"
@@ -174,7 +174,7 @@ def test_ablation_result_or_training_record_cut_by_a_kill_runs_that_run_again(tm
 
 
 def test_ablation_code_key_follows_the_source(tmp_path):
-    from train.ablate import code_key
+    from lab.ablate import code_key
 
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "loop.py").write_text("lr = 1\n")
@@ -191,7 +191,7 @@ def test_ablation_code_key_follows_the_source(tmp_path):
 def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
     """--table-only ("run nothing") once built a missing target (16 min), prepared data and replaced
     table.md with an empty table when no run matched its flags."""
-    from train.ablate import main
+    from lab.ablate import main
 
     out = tmp_path / "abl"
     with pytest.raises(FileNotFoundError, match="--table-only: .*nosuch is not a small target"):
@@ -207,8 +207,8 @@ def test_ablation_table_only_builds_nothing_and_keeps_the_table(tmp_path):
 
 def test_ablation_and_small_target_out_naming_a_file(tmp_path):
     """--out naming a file once ended in a bare "[Errno 17] File exists"."""
-    from train.ablate import main
-    from train.small_target import build_small_target
+    from lab.ablate import main
+    from lab.small_target import build_small_target
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(NotADirectoryError, match="--out .*f is a file: give a folder"):
@@ -219,7 +219,7 @@ def test_ablation_and_small_target_out_naming_a_file(tmp_path):
 
 def test_small_target_refuses_to_build_over_another_folder(tmp_path):
     """--target / --out naming an existing model folder once had it overwritten by a small target."""
-    from train.small_target import build_small_target
+    from lab.small_target import build_small_target
 
     folder = tmp_path / "my-model"
     folder.mkdir()
@@ -231,7 +231,7 @@ def test_small_target_refuses_to_build_over_another_folder(tmp_path):
 
 def test_ablation_on_cuda_without_a_gpu(monkeypatch):
 
-    from train.ablate import main
+    from lab.ablate import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device cuda but torch sees no CUDA device"):
@@ -250,7 +250,7 @@ def test_ablation_on_cuda_without_a_gpu(monkeypatch):
     (["--corpus", str(_DATA_FIX)], "usable .py files"),  # a folder without enough sources: once an IndexError
 ])
 def test_small_target_bad_settings(tmp_path, argv, message):
-    from train.small_target import main
+    from lab.small_target import main
 
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         main(["--out", str(tmp_path / "t"), *argv])
@@ -258,7 +258,7 @@ def test_small_target_bad_settings(tmp_path, argv, message):
 
 def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, capsys):
     """--seed -1 was refused by train.seed only after the small target and the first drafter were built."""
-    from train.quant_experiment import main
+    from lab.quant_experiment import main
 
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "out"), "--budget", "smoke", "--seed", "-1"])
@@ -274,10 +274,10 @@ def test_quant_experiment_refuses_a_negative_seed_before_any_work(tmp_path, caps
 ])
 def test_quant_experiment_misread_or_ignored_flags_and_an_out_file_are_refused_first(tmp_path, monkeypatch, capsys,
                                                                                      argv, said):
-    import train.quant_experiment as qx
-    import train.small_target
+    import lab.quant_experiment as qx
+    import lab.small_target
 
-    monkeypatch.setattr(train.small_target, "build_small_target", lambda *a, **k: pytest.fail("the experiment ran"))
+    monkeypatch.setattr(lab.small_target, "build_small_target", lambda *a, **k: pytest.fail("the experiment ran"))
     (tmp_path / "FILE").write_text("x")
     argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
     with pytest.raises((SystemExit, ValueError, OSError)) as e:
@@ -294,8 +294,8 @@ def test_quant_experiment_drafter_trained_against_another_target_build_group_or_
     import shutil
 
     import train.distill
-    from train.quant_experiment import train_drafter
-    from train.small_target import STAMP_FILE
+    from lab.quant_experiment import train_drafter
+    from lab.small_target import STAMP_FILE
 
     run, target, calls, said = tmp_path / "drafter-mlx-3bit-e3-s0", tmp_path / "target", [], []
 
@@ -327,13 +327,13 @@ def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_ove
     """report-<bits>bit-e<epochs>-s<seed>.json names neither the group size nor the budget: a rerun at another
     --group-size (or a budget of the same epochs) overwrote the earlier run's only record of its four taus."""
 
-    import models.quant
-    import train.quant_experiment as qx
-    import train.small_target
+    import models.quantize
+    import lab.quant_experiment as qx
+    import lab.small_target
 
     target = stand_in_small_target(tmp_path / "target")
-    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda t, folder, **k: folder)
-    monkeypatch.setattr(train.small_target, "small_target_prompt_ids", lambda t, n: [[1, 2]] * n)
+    monkeypatch.setattr(models.quantize, "quantize_to_mlx", lambda t, folder, **k: folder)
+    monkeypatch.setattr(lab.small_target, "small_target_prompt_ids", lambda t, n: [[1, 2]] * n)
     monkeypatch.setattr(qx, "train_drafter", lambda out_dir, *a, **k: out_dir)
     monkeypatch.setattr(qx, "measure_tau", lambda t, d, p, n: {"tau": 2.0 if "g64" in str(t) else 1.5})
     out, name = tmp_path / "qx", "report-3bit-e3-s0.json"
@@ -350,7 +350,7 @@ def test_quant_experiment_report_of_another_group_size_or_budget_is_kept_not_ove
 def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
     """Four taus measured on a target whose greedy output is a loop say nothing: stop before any work."""
 
-    from train.quant_experiment import run
+    from lab.quant_experiment import run
 
     target = tmp_path / "target"
     target.mkdir()
@@ -375,10 +375,10 @@ def test_quant_experiment_refuses_a_target_that_loops(tmp_path):
 ])
 def test_quant_experiment_target_without_usable_prompts_is_refused_before_any_work(tmp_path, monkeypatch, prompts,
                                                                                    said):
-    import models.quant
-    from train.quant_experiment import run
+    import models.quantize
+    from lab.quant_experiment import run
 
-    monkeypatch.setattr(models.quant, "quantize_to_mlx", lambda *a, **k: pytest.fail("the experiment ran"))
+    monkeypatch.setattr(models.quantize, "quantize_to_mlx", lambda *a, **k: pytest.fail("the experiment ran"))
     target = tmp_path / "target"
     target.mkdir()
     (target / "chats.jsonl").write_text("")
@@ -386,3 +386,33 @@ def test_quant_experiment_target_without_usable_prompts_is_refused_before_any_wo
     with pytest.raises(ValueError, match=said):
         run(tmp_path / "out", "smoke", sweep_bits=(3,), bits=3, target_dir=str(target), log=lambda *_: None)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["64,64,64,64,2,4", "64,64"], "flex backward setting '64,64'"),
+    (["auto"], "auto is not a candidate: give tiles"),
+    (["--heads", "8"], "--heads with --e2e: the attention takes the recipe target's shape"),
+    (["--head-dim", "15"], "--head-dim 15: use an even size"),
+    (["--steps", "0"], "--steps 0: use 1 or more"),
+])
+def test_flex_sweep_refuses_bad_tiles_and_flags_before_building(capsys, no_build, argv, said):
+    from lab.flex_sweep import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--e2e", "qwen35-9b", *argv])
+    assert e.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_flex_sweep_unknown_recipe_is_one_line(no_build):
+    from lab.flex_sweep import main
+
+    with pytest.raises(ValueError, match="no recipe 'qwen9'"):
+        main(["--e2e", "qwen9"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_flex_sweep_without_a_gpu_says_it_needs_one(no_build):
+    from lab.flex_sweep import main
+
+    with pytest.raises(ValueError, match="lab.flex_sweep times compiled flex attention kernels: it needs a CUDA GPU"):
+        main(["--e2e", "qwen35-9b"])

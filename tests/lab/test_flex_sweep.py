@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_flex_sweep_picks_the_fastest_candidate_with_torchs_gradients():
-    from train.flex_sweep import best, candidates_for
+    from lab.flex_sweep import best, candidates_for
 
     rows = [{"tiles": "torch", "fwd_bwd_ms": 10.0, "same_grads": True},
             {"tiles": "16,16,16,16,1,4", "fwd_bwd_ms": 5.0, "same_grads": False},  # faster, but wrong
@@ -20,15 +20,15 @@ def test_flex_sweep_picks_the_fastest_candidate_with_torchs_gradients():
 
 
 def test_flex_sweep_takes_the_recipe_shape_without_building_its_target():
-    """--e2e qwen35-9b --flex-sweep needs only the shapes: the 9B target is built on the meta device."""
+    """python -m lab.flex_sweep --e2e qwen35-9b needs only the shapes: the 9B target is built on the meta device."""
     import argparse
 
-    from data.bench import recipe_spec
-    from train.bench import _e2e_setup
+    from models.random_target import recipe_spec
+    from train.bench import e2e_setup
 
     a = argparse.Namespace(e2e="qwen35-9b", taps=3, target_layers=None, layers=2, seq=256, anchors=[32], block=8,
                            grad_accum=None)
-    target = _e2e_setup(a, ["--e2e", "qwen35-9b"], recipe_spec("qwen35-9b"), "meta")
+    target = e2e_setup(a, ["--e2e", "qwen35-9b"], recipe_spec("qwen35-9b"), "meta")
     assert next(target.model.parameters()).device.type == "meta"
     assert (a.hidden, a.heads, a.kv_heads, a.head_dim) == (4096, 16, 4, 256)
     assert (a.seq, a.anchors, a.block, a.layers, a.taps, a.grad_accum) == (3072, [512], 16, 5, 5, 4)

@@ -1,6 +1,6 @@
 """The small trained target talks (greedy output is varied code, not a loop), and one ablation cell runs.
 
-The target here is ``train.small_target`` at a test budget (hidden 64, 8 layers, BPE 512, 150 fit
+The target here is ``lab.small_target`` at a test budget (hidden 64, 8 layers, BPE 512, 150 fit
 steps on 300 kB of stdlib sources), built from a fresh clone. Two checks, because a loop and noise
 are both degenerate: the greedy distinct-3-gram ratio on 8 held-out prompts x 64 tokens (measured
 0.22 for this build, 0.73 for the full default build; threshold 0.1, which any loop of period <= 6
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from train.small_target import (
+from lab.small_target import (
     DISTINCT_3GRAM_MIN,
     SmallTargetSpec,
     build_small_target,
@@ -80,7 +80,7 @@ def test_small_target_is_cached(small_target):
 def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     import shutil
 
-    from train.ablate import main
+    from lab.ablate import main
 
     target = tmp_path / "target"  # a copy: "rebuilt" below
     shutil.copytree(small_target, target)
@@ -92,7 +92,7 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     result = json.loads((tmp_path / "abl" / "paper" / "seed0" / "result.json").read_text())
     assert result["prompts"] == 2 and result["cycles"] >= 2 * 16 // 8  # at most 8 tokens per cycle
     assert 0.5 <= result["tau_pooled"] <= 8.0 and 0.5 <= result["tau_per_prompt"] <= 8.0
-    from train.ablate import code_key
+    from lab.ablate import code_key
 
     assert result["code_key"] == code_key()  # the run records the code that made it
     table = (tmp_path / "abl" / "table.md").read_text()
@@ -120,7 +120,7 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
     result = json.loads((tmp_path / "abl" / "paper" / "seed0" / "result.json").read_text())
     # A finished run of another cell, run alone: the table keeps the paper row (a partial --grid once
     # replaced the whole table). Its result is the paper's, relabelled as that cell's run would write it.
-    from train.ablate import prepare_data, run_argv, variant_folder
+    from lab.ablate import prepare_data, run_argv, variant_folder
 
     abl, cell = tmp_path / "abl", "lr=2e-3"
     (abl / cell / "seed0").mkdir(parents=True)
@@ -149,7 +149,7 @@ def test_one_ablation_cell_end_to_end(small_target, tmp_path, capsys):
 def test_small_recipe_is_the_paper_recipe_at_small_size_with_the_ablation_winner():
     """recipes/small.yaml = the paper recipe + size-specific settings + the one >= 10% winner (gamma 1);
     the real-target recipes keep the paper's gamma."""
-    from train.ablate import BASE, CELLS
+    from lab.ablate import BASE, CELLS
     from train.config import TrainConfig, load_config
 
     cfg, paper = load_config(["recipe=small"]), TrainConfig()
@@ -167,7 +167,7 @@ def test_small_recipe_is_the_paper_recipe_at_small_size_with_the_ablation_winner
 
 def test_batch_cell_has_the_paper_cells_compute(tmp_path):
     """batch=8:lr=3e-3 trains the same rows x anchors as the paper cell, in 8x fewer steps."""
-    from train.ablate import run_argv
+    from lab.ablate import run_argv
 
     def args(cell):
         argv = run_argv(cell, 0, target=tmp_path, prepared=tmp_path, run_dir=tmp_path, steps=1500, anchors=64)

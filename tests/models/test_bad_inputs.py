@@ -23,7 +23,7 @@ pytestmark = pytest.mark.bad_input
     (PermissionError("denied: /x"), True),
 ])
 def test_cli_keeps_the_traceback_of_bugs_and_one_line_for_user_errors(error, one_line, monkeypatch):
-    from models.cli import run_cli
+    from models.support import run_cli
 
     monkeypatch.delenv("DRAFTSMITH_TRACEBACK", raising=False)
 
@@ -42,7 +42,7 @@ def test_every_project_error_type_is_a_user_error():
     import inspect
     import pkgutil
 
-    from models.cli import USER_ERRORS
+    from models.support import USER_ERRORS
 
     found = []
     for pkg in ("models", "data", "train", "inference", "export"):
@@ -657,7 +657,7 @@ def test_a_garbled_safetensors_header_is_named_as_such(tmp_path, header, said):
 
 
 def test_a_missing_relative_folder_that_looks_like_a_hub_id_says_both(tmp_path, monkeypatch):
-    """``runs/small-target`` (recipe=small before train.small_target built it) is also an org/name id:
+    """``runs/small-target`` (recipe=small before lab.small_target built it) is also an org/name id:
     the error names the Hub failure in one line and the local folder that is not there."""
     from models.hub import resolve_model_dir
 
@@ -728,8 +728,16 @@ def test_help_into_a_closed_pipe_ends_quietly():
         os.close(write)
     assert done.stderr == ""
     assert done.returncode == 1  # what Python's own docs advise on EPIPE: not 0, the output was cut
+    read, write = os.pipe()  # the same for the draftsmith command's own help
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "models.support", "--help"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.stderr, done.returncode) == ("", 1)
 
-    from models.cli import run_cli
+    from models.support import run_cli
 
     def server_went_away():  # a broken pipe that is not our output's (a regeneration server's socket)
         raise BrokenPipeError(32, "Broken pipe")
@@ -741,7 +749,7 @@ def test_help_into_a_closed_pipe_ends_quietly():
 def test_a_lock_file_goes_with_a_failed_run_only_when_that_run_made_it(tmp_path):
     """A refusal of someone else's folder left the command's lock file in it; a lock file already there (a killed
     run's) stays, and so does the one of a run that ended well (its folder is its output)."""
-    from models.lock import hold
+    from models.support import hold
 
     folder = tmp_path / "theirs"
     folder.mkdir()
@@ -763,7 +771,7 @@ def test_a_killed_runs_lock_file_names_only_the_run_holding_it_now(tmp_path):
     holder, not "<old pid> <pid>"."""
     import os
 
-    from models.lock import hold
+    from models.support import hold
 
     (tmp_path / ".x.lock").write_text("99999999\n")
     with hold(tmp_path, ".x.lock", "--out", "-"):
@@ -779,7 +787,7 @@ def test_a_file_system_without_locks_runs_with_a_note(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    from models.lock import hold
+    from models.support import hold
 
     def no_locks(handle, how):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -809,3 +817,68 @@ def test_a_bad_flex_backward_setting_says_the_accepted_forms(setting, said):
 
     with pytest.raises(ValueError, match=re.escape(said)):
         parse_flex_backward(setting)
+
+
+# ----------------------------------------------------------------------------- DFlash2 drafters
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d["dflash_config"].update(conv_group_size=24), "conv_group_size=24: must divide hidden_size=64"),
+    (lambda d: d["dflash_config"].update(selector_top_k=300), "selector_top_k=300: is more than the 288 tokens"),
+    (lambda d: d["dflash_config"].update(conv_kernel_size=9), "conv_kernel_size=9: reaches past the block (8 slots)"),
+    (lambda d: d["dflash_config"].update(selector_rank=0), "selector_rank=0: must be a positive integer"),
+    (lambda d: d["dflash_config"].pop("selector_rank"), "selector_rank=None: missing from config.json"),
+    (lambda d: d["dflash_config"].update(output_multiplier=-1), "output_multiplier=-1: must be a positive number"),
+    (lambda d: d.update(layer_types=["full_attention", "sliding_attention"]),
+     "a DFlash2 drafter has sliding_attention in every layer"),
+    (lambda d: d.pop("is_causal"), "is_causal=None: a DFlash2 drafter attends to its whole block"),
+    (lambda d: d.update(is_causal=True), "is_causal=True: a DFlash2 drafter attends to its whole block"),
+    (lambda d: d.update(sliding_window=4), "sliding_window=4: is smaller than the block (8)"),
+    (lambda d: d.update(architectures=["DFlashDraftModel"]), "names DFlashDraftModel but the config has DFlash2's"),
+])
+def test_a_dflash2_config_with_inconsistent_shape_keys_is_refused_before_any_weight_loads(tmp_path, edit, problem):
+    """Each published-layout key checked with the shape it depends on, in one line naming the key and the fix."""
+    from models.config import ConfigError
+    from models.drafter2 import load_drafter
+    from tests.helpers.dflash2 import published_folder
+
+    folder = published_folder(tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    edit(d)
+    (folder / "config.json").write_text(json.dumps(d))
+    (folder / "model.safetensors").write_bytes(b"not read")  # refused before the weights are opened
+    with pytest.raises(ConfigError, match=re.escape(problem)) as e:
+        load_drafter(folder)
+    assert "\n" not in str(e.value) and "Fix: " in str(e.value)
+
+
+def test_dflash2_settings_on_a_v1_drafter_and_a_v2_folder_in_a_v1_loader_are_refused(tmp_path):
+    from models.config import ConfigError
+    from models.drafter import DFlashDraftModel
+    from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
+
+    with pytest.raises(ConfigError, match="selector_rank=8: is a DFlash2 setting on a variant dflash drafter"):
+        tiny_dflash2_config(variant="dflash")
+    with pytest.raises(ConfigError, match="variant='dflash3': unknown drafter generation"):
+        tiny_dflash2_config(variant="dflash3")
+    with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter, which DFlashDraftModel does not build: "
+                                         "load it with models.drafter2.load_drafter"):
+        DFlashDraftModel.from_pretrained(published_folder(tmp_path))
+
+
+def test_a_dflash2_block_that_is_not_whole_blocks_is_refused():
+    from tests.helpers.dflash2 import random_dflash2, tiny_dflash2_config
+
+    model = random_dflash2(tiny_dflash2_config())
+    with pytest.raises(ValueError, match="12 block slots is not a multiple of block_size 8"):
+        model(torch.zeros(1, 12, 64), torch.zeros(1, 3, 192), torch.arange(15)[None])
+
+
+def test_init_from_a_dflash2_drafter_for_a_v1_run_is_refused(tmp_path):
+    from models.drafter2 import new_drafter
+    from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
+
+    folder = published_folder(tmp_path)
+    config = tiny_dflash2_config(num_target_layers=6, target_layer_ids=[1, 2, 3], mask_token_id=265)
+    config = config.as_variant("dflash")
+    with pytest.raises(ValueError, match="is a DFlash2DraftModel drafter and this run trains a DFlashDraftModel: "
+                                         "set drafter.variant=dflash2"):
+        new_drafter(config, init_from=folder)

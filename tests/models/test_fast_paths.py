@@ -110,7 +110,7 @@ def test_compiled_target_spread_over_devices_runs_each_layers_dispatch_hook(monk
 
 
 def test_top_ops_counts_each_op_once_per_call():
-    from models.profiling import top_ops
+    from models.support import top_ops
 
     a = torch.randn(64, 64)
     prof = top_ops(lambda: torch.mm(a, a).relu_(), n=2, calls=4)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys
 import torch.distributed as dist
-from data.sync import run_on_main
+from models.support import run_on_main
 
 dist.init_process_group("gloo")
 def prepare():

@@ -485,7 +485,8 @@ def test_held_out_rows_are_the_last_ones_and_at_most_a_fifth(tmp_path_factory, t
     from models.target import TargetModel
     from tests.helpers.tiny_run import tiny_input_dirs
     from train.config import load_config
-    from train.setup import held_out_rows, load_data
+    from train.plan import held_out_rows
+    from train.setup import load_data
 
     assert [held_out_rows(e, 240) for e in (0, 10, 48, 1000)] == [0, 10, 48, 48]
     d = tiny_input_dirs(tmp_path_factory)
@@ -683,6 +684,75 @@ def test_bad_training_values_fail_at_config_time(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(["recipe=tiny", override])
     assert load_config(["recipe=tiny", "target.dtype=bf16"]).target.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.loss_weighting=dpce"], "train.loss_weighting='dpce': use one of \\('decay', 'dpace'\\)"),
+    (["train.loss_weighting=dpace", "train.dpace_alpha=1.5"], "train.dpace_alpha=1.5 must be in \\[0, 1\\]"),
+    (["train.loss_weighting=dpace", "train.dpace_alpha=-0.1"], "train.dpace_alpha=-0.1 must be in \\[0, 1\\]"),
+    (["train.loss_weighting=dpace", "train.dpace_normaliser=batch"],
+     "train.dpace_normaliser='batch': use weights \\(the default\\), tokens or rows"),
+    # a key of the other weighting would be ignored without a word
+    (["train.dpace_alpha=0.3"], "train.dpace_alpha=0.3 set with train.loss_weighting=decay, which ignores it: add "
+                                "train.loss_weighting=dpace, or drop the dpace_\\* key"),
+    (["train.dpace_normaliser=rows"], "train.dpace_normaliser=rows set with train.loss_weighting=decay"),
+    (["train.loss_weighting=dpace", "train.gamma=2"], "train.gamma=2.0 is the decay weighting's constant and does "
+                                                      "nothing with train.loss_weighting=dpace: unset it with "
+                                                      "train.gamma=null"),
+])
+def test_bad_loss_weighting_fails_at_config_time(overrides, message):
+    """Each weighting takes its own keys; D-PACE's unset ones are resolved into the config (what checkpoints and
+    the provenance record), and a recipe that sets gamma (small) needs it unset for D-PACE."""
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(["recipe=tiny", *overrides])
+    with pytest.raises(ValueError, match="train.gamma=1.0 is the decay weighting's constant"):
+        load_config(["recipe=small", "train.loss_weighting=dpace"])
+    cfg = load_config(["recipe=small", "train.loss_weighting=dpace", "train.gamma=null"])
+    assert (cfg.train.dpace_alpha, cfg.train.dpace_normaliser) == (0.5, "weights")
+    assert cfg.loss_weighting() == {"gamma": None, "weighting": "dpace", "dpace_alpha": 0.5, "normaliser": "weights"}
+    decay = load_config(["recipe=tiny"])
+    assert (decay.train.loss_weighting, decay.train.dpace_alpha, decay.train.dpace_normaliser) == ("decay", None, None)
+    assert decay.loss_weighting() == {"gamma": 4.0, "weighting": "decay", "normaliser": "weights"}
+
+
+def test_block_loss_refuses_an_unknown_weighting_or_normaliser():
+    from train.objective import block_loss, draw_blocks
+
+    ids = torch.arange(12)[None]
+    blocks = draw_blocks(ids, torch.ones_like(ids), None, None, 2, 4, 0, torch.Generator().manual_seed(0))
+    for kw in ({"weighting": "dpac"}, {"weighting": "dpace", "normaliser": "batch"}):
+        with pytest.raises(ValueError, match="use decay or dpace, and one of \\('weights', 'tokens', 'rows'\\)"):
+            block_loss(torch.randn(1, 8, 4), blocks, torch.randn(16, 4), 4.0, **kw)
+
+
+def test_resume_refuses_a_change_of_the_loss_weighting_and_reads_an_older_checkpoint_as_decay():
+    """The three keys are objective keys: a change is refused like train.gamma's. A checkpoint saved before they
+    existed trained with decay: it resumes as decay, and is refused under D-PACE, whatever the default becomes."""
+    from train.checkpoint import config_changes
+    from train.config import RunConfig, load_config
+
+    def cfg(*over):
+        return load_config(["recipe=tiny", *over]).to_dict()
+
+    dpace = ["train.loss_weighting=dpace"]
+    defaults = RunConfig().to_dict()
+    assert config_changes(cfg(*dpace), cfg(*dpace, "train.dpace_alpha=0.5"), defaults) == ([], [])  # resolved
+    for change, said in [(["train.dpace_alpha=0.3"], "train.dpace_alpha: 0.5 -> 0.3"),
+                         (["train.dpace_normaliser=tokens"], "train.dpace_normaliser: 'weights' -> 'tokens'")]:
+        assert config_changes(cfg(*dpace), cfg(*dpace, *change), defaults)[0] == [said]
+    assert config_changes(cfg(), cfg(*dpace), defaults)[0] == [
+        "train.dpace_alpha: None -> 0.5", "train.dpace_normaliser: None -> 'weights'",
+        "train.loss_weighting: 'decay' -> 'dpace'"]
+    older = cfg()
+    for key in ("loss_weighting", "dpace_alpha", "dpace_normaliser"):
+        del older["train"][key]
+    assert config_changes(older, cfg(), defaults) == ([], [])
+    assert "train.loss_weighting: 'decay' -> 'dpace'" in config_changes(older, cfg(*dpace), defaults)[0]
+    later = RunConfig().to_dict()
+    later["train"]["loss_weighting"] = "dpace"  # a later default: the older checkpoint still trained with decay
+    assert config_changes(older, cfg(), later) == ([], [])
 
 
 def test_online_kl_top_k_larger_than_the_vocabulary():
@@ -1108,7 +1178,7 @@ def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, r
     anything loads, naming the holder's pid; a run that ended (here: by an error) leaves the folder free."""
     import os
 
-    from models.lock import hold
+    from models.support import hold
     from train.distill import LOCK, main
 
     out = tmp_path / "run"
@@ -1132,16 +1202,12 @@ def test_a_flex_backward_typo_fails_when_the_config_loads():
     assert load_config(["recipe=tiny", "train.flex_backward=32,64,64,32,2,4"]).train.flex_backward == "32,64,64,32,2,4"
 
 
-@pytest.mark.parametrize("argv, said", [
-    (["--flex-backward", "1,2"], "flex backward setting '1,2': use auto, torch, or six whole numbers"),
-    (["--flex-sweep", "64,64,64,64,2,4", "64,64"], "flex backward setting '64,64'"),
-    (["--flex-sweep", "auto"], "--flex-sweep auto: give tiles"),
-])
-def test_train_bench_refuses_bad_flex_tiles_before_building(capsys, no_build, argv, said):
-    assert said in argparse_error(capsys, "train", ["--e2e", "qwen35-9b", *argv])
+def test_train_bench_refuses_bad_flex_tiles_before_building(capsys, no_build):
+    said = "flex backward setting '1,2': use auto, torch, or six whole numbers"
+    assert said in argparse_error(capsys, "train", ["--e2e", "qwen35-9b", "--flex-backward", "1,2"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_train_bench_flex_sweep_without_a_gpu_says_it_needs_one(no_build):
-    with pytest.raises(ValueError, match="--flex-sweep times compiled flex attention kernels: it needs a CUDA GPU"):
-        bench("train")(["--e2e", "qwen35-9b", "--flex-sweep"])
+def test_train_bench_has_no_flex_sweep(capsys, no_build):
+    """The tile sweep is a lab experiment (python -m lab.flex_sweep); the bench keeps --flex-backward."""
+    assert "unrecognized arguments: --flex-sweep" in argparse_error(capsys, "train", ["--e2e", "qwen35-9b",
+                                                                                     "--flex-sweep"])

@@ -53,12 +53,13 @@ def test_stage_runs_the_export_and_names_the_command_when_it_fails(tmp_path, mon
     monkeypatch.chdir(tmp_path)  # the stage must not depend on the working directory
     ran = []
 
-    def in_process(cmd, env):
+    def in_process(cmd, env, cwd):
         """Run the command's real CLI here (a subprocess costs seconds of imports); record what was asked."""
         import importlib
 
         assert cmd[:2] == [sys.executable, "-m"]
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)  # `-m export.*` resolves from anywhere
+        assert cwd == str(ROOT)  # not the user's folder, whose models.py or export/ would run instead
         ran.append(cmd)
         importlib.import_module(cmd[2]).main(cmd[3:] + ["--no-remote-code-check"])
         return SimpleNamespace(returncode=0)

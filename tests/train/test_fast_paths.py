@@ -236,7 +236,7 @@ def test_train_bench_profiles_one_more_step(capsys):
 def test_train_bench_steps_the_optimizer_once_per_grad_accum_micro_batches(capsys, monkeypatch):
     """--grad-accum 3: three forward + backward passes per AdamW step, each with its own blocks (the
     FLOPs and tokens count all three); --e2e takes the recipe's train.grad_accum unless given."""
-    import data.bench
+    import models.random_target
     from models.drafter import DFlashDraftModel
 
     seen = {"steps": 0, "forwards": 0}
@@ -257,22 +257,22 @@ def test_train_bench_steps_the_optimizer_once_per_grad_accum_micro_batches(capsy
     assert three["grad_accum"] == 3 and seen == {"steps": 2 + 1, "forwards": 6 + 1}
     assert three["tflops"] > 0 and three["anchors_per_s"] > 0
 
-    recipe = data.bench.recipe_spec("tiny")
+    recipe = models.random_target.recipe_spec("tiny")
     recipe["train"]["grad_accum"] = 2
-    monkeypatch.setattr(data.bench, "recipe_spec", lambda name: recipe)
+    monkeypatch.setattr(models.random_target, "recipe_spec", lambda name: recipe)
     assert bench_lines(capsys, "train", argv)[0]["grad_accum"] == 2
 
 
 @pytest.mark.parametrize("mixer,fused", [("fused", True), ("own", False)])
 def test_train_bench_compiles_a_hybrid_target_with_the_mixer_asked_for(capsys, monkeypatch, mixer, fused):
     """--target-mixer: the before/after of the fused GatedDeltaNet mixer in one flag, named in the row."""
-    import data.bench
+    import models.random_target
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
     from models.tiny import tiny_target
 
     asked = []
-    monkeypatch.setattr(data.bench, "recipe_target", lambda *a, **k: TargetModel(tiny_target("qwen3_5")))
+    monkeypatch.setattr(models.random_target, "recipe_target", lambda *a, **k: TargetModel(tiny_target("qwen3_5")))
     monkeypatch.setattr(TargetModel, "compile_layers", lambda self, fuse_mixer=True: asked.append(fuse_mixer))
     monkeypatch.setattr(DFlashDraftModel, "compile_layers", lambda self: self)
     lines = bench_lines(capsys, "train", ["--e2e", "tiny", "--steps", "1", "--warmup", "0", "--seq", "64",

@@ -99,11 +99,12 @@ def test_masks_are_built_where_they_are_needed():
     assert r.reads  # HF's padding mask, built as before
 
 
-@pytest.mark.parametrize("loss", ["ce", "ce+kl"])
+@pytest.mark.parametrize("loss", ["ce", "ce+kl", "dpace"])
 def test_a_training_step_reads_nothing_back(loss, tmp_path, tmp_path_factory, monkeypatch):
     """Every micro-batch of an online step (target forward, drafter, loss, backward, acceptance counts) and
     the gradient clip; the optimizer runs outside the recorder (CPU AdamW reads its step count, the fused
-    CUDA one does not)."""
+    CUDA one does not). ``dpace``: D-PACE normalised by its weight sum, known only after the last forward (the
+    gradients are rescaled on the device)."""
     import train.loop
 
     d = tiny_input_dirs(tmp_path_factory)
@@ -126,13 +127,14 @@ def test_a_training_step_reads_nothing_back(loss, tmp_path, tmp_path_factory, mo
 
     monkeypatch.setattr(train.loop, "train_step", recorded)
     run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=2",
-        "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", f"train.loss={loss}", "eval.batches=1")
+        "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1",
+        *(["train.loss_weighting=dpace", "train.ce_chunk=16"] if loss == "dpace" else [f"train.loss={loss}"]))
     assert seen == [[], []]
 
 
 def test_to_device_off_the_gpu_is_a_plain_move():
     """Pinned staging is for a GPU destination only; elsewhere the tensor moves (or stays) as ``.to`` does."""
-    from models.transfer import to_device
+    from models.support import to_device
 
     x = torch.arange(4)
     assert to_device(x, "cpu") is x

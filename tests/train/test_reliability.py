@@ -64,7 +64,7 @@ def test_ctrl_c_prints_the_newest_checkpoint_and_the_resume_command(tiny, tmp_pa
     """Ctrl-C during step 3 of a run checkpointing every 2 steps: exit 130, name step_2 and the exact
     command; that command then finishes the run with the uninterrupted run's losses."""
     import train.loop
-    from models.cli import run_cli
+    from models.support import run_cli
     from train.distill import main
 
     args = ["recipe=tiny", f"out_dir={tmp_path / 'run'}", *tiny, *FAST, *STEPS, "train.max_steps=4",
@@ -153,6 +153,8 @@ def test_a_warm_start_trains_and_saves_the_folders_drafter_or_is_refused(tiny, t
     ("train/distill.py", None, 8, "accelerate launch --num_processes 8 train/distill.py"),
     ("/x/train/distill.py", "train.distill", 2, "accelerate launch --num_processes 2 -m train.distill"),
     ("/venv/bin/draftsmith-distill", None, 1, "draftsmith-distill"),
+    ("/venv/bin/draftsmith", None, 1, "draftsmith train"),
+    ("/venv/bin/draftsmith", None, 8, "accelerate launch --no_python --num_processes 8 draftsmith train"),
 ])
 def test_the_resume_hint_starts_the_run_the_way_it_was_started(monkeypatch, argv0, module, world, expected):
     """It always said ``python train/distill.py``, a file that only exists in the checkout."""
@@ -417,7 +419,8 @@ def test_lr_schedule_whose_warmup_is_the_whole_run():
 
 
 def test_advance_counts_every_processs_tokens_and_rolls_over_at_the_epochs_end():
-    from train.loop import LoopState, Schedule, StepStats, advance
+    from train.loop import LoopState, StepStats, advance
+    from train.plan import Schedule
 
     zero = torch.zeros(())
     stats = StepStats(loss=zero, ce_sum=zero, kl_sum=zero, tokens=3, tokens_all=7)  # 7 over all processes
@@ -502,9 +505,9 @@ def test_streams_of_different_seeds_and_epochs_do_not_coincide():
 def test_metrics_rows_for_the_console_wandb_and_a_new_run(tmp_path):
     """Console: small negative values keep their digits. wandb: numbers only (no flags, lists, text),
     at the row's step. A new run (not a resume) starts metrics.jsonl afresh."""
-    from train.metrics import MetricsLogger, open_metrics, rounded
+    from train.metrics import MetricsLogger, number, open_metrics
 
-    assert rounded({"kl": -6e-5, "loss": -1.23456}) == {"kl": -6e-5, "loss": -1.2346}
+    assert (number(-6e-5), number(-1.23456), number(0.0), number(7)) == ("-6.00e-05", "-1.235", "0", "7")
     sent = []
     wandb_run = types.SimpleNamespace(log=lambda numbers, step: sent.append((numbers, step)))
     MetricsLogger(None, wandb_run=wandb_run).log({"step": 3, "loss": 2.5, "final": True, "hist": [1], "what": "x"})
@@ -516,30 +519,48 @@ def test_metrics_rows_for_the_console_wandb_and_a_new_run(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
 
 
-def test_metrics_logger_appends_rows_sends_numbers_and_echoes_them_rounded(tmp_path):
+def test_metrics_logger_appends_rows_sends_numbers_and_echoes_their_lines(tmp_path):
     """Rows are appended as JSON lines; wandb gets the numbers (no flags) at the row's step; the console
-    gets only echoed rows, prefixed and rounded (4 decimals, 4 significant digits below 0.001, flags and
-    ints as they are, lists and dicts left out); close() finishes the wandb run once."""
-    from train.metrics import MetricsLogger, rounded
+    gets only the lines asked for (``echo``); close() finishes the wandb run once."""
+    from train.metrics import MetricsLogger, eval_line
 
-    assert json.dumps(rounded({"a": 0.0012346, "b": 0.00012346, "n": 7, "ok": True, "per_slot": {"1": 0.5},
-                               "hist": [1], "z": 0.0})) == '{"a": 0.0012, "b": 0.0001235, "n": 7, "ok": true, "z": 0.0}'
     printed, sent, finished = [], [], []
     run = types.SimpleNamespace(id="run-1", log=lambda numbers, step: sent.append((numbers, step)),
                                 finish=lambda: finished.append(True))
     logger = MetricsLogger(tmp_path / "m.jsonl", printed.append, run)
     assert logger.wandb_run_id == "run-1"
     logger.log({"step": 1, "loss": 2.123456, "skipped": False})
-    logger.log({"step": 2, "eval_loss": 1.234567}, echo="eval")
+    logger.log({"step": 2, "eval_loss": 1.234567}, echo=eval_line({"step": 2, "eval_loss": 1.234567}, 10))
     assert (tmp_path / "m.jsonl").read_text() == \
         '{"step": 1, "loss": 2.123456, "skipped": false}\n{"step": 2, "eval_loss": 1.234567}\n'
-    assert printed == ['eval {"step": 2, "eval_loss": 1.2346}']
+    assert printed == ["eval   2/10  held-out loss 1.2346"]
     assert sent == [({"step": 1, "loss": 2.123456}, 1), ({"step": 2, "eval_loss": 1.234567}, 2)]
     logger.close()
     logger.close()
     assert finished == [True] and logger.wandb_run_id is None
     MetricsLogger(None, printed.append).log({"step": 3, "loss": 1.0})  # a process that is not the main one
-    assert MetricsLogger(None).wandb_run_id is None and printed == ['eval {"step": 2, "eval_loss": 1.2346}']
+    assert MetricsLogger(None).wandb_run_id is None and printed == ["eval   2/10  held-out loss 1.2346"]
+
+
+def test_console_lines_a_person_reads():
+    """A logged step and an eval as one readable line each (the rows stay JSON in metrics.jsonl): every number
+    the line does not spell out itself follows as `name value`, lists and dicts (per-slot figures) left out."""
+    from train.metrics import eval_line, step_line, tau_trend
+
+    row = {"step": 20, "epoch": 0.25, "loss": 4.215631, "ce": 4.3012, "tau": 1.8712, "lr": 6e-5, "grad_norm": 1.25,
+           "tokens_per_s": 5123.4, "anchors_per_s": 80.0, "slot_weight": [0.9, 0.8], "new_metric": 0.5}
+    assert step_line(row, 200, 62.0, 558.0) == ("step   20/200  epoch 0.25  loss 4.2156  sim tau 1.87  lr 6.00e-05  "
+                                                "5.1k tok/s  0:01:02 (~0:09:18 left)  ce 4.301  grad_norm 1.25  "
+                                                "new_metric 0.5")
+    ev = {"step": 200, "eval_loss": 3.91234, "eval_tau_sim": 2.3149, "eval_pos_acc": [0.5], "eval_blocks": 512,
+          "eval_tau_true": 2.049, "eval_true_cycles": 96, "eval_tau_true_uncut": 2.12, "eval_true_hist": {"1": 3}}
+    assert eval_line(ev, 200) == ("eval  200/200  held-out loss 3.9123  sim tau 2.31 (512 blocks)  true tau 2.05 "
+                                  "(96 cycles; 2.12 without each prompt's last cycle)")
+    assert eval_line({"step": 3}) == "eval  3  no held-out rows (data.eval_rows=0)"
+    evals = [{"step": 0, "eval_tau_sim": 1.0}, {"step": 5, "eval_tau_sim": 1.5, "eval_tau_true": 1.2},
+             {"step": 10, "eval_tau_sim": 2.0}]
+    assert tau_trend(evals, "eval_tau_sim") == "1.00 at step 0 -> 2.00 at step 10"
+    assert tau_trend(evals, "eval_tau_true") == "1.20 at step 5" and tau_trend(evals, "x") is None
 
 
 def _metrics_cfg(wandb: bool):
@@ -560,9 +581,9 @@ def test_resume_keeps_the_metrics_rows_up_to_its_step(tmp_path):
     path.write_text("\n".join(rows) + "\n")
     printed = []
     logger = open_metrics(_metrics_cfg(False), tmp_path, True, 2, "old-run", printed.append)
-    logger.log({"step": 3, "loss": 1.5}, echo="train")
+    logger.log({"step": 3, "loss": 1.5}, echo="step 3")
     assert path.read_text().splitlines() == rows[:5] + ['{"step": 3, "loss": 1.5}']
-    assert printed == ['train {"step": 3, "loss": 1.5}'] and logger.wandb_run is None
+    assert printed == ["step 3"] and logger.wandb_run is None
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
     other = tmp_path / "other"
     other.mkdir()

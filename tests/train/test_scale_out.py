@@ -354,8 +354,9 @@ def test_fsdp_on_two_nodes_takes_the_same_steps_and_resumes(prepared, tmp_path):
     train(load_config(train_args(prepared, one, "train.batch_size=2")))
     fsdp = tmp_path / "fsdp"
     logs = two_nodes(fsdp, *train_args(prepared, fsdp, "train.batch_size=1"))
-    assert "fsdp on cpu: version 2" in logs[0] and "2 process(es)" in logs[0]
-    assert "final drafter" in logs[0] and "final drafter" not in logs[1]  # one writer
+    assert "fsdp on cpu: version 2" in logs[0] and "2 processes on cpu" in logs[0]
+    final = f"  drafter        {fsdp / 'final' / 'drafter'}"  # the closing summary's
+    assert final in logs[0].splitlines() and "\ndone: " not in logs[1]  # one writer
     assert list((fsdp / "checkpoints" / "step_3" / "state").glob("pytorch_model_fsdp_0/*.distcp")), "sharded"
     a, b = step_losses(one), step_losses(fsdp)
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -548,7 +549,7 @@ def test_devices_default_to_this_machines_gpus(monkeypatch):
 def test_which_processes_load_the_whole_target():
     """Online: every process. Offline: only the one(s) that generate for true tau (main; all under FSDP)."""
     from train.config import load_config
-    from train.setup import loads_whole_target
+    from train.plan import loads_whole_target
 
     online = load_config(["recipe=tiny"])
     offline = load_config(["recipe=tiny", "features.mode=offline", "features.store=/unused"])

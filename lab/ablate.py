@@ -1,14 +1,14 @@
 """Recipe ablation: train drafters at one fixed budget, one setting changed per cell, report true tau.
 
-    nice -n 10 python -m train.ablate --seeds 2                       # the README table (all cells)
-    python -m train.ablate --grid paper,loss=ce+kl,lr=2e-3 --seeds 2  # some cells
-    python -m train.ablate --list                                     # the cells and their overrides
+    nice -n 10 python -m lab.ablate --seeds 2                       # lab/README.md's table (all cells)
+    python -m lab.ablate --grid paper,loss=ce+kl,lr=2e-3 --seeds 2  # some cells
+    python -m lab.ablate --list                                     # the cells and their overrides
 
 Every cell is the *paper recipe* (train/config.py defaults: AdamW lr 6e-4, cosine, warmup 4%, clip
 1.0, CE, gamma by block size) at the same shape -- ``--steps`` optimizer steps x 1 row x ``--anchors``
 anchors, block 8, a 2-layer drafter with 5 taps -- with the overrides of that cell on top. Cells are
 trained by ``train/distill.py`` (a subprocess per run, so runs can go side by side with
-``--workers``) on the small trained target of ``train.small_target`` and its training chats.
+``--workers``) on the small trained target of ``lab.small_target`` and its training chats.
 
 Evaluation never changes between cells: the torch DFlash loop (``inference.torch_loop``, greedy,
 fp32 on the CPU) on the first ``--prompts`` held-out prompts of the target folder's
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from models.cli import UserError
+from models.support import UserError
 
 # The paper recipe at the budget's shape: train/config.py's defaults plus these.
 BASE = {"drafter.num_hidden_layers": 2, "drafter.num_taps": 5, "drafter.block_size": 8,
@@ -109,7 +109,7 @@ def prepare_data(variant: str, target: Path, out: Path, *, rows: int, max_length
         shutil.rmtree(folder)
     chats = target / "chats.jsonl"
     if not chats.is_file():
-        raise FileNotFoundError(f"{chats} not found: the target folder must come from train.small_target")
+        raise FileNotFoundError(f"{chats} not found: the target folder must come from lab.small_target")
     available = sum(1 for _ in chats.open())
     if n > available:
         raise ValueError(f"{chats} has {available} conversations, the budget needs {n}: use fewer --steps or "
@@ -149,18 +149,18 @@ def target_key(target: Path) -> str:
     (build settings, corpus hash, fit log), which every rebuild rewrites."""
     import hashlib
 
-    from train.small_target import STAMP_FILE
+    from lab.small_target import STAMP_FILE
 
     return hashlib.sha256((target / STAMP_FILE).read_bytes()).hexdigest()[:16]
 
 
-CODE_FOLDERS = ("models", "data", "train", "inference")  # what trains, evaluates and prepares a run
+CODE_FOLDERS = ("models", "data", "train", "inference", "lab")  # what trains, evaluates and prepares a run
 
 
 def code_key(root: Path | None = None) -> str:
     """Which version of the code a run was trained and evaluated by: a hash of every ``.py`` file of
-    the package's folders. Results record it, so a table of runs from two versions says so (a finished
-    run is not retrained for it unless asked: ``--rerun-other-code``)."""
+    the product's folders and the lab's own. Results record it, so a table of runs from two versions says so (a
+    finished run is not retrained for it unless asked: ``--rerun-other-code``)."""
     import hashlib
 
     root = root or Path(__file__).resolve().parents[1]
@@ -195,7 +195,7 @@ def true_tau_report(drafter_dir: Path, target_dir: Path, prompts: int, max_new_t
     from inference.torch_loop import DrafterProposer, dflash_generate
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
-    from train.small_target import small_target_prompt_ids
+    from lab.small_target import small_target_prompt_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the run's own device (workers hide CUDA for --device cpu)
     target = TargetModel.from_pretrained(target_dir, dtype=torch.float32, device=device)
@@ -281,7 +281,7 @@ def summarize(results: dict[str, list[dict]], budget: str, code: str | None = No
 
 # ----------------------------------------------------------------------------- main
 def parse(argv: list[str] | None):
-    p = argparse.ArgumentParser(prog="python -m train.ablate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m lab.ablate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Cells: " + ", ".join(CELLS) + ". Finished runs are skipped on a rerun.")
     p.add_argument("--grid", default="all", help="comma-separated cell names, or 'all' (default); 'paper' is "
@@ -291,7 +291,7 @@ def parse(argv: list[str] | None):
                    help="optimizer steps of every run, 1 row each, every row seen once (default 200)")
     p.add_argument("--anchors", type=int, default=64, help="anchors per row (default 64)")
     p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"small target folder (default {DEFAULT_TARGET}: built there with train.small_target's "
+                   help=f"small target folder (default {DEFAULT_TARGET}: built there with lab.small_target's "
                         "defaults if missing; another folder must already be one)")
     p.add_argument("--out", default="runs/ablate", help="results folder (default runs/ablate)")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts for true tau (default 16)")
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         close = difflib.get_close_matches(unknown[0], list(CELLS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown cell {unknown[0]!r}{hint} (python -m train.ablate --list shows them)")
+        raise ValueError(f"unknown cell {unknown[0]!r}{hint} (python -m lab.ablate --list shows them)")
     # Once each: a cell named twice ran twice, with --workers in two processes training into one folder at once.
     cells = ["paper"] + [c for c in dict.fromkeys(cells) if c != "paper"]
     if a.device == "cuda":
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, path in (("--out", out), ("--data", Path(a.data) if a.data else None)):
         if path is not None and path.exists() and not path.is_dir():
             raise NotADirectoryError(f"{flag} {path} is a file: give a folder (created if missing)")
-    from train.small_target import STAMP_FILE, build_small_target, small_target_prompts, warn_if_degenerate
+    from lab.small_target import STAMP_FILE, build_small_target, small_target_prompts, warn_if_degenerate
 
     if a.table_only:  # reads what is there: builds, prepares and writes nothing before the table
         if not (target / STAMP_FILE).is_file():
@@ -353,23 +353,23 @@ def main(argv: list[str] | None = None) -> dict:
                                     "--target the runs were trained against")
     else:
         if not (target / STAMP_FILE).is_file() and a.target != DEFAULT_TARGET:
-            # Built only at the default place (as train.quant_experiment): a mistyped --target started a
+            # Built only at the default place (as lab.quant_experiment): a mistyped --target started a
             # ~45-minute build of a new small target there instead of an error.
             raise FileNotFoundError(f"--target {target} is not a small target (no {STAMP_FILE}): pass a folder built "
-                                    f"by python -m train.small_target, or leave --target out to use {DEFAULT_TARGET} "
+                                    f"by python -m lab.small_target, or leave --target out to use {DEFAULT_TARGET} "
                                     "(built there if missing)")
         out.mkdir(parents=True, exist_ok=True)
         if not (target / STAMP_FILE).is_file():  # an existing small target is used with whatever settings built it
             target = build_small_target(target)
     for name in ("chats.jsonl", "prompts.jsonl"):
         if not (target / name).is_file():
-            raise FileNotFoundError(f"{target / name} not found: the target folder must come from train.small_target")
+            raise FileNotFoundError(f"{target / name} not found: the target folder must come from lab.small_target")
     warn_if_degenerate(target)
     held_out = len(small_target_prompts(target))
     if a.prompts > held_out:  # the table would claim more prompts than were generated
         raise ValueError(f"--prompts {a.prompts} but {target / 'prompts.jsonl'} holds {held_out} held-out prompts: "
                          f"use --prompts {held_out} or fewer, or rebuild the target with more (--prompts of "
-                         "train.small_target)")
+                         "lab.small_target)")
     progress = sys.stderr.isatty()
     data_dir = Path(a.data) if a.data else out
     variants = sorted({CELLS[c].get("data", "regen") for c in cells})
@@ -452,6 +452,9 @@ def run_all(todo: list[Path], workers: int, done: int, total: int, device: str =
     if workers > 1:
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     env["TOKENIZERS_PARALLELISM"] = "false"
+    # the workers import this checkout (the lab is not installed; an installed draftsmith must not stand in for it)
+    checkout = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([checkout] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     bar = tqdm(total=total, initial=done, unit="run", desc="ablation", dynamic_ncols=True)
@@ -460,7 +463,7 @@ def run_all(todo: list[Path], workers: int, done: int, total: int, device: str =
         while queue and len(running) < workers:
             run_dir = queue.pop(0)
             log = (run_dir / "log.txt").open("w")
-            proc = subprocess.Popen([sys.executable, "-m", "train.ablate", "--run-one", str(run_dir / "spec.json")],
+            proc = subprocess.Popen([sys.executable, "-m", "lab.ablate", "--run-one", str(run_dir / "spec.json")],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((proc, run_dir, log))
         time.sleep(1.0)
@@ -487,7 +490,7 @@ def run_all(todo: list[Path], workers: int, done: int, total: int, device: str =
 if __name__ == "__main__":
     if __package__ in (None, ""):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main, interrupted=("rerun the same command to resume: finished runs are kept, the "
                                     "interrupted ones start over"))

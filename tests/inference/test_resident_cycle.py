@@ -1,5 +1,5 @@
-"""The device-resident greedy cycle and step (inference/static_greedy.py) against the eager loop and the
-two-graph static loop, graphs off (CPU): same tokens, acceptance lengths and stops."""
+"""The device-resident greedy cycle and step (inference/static_loop.py: ResidentCycle, ResidentDecode) against
+the eager loop and the two-graph static loop, graphs off (CPU): same tokens, acceptance lengths and stops."""
 
 import pytest
 import torch
@@ -78,19 +78,19 @@ def test_resident_step_equals_target_only_decoding(tiny_targets, arch):
 
 
 def test_the_host_refuses_a_cycle_whose_device_acceptance_disagrees_with_its_own(tiny_targets, monkeypatch):
-    from inference import static_greedy
+    from inference import static_loop
     from inference.static_loop import static_dflash_generate
 
     target = tiny_targets("qwen3")
     _, st, proposer = _static(target)
-    real = static_greedy.GreedyCycle._cycle
+    real = static_loop.ResidentCycle._cycle
 
     def miscounted(self):
         out = real(self)
         out[-1] += 1  # one accepted draft more than the drafts and tokens show
         return out
 
-    monkeypatch.setattr(static_greedy.GreedyCycle, "_cycle", miscounted)
+    monkeypatch.setattr(static_loop.ResidentCycle, "_cycle", miscounted)
     with pytest.raises(RuntimeError, match="the device accepted 1 drafts, the host 0"):
         static_dflash_generate(st, proposer, PROMPT, NEW, eos_token_ids=[])
 

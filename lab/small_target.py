@@ -1,7 +1,7 @@
 """A small *trained* Qwen3 target for experiments: fitted on Python standard-library sources.
 
-    python -m train.small_target --out runs/small-target              # 7.35M params (8 layers, hidden 256)
-    python -m train.small_target --out /tmp/st --steps 40 --hidden 64 # a quick smoke build
+    python -m lab.small_target --out runs/small-target              # 7.35M params (8 layers, hidden 256)
+    python -m lab.small_target --out /tmp/st --steps 40 --hidden 64 # a quick smoke build
 
 Build time of the default (measured): 56 s on an H100 (fit 30 s), ~16 min on 2 CPU cores (1.55 s per
 fit step on 2 threads: 220 of the 600 steps in 369 s). Final fit loss 2.75 nats/token; greedy
@@ -396,14 +396,14 @@ def small_target_prompts(directory: Path, n: int | None = None) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {i} is not JSON ({e}): rebuild the folder with python -m "
-                             "train.small_target") from None
+                             "lab.small_target") from None
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
             raise ValueError(f"{path} line {i} has no \"messages\" turns: each row is one held-out chat "
-                             "(python -m train.small_target writes them)")
+                             "(python -m lab.small_target writes them)")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path} holds no prompts: tau is measured on them; rebuild the folder with python -m "
-                         "train.small_target")
+                         "lab.small_target")
     return rows
 
 
@@ -417,7 +417,7 @@ def small_target_prompt_ids(directory: Path, n: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m train.small_target", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m lab.small_target", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Re-running with the same settings returns the cached folder at once.")
     p.add_argument("--out", required=True, help="target folder (created; cached by settings and corpus hash)")
@@ -453,6 +453,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from models.cli import run_cli
+    from models.support import run_cli
 
     run_cli(main)
