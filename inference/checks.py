@@ -21,7 +21,7 @@ import yaml
 
 from inference.stats import resolve_block_size, warn_if_mask_is_emitted
 from models import hub
-from models.config import ARCHITECTURE, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
+from models.config import ARCHITECTURES, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
 
 log = logging.getLogger("inference")
 
@@ -96,11 +96,16 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_file(path)
 
 
+def drafter_kind(d: dict) -> str:
+    """What a drafter's config.json calls it: its DFlash architecture (v1 or DFlash2), else its dflash_config."""
+    return next((a for a in d.get("architectures") or [] if a in ARCHITECTURES.values()), "dflash_config")
+
+
 def read_target_facts(directory: str | Path, name: str = "") -> TargetFacts:
     path = Path(directory) / "config.json"
     d = _read_json(path, "target")
     if is_drafter_config(d):
-        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {ARCHITECTURE}), not a "
+        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {drafter_kind(d)}), not a "
                          "target model: did you swap --target and --draft?")
     text = d.get("text_config") or d  # multimodal checkpoints (Qwen3.5 / 3.6) keep the text tower's sizes here
     q = d.get("quantization") or d.get("quantization_config")
@@ -116,7 +121,8 @@ def read_drafter_config(directory: str | Path, name: str = "") -> tuple[DFlashCo
     if not is_drafter_config(d):
         kind = ", ".join(d.get("architectures") or []) or d.get("model_type", "unknown")
         raise ValueError(f"--draft {name or directory} is not a DFlash drafter: {path} describes a {kind} model "
-                         f"(no {ARCHITECTURE} architecture, no dflash_config). Did you swap --target and --draft?")
+                         f"(no {' or '.join(ARCHITECTURES.values())} architecture, no dflash_config). Did you swap "
+                         "--target and --draft?")
     return DFlashConfig.from_dict(d), d
 
 
@@ -221,7 +227,7 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     if tpath.is_file() and dpath.is_file():
         t_raw, d_raw = _read_json(tpath, "target"), _read_json(dpath, "drafter")  # a truncated file is named
         if is_drafter_config(t_raw) and not is_drafter_config(d_raw):
-            raise ValueError(f"--target {target} is a DFlash drafter ({tpath} names {ARCHITECTURE}) and --draft "
+            raise ValueError(f"--target {target} is a DFlash drafter ({tpath} names {drafter_kind(t_raw)}) and --draft "
                              f"{draft} is not: swap them (--target {draft} --draft {target})")
     cfg, raw = read_drafter_config(ddir, draft)
     facts = read_target_facts(tdir, target)

@@ -1110,9 +1110,9 @@ def test_static_loop_past_its_preallocated_length(tiny_targets):
 
 
 def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
-    """An empty prompt, a drafter with sliding-window layers, a target loaded with flash attention (the static
-    mask of stale slots would be ignored), a block of another size and features that do not continue the
-    drafter's cache each get a named error instead of wrong drafts or an opaque traceback."""
+    """An empty prompt, a target loaded with flash attention (the static mask of stale slots would be ignored),
+    a block of another size and features that do not continue the drafter's cache each get a named error
+    instead of wrong drafts or an opaque traceback. (Sliding-window drafters run: test_dflash2_loops.py.)"""
     import torch
 
     from inference.static_loop import StaticDrafterProposer, StaticLoopUnsupported, StaticTarget, static_dflash_generate
@@ -1128,10 +1128,6 @@ def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
     proposer = StaticDrafterProposer(drafter, target, max_len=64)
     with pytest.raises(ValueError, match="the prompt is empty"):
         static_dflash_generate(st, proposer, [], 8)
-    sliding = tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-                                  sliding_block_attention="causal")
-    with pytest.raises(StaticLoopUnsupported, match="sliding-window layers: use the eager loop"):
-        StaticDrafterProposer(DFlashDraftModel(sliding), target, max_len=64)
     flash = TargetModel(tiny_target("qwen3", num_layers=2))
     flash.model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(StaticLoopUnsupported, match="needs attn_implementation 'sdpa' or 'eager'"):
@@ -1277,3 +1273,46 @@ def test_prompts_saved_with_a_byte_order_mark_lose_no_row(tmp_path, capsys):
     for name in ("p.jsonl", "p.json"):
         assert [p.messages[0]["content"] for p in load_prompts(str(tmp_path / name))] == ["first", "second"]
     assert "skipped" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ DFlash2 folders
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_dflash2_folders_swapped_or_for_another_target(infer_dirs, tmp_path, run):
+    """A DFlash2 folder (published layout, trained for a 6-layer target) is pre-flighted as a v1 one: given as the
+    target it is named by its own architecture, and against the 8-layer target the depth is named."""
+    from tests.helpers.dflash2 import published_folder
+
+    draft = str(published_folder(tmp_path / "published"))
+    extra = ("--prompt-ids", "1") if run is _generate else ()
+    with pytest.raises(ValueError, match=r"is a DFlash drafter \(.*published/config.json names DFlash2DraftModel\) "
+                                         "and --draft .* is not: swap them"):
+        run(infer_dirs, *extra, target=draft, draft=infer_dirs["target"])
+    with pytest.raises(ValueError, match="was trained on a 6-layer target; this target has 8 layers"):
+        run(infer_dirs, *extra, draft=draft)
+
+
+def test_dflash2_folder_without_is_causal_or_a_codebook(infer_dirs, tmp_path):
+    """A DFlash2 config.json without ``is_causal: false`` (z-lab's code would make its layers causal) ends in one
+    line before any weights load; a folder missing a selector codebook names it when the drafter loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from inference.session import Session
+    from models.config import ConfigError
+    from models.tiny import save_tiny_target
+    from tests.helpers.dflash2 import published_folder
+
+    folder = published_folder(tmp_path / "causal")
+    config = json.loads((folder / "config.json").read_text())
+    del config["is_causal"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="is_causal.*config.json must say is_causal: false"):
+        _generate(infer_dirs, "--prompt-ids", "1", draft=str(folder))
+    folder = published_folder(tmp_path / "no-codebook")
+    state = load_file(str(folder / "model.safetensors"))
+    del state["candidate_selector.successor_codebook"]
+    save_file(state, str(folder / "model.safetensors"))
+    target = save_tiny_target(tmp_path / "target6", num_layers=6)
+    with pytest.raises(ValueError, match=r"missing \['candidate_selector.successor_codebook'\]"):
+        Session("torch", str(target), str(folder), "cpu", "float32")
