@@ -13,8 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import ModelCard, ModelCardData
-
 from export.report import render_report
 from export.usage import draftsmith_commands, engine_requirements, serve_commands, transformers_snippet
 from models.hub import is_hub_id
@@ -26,6 +24,9 @@ TAGS = ["dflash", "speculative-decoding", "draftsmith"]
 
 def render_card(folder: str | Path, repo_id: str, report: dict[str, Any] | None = None, license: str | None = None):
     """A ``huggingface_hub.ModelCard`` for the drafter folder as published under ``repo_id``."""
+    # start-up time: huggingface_hub's Hub client (the export CLIs' --help does not load it)
+    from huggingface_hub import ModelCard, ModelCardData
+
     cfg = json.loads((Path(folder) / "config.json").read_text())
     prov = cfg.get("draftsmith") or {}
     nested = cfg.get("dflash_config") or {}

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import huggingface_hub  # get_token looked up at each call (tests stand in for it)
-from huggingface_hub import HfApi
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from export.card import MARKER, render_card
@@ -207,6 +206,8 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
         readme.write_text(card)
     else:
         log(f"{readme} was not written by draftsmith: uploading it as it is (delete it to get the generated card)")
+    from huggingface_hub import HfApi  # start-up time: the Hub client (export.push --help does not load it)
+
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now: the client's constant is set at import
     url = None
     for op in ops:
