@@ -28,14 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import torch
-from datasets import Dataset
 
 from data.extract import extract
 from data.store import DTYPES, FeatureStore
 from models.config import default_layer_ids
-from models.random_target import qwen3_target
 
 
 def _sync(device) -> None:
@@ -84,6 +81,10 @@ def disk_speed(nbytes: int) -> dict:
 
 
 def random_data(rows: int, seq: int, vocab: int):
+    # start-up time (data.bench --help)
+    import pyarrow as pa
+    from datasets import Dataset
+
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
     table = pa.table({"input_ids": ids, "loss_mask": [[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(a: argparse.Namespace, device: str, root: str) -> None:
+    from models.random_target import qwen3_target  # start-up time (data.bench --help): transformers' models
+
     layer_ids = default_layer_ids(a.layers, a.taps)  # too many taps for the layers: one line before any build
     target = qwen3_target(a.hidden, a.layers, a.vocab, device, torch.bfloat16)
     data = random_data(a.rows, a.seq, a.vocab)

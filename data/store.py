@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from datasets import load_from_disk
 from safetensors import safe_open
 
 from data.chat import tokenizer_fingerprint
@@ -188,6 +187,7 @@ def prepared_fingerprint(ds) -> str | None:
     folder = Path(files[0]["filename"]).parent
     if not (folder / "state.json").is_file():
         return None
+    from datasets import load_from_disk  # start-up time (data.extract --help)
 
     try:
         return load_from_disk(str(folder))._fingerprint

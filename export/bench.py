@@ -18,6 +18,12 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
+from export.hf import export_hf
+from export.mlx import export_mlx
+from models.config import DFlashConfig, default_layer_ids
+from models.drafter import DFlashDraftModel
 from models.random_target import RECIPE_SHAPES, recipe_shape
 
 
@@ -32,11 +38,6 @@ def drafter_shape(recipe: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch
-
-    from models.config import DFlashConfig, default_layer_ids
-    from models.drafter import DFlashDraftModel
-
     p = argparse.ArgumentParser(prog="python -m export.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=RECIPE_SHAPES, default="qwen3-8b",
@@ -67,16 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"bench": "save_source", "shape": args.shape, "s": round(time.perf_counter() - t, 2),
                       "mb": round(_size(work / "final" / "drafter"), 1)}), flush=True)
 
-    from export.hf import export_hf
-
     t = time.perf_counter()
     res = export_hf(work / "final" / "drafter", work / "hf", log=lambda *_: None)
     print(json.dumps({"bench": "export.hf", "shape": args.shape, "dtype": "bf16",
                       "s": round(time.perf_counter() - t, 2), "mb": round(_size(work / "hf"), 1),
                       "parity": res["parity"]}), flush=True)
     for quant in ([None] if args.mlx else []) + ([args.mlx_quantize] if args.mlx_quantize else []):
-        from export.mlx import export_mlx
-
         t = time.perf_counter()
         out = work / f"mlx{quant or ''}"
         res = export_mlx(work / "final" / "drafter", out, quantize=quant, log=lambda *_: None)

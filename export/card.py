@@ -15,6 +15,7 @@ from typing import Any
 
 from export.usage import (QUANTIZED_MLX_LOADERS, draftsmith_commands, engine_requirements, serve_commands,
                           transformers_snippet)
+from export.report import render_report
 from models.hub import is_hub_id
 from models.provenance import describe_objective
 
@@ -24,6 +25,7 @@ TAGS = ["dflash", "speculative-decoding", "draftsmith"]
 
 def render_card(folder: str | Path, repo_id: str, report: dict[str, Any] | None = None, license: str | None = None):
     """A ``huggingface_hub.ModelCard`` for the drafter folder as published under ``repo_id``."""
+    # start-up time: huggingface_hub's Hub client (the export CLIs' --help does not load it)
     from huggingface_hub import ModelCard, ModelCardData
 
     cfg = json.loads((Path(folder) / "config.json").read_text())
@@ -54,8 +56,6 @@ def render_card(folder: str | Path, repo_id: str, report: dict[str, Any] | None 
     lines += _usage(repo_id, shown_target, B, mlx_only, variant, sliding, copy if is_hub_id(copy) else None)
     lines += _recipe(prov, cfg, nested)
     if report is not None:
-        from export.report import render_report
-
         lines += render_report(report)
     lines += ["", MARKER, ""]
     body = "\n".join(lines)

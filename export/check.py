@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 
 from models.config import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS, DFLASH2_KEYS, MODELING_FILE,
                            ConfigError, DFlashConfig, is_drafter_config, layer_order_problem,
                            read_json_file)
+from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir
 from models.mask_token import tokenizer_emitted_ids
 from models.weights import STRAY_KEY, weight_files
 
@@ -149,8 +151,6 @@ def dflash2_weight_problems(shapes: dict[str, tuple[int, ...]], config: DFlashCo
 
 def weight_problems(folder: Path, config: DFlashConfig) -> list[str]:
     """Tensor names and shapes in the folder against the config (read from the headers only)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in weight_files(folder):
         try:
@@ -186,8 +186,6 @@ def config_differences(expected: DFlashConfig, got: DFlashConfig) -> list[str]:
 def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[list[str], str]:
     """Check the drafter against its target, a local folder or a Hub id (its config and tokenizer files
     only, never its weights); (problems, what was checked)."""
-    from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir
-
     if target and is_hub_id(target):
         try:
             folder = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
@@ -211,7 +209,7 @@ def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[li
         problems.append(str(e))
     checked = "target shape"
     if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # start-up time (export.hf / export.mlx / export.push --help)
 
         try:
             tok = AutoTokenizer.from_pretrained(str(folder))

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from export.card import MARKER
+from export.push import sort_files
 from models.config import ARCHITECTURES
 from models.provenance import refuse_training_output
 
@@ -39,9 +44,6 @@ def _is_export(folder: Path) -> bool:
 def _not_written_by_export(folder: Path) -> list[str]:
     """Files in an earlier export that no export writes (``export.push.sort_files``), and a README.md that is
     not push's generated card."""
-    from export.card import MARKER
-    from export.push import sort_files
-
     written, other = sort_files(folder)
     readme = folder / "README.md"
     if "README.md" in written and MARKER not in readme.read_text(errors="replace"):
@@ -182,8 +184,6 @@ def recover_replaced(out: Path) -> None:
     """Finish what an ``--overwrite`` export killed between its two renames left (``staging`` moves the
     previous export to ``.NAME.old``, then the new one to ``NAME``): the previous export goes back to
     ``out`` when nothing took its place; when the new one is in place, the old copy is removed."""
-    import sys
-
     out = placed(out)
     inside = out / IN_PLACE_OLD
     if inside.is_dir():  # an export written in place, killed while its files moved in
@@ -216,9 +216,6 @@ def remove_stale_staging(out: Path) -> None:
     """Remove the staging folders a killed export to ``out`` left (a drafter's size each): exactly this
     folder's name and mkdtemp's 8 random characters (``.drafter.x`` is not ``.drafter.mlx-q4.x``), and
     nothing written for an hour (a concurrent export's staging folder is being written)."""
-    import re
-    import time
-
     shape = re.compile(rf"\.{re.escape(out.name)}\.[A-Za-z0-9_]{{8}}\.tmp")
     inside = re.compile(rf"{re.escape(IN_PLACE_STAGING)}[A-Za-z0-9_]{{8}}\.tmp")
     beside = [p for p in out.parent.iterdir() if shape.fullmatch(p.name)] if out.parent.is_dir() else []

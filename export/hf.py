@@ -45,6 +45,7 @@ from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
 from models.drafter2 import load_drafter, select, unary_logits
 from models.weights import check_finite, folder_tensors
+from models.hub import HUB_ID, same_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOT_EXPORTED = "Nothing was exported: export an earlier checkpoint (runs/NAME/checkpoints/step_N), or retrain"
@@ -98,8 +99,6 @@ def provenance(src_prov: dict[str, Any], target: str | None, revision: str | Non
     """The source's provenance with command-line values on top. ``--target`` must be a local folder or a Hub
     id (a mistyped path was once recorded as the target, its check reported as skipped); one that differs
     from the target the run trained against is recorded, with a warning."""
-    from models.hub import HUB_ID, same_model
-
     prov = dict(src_prov)
     if target:
         if not Path(target).expanduser().is_dir() and not HUB_ID.match(target):
@@ -162,7 +161,7 @@ def gate(folder: Path, model: DFlashDraftModel, dtype: torch.dtype, remote_code:
     check_parity(stats["draftsmith"], name, "reloaded with draftsmith")
     log(f"check: reloaded with draftsmith, logits max |diff| {stats['draftsmith']['max_abs']:.2e}")
     if remote_code:
-        from transformers import AutoModel
+        from transformers import AutoModel  # start-up time (export.hf / export.mlx / export.push --help)
 
         hf = AutoModel.from_pretrained(str(folder), trust_remote_code=True, dtype=dtype).eval()
         stats["transformers"] = logit_stats(ref.numpy(), block_outputs(hf, inputs, dtype, head).numpy())

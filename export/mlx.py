@@ -29,14 +29,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
-from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, raise_if,
-                          random_block, schema_problems, stand_in_head, target_problems, weight_problems)
+from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, modeling_file_name,
+                          raise_if, random_block, schema_problems, stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
 from export.hf import NOT_EXPORTED, provenance
 from export.source import full_precision_source
 from export.usage import QUANTIZED_MLX_LOADERS
 from models.weights import check_finite, folder_tensors
+from models.config import DFlashConfig, mlx_only
+from models.drafter2 import load_drafter as load_torch_drafter, select as torch_select, unary_logits as torch_unary
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -64,8 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def torch_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
-    import torch
-
     with torch.no_grad():
         hidden = model(torch.from_numpy(inputs["noise"]), torch.from_numpy(inputs["features"]),
                        torch.from_numpy(inputs["positions"]))
@@ -73,7 +74,7 @@ def torch_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
 
 
 def mlx_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
-    import mlx.core as mx
+    import mlx.core as mx  # optional dependency: mlx
 
     dtype = model.dtype
     hidden = model(mx.array(inputs["noise"]).astype(dtype), mx.array(inputs["features"]).astype(dtype),
@@ -84,12 +85,9 @@ def mlx_logits(model, inputs: dict, head: np.ndarray) -> np.ndarray:
 def selector_agreement(reference, model, inputs: dict, head: np.ndarray) -> float:
     """DFlash2: the share of slots where the MLX drafter's greedy selector walk (through the stand-in head) drafts
     the torch fp32 drafter's token, on the gate's random blocks."""
-    import mlx.core as mx
-    import torch
+    import mlx.core as mx  # optional dependency: mlx
 
-    from models.drafter2 import select as torch_select
-    from models.drafter2 import unary_logits as torch_unary
-    from models.drafter2_mlx import select, unary_logits
+    from models.drafter2_mlx import select, unary_logits  # optional dependency: mlx
 
     c = reference.config
     with torch.no_grad():
@@ -112,11 +110,10 @@ def selector_agreement(reference, model, inputs: dict, head: np.ndarray) -> floa
 
 def gate(folder: Path, model, reference, dtype: str, log: Callable[[str], None]) -> dict[str, Any]:
     """Checks on the written MLX folder; raises ``ExportCheckError`` (nothing moved) on failure."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # optional dependency: mlx
+    from mlx.utils import tree_flatten  # optional dependency: mlx
 
-    from models.config import DFlashConfig
-    from models.drafter2_mlx import load_drafter
+    from models.drafter2_mlx import load_drafter  # optional dependency: mlx
 
     d = json.loads((folder / "config.json").read_text())
     raise_if(schema_problems(d, folder, hf=False), f"{folder.name}/config.json fails the engine schema")
@@ -157,17 +154,13 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
                dtype: str = "bf16", target: str | None = None, target_revision: str | None = None,
                overwrite: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Write, check and place the MLX folder; returns a summary (paths, parity figures)."""
-    import torch
-
-    from models.drafter2 import load_drafter as load_torch_drafter
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # optional dependency: mlx
     except ImportError:
         raise OSError("export.mlx needs MLX: pip install 'draftsmith[mlx]' (mlx on macOS, mlx[cpu] on Linux)") from None
-    from models.drafter2_mlx import load_drafter
+    from models.drafter2_mlx import load_drafter  # optional dependency: mlx
 
     if quantize not in (None, 4, 8):
         raise ValueError(f"--quantize {quantize}: use 4 or 8 (bits)")
@@ -206,7 +199,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
 def check_group_size(model, group_size: int) -> None:
     """Refuse a group size that does not divide every linear's input width: those linears would stay
     unquantized in a folder labelled as quantized (mlx quantizes a row in whole groups)."""
-    import mlx.nn as nn
+    import mlx.nn as nn  # optional dependency: mlx
 
     widths = {name: m.weight.shape[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     left = sorted(name for name, width in widths.items() if width % group_size)
@@ -221,16 +214,13 @@ def check_group_size(model, group_size: int) -> None:
 
 
 def _flat(params):
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # optional dependency: mlx
 
     return tree_flatten(params)
 
 
 def _finish_folder(folder: Path, quantized: bool) -> None:
     """A quantized folder is MLX-only (no ``auto_map``); an unquantized one ships the modeling file."""
-    from export.check import modeling_file_name
-    from models.config import mlx_only
-
     if quantized:
         path = folder / "config.json"
         path.write_text(json.dumps(mlx_only(json.loads(path.read_text())), indent=2) + "\n")

@@ -25,12 +25,17 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import huggingface_hub  # get_token looked up at each call (tests stand in for it)
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+
 from export.card import MARKER, render_card
 from export.check import raise_if, schema_problems, weight_problems
+from export.report import load_report
 from export.source import NotADrafterError, is_drafter_dir, training_output
-from models.config import MODELING_FILE, DFlashConfig
-from models.hub import is_hub_id
-from models.weights import INDEX, check_finite, folder_tensors
+from models.config import MODELING_FILE, DFlashConfig, describe_quantization
+from models.hub import INDEX, is_hub_id, repo_id_problem
+from models.weights import (check_finite, folder_tensors, norm_signature, same_signature, weight_hash_differences,
+                            weight_hashes)
 
 IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
 # What export.hf / export.mlx (and the card) write: all a push uploads. Any other file in the folder is refused,
@@ -58,8 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_repo_id(repo: str) -> str:
-    from models.hub import repo_id_problem
-
     if problem := repo_id_problem(repo):
         said = ":" if repo.count("/") != 1 else " is not a valid Hub repo id:"
         raise ValueError(f"--repo {repo!r}{said} {problem}")
@@ -115,11 +118,9 @@ def sort_files(folder: Path) -> tuple[list[str], list[str]]:
     """(the files an export writes, every other file) in ``folder``, as relative paths; hidden, cache and temp
     files are in neither. Both lists come from huggingface_hub's own filter with the patterns ``upload_folder``
     gets, so the dry run lists exactly what the upload sends (``export.folder`` reads the same lists)."""
-    from huggingface_hub import utils
-
     every = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    seen = list(utils.filter_repo_objects(every, ignore_patterns=IGNORE + list(utils.DEFAULT_IGNORE_PATTERNS)))
-    files = list(utils.filter_repo_objects(seen, allow_patterns=EXPORT_FILES))
+    seen = list(filter_repo_objects(every, ignore_patterns=IGNORE + list(DEFAULT_IGNORE_PATTERNS)))
+    files = list(filter_repo_objects(seen, allow_patterns=EXPORT_FILES))
     return files, [f for f in seen if f not in files]
 
 
@@ -143,14 +144,11 @@ def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str
     does not (the ``norm_signature`` tolerance, 1e-2, is wider than two checkpoints differ). Reports that predate
     the hashes are compared by their ``norm_signature``; older ones skip that part.
     """
-    from models.weights import norm_signature, same_signature, weight_hash_differences, weight_hashes
-
     theirs = {"block size": report.get("trained_block_size"), "mask token id": report.get("mask_token_id")}
     ours = {"block size": config.block_size, "mask token id": config.mask_token_id}
     wrong = [f"{k} {theirs[k]} (this folder: {ours[k]})" for k in ours
              if theirs[k] is not None and theirs[k] != ours[k]]
     if "draft_quantization" in report:  # reports that predate it skip this: the signature agrees across formats
-        from models.config import describe_quantization
 
         if report["draft_quantization"] != describe_quantization(config.quantization):
             wrong.append(f"drafter quantization {report['draft_quantization'] or 'none'} (this folder: "
@@ -187,8 +185,6 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
          license: str | None = None, commit_message: str | None = None, dry_run: bool = False,
          log: Callable[[str], None] = print) -> dict[str, Any]:
     """Check, write the card, upload (or print what would be uploaded). Returns the plan and the card text."""
-    from export.report import load_report
-
     folder = Path(folder)
     check_repo_id(repo)
     check_revision(revision)
@@ -215,15 +211,15 @@ def push(folder: str | Path, repo: str, private: bool = False, revision: str = "
         log(("README.md (generated):" if ours else "README.md exists and was not written by draftsmith; it would be "
              "uploaded as it is. The card draftsmith would write:") + "\n" + card)
         return {"ops": ops, "card": card, "uploaded": False}
-    from huggingface_hub import HfApi, get_token
-
-    if get_token() is None:
+    if huggingface_hub.get_token() is None:
         raise PermissionError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (it is read, never printed "
                               "or saved), or use --dry-run")
     if ours:
         readme.write_text(card)
     else:
         log(f"{readme} was not written by draftsmith: uploading it as it is (delete it to get the generated card)")
+    from huggingface_hub import HfApi  # start-up time: the Hub client (export.push --help does not load it)
+
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now: the client's constant is set at import
     url = None
     for op in ops:

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from models.config import is_drafter_config
+from models.config import DFlashConfig, is_drafter_config
 # The block's builders and the run folder's layout are shared with train/ (which writes them): models/provenance.py.
 # describe_target_quantization and provenance_from_run are imported from here by export.hf and the tests.
 from models.provenance import (FINAL_STATE, STEP_DIR, checkpoint_dirs, describe_target_quantization,  # noqa: F401
@@ -129,8 +129,6 @@ def incomplete_checkpoint(p: Path) -> None:
 def full_precision_source(checkpoint: str | Path, command: str) -> Source:
     """``resolve_source`` for an export, refusing a quantized MLX export as the source (both exports
     need the full-precision drafter: re-exporting quantized weights would compound the error)."""
-    from models.config import DFlashConfig
-
     src = resolve_source(checkpoint)
     if DFlashConfig.load(src.drafter_dir).quantization:
         raise ValueError(f"{src.drafter_dir} is already a quantized MLX export: {command} needs the full-precision "

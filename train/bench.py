@@ -34,12 +34,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 
 import torch
 
 from train.flops import DrafterShape, drafter_flops, peak_tflops, tapped_parameters, target_flops
+from models.config import DFlashConfig, default_layer_ids
+from models.drafter import DFlashDraftModel
+from models.flex_options import parse_flex_backward
+from train import block_mask
+from train.block_mask import documents_contiguous
+from train.objective import (attention_masks, block_loss, drafter_forward, draw_blocks, flex_block_mask,
+                             simulated_acceptance)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
@@ -93,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
     """Refuse bad flags in one line each, before anything is built; the --e2e recipe's spec."""
-    from data.bench import check_at_least
-    from models.random_target import recipe_runs_on_cpu, recipe_spec
+    from data.bench import check_at_least  # start-up time (train.bench --help)
+    from models.random_target import recipe_runs_on_cpu, recipe_spec  # start-up time (train.bench --help)
 
     spec = None
     # vocab 2: the last id is the mask token, random ids are drawn below it
@@ -106,7 +115,6 @@ def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
     if a.attention == "flex" and not torch.cuda.is_available():
         raise ValueError("--attention flex needs a CUDA GPU (flex attention has no CPU backward): "
                          "use --attention dense (or auto) on the CPU")
-    from models.flex_options import parse_flex_backward
 
     try:
         parse_flex_backward(a.flex_backward)
@@ -128,10 +136,6 @@ def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from models.config import DFlashConfig
-    from train.block_mask import documents_contiguous
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
-
     p = _parser()
     a = p.parse_args(argv)
     spec = _checked(p, a)
@@ -219,8 +223,6 @@ def main(argv: list[str] | None = None) -> None:
 def _models(a, cfg, target, device: torch.device, dtype: torch.dtype):
     """The drafter (compiled as asked, with the target's), the frozen embedding and LM head it trains
     against (the target's with --e2e, random ones otherwise), and AdamW as train/distill.py builds it."""
-    from models.drafter import DFlashDraftModel
-
     drafter = DFlashDraftModel(cfg).to(device).set_flex_backward(a.flex_backward)
     if a.compile:
         drafter.compile_layers()
@@ -258,8 +260,6 @@ def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list
         row["mfu"] = round(flops / dt / 1e12 / peak, 4) if peak else None
         row["peak_tflops"] = peak  # what mfu divides by
     else:
-        import resource
-
         row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)
     return row
 
@@ -286,8 +286,7 @@ def e2e_setup(a, argv, spec: dict, device: str | None = None):
     """Recipe shapes for ``--e2e``: the drafter's from the target's, the rest from the recipe (paper
     recipes: 5 layers, 5 taps, block 16, seq 3072, 512 anchors) unless a flag gives it. ``device``
     ``meta``: the target's shapes alone, no weights (``lab.flex_sweep``)."""
-    from models.random_target import recipe_target
-    from models.config import default_layer_ids
+    from models.random_target import recipe_target  # start-up time (train.bench --help)
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     drafter, data, train = spec.get("drafter") or {}, spec.get("data") or {}, spec.get("train") or {}
@@ -319,8 +318,6 @@ def e2e_setup(a, argv, spec: dict, device: str | None = None):
 def _parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos, n_anchors, use_flex,
            device) -> dict:
     """Each part of one step alone, with device syncs around it (seconds)."""
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, flex_block_mask
-
     def timed(fn):
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -336,15 +333,11 @@ def _parts(a, cfg, drafter, embed, head, opt, autocast, features, host, doc, pos
     f, out["target_forward_s"] = timed(lambda: features(7))
     mask, out["mask_s"] = timed(lambda: attention_masks(cfg, blocks, doc, pos, use_flex))
     if use_flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        import train.block_mask as bm
-        real, bm.direct_block_mask = bm.direct_block_mask, lambda *x: None  # the generic builder, for comparison
+        real, block_mask.direct_block_mask = block_mask.direct_block_mask, lambda *x: None  # the generic builder
         try:
             _, out["mask_generic_s"] = timed(lambda: flex_block_mask(blocks, doc))
         finally:
-            bm.direct_block_mask = real
-        del create_block_mask
+            block_mask.direct_block_mask = real
 
     def fwd():
         with autocast:

@@ -21,12 +21,16 @@ new length (:data:`LENGTH_KEYS`) that does not end before the checkpoint's step.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 import yaml
+from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
 
+from models.drafter2 import drafter_class
 from models.support import UserError
 # The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
 from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
@@ -38,8 +42,6 @@ class CheckpointError(UserError, ValueError):
 
 def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None = None) -> None:
     """The HF drafter folder, from the full state dict (works under DDP / FSDP / DeepSpeed)."""
-    from models.drafter2 import drafter_class
-
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
@@ -90,12 +92,6 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
 
 def load_checkpoint(accelerator, directory: Path) -> dict:
     """Restore model / optimizer / scheduler / RNG state; returns the trainer state."""
-    import pickle
-
-    from safetensors import SafetensorError
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
     state = read_trainer_state(directory)
     try:
         accelerator.load_state(str(Path(directory) / "state"))

@@ -259,12 +259,13 @@ class RunConfig:
 
     def validate(self) -> None:
         from models.support import DTYPE_NAMES
-        # start-up time: `train.distill --help` reads this module, and these two import torch
-        from models.flex_options import parse_flex_backward
-        from train.tiny import parse_tiny
+        from models.flex_options import parse_flex_backward  # start-up time: `train.distill --help` imports no torch
 
         quant = parse_quantization(self.target.quantization)  # a bad value fails here, before anything loads
-        parse_tiny(self.target.path or "")  # tiny:<typo> failed after out_dir/config.yaml was written
+        if (self.target.path or "").startswith("tiny:"):  # tiny:<typo> failed after out_dir/config.yaml was written
+            from train.tiny import parse_tiny  # start-up time: only a tiny target's config imports transformers
+
+            parse_tiny(self.target.path)
         parse_flex_backward(self.train.flex_backward)  # a typo would fail only at the first CUDA step
         # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
         self.target.dtype = DTYPE_NAMES.get(self.target.dtype, self.target.dtype)

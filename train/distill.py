@@ -42,39 +42,37 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch train/distill.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
+from tqdm import tqdm
 
-from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, step_line, tau_trend
+from data.readers import refuse_local_subset
+from models.provenance import data_provenance, provenance_of_run
+from train.config import RunConfig, load_config, valid_keys
+from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, open_metrics, step_line, tau_trend
+from train.overrides import recipe_names
 
 LOCK = ".draftsmith.lock"  # in out_dir, held by the main process while the run writes there
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from train.config import load_config
-
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print_help()
         return {}
     cfg = load_config(argv)  # a mistyped key or recipe ends in models.support.run_cli's one-line error
     if cfg.dry_run:
-        from train.plan import print_plan
+        from train.plan import print_plan  # start-up time: `train.distill --help` imports no torch
 
         return print_plan(cfg)
     return train(cfg, argv)
 
 
 def print_help() -> None:
-    from dataclasses import fields
-
-    from train.config import RunConfig, valid_keys
-    from train.overrides import recipe_names
-
     print(__doc__)
     print("recipes:", ", ".join(recipe_names()))
     print("config keys (README 'Train' explains each):")
@@ -89,14 +87,17 @@ def print_help() -> None:
 def setup_run(cfg, held: contextlib.ExitStack | None = None):
     """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``.
     ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.support``)."""
+    from models.support import run_on_main
+    # start-up time: `train.distill --help` imports no torch
+    import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from tqdm import tqdm
 
-    from models.support import run_on_main
+    from data.store import FeatureStore
     from train.checkpoint import refuse_unfinished_run, resume_checkpoint
     from train.export_stage import check_export_stage
     from train.loop import Run, true_tau_cadence_note
+    from train.setup import warm_start_source
 
     cuda = torch.cuda.is_available()
     if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
@@ -114,16 +115,10 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     if cfg.features.mode == "offline":  # a mistyped or unfinished store was named only once the target had loaded
-        from data.store import FeatureStore
-
         FeatureStore(cfg.features.store, verify=False)  # its index alone: it exists and its extraction finished
     if cfg.data.subset and cfg.data.source != "tiny":  # read only once the target had loaded
-        from data.readers import refuse_local_subset
-
         refuse_local_subset(cfg.data.source, cfg.data.subset)
     if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
-        from train.setup import warm_start_source
-
         warm_start_source(cfg.drafter.init_from)
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
@@ -156,6 +151,9 @@ def write_run_config(run) -> None:
 def build_drafter(run, drafter_cfg, target):
     """A fresh drafter (Qwen3 init from the seed) or ``drafter.init_from``, in fp32 on the device, bound to
     the target's frozen embedding and LM head (``train.compile``: both models' layers compiled, ``run.compiled``)."""
+    # start-up time: `train.distill --help` imports no torch
+    import torch
+
     from models.drafter2 import new_drafter
     from train.compiling import compile_models
 
@@ -173,6 +171,9 @@ def build_drafter(run, drafter_cfg, target):
 
 def build_optimizer(run, drafter, sched):
     """AdamW + the warmup/cosine schedule; accelerate wraps the model (DDP/FSDP) and the optimizer."""
+    # start-up time: `train.distill --help` imports no torch
+    import torch
+
     from train.loop import lr_lambda
 
     tr = run.cfg.train
@@ -193,6 +194,7 @@ def resume_state(run, sched, scheduler, rows: str):
     checkpoint's step, and the learning rate follows the new length's schedule from the first resumed step.
     ``rows``: the identity of the rows this run loaded, which must be the checkpoint's.
     """
+    # start-up time: `train.distill --help` imports no torch
     from train.checkpoint import ResumeConfigError, load_checkpoint
     from train.loop import LoopState, reshard_position, resync_lr
 
@@ -241,8 +243,7 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                state, logger) -> tuple[dict, dict, list[dict], int]:
     """Optimizer steps until ``total_steps``: log, evaluate and checkpoint on their cadence. Returns (the last
     logged step row, the eval row of the untrained drafter or {}, every eval row, the true-tau prompts)."""
-    from tqdm import tqdm
-
+    # start-up time: `train.distill --help` imports no torch
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
     from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, flop_counter,
@@ -315,6 +316,9 @@ def save_final(run, model, step: int) -> Path:
     """``out_dir/final/``: ``drafter/`` (bf16 when trained in bf16), the config it was trained with and
     ``trained.json`` (its optimizer steps). Written as ``final.tmp/`` and renamed when complete, so a kill
     never leaves a new config beside old weights; the previous ``final/`` goes only then."""
+    # start-up time: `train.distill --help` imports no torch
+    import torch
+
     from train.checkpoint import FINAL_STATE, CheckpointError, latest_checkpoint, save_drafter
     from train.loop import diverged, nonfinite_weights
 
@@ -360,11 +364,11 @@ def train(cfg, argv: list[str] | None = None) -> dict:
 
 def run_stages(run, cfg, argv: list[str] | None) -> dict:
     """``train`` once ``out_dir`` is held: target, data, drafter, the loop, the final drafter, the exports."""
+    # start-up time: `train.distill --help` imports no torch
     from data.rows import rows_identity
-    from models.provenance import data_provenance, provenance_of_run
     from train.checkpoint import clear_for_fresh_start
-    from train.loop import interrupted_message, make_schedule
-    from train.metrics import open_metrics
+    from train.loop import interrupted_message
+    from train.plan import make_schedule
     from train.setup import (data_token_ids, load_data, load_target, make_features, resolve_drafter_config,
                              warm_start_config)
 
@@ -403,7 +407,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         logger.close()
     run.accelerator.end_training()
     if run.is_main:  # the drafter is on disk first: an export failure never costs the training
-        from train.export_stage import run_export_stage
+        from train.export_stage import run_export_stage  # start-up time: `train.distill --help` imports no torch
 
         run_export_stage(cfg.export, final_drafter, run.out_dir, run.log)
         run.log(closing_summary(run, state.step, resumed_at, evals, prompts, final_drafter, target_path))

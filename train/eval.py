@@ -13,6 +13,8 @@ lazily there, because the point of the measurement is to run *the* inference loo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, simulated_acceptance
@@ -27,8 +29,6 @@ def evaluate_sim(drafter, target, provider, indices: list[int], *, batch_size: i
 
     objective: ``block_loss``'s weighting keywords (``RunConfig.loss_weighting()``; None: the decay of ``gamma``),
     so the held-out loss is the training loss's; the simulated tau does not depend on it."""
-    import contextlib
-
     cfg = drafter.config
     was_training = drafter.training
     drafter.eval()

@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import huggingface_hub  # get_token looked up at each call (tests stand in for it)
+
+from models.hub import repo_id_problem
+
 
 class ExportStageError(ValueError):
     """An export command of the final stage failed; the trained drafter is saved regardless."""
@@ -29,7 +33,7 @@ def check_export_stage(export_cfg) -> None:
     ``export.mlx``, a Hub token and a well-formed repo id for a push (the commands' own checks, run early)."""
     if export_cfg.mlx:
         try:
-            import mlx.core  # noqa: F401
+            import mlx.core  # noqa: F401  (optional dependency: is MLX installed here?)
         except ImportError:
             raise ExportStageError("export.mlx=true needs MLX, which is not installed here: pip install "
                                    "'draftsmith[mlx]' (mlx on macOS, mlx[cpu] on Linux), or drop export.mlx and run "
@@ -38,14 +42,10 @@ def check_export_stage(export_cfg) -> None:
                                ("export.push_mlx_repo", export_cfg.push_mlx_repo)) if v}
     if not repos:
         return
-    from huggingface_hub import get_token
-
-    from models.hub import repo_id_problem
-
     for key, repo in repos.items():
         if problem := repo_id_problem(repo):
             raise ExportStageError(f"{key}={repo!r} is not a Hub repo id: {problem}")
-    if get_token() is None:
+    if huggingface_hub.get_token() is None:
         raise ExportStageError(f"{' and '.join(repos)} push to the Hub after training, and there is no Hugging Face "
                                "token: run `hf auth login` or set HF_TOKEN first, or drop the push and run python -m "
                                "export.push later")

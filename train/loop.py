@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shlex
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -17,13 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from accelerate.utils import DistributedType
 
 from models.support import UserError, to_device
 from train.block_mask import documents_contiguous
 from train.flops import DrafterShape, drafter_flops, peak_tflops, tapped_parameters, target_flops
+from train.checkpoint import latest_checkpoint
+from train.eval import evaluate_sim, true_tau
 from train.metrics import eval_line
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
-from train.rng import epoch_order, row_generators
+from train.plan import Schedule
+from train.rng import row_generators
+from train.setup import token_batch
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -89,23 +96,6 @@ class LoopState:
         """Older checkpoints carry extra keys (total_steps, seed...) and lack newer ones: both are fine."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass
-class Schedule:
-    micro_per_epoch: int  # micro-batches per process per epoch
-    steps_per_epoch: int
-    total_steps: int
-
-
-def make_schedule(cfg, n_rows: int, world: int, rank: int) -> Schedule:
-    micro = len(epoch_order(n_rows, 0, 0, rank, world)) // cfg.train.batch_size
-    if micro == 0:
-        raise ValueError(f"{n_rows} training rows is less than one micro-batch per process "
-                         f"({cfg.train.batch_size} x {world}): lower train.batch_size or add data")
-    steps_per_epoch = math.ceil(micro / cfg.train.grad_accum)
-    total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
-    return Schedule(micro, steps_per_epoch, total)
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float):
@@ -186,8 +176,6 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
     (D-PACE's weight sum is known only after the last forward: ``train_step`` rescales the gradients.)
     ``count_flops(blocks, tokens)`` (``flop_counter``): each micro-batch's model FLOPs, from the host's blocks.
     """
-    from train.setup import token_batch
-
     tr, dev = run.cfg.train, run.device
     first = state.step_in_epoch * tr.grad_accum
     out = []
@@ -217,8 +205,6 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     # usual size), and the gradients are rescaled by count / weight sum once every micro-batch is through.
     rescale = objective["weighting"] == "dpace" and objective["normaliser"] == "weights"
     if rescale:
-        from accelerate.utils import DistributedType
-
         if acc.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed steps inside backward(), before a rescale
             raise UserError("train.dpace_normaliser=weights rescales the gradients after the last micro-batch, "
                             "which DeepSpeed does not allow: use train.dpace_normaliser=tokens, or DDP / FSDP")
@@ -325,8 +311,6 @@ def nonfinite_weights(run: Run, model) -> bool:
 
 def diverged(run: Run, step: int | None, what: str) -> TrainingDiverged:
     """The error that ends a diverged run: what went non-finite, and what the user can change."""
-    from train.checkpoint import latest_checkpoint
-
     t = run.cfg.train
     newest = latest_checkpoint(run.out_dir)
     kept = f"the newest checkpoint, {newest}, was saved before it" if newest else "no checkpoint was saved"
@@ -418,10 +402,6 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
     Under FSDP every process runs it too: the drafter's forward all-gathers its sharded weights, a
     collective that would wait forever for processes that skipped it.
     """
-    from accelerate.utils import DistributedType
-
-    from train.eval import evaluate_sim, true_tau
-
     cfg = run.cfg
     row: dict = {"step": step}
     sharded = run.accelerator.distributed_type == DistributedType.FSDP
@@ -479,8 +459,6 @@ def launch_command(world: int) -> str:
     script, in the checkout), ``python -m train.distill``, ``draftsmith-distill``, under ``accelerate launch``
     with several processes. ``python -m train.distill`` where it cannot tell (called from Python): it works
     from any directory once the package is installed."""
-    import sys
-
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     script = sys.argv[0] if sys.argv else ""
     if spec is not None and spec.name == "train.distill":
@@ -506,8 +484,6 @@ def resume_command(args: list[str], world: int) -> str:
 
 def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world: int) -> str:
     """What Ctrl-C prints: the newest checkpoint and the exact resume command."""
-    from train.checkpoint import latest_checkpoint
-
     ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         where = ("no checkpoint was written yet (checkpoint.every sets how often), so resuming starts from "
@@ -520,8 +496,6 @@ def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world:
 def launcher_note(world: int) -> str:
     """What the resume hint cannot rebuild: accelerate's own flags (a config file, several machines) do
     not reach the processes it starts, only their effects (these environment variables) do."""
-    import os
-
     env = os.environ
     custom = any(env.get(k, "").lower() == "true" for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
     nodes = env.get("WORLD_SIZE") not in (None, env.get("LOCAL_WORLD_SIZE"))

@@ -111,7 +111,7 @@ def start_wandb(project: str, config: dict, out_dir: Path, mode: str | None, run
                 log: Callable[[str], None]):
     """A wandb run (the same run again when ``run_id`` is given), or a no-op one if wandb is missing."""
     try:
-        import wandb
+        import wandb  # optional dependency
     except ImportError:
         msg = (f"logging.wandb=true but wandb is not importable (pip install wandb): logging to the console and "
                f"{out_dir / 'metrics.jsonl'} only")

@@ -37,9 +37,11 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import checkpoint
 
 from models.support import to_device
+from train import block_mask  # direct_block_mask looked up at each call (train.bench swaps it to time the other)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -217,8 +219,6 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = 
 
     contiguous: ``train.block_mask.documents_contiguous`` of ``doc_ids``, when the caller has it from the
     host copy (None: checked here)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     b, n = blocks.anchors.shape
     B = blocks.block_size
     s = doc_ids.shape[1]
@@ -241,9 +241,7 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None = 
         return ctx | blk
 
     if window is None and not block_causal:  # tiles straight from the block tensors (train/block_mask.py)
-        from train.block_mask import direct_block_mask
-
-        direct = direct_block_mask(blocks.anchors, blocks.valid, doc_ids, B, mask_mod, contiguous)
+        direct = block_mask.direct_block_mask(blocks.anchors, blocks.valid, doc_ids, B, mask_mod, contiguous)
         if direct is not None:
             return direct
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=n * B, KV_LEN=s + n * B, device=doc_ids.device)

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import typing
 from dataclasses import fields
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +208,6 @@ def check_key(key: str, root) -> None:
 
 def recipes_dir() -> Path:
     """The shipped recipes: the ``recipes`` package's folder (a checkout, an editable or a plain install)."""
-    from importlib.resources import files
-
     return Path(str(files("recipes")))
 
 

@@ -4,25 +4,82 @@ Nothing heavy is downloaded: the target's shape comes from a local ``config.json
 Hub's ``config.json`` alone (a few KB) when the Hub is reachable, else from the shape facts the
 recipe carries (``target.num_layers``, ``target.hidden_size``, ...); the plan says which, and what
 it could not fetch. Data size comes from a prepared data set's ``stats.json`` when one exists.
+
+What a run and its plan decide alike lives here, and training imports it: the schedule
+(``make_schedule``), the held-out rows, and which parts of the target a process loads. So the plan
+needs none of the training modules (no datasets, accelerate or transformers' model code to import).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import socket
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
+
+import huggingface_hub  # hf_hub_download looked up at each call (tests stand in for it)
+import torch
+from huggingface_hub import constants
+
+from models.config import DFlashConfig, TargetShape
+from models.hub import is_hub_id
+from models.provenance import describe_objective, objective_of_run
+from models.quantization import parse_quantization
+from train.rng import epoch_order
 
 TEXT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
              "head_dim", "vocab_size", "max_position_embeddings", "model_type")
 
 
+# ----------------------------------------------------------------------------- what a run loads and how long
+# it runs (training decides by the same functions: train/setup.py, train/loop.py)
+@dataclass
+class Schedule:
+    micro_per_epoch: int  # micro-batches per process per epoch
+    steps_per_epoch: int
+    total_steps: int
+
+
+def make_schedule(cfg, n_rows: int, world: int, rank: int) -> Schedule:
+    micro = len(epoch_order(n_rows, 0, 0, rank, world)) // cfg.train.batch_size
+    if micro == 0:
+        raise ValueError(f"{n_rows} training rows is less than one micro-batch per process "
+                         f"({cfg.train.batch_size} x {world}): lower train.batch_size or add data")
+    steps_per_epoch = math.ceil(micro / cfg.train.grad_accum)
+    total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    return Schedule(micro, steps_per_epoch, total)
+
+
+def held_out_rows(eval_rows: int, rows: int) -> int:
+    """Rows held out from the end of a prepared set of ``rows``: ``data.eval_rows``, at most a fifth of them."""
+    return min(eval_rows, rows // 5) if eval_rows else 0
+
+
+def loads_whole_target(cfg, is_main: bool, fsdp: bool) -> bool:
+    """Whether this process needs the target's decoder layers, not only its embedding and LM head.
+
+    Online features run the target in every step. Offline ones only borrow its embedding (the
+    drafter's input) and LM head (the loss), except where held-out text is generated for true tau:
+    the main process, or every process under FSDP (each takes part in the drafter's all-gathers).
+    """
+    if cfg.features.mode == "online":
+        return True
+    return bool(cfg.eval.true_tau_prompts and cfg.data.eval_rows) and (is_main or fsdp)
+
+
+def borrows_target(cfg) -> bool:
+    """Offline features with an unquantized target on one device per process: its embedding and LM head
+    can be loaded alone (quantized targets come through their quantizer, spread ones through device_map)."""
+    return (cfg.features.mode == "offline" and not cfg.target.device_map
+            and parse_quantization(cfg.target.quantization).kind == "none")
+
+
+# ----------------------------------------------------------------------------- the dry run
 def _hub_resolves() -> bool:
     """Whether the Hub endpoint's host name resolves (no name means no network: fail in milliseconds)."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
     host = urlparse(constants.ENDPOINT).hostname
     try:
         socket.getaddrinfo(host, 443)
@@ -33,32 +90,27 @@ def _hub_resolves() -> bool:
 
 def _fetch_config(cfg) -> tuple[dict | None, str]:
     """(config dict, where it came from or why not)."""
-    from train.tiny import parse_tiny
-
     path = cfg.target.path
-    arch = parse_tiny(path)
-    if arch:  # its shape is fixed in code: plan it as built
+    if str(path).startswith("tiny:"):  # its shape is fixed in code: plan it as built
+        # start-up time: the plan of a real target imports no transformers
         from models.tiny import TINY_VOCAB, tiny_config
-        from train.tiny import NUM_LAYERS
+        from train.tiny import NUM_LAYERS, parse_tiny
 
-        return (tiny_config(arch, TINY_VOCAB, NUM_LAYERS).to_dict(),
+        return (tiny_config(parse_tiny(path), TINY_VOCAB, NUM_LAYERS).to_dict(),
                 f"{path}: the tiny target built at train time ({NUM_LAYERS} layers)")
     local = Path(path).expanduser() / "config.json"
     if local.is_file():
         return json.loads(local.read_text()), f"local {local}"
-    from models.hub import is_hub_id
 
     if not is_hub_id(path):  # a local path (a typo, a folder not copied yet): not the Hub's network to blame
         what = "has no config.json" if local.parent.is_dir() else "does not exist"
         return None, f"the local folder {path} {what}; using the recipe's shape facts"
     offline = False
     try:
-        from huggingface_hub import hf_hub_download
-
         # The plan only refines the recipe's facts: when the Hub's host does not even resolve, read
         # the cache alone instead of sitting through huggingface_hub's ~25 s of connection retries.
         offline = not _hub_resolves()
-        f = hf_hub_download(path, "config.json", revision=cfg.target.revision, local_files_only=offline)
+        f = huggingface_hub.hf_hub_download(path, "config.json", revision=cfg.target.revision, local_files_only=offline)
         return json.loads(Path(f).read_text()), f"Hub config.json of {path} (config only, no weights)"
     except Exception as e:  # offline, gated, unknown id: all mean "use the recipe's facts"
         reason = ("the Hub's host name does not resolve (no network?) and it is not in the local cache"
@@ -76,8 +128,6 @@ def target_shape(cfg) -> tuple[dict, str]:
              "model_type": t.model_type, "rope_theta": t.rope_theta}
     fetched, source = _fetch_config(cfg)
     if fetched:
-        from models.config import TargetShape
-
         shape["rope_theta"] = TargetShape.from_config(fetched).rope_theta or shape["rope_theta"]
         text = fetched.get("text_config") or fetched  # Qwen3.5 multimodal checkpoints nest the text tower
         for k in TEXT_KEYS:
@@ -104,7 +154,6 @@ def parse_devices(spec: str) -> tuple[int, float] | None:
         if n < 1 or cap <= 0:
             raise ValueError(f"devices={spec!r}: write COUNTxGiB, e.g. devices=8x80 for 8 GPUs of 80 GB")
         return n, cap
-    import torch
 
     if not torch.cuda.is_available():
         return None
@@ -143,11 +192,9 @@ def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
 
     One process per GPU holds the whole target and a drafter replica with its AdamW state and
     activations. With offline features a process loads only the target's embedding and LM head,
-    except the main one when it generates for true tau (``train.setup.loads_whole_target``).
+    except the main one when it generates for true tau (``loads_whole_target``).
     ``target.device_map`` instead spreads the target over the node's GPUs, with the drafter on GPU 0.
     """
-    from train.setup import borrows_target, loads_whole_target
-
     devices = parse_devices(cfg.devices)
     if devices is None:
         return {"count": 0, "note": "no GPU here: pass devices=COUNTxGiB (e.g. devices=8x80) to plan for a node"}
@@ -198,8 +245,6 @@ def plan(cfg) -> dict:
         keys = " ".join(f"target.{k.replace('num_hidden_layers', 'num_layers')}=N" for k in missing)
         out["error"] = f"cannot plan: the target's {', '.join(missing)} unknown (set {keys})"
         return out
-    from models.config import DFlashConfig, TargetShape
-    from models.provenance import describe_objective, objective_of_run
 
     d, tr = cfg.drafter, cfg.train
     L, H, V = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
@@ -232,9 +277,6 @@ def plan(cfg) -> dict:
     processes = 1 if cfg.target.device_map or devices is None else devices[0]
     steps = None
     if rows:
-        from train.loop import make_schedule
-        from train.setup import held_out_rows
-
         steps = make_schedule(cfg, rows - held_out_rows(cfg.data.eval_rows, rows), processes, 0).total_steps
 
     # Memory per GPU (bf16 target, fp32 drafter + AdamW, bf16 activations). Rough, on purpose.

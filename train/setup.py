@@ -24,10 +24,11 @@ from data.store import FeatureStore, prepared_fingerprint
 from models.config import ConfigError, DFlashConfig, TargetShape
 from models.hub import INDEX, resolve_model_dir
 from models.mask_token import resolve_mask_token
-from models.quantization import is_mlx_quantized, parse_quantization
+from models.quantization import is_mlx_quantized
 from models.quantize import resolve_target
 from models.target import TargetModel
 from models.target_folder import read_target_config
+from train.plan import borrows_target, held_out_rows, loads_whole_target
 from train.tiny import build_tiny_target, parse_tiny
 
 
@@ -72,25 +73,6 @@ def load_target(cfg, out_dir: Path, accelerator, log):
     return target, path
 
 
-def loads_whole_target(cfg, is_main: bool, fsdp: bool) -> bool:
-    """Whether this process needs the target's decoder layers, not only its embedding and LM head.
-
-    Online features run the target in every step. Offline ones only borrow its embedding (the
-    drafter's input) and LM head (the loss), except where held-out text is generated for true tau:
-    the main process, or every process under FSDP (each takes part in the drafter's all-gathers).
-    """
-    if cfg.features.mode == "online":
-        return True
-    return bool(cfg.eval.true_tau_prompts and cfg.data.eval_rows) and (is_main or fsdp)
-
-
-def borrows_target(cfg) -> bool:
-    """Offline features with an unquantized target on one device per process: its embedding and LM head
-    can be loaded alone (quantized targets come through their quantizer, spread ones through device_map)."""
-    return (cfg.features.mode == "offline" and not cfg.target.device_map
-            and parse_quantization(cfg.target.quantization).kind == "none")
-
-
 def in_safetensors(path: str, revision: str | None) -> bool:
     """A plain (not MLX-quantized) folder with safetensors shards, the two tensors can be read from.
     A Hub id with a shard index is answered from its small files (no shard downloaded here)."""
@@ -105,11 +87,6 @@ def in_safetensors(path: str, revision: str | None) -> bool:
 
 def _fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
-
-
-def held_out_rows(eval_rows: int, rows: int) -> int:
-    """Rows held out from the end of a prepared set of ``rows``: ``data.eval_rows``, at most a fifth of them."""
-    return min(eval_rows, rows // 5) if eval_rows else 0
 
 
 def load_data(cfg, target_path: str, target, out_dir: Path, accelerator, log):

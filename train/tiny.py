@@ -15,6 +15,11 @@ import random
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from data import tiny_chat
+from data.chat import tokenize_conversation
+from models.tiny import TINY_ARCHS, save_tiny_target, tiny_tokenizer
 
 FIT_VERSION = 2  # bump when the fitting procedure changes (invalidates cached tiny targets)
 NUM_LAYERS = 6  # of the target tiny:<arch> builds
@@ -23,10 +28,6 @@ NUM_LAYERS = 6  # of the target tiny:<arch> builds
 def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: int = NUM_LAYERS, seed: int = 0,
                       fit_steps: int = 100, conversations: int = 512, log=print) -> Path:
     """A tiny target folder (config, safetensors, tokenizer), fitted on tiny chat; cached by its recipe."""
-    from data.chat import tokenize_conversation
-    from data.tiny_chat import build
-    from models.tiny import save_tiny_target, tiny_tokenizer
-
     directory = Path(directory)
     stamp = {"arch": arch, "num_layers": num_layers, "seed": seed, "fit_steps": fit_steps,
              "conversations": conversations, "fit_version": FIT_VERSION}
@@ -35,7 +36,7 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
         return directory
     log(f"building tiny {arch} target in {directory} (fit {fit_steps} steps on tiny chat)")
     save_tiny_target(directory, arch=arch, seed=seed, num_layers=num_layers)
-    from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
+    from transformers import Kimi_K25ForConditionalGeneration
 
     # Kimi K2.5's multimodal checkpoint (AutoModelForCausalLM refuses it) is fitted whole and saved in its published
     # layout again (models.tiny.kimi_checkpoint_layout)
@@ -43,7 +44,7 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
     model = cls.from_pretrained(directory, dtype=torch.float32)
     tok = tiny_tokenizer("llama3" if arch == "llama" else "chatml")
     rows = []
-    for conv in build(conversations, seed=seed + 1000):  # other conversations than the training data
+    for conv in tiny_chat.build(conversations, seed=seed + 1000):  # other conversations than the training data
         for row in tokenize_conversation(tok, conv["messages"], thinking=False)[0]:
             rows.append(row.input_ids)
     torch.manual_seed(seed)
@@ -75,8 +76,6 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
 
 def parse_tiny(path: str) -> str | None:
     """``tiny:qwen3`` -> ``qwen3``; anything else -> None; an architecture no tiny target has is refused."""
-    from models.tiny import TINY_ARCHS
-
     if not str(path).startswith("tiny:"):
         return None
     arch = path.split(":", 1)[1] or "qwen3"

@@ -286,7 +286,7 @@ def test_who_loads_the_whole_target_and_who_borrows_its_embedding_and_head():
     in the drafter's all-gathers, so each needs the decoder layers; a target spread by device_map is never
     borrowed (its parts come through the map)."""
     from train.config import load_config
-    from train.setup import borrows_target, loads_whole_target
+    from train.plan import borrows_target, loads_whole_target
 
     offline = load_config(["recipe=tiny", "features.mode=offline", "features.store=feats", "eval.true_tau_prompts=4"])
     assert [loads_whole_target(offline, is_main, fsdp) for is_main, fsdp in

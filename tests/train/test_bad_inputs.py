@@ -485,7 +485,8 @@ def test_held_out_rows_are_the_last_ones_and_at_most_a_fifth(tmp_path_factory, t
     from models.target import TargetModel
     from tests.helpers.tiny_run import tiny_input_dirs
     from train.config import load_config
-    from train.setup import held_out_rows, load_data
+    from train.plan import held_out_rows
+    from train.setup import load_data
 
     assert [held_out_rows(e, 240) for e in (0, 10, 48, 1000)] == [0, 10, 48, 48]
     d = tiny_input_dirs(tmp_path_factory)
@@ -1058,7 +1059,7 @@ def test_dry_run_devices_that_are_not_count_x_gib(spec):
 
 def test_fewer_training_rows_than_one_micro_batch_per_process_are_refused():
     from train.config import load_config
-    from train.loop import make_schedule
+    from train.plan import make_schedule
 
     cfg = load_config(["recipe=tiny", "train.batch_size=4"])
     with pytest.raises(ValueError, match=re.escape("7 training rows is less than one micro-batch per process "

@@ -280,7 +280,7 @@ def test_schedule_counts_a_partial_accumulation_step():
     """5 micro-batches with accumulation 2 are 3 optimizer steps per epoch (the last one of one
     micro-batch), not 2 (a row skipped every epoch)."""
     from train.config import load_config
-    from train.loop import make_schedule
+    from train.plan import make_schedule
 
     cfg = load_config(["recipe=tiny", "train.batch_size=1", "train.grad_accum=2", "train.epochs=2"])
     schedule = make_schedule(cfg, 5, 1, 0)
@@ -403,7 +403,7 @@ def test_checkpoint_holds_the_loop_state_and_wandb_resumes_the_same_run(tiny, tm
 def test_fractional_epochs_round_the_step_count_up():
     """train.epochs=1.5 of 3 steps per epoch is 5 steps (the half epoch's 1.5 steps become 2)."""
     from train.config import load_config
-    from train.loop import make_schedule
+    from train.plan import make_schedule
 
     cfg = load_config(["recipe=tiny", "train.batch_size=1", "train.grad_accum=2", "train.epochs=1.5"])
     assert make_schedule(cfg, 6, 1, 0).total_steps == 5
@@ -419,7 +419,8 @@ def test_lr_schedule_whose_warmup_is_the_whole_run():
 
 
 def test_advance_counts_every_processs_tokens_and_rolls_over_at_the_epochs_end():
-    from train.loop import LoopState, Schedule, StepStats, advance
+    from train.loop import LoopState, StepStats, advance
+    from train.plan import Schedule
 
     zero = torch.zeros(())
     stats = StepStats(loss=zero, ce_sum=zero, kl_sum=zero, tokens=3, tokens_all=7)  # 7 over all processes
@@ -435,7 +436,8 @@ def test_the_last_step_of_an_epoch_takes_only_the_micro_batches_left():
     """5 one-row micro-batches with accumulation 2: the epoch's third step has one micro-batch, not a
     second one past the epoch's end."""
     from train.config import load_config
-    from train.loop import LoopState, draw_step, make_schedule
+    from train.loop import LoopState, draw_step
+    from train.plan import make_schedule
     from train.rng import epoch_order
 
     cfg = load_config(["recipe=tiny", "train.batch_size=1", "train.grad_accum=2", "train.anchors=4"])
@@ -455,7 +457,8 @@ def test_a_drawn_micro_batch_knows_whether_its_documents_are_contiguous():
     GPU's document ids back: it must say what the rows hold."""
     from train.block_mask import documents_contiguous
     from train.config import load_config
-    from train.loop import LoopState, draw_step, make_schedule
+    from train.loop import LoopState, draw_step
+    from train.plan import make_schedule
     from train.rng import epoch_order
 
     cfg = load_config(["recipe=tiny", "train.batch_size=2", "train.anchors=4"])
@@ -906,7 +909,7 @@ def test_the_rows_that_do_not_fill_a_micro_batch_are_left_out_of_the_epoch():
     """5 rows in micro-batches of 2: 2 micro-batches per epoch (the fifth row waits for another epoch's
     order), not 3 with a short last one."""
     from train.config import load_config
-    from train.loop import make_schedule
+    from train.plan import make_schedule
 
     cfg = load_config(["recipe=tiny", "train.batch_size=2", "train.grad_accum=1", "train.epochs=1"])
     schedule = make_schedule(cfg, 5, 1, 0)
@@ -917,7 +920,8 @@ def test_a_step_takes_batch_size_rows_per_micro_batch_and_draws_its_anchors_from
     """Micro-batch k of a step is rows k*batch .. (k+1)*batch of the order, and the same rows are given
     new anchors in another epoch (their generators are seeded by the epoch, as in the paper)."""
     from train.config import load_config
-    from train.loop import LoopState, draw_step, make_schedule
+    from train.loop import LoopState, draw_step
+    from train.plan import make_schedule
 
     cfg = load_config(["recipe=tiny", "train.batch_size=2", "train.grad_accum=2", "train.anchors=2"])
     rows = [{"input_ids": list(range(i, i + 32)), "loss_mask": [0] + [1] * 31, "doc_ids": [0] * 32,

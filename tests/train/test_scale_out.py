@@ -549,7 +549,7 @@ def test_devices_default_to_this_machines_gpus(monkeypatch):
 def test_which_processes_load_the_whole_target():
     """Online: every process. Offline: only the one(s) that generate for true tau (main; all under FSDP)."""
     from train.config import load_config
-    from train.setup import loads_whole_target
+    from train.plan import loads_whole_target
 
     online = load_config(["recipe=tiny"])
     offline = load_config(["recipe=tiny", "features.mode=offline", "features.store=/unused"])
