@@ -208,6 +208,7 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     variant = "dflash2"
     decoder_layer = DFlash2DecoderLayer
+    _no_split_modules = ["DFlash2DecoderLayer"]  # FSDP's units (recipes/accelerate/fsdp.yaml)
 
     def __init__(self, config: DFlashConfig):
         if config.variant != "dflash2":
