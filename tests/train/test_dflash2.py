@@ -75,15 +75,17 @@ def _common(golden_inputs):
 
 def test_a_two_step_dflash2_run_drops_its_loss_and_resume_refuses_another_selector_alpha(golden_inputs, tmp_path):
     """drafter.variant=dflash2 trains: finite losses that drop, the selector CE logged beside the unary CE, the
-    held-out walk's tau and the unary argmax's; the run records its selector alpha, and a resume that changes it is
-    refused (it changes the objective)."""
+    held-out walk's tau and the unary argmax's, and a true tau from the torch loop (through its proposal step,
+    inference.cycle.propose_block); the run records its selector alpha, and a resume that changes it is refused
+    (it changes the objective)."""
     import json
 
     from tests.helpers.tiny_run import losses, run
     from train.checkpoint import ResumeConfigError
 
     out = tmp_path / "v2"
-    result = run(out, *_common(golden_inputs), "drafter.variant=dflash2", "train.max_steps=2", "train.batch_size=4")
+    result = run(out, *_common(golden_inputs), "drafter.variant=dflash2", "train.max_steps=2", "train.batch_size=4",
+                 "eval.true_tau_prompts=2", "eval.true_tau_max_new_tokens=8")
     loss, sel = losses(out), losses(out, "selector_ce")
     assert set(loss) == set(sel) == {1, 2}
     assert all(torch.isfinite(torch.tensor(v)) for v in (*loss.values(), *sel.values()))
@@ -91,6 +93,7 @@ def test_a_two_step_dflash2_run_drops_its_loss_and_resume_refuses_another_select
     last = result["last_eval"]
     assert {"eval_tau_sim", "eval_tau_sim_unary", "eval_selector_ce"} <= set(last)
     assert 1.0 <= last["eval_tau_sim"] <= 8.0 and last["eval_selector_ce"] > 0
+    assert last["eval_true_cycles"] > 0 and last["eval_tau_true"] >= 0
     prov = json.loads((out / "final" / "drafter" / "config.json").read_text())["draftsmith"]
     assert prov["objective"] == {"weighting": "decay", "gamma": 4.0, "selector_loss_alpha": 1.0}
     with pytest.raises(ResumeConfigError, match=r"train.selector_loss_alpha: 1.0 -> 0.5"):
