@@ -6,6 +6,7 @@ The torch adapter (``target.py``), its MLX twin (``target_mlx.py``), the MLX-qua
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -19,6 +20,42 @@ SUPPORTED = {
     "qwen3": "qwen3", "qwen3_moe": "qwen3",
     "llama": "llama",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
+    # GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi K2.5 (K2.5's text tower is a DeepSeek-V3 model: "kimi_k2")
+    "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next",
+    "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3",
+}
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What the loops, loaders and the plan need to know about a family beyond its decoder layers.
+
+    ``linear_attention``: the module layout of its GatedDeltaNet layers, None without any ("qwen3_5":
+    ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, what the static loop and the fused training
+    path read; "qwen3_next": fused ``in_proj_qkvz`` / ``in_proj_ba``). ``latent_attention``: multi-head latent
+    attention (the cache holds one compressed latent and one rope key per position, not per-head K/V).
+    ``static_loop``: "auto" (``--loop auto`` takes the static CUDA-graph loop on a GPU), "asked" (it runs the
+    family exactly, checked on the CPU, but ``auto`` stays eager until its graph replay is measured on a GPU), or
+    the one-line reason the static loop refuses it.
+    """
+
+    linear_attention: str | None = None
+    latent_attention: bool = False
+    static_loop: str = "auto"
+
+
+MLA_STATIC = ("its multi-head latent attention caches one compressed latent and one rope key per position, not the "
+              "per-head K/V buffers the static loop preallocates")
+FAMILY_FACTS = {
+    "qwen3": FamilyFacts(),
+    "llama": FamilyFacts(),
+    "qwen3_5": FamilyFacts(linear_attention="qwen3_5", static_loop="asked"),
+    # GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi K2.5
+    "glm4_moe": FamilyFacts(static_loop="asked"),
+    "qwen3_next": FamilyFacts(linear_attention="qwen3_next", static_loop=(
+        "its GatedDeltaNet layers fuse their input projections (in_proj_qkvz, in_proj_ba), which the static "
+        "GatedDeltaNet pass (Qwen3.5's in_proj_qkv/z/b/a) does not read")),
+    "deepseek_v3": FamilyFacts(latent_attention=True, static_loop=MLA_STATIC),
 }
 
 
@@ -26,10 +63,19 @@ class UnsupportedTarget(ValueError):
     pass
 
 
+TARGET_NAMES = ("Qwen3 (dense, MoE), Llama 3.x, Qwen3.5 / 3.6 (hybrid, dense and MoE), GLM 4.x MoE, Qwen3-Next, "
+                "DeepSeek-V3, Kimi K2 / K2.5")
+
+
 def check_supported(model_type: str) -> str:
     if model_type not in SUPPORTED:
-        raise UnsupportedTarget(f"not supported yet: {model_type} (draftsmith targets: {sorted(SUPPORTED)})")
+        raise UnsupportedTarget(f"not supported yet: {model_type}. draftsmith trains drafters for {TARGET_NAMES} "
+                                f"(model types {', '.join(sorted(SUPPORTED))})")
     return SUPPORTED[model_type]
+
+
+def family_facts(family: str) -> FamilyFacts:
+    return FAMILY_FACTS.get(family, FamilyFacts())
 
 
 def read_target_config(path_or_id: str | Path, revision: str | None = None,

@@ -9,9 +9,11 @@ whatever the list held and puts it back).
 
 Architectures (same list as the torch adapter, ``models.target_folder.SUPPORTED``): Qwen3 dense / MoE,
 Llama 3.x, Qwen3.5 / 3.6 hybrid (GatedDeltaNet + attention, dense / MoE, the text tower of the
-multimodal checkpoints). bf16 and mlx-community affine-quantized (4 / 8 bit) checkpoints both load
-through ``mlx_lm.load``; transformers 5 folders whose configs mlx_lm does not read yet (only
-``rope_parameters``, ``num_local_experts``, ``qwen3_5_text``) are adapted by config overrides.
+multimodal checkpoints), GLM 4.x MoE, Qwen3-Next (hybrid), DeepSeek-V3 and Kimi K2 / K2.5 (latent
+attention; mlx_lm's ``kimi_k25`` wraps the text model in ``language_model``). bf16 and mlx-community
+affine-quantized (4 / 8 bit) checkpoints both load through ``mlx_lm.load``; transformers 5 folders whose
+configs mlx_lm does not read yet (only ``rope_parameters``, ``num_local_experts``, ``qwen3_5_text``) are
+adapted by config overrides.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
+import re
+
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from models.quantization import describe_mlx
 from models.target_folder import SUPPORTED, UnsupportedTarget, check_supported, read_target_config
@@ -215,7 +219,7 @@ class TargetModel:
         weights keep their packing and only their scales/biases are cast.
         """
         directory, config = read_target_config(path_or_id, revision)
-        model, tokenizer = load(str(directory), model_config=mlx_lm_overrides(config))
+        model, tokenizer, _ = mlx_lm_load(directory, config)
         if dtype is not None:
             _cast_floating(model, dtype)
         return cls(model, tokenizer=tokenizer, config=config, name=str(path_or_id))
@@ -229,6 +233,38 @@ def _cast_floating(model, dtype: mx.Dtype) -> None:
     if cast:
         model.update(tree_unflatten(cast))
         mx.eval(model.parameters())
+
+
+def mlx_lm_load(directory: Path, config: dict, lazy: bool = False) -> tuple:
+    """``mlx_lm.load`` of a target folder: (model, tokenizer wrapper, config as mlx_lm read it), with the config
+    overrides below and, for a folder transformers wrote, its weight names as mlx_lm reads them
+    (``SAVED_NAMES``)."""
+    overrides = mlx_lm_overrides(config)
+    renames = SAVED_NAMES.get(config.get("model_type"))
+    classes = _get_classes if renames is None else _renaming(renames)
+    model, read = load_model(Path(directory), lazy, model_config=overrides, get_model_classes=classes)
+    return model, load_tokenizer(Path(directory), eos_token_ids=read.get("eos_token_id", None)), read
+
+
+# Weight names transformers' save_pretrained writes where mlx_lm reads the published checkpoint's: transformers 5.24
+# saves Kimi K2.5's text layers as ``language_model.model.blocks.N`` and its projector as ``model.mm_projector``.
+SAVED_NAMES = {"kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+                            (r"^model\.mm_projector\.", "mm_projector."))}
+
+
+def _renaming(renames):
+    """mlx_lm's model classes lookup (``mlx_lm.utils._get_classes``), with a model class that renames the weights
+    before its own ``sanitize``."""
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights):
+            for pattern, name in renames:
+                weights = {re.sub(pattern, name, k): v for k, v in weights.items()}
+            return model_class.sanitize(self, weights)
+        return type(model_class.__name__, (model_class,), {"sanitize": sanitize,
+                                                            "__module__": model_class.__module__}), args_class
+    return classes
 
 
 def mlx_lm_overrides(config: dict) -> dict:
@@ -245,4 +281,31 @@ def mlx_lm_overrides(config: dict) -> dict:
         if "num_experts" not in config and "num_local_experts" in config:
             out["num_experts"] = config["num_local_experts"]
         out.setdefault("mlp_only_layers", config.get("mlp_only_layers") or [])
+    if model_type in FLAT_ROPE_MODEL_TYPES:
+        out.update(flat_rope_overrides(config))
+    return out
+
+
+# GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi K2 / K2.5: mlx_lm reads ``rope_theta``, ``partial_rotary_factor`` and
+# ``rope_scaling``, which transformers 5 folds into ``rope_parameters``. Without them glm4_moe and qwen3_next fail to
+# load (required arguments), and DeepSeek-V3 / Kimi load but run plain RoPE instead of YaRN: silently other logits.
+FLAT_ROPE_MODEL_TYPES = ("glm4_moe", "qwen3_next", "deepseek_v3", "kimi_k2", "kimi_k25")
+
+
+def flat_rope_overrides(config: dict) -> dict:
+    """The rope keys mlx_lm reads, from a transformers 5 ``rope_parameters`` block; a multimodal config (Kimi
+    K2.5) gets them inside its whole ``text_config`` (mlx_lm replaces top-level keys, it does not merge them).
+    Keys the folder already has (published checkpoints ship ``rope_theta`` / ``rope_scaling``) are kept."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        inner = flat_rope_overrides(text)
+        return {"text_config": {**text, **inner}} if inner else {}
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in rope:  # no flat block (or the folder's own keys): nothing to add
+        return {}
+    out = {"rope_theta": config.get("rope_theta") or rope["rope_theta"]}
+    if "partial_rotary_factor" in rope and config.get("partial_rotary_factor") is None:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if config.get("rope_scaling") is None:
+        out["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else dict(rope)
     return out

@@ -20,11 +20,24 @@ from typing import Any
 
 import yaml
 
+from models.config import LAYER_ORDER_FIX, layer_order_problem
 from models.quantization import parse_quantization
 from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK, SELECTOR_LOSS_ALPHA  # exports name the objective too
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
                              set_dotted)
 from train.overrides import valid_keys as keys_of
+
+# train.compile's booleans as YAML 1.1 and the command line spell them (a str key reads `false` as "no")
+COMPILE_SPELLINGS = {"yes": "true", "on": "true", "1": "true", "no": "false", "off": "false", "0": "false"}
+
+
+def compile_setting(value) -> str:
+    """``train.compile`` as ``auto``, ``true`` or ``false`` (train/compiling.py says what each does); a boolean,
+    or any spelling of one, included. Anything else is returned as given, for ``validate`` to refuse."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower()
+    return COMPILE_SPELLINGS.get(text, text)
 
 
 @dataclass
@@ -53,6 +66,9 @@ class TargetConfig:
     rope_theta: float | None = None  # the target's RoPE base (the drafter's default base)
     params_b: float | None = None  # total parameters, billions
     active_params_b: float | None = None  # per-token parameters for MoE targets (FLOPs), billions
+    # GiB of weights as loaded, for a checkpoint not stored in bf16 (FP8 DeepSeek-V3, Kimi K2.5's INT4 experts);
+    # the plan counts params_b x 2 bytes otherwise
+    weights_gib: float | None = None
 
 
 @dataclass
@@ -147,7 +163,8 @@ class TrainConfig:
     # flex backward tiles: auto (measured best for the GPU, else torch's) | torch | M1,N1,M2,N2,STAGES,WARPS
     flex_backward: str = "auto"
     grad_checkpointing: bool = False
-    compile: bool = False  # torch.compile each drafter layer and, online, the target's (CUDA; fuses elementwise ops)
+    # torch.compile each drafter layer and, online, the target's: auto (on CUDA; off on CPU / MPS) | true | false
+    compile: str = "auto"
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | fp16 | no
     seed: int = 0
 
@@ -258,11 +275,12 @@ class RunConfig:
         parse_flex_backward(self.train.flex_backward)  # a typo would fail only at the first CUDA step
         # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
         self.target.dtype = DTYPE_NAMES.get(self.target.dtype, self.target.dtype)
+        self.train.compile = compile_setting(self.train.compile)  # a recipe's `compile: false` arrives as "no"
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),
                    "features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
                    "train.mixed_precision": ("auto", "bf16", "fp16", "no"), "drafter.variant": ("dflash", "dflash2"),
-                   "train.loss_weighting": ("decay", "dpace")}
+                   "train.loss_weighting": ("decay", "dpace"), "train.compile": ("auto", "true", "false")}
         for key, allowed in choices.items():
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)
@@ -391,6 +409,8 @@ class RunConfig:
         if d.target_layer_ids is not None and not d.target_layer_ids:
             raise ValueError("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
                              "default spread (drafter.num_taps of them)")
+        if d.target_layer_ids and (problem := layer_order_problem(d.target_layer_ids)):
+            raise ValueError(f"drafter.target_layer_ids={list(d.target_layer_ids)}: {problem}: {LAYER_ORDER_FIX}")
         if d.rope_theta is not None and not (math.isfinite(d.rope_theta) and d.rope_theta > 0):
             raise ValueError(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
 

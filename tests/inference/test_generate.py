@@ -445,12 +445,45 @@ def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off
     assert choose_loop("auto", target("cuda"), drafter(False)) == "static"
     assert choose_loop("compiled", target("cuda"), drafter(False)) == "compiled"
     assert choose_loop("static", target("cuda", hybrid=True), drafter(False)) == "static"  # asked for: runs
-    assert choose_loop("auto", target("cuda"), drafter(True)) == "eager"
-    with pytest.raises(StaticLoopUnsupported, match="this drafter has sliding-window layers: use --loop eager"):
-        choose_loop("static", target("cuda"), drafter(True))
+    # sliding-window drafters (every DFlash2 one) run the static loop: its pass masks the window
+    assert choose_loop("auto", target("cuda"), drafter(True)) == choose_loop("static", target("cuda"), drafter(True))
+    assert choose_loop("auto", target("cuda"), drafter(True)) == "static"
+    with pytest.raises(StaticLoopUnsupported, match="supports full-attention and Qwen3.5 GatedDeltaNet"):
+        choose_loop("static", SimpleNamespace(**{**vars(target("cuda")), "layer_types": ["sliding_attention"]}),
+                    drafter(False))
     with caplog.at_level(logging.WARNING):
         assert choose_loop("auto", target("cpu", hybrid=True), drafter(False)) == "eager"
     assert caplog.text == ""  # the note about CUDA graphs is for a GPU run
+
+
+def test_auto_loop_is_a_table_by_family_and_admitting_one_is_a_change_of_it(caplog, monkeypatch):
+    """--loop auto on CUDA runs the loop AUTO_LOOP_ON_CUDA names for the target's family: every supported family
+    has a rule with its reason, a faster loop than eager only with the measurement that admitted it; Qwen3.5 stays
+    eager (saying why) until its entry changes, and then runs the admitted loop."""
+    import logging
+    from types import SimpleNamespace
+
+    import inference.session
+    from inference.session import AUTO_LOOP_ON_CUDA, AutoLoop, choose_loop
+    from models.target import SUPPORTED
+
+    for family in set(SUPPORTED.values()):
+        rule = AUTO_LOOP_ON_CUDA[family]
+        assert rule.loop in ("eager", "static", "compiled") and rule.why, family
+        assert rule.loop == "eager" or rule.measured, f"{family}: {rule.loop} admitted without a measurement"
+    hybrid = SimpleNamespace(device=torch.device("cuda"), is_hybrid=True, family="qwen3_5", model_type="qwen3_5",
+                             layer_types=["linear_attention", "full_attention"],
+                             model=SimpleNamespace(config=SimpleNamespace()))
+    drafter = SimpleNamespace(config=SimpleNamespace(use_sliding_window=False, block_size=8))
+    with caplog.at_level(logging.WARNING, logger="inference"):
+        assert choose_loop("auto", hybrid, drafter) == "eager"
+    assert "qwen3_5 target on CUDA: --loop auto runs the eager loop" in caplog.text
+    assert AUTO_LOOP_ON_CUDA["qwen3_5"].why in caplog.text
+    monkeypatch.setitem(inference.session.AUTO_LOOP_ON_CUDA, "qwen3_5",
+                        AutoLoop("compiled", "measured", "H100, COMMIT, inference.bench ...: cycle cost 1.2"))
+    monkeypatch.setattr(inference.session, "check_static_target", lambda target: None)  # a stand-in target
+    assert choose_loop("auto", hybrid, drafter) == "compiled"
+    assert choose_loop("auto", SimpleNamespace(**{**vars(hybrid), "family": "mamba"}), drafter) == "eager"
 
 
 def test_a_block_size_other_than_the_drafters_is_decided_when_the_session_is_built(caplog):
@@ -527,7 +560,7 @@ def test_session_loads_both_models_in_bfloat16_on_cuda_float32_on_cpu_or_the_dty
         return SimpleNamespace(tokenizer=None)
 
     monkeypatch.setattr(TargetModel, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(inference.session, "load_drafter", from_pretrained)  # either drafter generation
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(inference.session, "check_device", lambda device: None)  # there is no GPU to check
     monkeypatch.setattr(inference.session, "choose_loop", lambda *a: "eager")

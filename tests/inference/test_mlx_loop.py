@@ -21,6 +21,7 @@ from inference.rollback_mlx import CacheRollback  # noqa: E402
 from models.drafter import DFlashDraftModel as TorchDrafter  # noqa: E402
 from models.drafter_mlx import DFlashDraftModel  # noqa: E402
 from models.target_mlx import TargetModel, UnsupportedTarget  # noqa: E402
+from models.tiny import MOE_FAMILY_ARCHS  # noqa: E402
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "qwen3_5"]
@@ -56,7 +57,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlx_targets")
     made: dict[str, tuple] = {}
     source = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_vl", "qwen3_q4": "qwen3",
-              "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe"}
+              "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe",
+              **{arch: arch for arch in MOE_FAMILY_ARCHS}}
 
     def get(name: str):
         if name not in made:
@@ -65,7 +67,8 @@ def folders(tmp_path_factory):
                 save_tiny_target(hf, source[name])
                 if name == "qwen3_5_moe":
                     fuse_experts(hf)
-            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe"):  # mlx_lm.convert cannot read these configs
+            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS):  # mlx_lm.convert cannot
+                # read these configs (transformers 5's rope_parameters): TargetModel loads them with its overrides
                 made[name] = (hf, hf)
             else:
                 out = root / f"mlx_{name}"
@@ -121,7 +124,7 @@ def mlx_drafter(torch_drafter: TorchDrafter, tmp_path) -> DFlashDraftModel:
 
 
 # ------------------------------------------------------------------------------- losslessness
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS])
 def test_random_drafter_is_lossless(runs, arch, tmp_path):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, NEW,
@@ -159,7 +162,7 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS))
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
     proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
@@ -209,21 +212,28 @@ def test_quantized_4bit_target_is_lossless(runs, tmp_path):
 
 
 # ---------------------------------------------------------------------------- capture and scoping
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe",
+                                  *MOE_FAMILY_ARCHS])
 def test_captured_features_are_the_torch_hidden_states(folders, arch):
-    from transformers import AutoModelForCausalLM
+    """MLX features and logits equal the torch target's (GLM's partial rotary, Qwen3-Next's GatedDeltaNet,
+    DeepSeek-V3 / Kimi's YaRN latent attention once mlx_lm is given the rope keys transformers 5 folds into
+    rope_parameters; measured at most 7.4e-5, Qwen3-Next's chunked vs recurrent GatedDeltaNet), and so do the
+    embeddings the drafter's block starts from."""
+    from models.target import TargetModel as TorchTarget
 
     hf, converted = folders(arch)
     target = TargetModel.from_pretrained(converted)
     ids = PROMPT[:12]
     taps = [6, 1, 3]  # config order, not sorted: the features are joined in the order the drafter was trained on
     out = target.forward(mx.array([ids]), taps, cache=target.new_cache())
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model = TorchTarget.from_pretrained(hf, dtype=torch.float32).model  # Kimi K2.5: its text tower
     with torch.no_grad():
         ref = model(torch.tensor([ids]), output_hidden_states=True)
     expected = torch.cat([ref.hidden_states[i + 1] for i in taps], dim=-1)  # output of decoder layer i
     assert_close(np.array(out.features), expected, 1e-4, f"{arch} tapped layers 6, 1, 3")
     assert_close(np.array(out.logits), ref.logits, 1e-4, f"{arch} logits")
+    assert_close(np.array(target.embed(mx.array([ids]))), model.get_input_embeddings()(torch.tensor([ids])), 0,
+                 f"{arch} embeddings")
 
 
 def test_captures_are_scoped_and_independent(runs):
@@ -743,6 +753,37 @@ def test_mlx_lm_overrides_fill_what_transformers_5_configs_spell_differently():
         "model_type": "qwen3_5", "rope_theta": 5e6}
     assert mlx_lm_overrides({"model_type": "qwen3", "rope_theta": 1e6, "rope_parameters": {"rope_theta": 5e6}}) == {}
     assert mlx_lm_overrides({"model_type": "qwen3_5", "text_config": {}, "rope_parameters": {"rope_theta": 5e6}}) == {}
+    # GLM / Qwen3-Next / DeepSeek-V3 / Kimi: mlx_lm's rope keys from transformers 5's rope_parameters (a YaRN block
+    # becomes rope_scaling: without it DeepSeek-V3 runs plain RoPE, silently); a published config keeps its own
+    yarn = {"rope_type": "yarn", "factor": 64.0, "rope_theta": 5e4}
+    assert mlx_lm_overrides({"model_type": "glm4_moe", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}}) == {
+        "rope_theta": 1e6, "partial_rotary_factor": 0.5, "rope_scaling": None}
+    assert mlx_lm_overrides({"model_type": "deepseek_v3", "rope_parameters": yarn}) == {
+        "rope_theta": 5e4, "rope_scaling": yarn}
+    text = {"model_type": "deepseek_v3", "hidden_size": 8, "rope_parameters": yarn}
+    assert mlx_lm_overrides({"model_type": "kimi_k25", "text_config": text}) == {
+        "text_config": {**text, "rope_theta": 5e4, "rope_scaling": yarn}}  # the whole text config: mlx_lm replaces it
+    published = {"model_type": "deepseek_v3", "rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 64.0}}
+    assert mlx_lm_overrides(published) == {} and mlx_lm_overrides({"model_type": "kimi_k25", "text_config":
+                                                                    published}) == {}
+
+
+def test_a_kimi_folder_as_transformers_writes_it_loads_in_mlx_lm(tmp_path):
+    """transformers 5.24 saves Kimi K2.5's text layers as language_model.model.blocks.N and its projector under
+    model.mm_projector, which mlx_lm refuses ("parameters not in model"): the loader renames them."""
+    from models.target import TargetModel as TorchTarget
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    full = tiny_target("kimi_k25", num_layers=4)
+    full.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    target = TargetModel.from_pretrained(tmp_path)
+    ids = PROMPT[:12]
+    ref = TorchTarget.from_pretrained(tmp_path, dtype=torch.float32).forward(torch.tensor([ids]), [1])
+    out = target.forward(mx.array([ids]), [1], cache=target.new_cache())
+    assert_close(np.array(out.logits), ref.logits, 1e-4, "logits")
+    assert_close(np.array(out.features), ref.features, 1e-4, "layer 1")
 
 
 def test_logits_slice_gives_only_the_requested_positions(runs):
@@ -802,3 +843,171 @@ def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
     assert target.eos_token_ids() == [258]
     target, proposer = load(str(folders("qwen3")[1]), str(tmp_path / "drafter"), dtype="bfloat16")
     assert target.dtype == proposer.drafter.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_k25"])
+def test_new_family_caches_roll_back_to_what_the_committed_tokens_give(runs, arch):
+    """Qwen3-Next: its GatedDeltaNet (ArraysCache) is restored from the snapshot and the kept tokens are replayed
+    through the layer's own mixer (trimming an ArraysCache does nothing: 4.4 off); latent attention (DeepSeek-V3,
+    Kimi): its KVCache holds one latent and one rope key per position and is trimmed. Either way the cache equals
+    feeding only the committed tokens, and the next token's logits agree."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    target, seq, _ = runs(arch)
+    block, keep = seq[len(PROMPT):len(PROMPT) + B], 3
+    rolled, ref = target.new_cache(), target.new_cache()
+    for cache in (rolled, ref):
+        target.forward(mx.array([PROMPT]), cache=cache)
+    rollback = CacheRollback(target)
+    assert bool(rollback.linear) == (arch == "qwen3_next")
+    with rollback.recording(rolled):
+        target.forward(mx.array([block]), cache=rolled)
+    rollback.commit(rolled, keep=keep, block_len=B)
+    rollback.check(rolled, len(PROMPT) + keep)
+    target.forward(mx.array([block[:keep]]), cache=ref)
+    for i, (a, b) in enumerate(zip(rolled, ref)):
+        if isinstance(a, ArraysCache):
+            for j, what in enumerate(("conv window", "recurrent state")):
+                assert_close(np.array(a.cache[j]), np.array(b.cache[j]), 1e-4, f"layer {i} {what}")
+        else:
+            assert isinstance(a, KVCache) and a.offset == b.offset == len(PROMPT) + keep
+            n = a.offset
+            for x, y, what in ((a.keys, b.keys, "keys"), (a.values, b.values, "values")):
+                assert_close(np.array(x[..., :n, :]), np.array(y[..., :n, :]), 1e-5, f"layer {i} {what}")
+    step = mx.array([[seq[len(PROMPT) + keep]]])
+    assert_close(np.array(target.forward(step, cache=rolled).logits), np.array(target.forward(step, cache=ref).logits),
+                 1e-4, "next-token logits")
+
+
+# ------------------------------------------------------------------------------------------ DFlash2
+def dflash2_pair(folders, runs, arch: str, tmp_path, kind: str = "random"):
+    """The MLX target, the torch target of the same folder, its greedy continuation, and a DFlash2 drafter (random:
+    convs off identity, the selector on, sliding window 24; or the bigram walk) in torch and as MLX loads it."""
+    from models.drafter2_mlx import load_drafter
+    from models.target import TargetModel as TorchTarget
+    from tests.helpers.dflash2 import bigram_dflash2, random_dflash2, tiny_v2_config
+
+    target, seq, _ = runs(arch)
+    torch_target = TorchTarget.from_pretrained(folders(arch)[0], dtype=torch.float32)
+    if kind == "random":
+        drafter = random_dflash2(tiny_v2_config(torch_target), seed=0)
+    else:
+        drafter = bigram_dflash2(torch_target, seq)
+    drafter.save_pretrained(tmp_path / f"v2-{kind}")
+    return target, torch_target, seq, drafter, load_drafter(tmp_path / f"v2-{kind}")
+
+
+def recorded_cycles(monkeypatch) -> list:
+    from inference.stats import GenerationResult
+
+    seen, real = [], GenerationResult.record_cycle
+    monkeypatch.setattr(GenerationResult, "record_cycle", lambda self, drafts, tokens, *a, **k: seen.append(
+        (list(drafts), list(tokens))) or real(self, drafts, tokens, *a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["random", "bigram"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dflash2_mlx_loop_equals_the_torch_loop(folders, runs, arch, kind, tmp_path, monkeypatch):
+    """Greedy with a DFlash2 drafter (the selector walk in ``propose_block``): the MLX loop drafts, verifies and
+    accepts what the torch eager loop does, cycle by cycle, and is lossless; the bigram walk accepts several
+    tokens a cycle."""
+    from inference import torch_loop
+    from models.drafter2_mlx import DFlash2DraftModel
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, arch, tmp_path, kind)
+    assert isinstance(mlx_v2, DFlash2DraftModel)
+    new = 32
+    mine = recorded_cycles(monkeypatch)
+    ours = dflash_generate(target, DrafterProposer(mlx_v2, target), PROMPT, new, eos_token_ids=[])
+    monkeypatch.undo()
+    theirs_cycles = recorded_cycles(monkeypatch)
+    theirs = torch_loop.dflash_generate(torch_target, torch_loop.DrafterProposer(drafter, torch_target), PROMPT, new,
+                                        eos_token_ids=[])
+    assert ours.tokens == theirs.tokens == seq[len(PROMPT):len(PROMPT) + new]
+    assert mine == theirs_cycles and ours.acceptance_lengths == theirs.acceptance_lengths
+    if kind == "bigram":
+        assert max(ours.acceptance_lengths) >= 3
+
+
+def test_dflash2_mlx_loop_with_a_smaller_block_equals_the_torch_loop(folders, runs, tmp_path):
+    """A block shorter than the trained one is one shorter block for the convs, as in torch: same tokens and
+    acceptance lengths, lossless."""
+    from inference import torch_loop
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path, "bigram")
+    ours = dflash_generate(target, DrafterProposer(mlx_v2, target), PROMPT, 24, block_size=3, eos_token_ids=[])
+    theirs = torch_loop.dflash_generate(torch_target, torch_loop.DrafterProposer(drafter, torch_target), PROMPT, 24,
+                                        block_size=3, eos_token_ids=[])
+    assert ours.tokens == theirs.tokens == seq[len(PROMPT):len(PROMPT) + 24]
+    assert ours.acceptance_lengths == theirs.acceptance_lengths and max(ours.acceptance_lengths) >= 2
+
+
+def test_mlx_dflash2_proposer_drafts_what_the_torch_proposer_drafts(folders, runs, tmp_path):
+    """Cycle by cycle with uneven commits (the window of 24 cutting the context): the same walk."""
+    from inference import torch_loop
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path)
+    feats = torch_target.forward(torch.tensor([seq]), drafter.config.target_layer_ids, with_logits=False).features
+    ours, theirs = DrafterProposer(mlx_v2, target), torch_loop.DrafterProposer(drafter, torch_target)
+    start, new = len(PROMPT), feats[:, :len(PROMPT)]
+    for keep in (3, 1, 8, 2, 5, 8, 4):
+        a = theirs.propose(seq[start], new, start, B)
+        b = ours.propose(seq[start], mx.array(new.numpy()), start, B)
+        assert a.drafts.tolist() == np.array(b.drafts).tolist(), f"drafts at {start}"
+        assert ours.context_length() == theirs.context_length() == start
+        new, start = feats[:, start:start + keep], start + keep
+
+
+def test_mlx_rejection_sampling_commits_the_targets_distribution():
+    """The MLX ``accept`` with a q on the hand-made block of the torch test, 10,000 cycles (an MLX call costs more):
+    the same checks, whose tolerances scale with the sample size."""
+    from inference.mlx_loop import Proposal, accept
+    from tests.helpers.dflash2 import REJECTION_P, REJECTION_T, check_rejection_trials, rejection_trials
+
+    logits = mx.array((REJECTION_T * np.log(REJECTION_P)).astype(np.float32))
+    keys = iter(mx.random.split(mx.random.key(0), 10000))
+
+    def accept_block(drafts, q, candidates):
+        proposal = Proposal(mx.array(drafts), mx.array(q.astype(np.float32)), mx.array(candidates))
+        return accept(logits, proposal, REJECTION_T, next(keys)).tolist()
+
+    check_rejection_trials(rejection_trials(accept_block, n=10000))
+
+
+def test_sampled_dflash2_generation_in_mlx_is_seeded_and_lossless_in_distribution(folders, runs, tmp_path):
+    """At T = 0.7 the bigram walk's drafts are sampled (its q kept) and verified by rejection sampling: a seed fixes
+    the output, drafts are both accepted and rejected, and each committed token is a draw from the tempered
+    target at its prefix (mean surprisal minus entropy 0 within 4 standard errors over 20 generations)."""
+    target, _, _, _, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path, "bigram")
+    proposer = DrafterProposer(mlx_v2, target)
+    T, n_new, gaps, lengths = 0.7, 12, [], []
+    a = dflash_generate(target, proposer, PROMPT, n_new, temperature=T, seed=3, eos_token_ids=[])
+    assert a.tokens == dflash_generate(target, proposer, PROMPT, n_new, temperature=T, seed=3, eos_token_ids=[]).tokens
+    for s in range(20):
+        res = dflash_generate(target, proposer, PROMPT, n_new, temperature=T, seed=s, eos_token_ids=[])
+        lengths += res.acceptance_lengths
+        ids = PROMPT + res.tokens
+        logits = torch.tensor(np.array(target.forward(mx.array([ids]), cache=target.new_cache()).logits[0]),
+                              dtype=torch.float64)
+        logp = torch.log_softmax(logits[len(PROMPT) - 1:-1] / T, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        gaps += [(-logp[i, tok] - entropy[i]).item() for i, tok in enumerate(res.tokens[1:], 1)]
+    gaps = np.array(gaps)
+    bound = 4 * gaps.std() / np.sqrt(len(gaps))
+    assert abs(gaps.mean()) < bound, f"surprisal - entropy {gaps.mean():.3f} (bound {bound:.3f})"
+    assert max(lengths) >= 3 and lengths.count(1) >= 20  # drafts accepted, and rejected
+
+
+def test_mlx_sessions_load_the_published_dflash2_layout(tmp_path):
+    """``--backend mlx`` with a folder laid out as z-lab publishes DFlash2 drafters: the DFlash2 class, lossless."""
+    from inference.session import Session
+    from models.drafter2_mlx import DFlash2DraftModel
+    from models.tiny import save_tiny_target
+    from tests.helpers.dflash2 import published_folder
+
+    target = save_tiny_target(tmp_path / "target6", num_layers=6)  # the fixture's target depth
+    session = Session("mlx", str(target), str(published_folder(tmp_path / "published")), dtype="float32")
+    assert isinstance(session.proposer.drafter, DFlash2DraftModel)
+    result, base = session.run(PROMPT, baseline=True, max_new_tokens=16, eos_token_ids=[])
+    assert result.tokens == base.tokens and len(result.tokens) == 16
