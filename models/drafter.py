@@ -204,6 +204,9 @@ class DFlashDraftModel(nn.Module):
 
     variant = "dflash"  # the config variant this class builds (DFlash2: models/drafter2.py)
     decoder_layer = DFlashDecoderLayer
+    # accelerate's FSDP wraps each module of these classes as one unit when its config names no layer class
+    # (recipes/accelerate/fsdp.yaml names none, so either generation's layers are wrapped)
+    _no_split_modules = ["DFlashDecoderLayer"]
 
     def __init__(self, config: DFlashConfig):
         super().__init__()

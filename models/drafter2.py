@@ -168,10 +168,21 @@ def select(logits: torch.Tensor, projected: torch.Tensor, predecessor_codebook: 
     ``hidden_projection`` of the same slots' hidden states; bonus: [b] the block's slot-0 token, slot 1's
     predecessor. ``temperature`` <= 0 is greedy; otherwise ``uniform`` [b, n] (draws in [0, 1), from
     ``torch.rand`` when None) picks each slot's candidate by inverse CDF of q. Scores and q are computed in
-    float32 whatever the model dtype. The walk is sequential (slot s's predecessor is slot s-1's choice):
-    a loop over the n slots of tensor ops.
+    float32 whatever the model dtype. The candidates are each slot's top-K, best first; :func:`walk` walks them.
     """
     unary, candidates = logits.float().topk(top_k, dim=-1)
+    return walk(unary, candidates, projected, predecessor_codebook, successor_codebook, bonus, temperature, uniform)
+
+
+def walk(unary: torch.Tensor, candidates: torch.Tensor, projected: torch.Tensor, predecessor_codebook: torch.Tensor,
+         successor_codebook: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
+         uniform: torch.Tensor | None = None) -> Proposal:
+    """The walk of :func:`select` from each slot's candidates already chosen: unary [b, n, K] float32 and
+    candidates [b, n, K] (the top-K, best first), projected [b, n, r], bonus [b]. The walk is sequential (slot s's
+    predecessor is slot s-1's choice): a loop over the n slots of tensor ops. Training's simulated acceptance
+    calls it with the top-K its LM-head chunks kept (``train.objective.block_loss``), inference through
+    :func:`select`."""
+    top_k = candidates.shape[-1]
     sampling = temperature > 0
     if sampling and uniform is None:
         uniform = torch.rand(unary.shape[:2], device=unary.device)
@@ -198,6 +209,7 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     variant = "dflash2"
     decoder_layer = DFlash2DecoderLayer
+    _no_split_modules = ["DFlash2DecoderLayer"]  # FSDP's units (recipes/accelerate/fsdp.yaml)
 
     def __init__(self, config: DFlashConfig):
         if config.variant != "dflash2":

@@ -67,6 +67,8 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 # train.gamma with it, and the block below names the objective of a run config that left gamma unset.
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 DPACE_ALPHA = 0.5  # D-PACE's smoothing when train.dpace_alpha is unset (the paper's and its ports' value)
+# DFlash2's selector CE weight when train.selector_loss_alpha is unset (speculators' experimental objective's default)
+SELECTOR_LOSS_ALPHA = 1.0
 NORMALISER_WORDS = {"weights": "weight sum", "tokens": "scored tokens", "rows": "rows"}
 
 # Keys of the run config worth recording: enough to say how the drafter was trained, no paths to caches.
@@ -145,28 +147,37 @@ def trained_against(path: str, quantization: str | None) -> str:
 
 def objective_of_run(run: dict[str, Any]) -> dict[str, Any] | None:
     """The loss weighting a run config trained with: ``{"weighting": "decay", "gamma": 7.0}`` or ``{"weighting":
-    "dpace", "alpha": 0.5, "normaliser": "weights"}``. A config saved before ``train.loss_weighting`` existed trained
-    with decay; None for a config that records neither (not a saved run config)."""
+    "dpace", "alpha": 0.5, "normaliser": "weights"}``, with ``"selector_loss_alpha"`` for a DFlash2 run (its selector
+    CE's weight). A config saved before ``train.loss_weighting`` existed trained with decay; None for a config that
+    records neither (not a saved run config)."""
     train = run.get("train") or {}
     if "loss_weighting" not in train and "gamma" not in train:
         return None
     if train.get("loss_weighting", "decay") == "dpace":
         alpha = train.get("dpace_alpha")
-        return {"weighting": "dpace", "alpha": DPACE_ALPHA if alpha is None else alpha,
-                "normaliser": train.get("dpace_normaliser") or "weights"}
-    gamma = train.get("gamma")
-    if gamma is None:
-        gamma = GAMMA_BY_BLOCK.get((run.get("drafter") or {}).get("block_size", 16))
-    return {"weighting": "decay", "gamma": gamma}
+        objective = {"weighting": "dpace", "alpha": DPACE_ALPHA if alpha is None else alpha,
+                     "normaliser": train.get("dpace_normaliser") or "weights"}
+    else:
+        gamma = train.get("gamma")
+        if gamma is None:
+            gamma = GAMMA_BY_BLOCK.get((run.get("drafter") or {}).get("block_size", 16))
+        objective = {"weighting": "decay", "gamma": gamma}
+    if (run.get("drafter") or {}).get("variant") == "dflash2":
+        selector = train.get("selector_loss_alpha")
+        objective["selector_loss_alpha"] = SELECTOR_LOSS_ALPHA if selector is None else selector
+    return objective
 
 
 def describe_objective(objective: dict[str, Any]) -> str:
-    """``decay (gamma 7)`` or ``D-PACE (alpha 0.5, normalised by weight sum)``: the loss weighting in words."""
+    """``decay (gamma 7)`` or ``D-PACE (alpha 0.5, normalised by weight sum)``: the loss weighting in words (a DFlash2
+    run's adds ``; + selector CE x 1``)."""
+    selector = objective.get("selector_loss_alpha")
+    selector = "" if selector is None else f"; + selector CE x {selector:g}"
     if objective.get("weighting") == "dpace":
         alpha, norm = objective.get("alpha", DPACE_ALPHA), objective.get("normaliser", "weights")
-        return f"D-PACE (alpha {alpha:g}, normalised by {NORMALISER_WORDS.get(norm, norm)})"
+        return f"D-PACE (alpha {alpha:g}, normalised by {NORMALISER_WORDS.get(norm, norm)}){selector}"
     gamma = objective.get("gamma")
-    return "decay" if gamma is None else f"decay (gamma {gamma:g})"
+    return ("decay" if gamma is None else f"decay (gamma {gamma:g})") + selector
 
 
 def describe_target_quantization(path: str | None, quantization: str | None = None) -> str | None:

@@ -22,7 +22,7 @@ import yaml
 
 from models.config import LAYER_ORDER_FIX, layer_order_problem
 from models.quantization import parse_quantization
-from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK  # shared with exports, which name the objective
+from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK, SELECTOR_LOSS_ALPHA  # exports name the objective too
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
                              set_dotted)
 from train.overrides import valid_keys as keys_of
@@ -148,6 +148,13 @@ class TrainConfig:
     # those of weights (N anchors per row, B the block): train.clip=1.0 then always binds, and clipping sets
     # the step size rather than the lr alone.
     dpace_normaliser: str | None = None
+    # DFlash2 only (drafter.variant=dflash2; refused for v1), >= 0; None = 1.0. Each scored slot's loss is the unary
+    # loss above plus selector_loss_alpha x the selector's K-way cross-entropy over the slot's unary top-K
+    # (selector_top_k) candidates, scored with the true previous token as predecessor (teacher forcing), the label
+    # injected at rank K when outside the top-K; same slot weights and normaliser as the unary loss. This is
+    # speculators' experimental DFlash2 objective taken as the model (z-lab has published none): ours, not the
+    # reference's (docs/design.md, "DFlash2").
+    selector_loss_alpha: float | None = None
     loss: str = "ce"  # ce | kl | ce+kl
     kl_weight: float = 1.0
     kl_topk: int = 32  # online KL: top-k of the target distribution kept per position
@@ -323,6 +330,7 @@ class RunConfig:
             raise ValueError(f"train.betas={self.train.betas} must be two numbers in [0, 1), e.g. [0.9,0.95]")
         self._check_counts()
         self._check_weighting()
+        self._check_selector()
         if self.export.dir and (self.export.hf or self.export.mlx):
             run, out = self.resolved_out_dir().absolute(), Path(self.export.dir).absolute()
             for part in (run / "final", run / "checkpoints"):  # replaced whole by this run's later saves
@@ -355,6 +363,21 @@ class RunConfig:
                              "or rows")
         t.dpace_alpha = DPACE_ALPHA if t.dpace_alpha is None else float(t.dpace_alpha)
         t.dpace_normaliser = t.dpace_normaliser or "weights"
+
+    def _check_selector(self) -> None:
+        """``train.selector_loss_alpha``: DFlash2's alone, resolved (1.0 when unset) so the saved config, which a
+        resume compares, says what the run used."""
+        alpha = self.train.selector_loss_alpha
+        if self.drafter.variant != "dflash2":
+            if alpha is not None:
+                raise ValueError(f"train.selector_loss_alpha={alpha} weighs DFlash2's selector loss and this run "
+                                 f"trains a {self.drafter.variant} drafter, which has no selector: add "
+                                 "drafter.variant=dflash2, or drop train.selector_loss_alpha")
+            return
+        if isinstance(alpha, bool) or (alpha is not None and not (math.isfinite(alpha) and alpha >= 0)):
+            raise ValueError(f"train.selector_loss_alpha={alpha} must be a number >= 0 (0: the selector is not "
+                             f"trained; unset = {SELECTOR_LOSS_ALPHA})")
+        self.train.selector_loss_alpha = SELECTOR_LOSS_ALPHA if alpha is None else float(alpha)
 
     def _check_counts(self) -> None:
         """Counts and sizes that otherwise fail late (after the target and data loaded, or after training in

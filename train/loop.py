@@ -27,9 +27,10 @@ from train.flops import DrafterShape, drafter_flops, peak_tflops, tapped_paramet
 from train.checkpoint import latest_checkpoint
 from train.eval import evaluate_sim, true_tau
 from train.metrics import eval_line
-from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
-from train.plan import Schedule
+from train.objective import (attention_masks, block_embedder, block_loss, drafter_forward, draw_blocks, loss_weight,
+                             selector_term, simulated_acceptance)
 from train.rng import row_generators
+from train.plan import Schedule
 from train.setup import token_batch
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ class StepStats:
     acceptance: dict = field(default_factory=dict)
     grad_norm: float | None = None
     slot_weight: torch.Tensor | int = 0  # [B-1] loss weight per slot, summed over the scored blocks (on the device)
+    selector_ce_sum: torch.Tensor | None = None  # DFlash2: the selector CE summed over the scored slots
 
 
 def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Schedule, drafter_cfg,
@@ -227,6 +229,13 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     scale = run.world / denom  # DDP / FSDP average gradients over processes: scale so they sum instead
     zero = torch.zeros((), device=dev)
     stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all))
+    # DFlash2: its own block embedding and the selector term (on the unwrapped drafter: under DDP the selector is
+    # used outside the wrapper's forward, and its gradients still reach the wrapper's hooks through the loss)
+    drafter = acc.unwrap_model(model)
+    selector = selector_term(drafter, cfg.train.selector_loss_alpha)
+    embed = block_embedder(drafter, target.embed_tokens)
+    if selector is not None:
+        stats.selector_ce_sum = zero.clone()
     dpace_weight = zero.clone()  # this process's D-PACE weight sum (rescale)
     for i, m in enumerate(micro_batches):
         batch = feats.get_batch(m.rows)  # an offline store's provider checks its tokens against the prepared rows
@@ -236,15 +245,17 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         # an offline store's top-k comes from the host: a plain copy would wait for the GPU's queue
         topk_ids, topk_lp = (None if t is None else to_device(t, dev) for t in (batch.topk_ids, batch.topk_logprobs))
         with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
-            hidden = drafter_forward(model, target.embed_tokens, m.blocks, batch.features.to(dev), m.pos, mask)
+            hidden = drafter_forward(model, embed, m.blocks, batch.features.to(dev), m.pos, mask)
             out = block_loss(hidden, m.blocks, target.lm_head.weight, chunk=cfg.train.ce_chunk,
                              mode=cfg.train.loss, kl_weight=cfg.train.kl_weight, topk_ids=topk_ids,
-                             topk_logprobs=topk_lp, **objective)
+                             topk_logprobs=topk_lp, selector=selector, **objective)
             acc.backward(out.weighted_sum * scale)
         stats.loss += out.weighted_sum.detach() / denom
         dpace_weight = dpace_weight + out.weight
         stats.slot_weight = stats.slot_weight + out.slot_weight
         stats.ce_sum, stats.kl_sum = stats.ce_sum + out.ce_sum, stats.kl_sum + out.kl_sum
+        if out.selector_ce_sum is not None:
+            stats.selector_ce_sum = stats.selector_ce_sum + out.selector_ce_sum
         stats.scored += out.scored
         for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
             stats.acceptance[k] = stats.acceptance[k] + v if k in stats.acceptance else v
@@ -376,6 +387,7 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
     scored = acc.reduce(torch.tensor(float(stats.scored), device=dev), "sum").clamp_min(1)
     ce = acc.reduce(stats.ce_sum.float(), "sum") / scored
     kl = acc.reduce(stats.kl_sum.float(), "sum") / scored
+    sel_ce = None if stats.selector_ce_sum is None else acc.reduce(stats.selector_ce_sum.float(), "sum") / scored
     tau_sum = acc.reduce(stats.acceptance["tau_sum"], "sum")
     blocks = acc.reduce(stats.acceptance["blocks"], "sum")
     # The step's share of the loss weight at each block slot (sums to 1), for decay and D-PACE alike: where the loss
@@ -386,6 +398,7 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
     return {"step": state.step, "epoch": round(epoch_progress, 4), "loss": float(loss), "ce": float(ce),
             "tau": float(tau_sum / blocks.clamp_min(1)),
             **({"kl": float(kl)} if run.cfg.train.loss != "ce" else {}),
+            **({"selector_ce": float(sel_ce)} if sel_ce is not None else {}),  # DFlash2; tau is then the walk's
             "w_slot": [round(float(w), 3) for w in w_slot.tolist()],
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": None if stats.grad_norm is None else float(stats.grad_norm),
@@ -412,7 +425,7 @@ def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], st
                                 # eval.batches counts optimizer-step batches (batch x accum x processes rows), so
                                 # the held-out rows, and the figure, do not depend on how a step is split
                                 seed=cfg.train.seed, max_batches=cfg.eval.batches * cfg.train.grad_accum * run.world,
-                                use_flex=run.use_flex,
+                                use_flex=run.use_flex, selector_loss_alpha=cfg.train.selector_loss_alpha,
                                 ce_chunk=cfg.train.ce_chunk, autocast=run.accelerator.autocast))
         if with_true and prompts:
             with run.accelerator.autocast():

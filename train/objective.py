@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from models.drafter2 import edge, unary_logits, walk
+from models.provenance import SELECTOR_LOSS_ALPHA
 from models.support import to_device
 from train import block_mask  # direct_block_mask looked up at each call (train.bench swaps it to time the other)
 
@@ -279,6 +282,10 @@ class LossOutput:
     kl_sum: torch.Tensor | None = None
     scored: int = 0
     slot_weight: torch.Tensor | None = None  # [B-1]: sum of w at each slot over the scored blocks (where the loss goes)
+    # DFlash2 (a ``selector``): the selector CE's unweighted sum over the scored slots, and each scored slot's
+    # unary argmax == label (``correct`` is then the selector walk's, what the loops propose).
+    selector_ce_sum: torch.Tensor | None = None
+    unary_correct: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -307,10 +314,37 @@ def _slot_losses(logits: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor
 
 
 def _chunk_loss(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
-                t_logp: torch.Tensor | None, mode: str, kl_weight: float):
-    """LM head + loss of one chunk through autograd (a trained head, or no gradient at all)."""
-    per_slot, ce, kl, pred, *_ = _slot_losses(h @ head_w.t(), labels, t_ids, t_logp, mode, kl_weight)
-    return per_slot, ce.detach(), kl.detach(), pred
+                t_logp: torch.Tensor | None, mode: str, kl_weight: float, unary=None, top_k: int = 0):
+    """LM head + loss of one chunk through autograd (a trained head, or no gradient at all). ``unary`` (DFlash2's
+    multiplier / soft-cap, or None) turns the head's logits into the drafter's; ``top_k`` > 0 also returns the
+    chunk's :func:`_candidates`."""
+    logits = h @ head_w.t()
+    if unary is not None:
+        logits = unary(logits)
+    per_slot, ce, kl, pred, *_ = _slot_losses(logits, labels, t_ids, t_logp, mode, kl_weight)
+    out = (per_slot, ce.detach(), kl.detach(), pred)
+    return out + _candidates(logits, labels, top_k) if top_k else out
+
+
+def _candidates(logits: torch.Tensor, labels: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's top-K unary candidates (best first), then its label: ``(values [c, K+1] float32, ids [c, K+1])``.
+    The selector term and the selector walk need only these K+1 entries of the chunk's ``c x vocab`` logits."""
+    values, ids = logits.topk(top_k, dim=-1)
+    ids = torch.cat([ids, labels[:, None]], dim=1)
+    return torch.cat([values, logits.gather(-1, labels[:, None])], dim=1).float(), ids
+
+
+def _unary_and_slope(logits: torch.Tensor, unary) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafter's unary logits from the head's, and their elementwise slope ``d unary / d logits`` (None when
+    ``unary`` is None: the identity). Through the drafter's own function and autograd, so training differentiates
+    exactly what the loops rank."""
+    if unary is None:
+        return logits, None
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_()
+        u = unary(x)
+        (slope,) = torch.autograd.grad(u, x, torch.ones_like(u))
+    return u.detach(), slope
 
 
 def _loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, t_ids: torch.Tensor | None,
@@ -350,29 +384,119 @@ class _LinearLoss(torch.autograd.Function):
     ``H``) is all the backward needs: ``grad_h = grad_out[:, None] * G``. Computing ``G`` while the
     logits exist costs one ``chunk x vocab x H`` product instead of checkpointing's recompute of the
     logits plus that product, and keeps ``[chunk, H]`` rather than any ``chunk x vocab`` tensor.
+
+    DFlash2: ``unary`` (its multiplier / soft-cap, or None) makes the drafter's logits of the head's, and
+    ``top_k`` > 0 also returns each row's :func:`_candidates`, whose values carry a gradient to ``h``:
+    ``sum_j g_j slope_j W[id_j]`` over the row's K+1 entries, one ``embedding_bag`` of the head's rows in the
+    backward (only the ``[chunk, K+1]`` ids and slopes are kept).
     """
 
     @staticmethod
-    def forward(ctx, h, head_w, labels, t_ids, t_logp, mode, kl_weight):
+    def forward(ctx, h, head_w, labels, t_ids, t_logp, mode, kl_weight, unary=None, top_k=0):
         logits = h @ head_w.t()  # the ambient autocast applies, as in _chunk_loss
+        logits, slope = _unary_and_slope(logits, unary)
         per_slot, ce, kl, pred, dlogits = _loss_kernel(h.device)(logits, labels, t_ids, t_logp, mode, kl_weight)
-        ctx.save_for_backward((dlogits @ head_w.to(dlogits.dtype)).to(h.dtype))
-        ctx.mark_non_differentiable(ce, kl, pred)
-        return per_slot, ce, kl, pred
+        if slope is not None:  # d loss / d head logits = d loss / d unary * slope
+            dlogits = dlogits * slope.to(dlogits.dtype)
+        g = (dlogits @ head_w.to(dlogits.dtype)).to(h.dtype)
+        ctx.top_k = top_k
+        if not top_k:
+            ctx.save_for_backward(g)
+            ctx.mark_non_differentiable(ce, kl, pred)
+            return per_slot, ce, kl, pred
+        values, ids = _candidates(logits, labels, top_k)
+        ctx.save_for_backward(g, head_w, ids, None if slope is None else slope.gather(-1, ids).float())
+        ctx.mark_non_differentiable(ce, kl, pred, ids)
+        return per_slot, ce, kl, pred, values, ids
 
     @staticmethod
-    def backward(ctx, grad_per_slot, *_):
-        (g,) = ctx.saved_tensors
-        return (grad_per_slot[:, None] * g).to(g.dtype), None, None, None, None, None, None
+    def backward(ctx, grad_per_slot, *grads):
+        g, *candidates = ctx.saved_tensors
+        grad_h = grad_per_slot[:, None] * g
+        if ctx.top_k:  # the candidates' values: grads = (ce, kl, pred, values, ids)
+            head_w, ids, slopes = candidates
+            grad_values = grads[3] if slopes is None else grads[3] * slopes
+            grad_h = grad_h + F.embedding_bag(ids, head_w, per_sample_weights=grad_values.to(head_w.dtype),
+                                              mode="sum").to(g.dtype)
+        return (grad_h.to(g.dtype),) + (None,) * 8
 
 
 NORMALISERS = ("weights", "tokens", "rows")
 
 
+@dataclass
+class SelectorTerm:
+    """What ``block_loss`` needs of a DFlash2 drafter for its selector term (:func:`selector_term` builds it)."""
+
+    selector: torch.nn.Module  # the drafter's candidate_selector: hidden_projection and the two codebooks
+    top_k: int  # selector_top_k: the unary candidates the selector ranks
+    alpha: float  # train.selector_loss_alpha: the selector CE's weight beside the unary loss
+    unary: Callable[[torch.Tensor], torch.Tensor] | None  # the drafter's multiplier / soft-cap (None: both off)
+
+
+def selector_term(drafter, alpha: float | None = None) -> SelectorTerm | None:
+    """The selector term of an (unwrapped) drafter: None for DFlash v1. The unary transform is the drafter's own
+    ``models.drafter2.unary_logits`` with its config, so training ranks and scores what the loops propose."""
+    if getattr(drafter, "variant", "dflash") != "dflash2":
+        return None
+    c = drafter.config
+    unary = None
+    if c.output_multiplier != 1.0 or c.final_logit_softcapping:
+        unary = functools.partial(unary_logits, output_multiplier=c.output_multiplier,
+                                  softcap=c.final_logit_softcapping)
+    return SelectorTerm(drafter.candidate_selector, c.selector_top_k,
+                        SELECTOR_LOSS_ALPHA if alpha is None else float(alpha), unary)
+
+
+def block_embedder(drafter, embed_tokens):
+    """What embeds the blocks' tokens: a DFlash2 drafter's own ``embed`` (the target's embedding times its
+    ``input_embedding_scale``, as its loops do), else the target's embedding."""
+    return drafter.embed if getattr(drafter, "variant", "dflash") == "dflash2" else embed_tokens
+
+
+def _selector_ce(projected: torch.Tensor, predecessor: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                 labels: torch.Tensor, predecessor_codebook: torch.Tensor,
+                 successor_codebook: torch.Tensor) -> torch.Tensor:
+    """The selector's K-way cross-entropy of each slot of a chunk ``[c]``, teacher-forced.
+
+    values / ids ``[c, K+1]``: the unary top-K, best first, then the label (:func:`_candidates`). A label outside
+    the top-K replaces the K-th candidate, with its own unary value, so every slot has a target: the label's index.
+    Scores: ``unary + edge`` (``models.drafter2.edge``, the loops' own) with the true previous token as the
+    predecessor (``predecessor`` [c]: the bonus token for slot 1, the label of slot k-1 for slot k).
+    """
+    top_k = ids.shape[1] - 1
+    hit = ids[:, :top_k] == labels[:, None]
+    found = hit.any(-1)
+    last = torch.where(found, ids[:, top_k - 1], labels)
+    candidates = torch.cat([ids[:, :top_k - 1], last[:, None]], dim=1)
+    unary = torch.cat([values[:, :top_k - 1], torch.where(found, values[:, top_k - 1], values[:, top_k])[:, None]],
+                      dim=1)
+    target = torch.where(found, hit.long().argmax(-1), torch.full_like(labels, top_k - 1))
+    scores = unary + edge(projected, predecessor, candidates, predecessor_codebook, successor_codebook)
+    return F.cross_entropy(scores, target, reduction="none")
+
+
+@torch.no_grad()
+def _walk_correct(blocks: Blocks, idx: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                  projected: torch.Tensor, selector: torch.nn.Module) -> torch.Tensor:
+    """``[b, n, B-1]``: the selector walk's draft == label at each scored slot (what the loops propose: the walk
+    from the bonus token over each slot's unary top-K, without the label injected). The scored slots are a prefix
+    of each block, so the walk over them is the loops' walk; the slots after it are never counted."""
+    b, n = blocks.anchors.shape
+    B, K = blocks.block_size, ids.shape[1] - 1
+    rows = b * n * (B - 1)
+    unary = values.new_zeros(rows, K).index_copy(0, idx, values[:, :K].detach())
+    candidates = ids.new_zeros(rows, K).index_copy(0, idx, ids[:, :K])
+    proj = projected.new_zeros(rows, projected.shape[-1]).index_copy(0, idx, projected.detach())
+    drafts = walk(unary.view(b * n, B - 1, K), candidates.view(b * n, B - 1, K), proj.view(b * n, B - 1, -1),
+                  selector.predecessor_codebook, selector.successor_codebook, blocks.block_ids[..., 0].flatten()).tokens
+    return (drafts.view_as(blocks.labels) == blocks.labels) & blocks.label_mask
+
+
 def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, gamma: float | None, *,
                chunk: int = 4096, mode: str = "ce", kl_weight: float = 1.0, topk_ids: torch.Tensor | None = None,
                topk_logprobs: torch.Tensor | None = None, weighting: str = "decay", dpace_alpha: float = 0.5,
-               normaliser: str = "weights") -> LossOutput:
+               normaliser: str = "weights", selector: SelectorTerm | None = None) -> LossOutput:
     """Weighted, normalised loss over the scored slots of every block; LM head + loss in chunks.
 
     hidden: drafter output ``[b, n*B, H]``. topk_ids / topk_logprobs (KL only, ``[b, s, k]``): the
@@ -381,6 +505,13 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
     weighting: ``decay`` (``slot_weights`` of ``gamma``) or ``dpace`` (``dpace_weights`` of ``dpace_alpha`` and
     the per-slot hard-label CE, whatever ``mode`` is). normaliser: the loss is ``weighted_sum`` over the
     weight sum (``weights``), the scored slots (``tokens``) or the rows of the batch (``rows``).
+
+    selector (DFlash2, :func:`selector_term`): each slot's loss is ``unary_k + alpha * selector_k``, the unary
+    loss on the drafter's logits (multiplier / soft-cap applied) and the selector's teacher-forced K-way CE
+    (:func:`_selector_ce`), both under the same slot weight ``w_k`` (D-PACE's from the unary CE) and normaliser;
+    ``correct`` is then the selector walk's (:func:`_walk_correct`). The top-K is taken inside each LM-head chunk
+    and the selector's ``[chunk, K]`` scores are recomputed in the backward, so no more than today's chunk of
+    logits exists at once.
     """
     if weighting not in ("decay", "dpace") or normaliser not in NORMALISERS:
         raise ValueError(f"weighting={weighting!r}, normaliser={normaliser!r}: use decay or dpace, and one of "
@@ -405,23 +536,44 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         k = topk_ids.shape[-1]
         t_ids = topk_ids.gather(1, src[..., None].expand(-1, -1, k)).view(-1, k).index_select(0, idx)
         t_logp = topk_logprobs.float().gather(1, src[..., None].expand(-1, -1, k)).view(-1, k).index_select(0, idx)
-    per_slot, ce, kl, pred = [], [], [], []
+    extra = ()
+    if selector is not None:  # teacher forcing: slot 1's predecessor is the bonus token, slot k's the label of k-1
+        extra = (selector.unary, selector.top_k)
+        predecessor = torch.cat([blocks.block_ids[..., :1], blocks.labels[..., :-1]], -1).flatten().index_select(0, idx)
+        module = selector.selector
+        projected = module.hidden_projection(h)  # [M, r]
+        codebooks = (module.predecessor_codebook, module.successor_codebook)
+    per_slot, ce, kl, pred, sel_ce, values, ids = [], [], [], [], [], [], []
     for i in range(0, h.shape[0], chunk):
         args = (h[i:i + chunk], head_weight, y[i:i + chunk], None if t_ids is None else t_ids[i:i + chunk],
-                None if t_logp is None else t_logp[i:i + chunk], mode, kl_weight)
+                None if t_logp is None else t_logp[i:i + chunk], mode, kl_weight, *extra)
         if torch.is_grad_enabled() and h.requires_grad and not head_weight.requires_grad:
-            ls, c, k_, p = _LinearLoss.apply(*args)
+            ls, c, k_, p, *cand = _LinearLoss.apply(*args)
         elif torch.is_grad_enabled() and h.requires_grad:  # a trained head needs its own gradient too
-            ls, c, k_, p = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            ls, c, k_, p, *cand = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
-            ls, c, k_, p = _chunk_loss(*args)
+            ls, c, k_, p, *cand = _chunk_loss(*args)
+        if selector is not None:
+            sel_args = (projected[i:i + chunk], predecessor[i:i + chunk], *cand, y[i:i + chunk], *codebooks)
+            # recomputed in the backward: its [chunk, K, r] successor rows are never kept for every chunk at once
+            s = (checkpoint(_selector_ce, *sel_args, use_reentrant=False) if torch.is_grad_enabled()
+                 else _selector_ce(*sel_args))
+            sel_ce.append(s)
+            values.append(cand[0])
+            ids.append(cand[1])
         per_slot.append(ls)
         ce.append(c)
         kl.append(k_)
         pred.append(p)
     slot_weight = torch.zeros(B - 1, device=hidden.device)
+    selector_ce_sum = walk_correct = None
     if per_slot:
         per_slot_t, ce_t, kl_t, pred_t = torch.cat(per_slot), torch.cat(ce), torch.cat(kl), torch.cat(pred)
+        if selector is not None:
+            sel_t = torch.cat(sel_ce)
+            per_slot_t = per_slot_t + selector.alpha * sel_t  # alpha 0 still keeps the selector in the graph (DDP)
+            selector_ce_sum = sel_t.detach().sum()
+            walk_correct = _walk_correct(blocks, idx, torch.cat(values), torch.cat(ids), projected, module)
         if weighting == "dpace":
             # Every chunk's CE is in hand (detached) before a weight is needed, so a block that straddles chunks
             # gets the weights of the whole block: they multiply the chunks' per-slot losses afterwards, and the
@@ -435,21 +587,26 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, head_weight: torch.Tensor, 
         loss = weighted_sum / {"weights": weight, "tokens": float(y.shape[0]), "rows": float(b)}[normaliser]
         ce_mean, ce_sum, kl_sum = ce_t.mean(), ce_t.sum(), kl_t.sum()
         slot_weight = slot_weight.index_add(0, k_slot, w)
-    else:  # no scored slot in this batch: a zero loss that still touches the graph
-        loss = weighted_sum = hidden.sum() * 0.0
+    else:  # no scored slot in this batch: a zero loss that still touches the graph (the selector's too: DDP)
+        loss = weighted_sum = hidden.sum() * 0.0 + sum(
+            p.sum() for p in (selector.selector.parameters() if selector is not None else ())) * 0.0
         weight = ce_mean = ce_sum = kl_sum = loss.detach()
         pred_t = y
+        if selector is not None:
+            selector_ce_sum, walk_correct = loss.detach(), torch.zeros_like(sel)
     correct = torch.zeros_like(sel).view(-1).scatter(0, idx, pred_t == y).view_as(sel)
-    return LossOutput(loss=loss, correct=correct, label_mask=sel, valid=blocks.valid, ce=ce_mean,
-                      weighted_sum=weighted_sum, weight=weight, ce_sum=ce_sum, kl_sum=kl_sum, scored=int(y.shape[0]),
-                      slot_weight=slot_weight)
+    return LossOutput(loss=loss, correct=correct if walk_correct is None else walk_correct, label_mask=sel,
+                      valid=blocks.valid, ce=ce_mean, weighted_sum=weighted_sum, weight=weight, ce_sum=ce_sum,
+                      kl_sum=kl_sum, scored=int(y.shape[0]), slot_weight=slot_weight, selector_ce_sum=selector_ce_sum,
+                      unary_correct=None if selector is None else correct)
 
 
 def drafter_forward(drafter, embed, blocks: Blocks, features: torch.Tensor, position_ids: torch.Tensor,
                     mask) -> torch.Tensor:
     """All blocks of a batch in one drafter pass: ``[b, n*B, H]`` hidden states.
 
-    ``embed`` is the target's (frozen) embedding; ``drafter`` may be a DDP/FSDP wrapper.
+    ``embed`` embeds the block tokens: the target's (frozen) embedding, or for DFlash2 the drafter's own
+    ``embed`` (:func:`block_embedder`: it scales by ``input_embedding_scale``); ``drafter`` may be a DDP/FSDP wrapper.
     """
     noise = embed(blocks.block_ids.flatten(1))
     pos = torch.cat([position_ids, blocks.positions.flatten(1)], dim=1)

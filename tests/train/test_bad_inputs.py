@@ -755,6 +755,28 @@ def test_resume_refuses_a_change_of_the_loss_weighting_and_reads_an_older_checkp
     assert config_changes(older, cfg(), later) == ([], [])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["train.selector_loss_alpha=0.5"], "train.selector_loss_alpha=0.5 weighs DFlash2's selector loss and this run "
+                                        "trains a dflash drafter, which has no selector: add drafter.variant=dflash2"),
+    (["drafter.variant=dflash2", "train.selector_loss_alpha=-1"],
+     "train.selector_loss_alpha=-1.0 must be a number >= 0"),
+    (["drafter.variant=dflash2", "train.selector_loss_alpha=.nan"], "train.selector_loss_alpha=nan must be a number"),
+])
+def test_bad_selector_loss_alpha_fails_at_config_time(overrides, message):
+    """DFlash2's selector weight: refused for a v1 run (it would be ignored), negative or not finite; unset it is
+    resolved to 1.0 in the config (what checkpoints and the provenance record), and a resume refuses a change."""
+    from train.checkpoint import config_changes
+    from train.config import RunConfig, load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(["recipe=tiny", *overrides])
+    v2 = load_config(["recipe=tiny", "drafter.variant=dflash2"])
+    assert v2.train.selector_loss_alpha == 1.0 and load_config(["recipe=tiny"]).train.selector_loss_alpha is None
+    other = load_config(["recipe=tiny", "drafter.variant=dflash2", "train.selector_loss_alpha=0.1"])
+    assert config_changes(v2.to_dict(), other.to_dict(), RunConfig().to_dict())[0] == [
+        "train.selector_loss_alpha: 1.0 -> 0.1"]
+
+
 def test_online_kl_top_k_larger_than_the_vocabulary():
     """train.kl_topk=100000 with a 288-token target ended in torch.topk's "selected index k out of range"."""
     from types import SimpleNamespace

@@ -99,12 +99,13 @@ def test_masks_are_built_where_they_are_needed():
     assert r.reads  # HF's padding mask, built as before
 
 
-@pytest.mark.parametrize("loss", ["ce", "ce+kl", "dpace"])
+@pytest.mark.parametrize("loss", ["ce", "ce+kl", "dpace", "dflash2"])
 def test_a_training_step_reads_nothing_back(loss, tmp_path, tmp_path_factory, monkeypatch):
     """Every micro-batch of an online step (target forward, drafter, loss, backward, acceptance counts) and
     the gradient clip; the optimizer runs outside the recorder (CPU AdamW reads its step count, the fused
     CUDA one does not). ``dpace``: D-PACE normalised by its weight sum, known only after the last forward (the
-    gradients are rescaled on the device)."""
+    gradients are rescaled on the device). ``dflash2``: the selector term (top-K in each LM-head chunk, label
+    injection, teacher-forced CE and its backward) and the selector walk of the step's acceptance counts."""
     import train.loop
 
     d = tiny_input_dirs(tmp_path_factory)
@@ -128,7 +129,9 @@ def test_a_training_step_reads_nothing_back(loss, tmp_path, tmp_path_factory, mo
     monkeypatch.setattr(train.loop, "train_step", recorded)
     run(tmp_path / "run", f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=2",
         "train.grad_accum=2", "train.batch_size=2", "train.anchors=8", "eval.batches=1",
-        *(["train.loss_weighting=dpace", "train.ce_chunk=16"] if loss == "dpace" else [f"train.loss={loss}"]))
+        *{"dpace": ["train.loss_weighting=dpace", "train.ce_chunk=16"],
+          "dflash2": ["drafter.variant=dflash2", "train.loss_weighting=dpace", "train.ce_chunk=16"]}.get(
+            loss, [f"train.loss={loss}"]))
     assert seen == [[], []]
 
 
