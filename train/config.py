@@ -283,7 +283,8 @@ class RunConfig:
                              "(fractions allowed), or train.max_steps=N")
         if self.train.max_steps is not None and self.train.max_steps < 1:
             raise ValueError(f"train.max_steps={self.train.max_steps} must be >= 1 (or unset: train.epochs decides)")
-        for key in ("train.batch_size", "train.grad_accum", "train.anchors", "drafter.block_size", "train.ce_chunk"):
+        self._check_drafter()  # every drafter shape key at once, before the weighting asks for a gamma of its block
+        for key in ("train.batch_size", "train.grad_accum", "train.anchors", "train.ce_chunk"):
             section, name = key.split(".")
             if getattr(getattr(self, section), name) < 1:
                 raise ValueError(f"{key} must be >= 1")
@@ -344,7 +345,6 @@ class RunConfig:
             raise ValueError(f"train.epochs={self.train.epochs}: give a finite number of passes over the data")
         if not 0 <= self.train.seed < 2**32:
             raise ValueError(f"train.seed={self.train.seed} must be in [0, 2**32)")
-        d = self.drafter
         rules = {  # key: (value, minimum); None = unset (a default applies)
             "logging.every": (self.logging.every, 1), "eval.every": (self.eval.every, 0),
             "eval.batches": (self.eval.batches, 1), "eval.true_tau_every": (self.eval.true_tau_every, 0),
@@ -354,22 +354,47 @@ class RunConfig:
             "data.max_length": (self.data.max_length, 1), "data.eval_rows": (self.data.eval_rows, 0),
             "data.limit": (self.data.limit, 1), "data.regenerate_max_tokens": (self.data.regenerate_max_tokens, 1),
             "data.regenerate_batch_size": (self.data.regenerate_batch_size, 1),
-            "data.tiny_conversations": (self.data.tiny_conversations, 1),
-            "drafter.num_hidden_layers": (d.num_hidden_layers, 1), "drafter.num_taps": (d.num_taps, 1),
-            # the shape overrides: 0 once meant "the target's" without a word
-            "drafter.intermediate_size": (d.intermediate_size, 1),
-            "drafter.num_attention_heads": (d.num_attention_heads, 1),
-            "drafter.num_key_value_heads": (d.num_key_value_heads, 1), "drafter.head_dim": (d.head_dim, 2)}
+            "data.tiny_conversations": (self.data.tiny_conversations, 1)}
         for key, (value, least) in rules.items():
             if value is not None and value < least:
                 raise ValueError(f"{key}={value} must be >= {least}")
-        if d.head_dim is not None and d.head_dim % 2:
-            raise ValueError(f"drafter.head_dim={d.head_dim} must be even (RoPE rotates pairs of dimensions)")
-        if d.target_layer_ids is not None and not d.target_layer_ids:
-            raise ValueError("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
-                             "default spread (drafter.num_taps of them)")
+
+    def _check_drafter(self) -> None:
+        """Every drafter shape key that is wrong without the target, named together in one error: one at a time
+        (block size 1 first asked for train.gamma, then loaded the target, then said a block needs 2 slots) cost
+        a run per mistake. What needs the target's shape (taps past its layers) is checked before it loads, by
+        ``train.setup.check_inputs``."""
+        d, problems = self.drafter, []
+        least = {"num_hidden_layers": 1, "num_taps": 1, "block_size": 2,
+                 # the shape overrides: 0 once meant "the target's" without a word
+                 "intermediate_size": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 2}
+        why = {"block_size": " (a block holds the bonus token and at least one mask; default 16)"}
+        for name, low in least.items():
+            value = getattr(d, name)
+            if value is not None and value < low:
+                problems.append(f"drafter.{name}={value} must be >= {low}{why.get(name, '')}")
+        if d.head_dim is not None and d.head_dim >= 2 and d.head_dim % 2:
+            problems.append(f"drafter.head_dim={d.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        heads, kv = d.num_attention_heads, d.num_key_value_heads
+        if heads and kv and heads >= 1 and kv >= 1 and heads % kv:
+            problems.append(f"drafter.num_key_value_heads={kv} must divide drafter.num_attention_heads={heads} "
+                            "(grouped-query attention)")
+        ids = d.target_layer_ids
+        if ids is not None and not ids:
+            problems.append("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
+                            "default spread (drafter.num_taps of them)")
+        elif ids:
+            if any(i < 0 for i in ids):
+                problems.append(f"drafter.target_layer_ids={ids}: layer ids count from 0")
+            if len(set(ids)) != len(ids):
+                problems.append(f"drafter.target_layer_ids={ids} taps a layer twice")
+        if d.mask_token_id is not None and d.mask_token_id < 0:
+            problems.append(f"drafter.mask_token_id={d.mask_token_id} must be a row of the embedding (>= 0; unset: "
+                            "chosen from the tokenizer)")
         if d.rope_theta is not None and not (math.isfinite(d.rope_theta) and d.rope_theta > 0):
-            raise ValueError(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
+            problems.append(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def resolved_out_dir(self) -> Path:
         name = Path(self.recipe).stem if self.recipe else "run"

@@ -97,6 +97,7 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     from train.checkpoint import refuse_unfinished_run, resume_checkpoint
     from train.export_stage import check_export_stage
     from train.loop import Run, true_tau_cadence_note
+    from train.setup import check_inputs
 
     cuda = torch.cuda.is_available()
     if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
@@ -113,18 +114,7 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     set_seed(cfg.train.seed)
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
-    if cfg.features.mode == "offline":  # a mistyped or unfinished store was named only once the target had loaded
-        from data.store import FeatureStore
-
-        FeatureStore(cfg.features.store, verify=False)  # its index alone: it exists and its extraction finished
-    if cfg.data.subset and cfg.data.source != "tiny":  # read only once the target had loaded
-        from data.readers import refuse_local_subset
-
-        refuse_local_subset(cfg.data.source, cfg.data.subset)
-    if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
-        from train.setup import warm_start_source
-
-        warm_start_source(cfg.drafter.init_from)
+    check_inputs(cfg, out_dir)  # what it reads, where it writes, the drafter's shape: before anything loads
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once

@@ -1171,17 +1171,22 @@ def test_fp16_mixed_precision_on_a_cpu_is_refused_before_anything_loads(no_cuda,
 
 
 @pytest.mark.parametrize("resume", ["false", "true"])
-def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, resume):
+def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, monkeypatch, resume):
     """The same command in two terminals (or a requeued job while the first still ran, resume=true) trained into
     one out_dir: both wrote metrics.jsonl, the same step_N checkpoints and final/. The second is refused before
     anything loads, naming the holder's pid; a run that ended (here: by an error) leaves the folder free."""
     import os
 
+    import train.setup
     from models.support import hold
     from train.distill import LOCK, main
 
+    def no_target(*a, **k):
+        raise FileNotFoundError("no-target")
+
+    monkeypatch.setattr(train.setup, "load_target", no_target)
     out = tmp_path / "run"
-    args = ["recipe=tiny", f"out_dir={out}", f"resume={resume}", f"target.path={tmp_path / 'no-target'}"]
+    args = ["recipe=tiny", f"out_dir={out}", f"resume={resume}"]
     with hold(out, LOCK, "out_dir", "-"):
         with pytest.raises(ValueError, match=f"out_dir {out} is in use by another run \\(pid {os.getpid()}\\): wait"):
             main(args)
@@ -1210,3 +1215,115 @@ def test_train_bench_has_no_flex_sweep(capsys, no_build):
     """The tile sweep is a lab experiment (python -m lab.flex_sweep); the bench keeps --flex-backward."""
     assert "unrecognized arguments: --flex-sweep" in argparse_error(capsys, "train", ["--e2e", "qwen35-9b",
                                                                                      "--flex-sweep"])
+
+
+# ----------------------------------------------------------------------------- issue 44 (training side)
+def _nothing_loads(monkeypatch):
+    """Building, fitting or loading a target (or preparing data) fails the test: the refusal must come first."""
+    import train.distill
+    import train.setup
+
+    def refuse(*a, **k):
+        raise AssertionError("a target was built or loaded before the refusal")
+
+    for name in ("load_target", "build_tiny_target", "ensure_prepared"):
+        monkeypatch.setattr(train.setup, name, refuse)
+    monkeypatch.setattr(train.distill, "run_stages", refuse)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("where, said", [
+    ("the target", "is the target's folder \\(target.path\\)"),
+    ("inside the target", "is inside the target's folder \\(target.path\\)"),
+    ("another model", "is a model folder \\(config.json beside weights\\)"),
+    ("inside a drafter", "is inside a DFlash drafter folder"),
+    ("prepared data", "is a prepared data folder"),
+])
+def test_an_out_dir_in_a_model_folder_is_refused_before_anything_is_written(data_target, export_drafter, tmp_path,
+                                                                             monkeypatch, where, said):
+    """out_dir equal to (or inside) the target's folder or another model folder once got checkpoints, final/,
+    metrics.jsonl and a lock file written among the model's files."""
+    import shutil
+
+    from train.distill import main
+
+    _nothing_loads(monkeypatch)
+    target = tmp_path / "target"
+    shutil.copytree(data_target, target)
+    other = tmp_path / "other-model"
+    shutil.copytree(data_target, other)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "draftsmith_data.json").write_text("{}")
+    out = {"the target": target, "inside the target": target / "run", "another model": other,
+           "inside a drafter": export_drafter / "run", "prepared data": prepared}[where]
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=f"out_dir={re.escape(str(out))} {said}.* the run's checkpoints, final/, "
+                                         "metrics and lock file would be written among its files; give the run a "
+                                         "folder of its own, e.g. out_dir=runs/tiny"):
+        main(["recipe=tiny", f"target.path={target}", f"out_dir={out}", "data.source=tiny"])
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("override, said", [
+    ("data.source=./nope.jsonl", "data source './nope.jsonl' is neither a local file/folder nor a Hub id"),
+    ("data.source=chats.csv", "unsupported file type '.csv'"),
+    ("target.path=./no-target", "target.path './no-target' is neither a local folder nor a Hub id"),
+    ("target.quantization=mlx:./no-mlx", "target.quantization=mlx:./no-mlx: no such folder"),
+    ("drafter.init_from=./no-drafter", "drafter.init_from './no-drafter' is neither a local folder nor a Hub id"),
+    ("features.store=./no-store", "no-store"),
+])
+def test_every_path_a_run_reads_is_checked_before_the_target_is_built(tmp_path, monkeypatch, override, said):
+    """`recipe=tiny data.source=./nope.jsonl` fitted the tiny target for minutes before saying the source does not
+    exist; each path the run reads is now checked before anything is built, loaded or written."""
+    from train.distill import main
+
+    _nothing_loads(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chats.csv").write_text("a,b\n")
+    extra = ["features.mode=offline"] if override.startswith("features.") else []
+    with pytest.raises((ValueError, OSError), match=re.escape(said) if "(" not in said else said):
+        main(["recipe=tiny", "out_dir=run", override, *extra])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.csv"]
+
+
+def test_prepared_data_that_is_missing_with_no_source_is_named_before_anything_loads(tmp_path, monkeypatch):
+    from train.config import load_config
+    from train.distill import train
+
+    _nothing_loads(monkeypatch)
+    cfg = load_config(["recipe=tiny", f"out_dir={tmp_path / 'run'}", f"data.prepared={tmp_path / 'nothing-here'}"],
+                      overrides={"data.source": ""})
+    with pytest.raises(ValueError, match="data.source is empty and no prepared data set exists at .*nothing-here"):
+        train(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_bad_drafter_shape_key_is_named_at_once_before_anything_loads(tmp_path, monkeypatch):
+    """drafter.block_size=1 first asked for train.gamma, then loaded the target, and only then said a block needs
+    two slots; the shape keys are now checked together, and against the target's config before it loads."""
+    from train.config import load_config
+    from train.distill import main
+
+    with pytest.raises(ValueError) as e:
+        load_config(["recipe=tiny", "drafter.block_size=1"])
+    assert str(e.value).startswith("drafter.block_size=1 must be >= 2") and "train.gamma" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        load_config(["recipe=tiny", "drafter.block_size=1", "train.gamma=4", "drafter.head_dim=3",
+                     "drafter.num_attention_heads=6", "drafter.num_key_value_heads=4",
+                     "drafter.target_layer_ids=[1,1]"])
+    assert str(e.value) == (
+        "drafter.block_size=1 must be >= 2 (a block holds the bonus token and at least one mask; default 16); "
+        "drafter.head_dim=3 must be even (RoPE rotates pairs of dimensions); drafter.num_key_value_heads=4 must "
+        "divide drafter.num_attention_heads=6 (grouped-query attention); drafter.target_layer_ids=[1, 1] taps a "
+        "layer twice")
+    _nothing_loads(monkeypatch)
+    for override, said in (("drafter.target_layer_ids=[1,99]", "layer id 99 is outside"),
+                           ("drafter.num_taps=40", "too few target layers for 40 distinct taps"),
+                           ("drafter.mask_token_id=100000", "outside the target embedding")):
+        with pytest.raises(ValueError, match=f"the drafter.\\* settings do not fit the target tiny:qwen3: .*{said}"):
+            main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", override])
+    assert list(tmp_path.iterdir()) == []
