@@ -25,9 +25,9 @@ import shutil
 from pathlib import Path
 
 import torch
-import yaml
 
 from models.support import UserError
+from train.config import read_yaml
 # The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
 from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
 
@@ -215,7 +215,7 @@ def check_resume_config(ckpt: Path, cfg, log) -> None:
     if not saved_file.is_file():
         log(f"warning: {saved_file} is missing: cannot check that the settings match the checkpoint")
         return
-    saved = yaml.safe_load(saved_file.read_text()) or {}
+    saved = read_yaml(saved_file, "the checkpoint's settings ") or {}
     refused, harmless = config_changes(saved, cfg.to_dict(), type(cfg)().to_dict())
     if refused:
         raise ResumeConfigError(

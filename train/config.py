@@ -21,7 +21,8 @@ from typing import Any
 import yaml
 
 from models.quantization import parse_quantization
-from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK  # shared with exports, which name the objective
+# shared with exports, which name the objective; the run folder's layout
+from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK, STEP_DIR, checkpoint_dirs
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
                              set_dotted)
 from train.overrides import valid_keys as keys_of
@@ -402,6 +403,42 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------- loading
+def read_yaml(path: Path, what: str = "") -> Any:
+    """A YAML file; one that does not parse is one line (the parser's own message runs over 8), and a run's
+    ``config.yaml`` (the run folder's, or a checkpoint's) names an intact copy of the same run's settings."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        copy = intact_run_config(Path(path))
+        fix = f"; restore it from {copy}" if copy else ""
+        raise ValueError(f"{what}{path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}{fix}") from None
+
+
+def intact_run_config(path: Path) -> Path | None:
+    """For a run's ``config.yaml`` (``out_dir/config.yaml``, ``final/`` or ``checkpoints/step_N/``'s): another copy
+    of the run's settings that parses, the newest checkpoint's first; None for any other file."""
+    if path.name != "config.yaml":
+        return None
+    folder = path.parent
+    if folder.name == "final" or (STEP_DIR.match(folder.name) and folder.parent.name == "checkpoints"):
+        root = folder.parent if folder.name == "final" else folder.parent.parent
+    elif (folder / "checkpoints").is_dir() or (folder / "final").is_dir():
+        root = folder
+    else:
+        return None
+    for copy in [d / "config.yaml" for d in reversed(checkpoint_dirs(root))] + [root / "final" / "config.yaml",
+                                                                                  root / "config.yaml"]:
+        if copy.is_file() and copy.resolve() != path.resolve():
+            try:
+                if isinstance(yaml.safe_load(copy.read_text()), dict):
+                    return copy
+            except (OSError, yaml.YAMLError):
+                continue
+    return None
+
+
 def valid_keys() -> list[str]:
     """Every dotted key of the training config (sections and leaves)."""
     return keys_of(RunConfig)
@@ -416,12 +453,7 @@ def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
     tree: dict[str, Any] = {}
     if recipe:
         path = recipe_path(recipe)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            line = f" at line {where.line + 1}" if where is not None else ""
-            raise ValueError(f"recipe {path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}") from None
+        raw = read_yaml(path, "recipe ") or {}
         if not isinstance(raw, dict):
             raise ValueError(f"recipe {recipe} must be a YAML mapping")
         tree = raw

@@ -1327,3 +1327,32 @@ def test_every_bad_drafter_shape_key_is_named_at_once_before_anything_loads(tmp_
         with pytest.raises(ValueError, match=f"the drafter.\\* settings do not fit the target tiny:qwen3: .*{said}"):
             main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", override])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_config_that_is_not_yaml_is_one_line_naming_an_intact_copy(tmp_path):
+    """A run's config.yaml (given back as the recipe, or a checkpoint's, read by resume=true) that does not parse was
+    an 8-line parser dump, or a traceback; it is one line naming a copy of the same settings to restore it from."""
+    from models.support import run_cli
+    from train.checkpoint import resume_checkpoint
+    from train.config import load_config
+    from train.distill import main
+
+    run = tmp_path / "run"
+    settings = load_config(["recipe=tiny", f"out_dir={run}"]).to_yaml()
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "config.yaml").write_text(settings)
+        (run / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text(f'{{"step": {step}}}')
+    broken = settings.replace("train:\n", "train:\n  lr: [3e-4\n", 1)
+    (run / "config.yaml").write_text(broken)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: main([f"recipe={run / 'config.yaml'}", "resume=true"]))
+    line = str(e.value.code).splitlines()[0]
+    assert re.fullmatch(f"error: recipe {re.escape(str(run / 'config.yaml'))} is not valid YAML at line \\d+: .*; "
+                        f"restore it from {re.escape(str(run / 'checkpoints' / 'step_2' / 'config.yaml'))}", line), line
+    (run / "config.yaml").write_text(settings)
+    (run / "checkpoints" / "step_2" / "config.yaml").write_text(broken)
+    cfg = load_config(["recipe=tiny", f"out_dir={run}", "resume=true"])
+    with pytest.raises(ValueError, match=f"step_2/config.yaml is not valid YAML at line \\d+: .*; restore it from "
+                                         f"{re.escape(str(run / 'checkpoints' / 'step_1' / 'config.yaml'))}$"):
+        resume_checkpoint(cfg, run, lambda *_: None)
