@@ -21,6 +21,8 @@ new length (:data:`LENGTH_KEYS`) that does not end before the checkpoint's step.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -48,6 +50,57 @@ def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None 
         copy.save_pretrained(directory, dtype=dtype)
 
 
+# ----------------------------------------------------------------------------- writing: a full disk, permissions
+# What the writers raise when a write fails (a full disk, a quota, a vanished mount): Python's own writes an
+# OSError; safetensors a SafetensorError ("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ...
+# })"); torch.save a RuntimeError ("PytorchStreamWriter failed writing file data/0: file write failed", or
+# "unexpected pos" when it closes the file).
+NO_SPACE = ("no space left", "storagefull", "code: 28")
+WRITE_FAILED = (*NO_SPACE, "quota", "file write failed", "unexpected pos", "ioerror(", "input/output error",
+                "read-only file system")
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed when ``e`` (or an error it wraps) is a failed write; None for anything else (a bug, a
+    CUDA error), which keeps its traceback."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        text = str(e).lower()
+        if any(w in text for w in WRITE_FAILED):
+            if any(w in text for w in NO_SPACE):
+                return "No space left on device"
+            if "quota" in text:
+                return "Disk quota exceeded"
+            return re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", str(e).strip()).splitlines()[0][:200]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def free_space(path: Path) -> str:
+    """``1.2 GiB free there``: the space left on the file system of ``path`` (or of its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return "free space unknown"
+    return (f"{free / 1024 ** 3:.1f} GiB" if free >= 1024 ** 3 else f"{free / 1024 ** 2:.0f} MiB") + " free there"
+
+
+def share_like_umask(folder: Path) -> None:
+    """Give every file under ``folder`` the permissions a plain write gets (0644 under the usual umask 022): safetensors
+    writes through a private temp file, so weights came out 0600, unreadable by the group that reads the run."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in Path(folder).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~mask)
+
+
 def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state: dict, config_yaml: str,
                     keep_last: int) -> Path:
     root = Path(out_dir) / "checkpoints"
@@ -68,17 +121,22 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
         if accelerator.is_main_process:
             (tmp / "config.yaml").write_text(config_yaml)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+            share_like_umask(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
     except KeyboardInterrupt:  # Ctrl-C mid-save: the half-written one goes, the earlier ones are untouched
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except OSError as e:  # a full disk, a quota, a vanished mount: the earlier checkpoints are untouched
+    except Exception as e:  # a full disk, a quota, a vanished mount: the earlier checkpoints are untouched
+        reason = write_failure(e)
+        if reason is None:
+            raise
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written one only takes space
         newest = latest_checkpoint(out_dir)
         raise CheckpointError(
-            f"could not write the checkpoint of step {step} under {root} ({e.strerror or e}): "
+            f"could not write the checkpoint of step {step} under {root} ({reason}; {free_space(root)}), the "
+            f"half-written {tmp.name} removed: "
             + (f"the newest complete one, {newest}, is intact: free space (or fix the folder) and rerun with "
                "resume=true" if newest else "no earlier checkpoint to resume from: free space and rerun")) from e
     if accelerator.is_main_process:

@@ -301,7 +301,8 @@ def save_final(run, model, step: int) -> Path:
     """``out_dir/final/``: ``drafter/`` (bf16 when trained in bf16), the config it was trained with and
     ``trained.json`` (its optimizer steps). Written as ``final.tmp/`` and renamed when complete, so a kill
     never leaves a new config beside old weights; the previous ``final/`` goes only then."""
-    from train.checkpoint import FINAL_STATE, CheckpointError, latest_checkpoint, save_drafter
+    from train.checkpoint import (FINAL_STATE, CheckpointError, free_space, latest_checkpoint, save_drafter,
+                                  share_like_umask, write_failure)
     from train.loop import diverged, nonfinite_weights
 
     final, tmp, old = (run.out_dir / name for name in ("final", "final.tmp", "final.old"))
@@ -317,23 +318,25 @@ def save_final(run, model, step: int) -> Path:
         if run.is_main:
             (tmp / "config.yaml").write_text(run.config_yaml)
             (tmp / FINAL_STATE).write_text(json.dumps({"step": step}) + "\n")
+            share_like_umask(tmp)
             if final.exists():
                 final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
-    except (KeyboardInterrupt, OSError) as e:
-        if run.is_main:
+    except (KeyboardInterrupt, Exception) as e:
+        reason = None if isinstance(e, KeyboardInterrupt) else write_failure(e)
+        if run.is_main and (reason or isinstance(e, KeyboardInterrupt)):
             if old.exists() and not final.exists():  # cut between the two renames: the previous final/ back
                 old.rename(final)
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, KeyboardInterrupt):
+        if reason is None:  # Ctrl-C, or a bug
             raise
         # the last step's checkpoint (always written) holds the same weights
         newest = latest_checkpoint(run.out_dir)
-        raise CheckpointError(f"could not write the final drafter to {final} ({e.strerror or e}): the checkpoint of "
-                              f"the last step, {newest}, holds the same weights: free space and rerun with "
-                              f"resume=true (it writes final/ again), or export it (python -m export.hf "
-                              f"--checkpoint {newest} --out DIR)") from e
+        raise CheckpointError(f"could not write the final drafter to {final} ({reason}; {free_space(run.out_dir)}), "
+                              f"the half-written {tmp.name} removed: the checkpoint of the last step, {newest}, holds "
+                              f"the same weights: free space and rerun with resume=true (it writes final/ again), or "
+                              f"export it (python -m export.hf --checkpoint {newest} --out DIR)") from e
     run.accelerator.wait_for_everyone()
     return final / "drafter"  # the closing summary names it
 

@@ -215,7 +215,8 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_says_so(t
 
     monkeypatch.setattr(train.checkpoint, "save_drafter", full_disk_at_the_second)
     with pytest.raises(CheckpointError, match=r"could not write the checkpoint of step 2 under .* \(No space left on "
-                                              r"device\): the newest complete one, .*step_1, is intact: free space "
+                                              r"device; [\d.]+ [GM]iB free there\), the half-written step_2.tmp "
+                                              r"removed: the newest complete one, .*step_1, is intact: free space "
                                               r"\(or fix the folder\) and rerun with resume=true"):
         run(tmp_path, *args)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
@@ -228,8 +229,9 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_says_so(t
     shutil.rmtree(tmp_path / "final")
     monkeypatch.setattr(train.checkpoint, "save_drafter", lambda *a, **kw: (_ for _ in ()).throw(
         OSError(errno.EDQUOT, "Disk quota exceeded")))
-    with pytest.raises(CheckpointError, match=r"could not write the final drafter to .*final \(Disk quota exceeded\): "
-                                              r"the checkpoint of the last step, .*step_3, holds the same weights"):
+    with pytest.raises(CheckpointError, match=r"could not write the final drafter to .*final \(Disk quota exceeded; "
+                                              r".* free there\), the half-written final.tmp removed: the checkpoint of "
+                                              r"the last step, .*step_3, holds the same weights"):
         run(tmp_path, *args, "resume=true")
     monkeypatch.setattr(train.checkpoint, "save_drafter", real)
     run(tmp_path, *args, "resume=true")
@@ -1356,3 +1358,57 @@ def test_a_run_config_that_is_not_yaml_is_one_line_naming_an_intact_copy(tmp_pat
     with pytest.raises(ValueError, match=f"step_2/config.yaml is not valid YAML at line \\d+: .*; restore it from "
                                          f"{re.escape(str(run / 'checkpoints' / 'step_1' / 'config.yaml'))}$"):
         resume_checkpoint(cfg, run, lambda *_: None)
+
+
+FULL_DISK = {  # what each writer raises when the disk fills up under it
+    "safetensors": lambda: __import__("safetensors").SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+    "torch.save": lambda: RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing "
+                                       "file data/0: file write failed"),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(FULL_DISK))
+def test_a_full_disk_under_any_writer_is_one_line_and_leaves_no_half_written_folder(tmp_path_factory, tmp_path,
+                                                                                    monkeypatch, writer):
+    """The save handlers caught OSError only: safetensors' SafetensorError and torch.save's RuntimeError on a full disk
+    ended in a traceback and left step_N.tmp / final.tmp half-written. Each is one line naming the folder, the space
+    left and resume=true; a RuntimeError that is no failed write (a CUDA error) keeps its traceback."""
+    import train.checkpoint
+    from tests.helpers.tiny_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import CheckpointError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
+            "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
+    real = train.checkpoint.save_drafter
+
+    def fills_the_disk(where, error=FULL_DISK[writer]):
+        def save(accelerator, model, directory, dtype=None):
+            if directory.parent.name != where:
+                return real(accelerator, model, directory, dtype)
+            directory.mkdir(parents=True)
+            (directory / "model.safetensors").write_bytes(b"half")  # what the writer got out before the disk filled
+            raise error()
+        return save
+
+    monkeypatch.setattr(train.checkpoint, "save_drafter", fills_the_disk("step_2.tmp"))
+    said = {"safetensors": "No space left on device", "torch.save": "PytorchStreamWriter failed writing file data/0: "
+                                                                      "file write failed"}[writer]
+    with pytest.raises(CheckpointError, match=r"could not write the checkpoint of step 2 under .*checkpoints "
+                                              rf"\({said}; [\d.]+ [GM]iB free there\), the half-written "
+                                              r"step_2.tmp removed: the newest complete one, .*step_1, is intact: free "
+                                              r"space \(or fix the folder\) and rerun with resume=true$"):
+        run(tmp_path, *args)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    monkeypatch.setattr(train.checkpoint, "save_drafter", fills_the_disk("final.tmp"))
+    with pytest.raises(CheckpointError, match=rf"could not write the final drafter to .*final \({said}; "
+                                              r"[\d.]+ [GM]iB free there\), the half-written final.tmp removed: .*free "
+                                              r"space and rerun with resume=true"):
+        run(tmp_path, *args, "resume=true")
+    assert not (tmp_path / "final.tmp").exists() and not (tmp_path / "final").exists()
+    monkeypatch.setattr(train.checkpoint, "save_drafter", fills_the_disk(
+        "final.tmp", lambda: RuntimeError("CUDA error: an illegal memory access was encountered")))
+    with pytest.raises(RuntimeError, match="illegal memory access") as e:
+        run(tmp_path, *args, "resume=true")
+    assert not isinstance(e.value, CheckpointError)

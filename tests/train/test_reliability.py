@@ -924,3 +924,20 @@ def test_a_step_takes_batch_size_rows_per_micro_batch_and_draws_its_anchors_from
     epochs = [draw_step(run_, rows, order, LoopState(epoch=e, step_in_epoch=1), sched, drafter_cfg) for e in (0, 1)]
     assert [m.rows for m in epochs[0]] == [m.rows for m in epochs[1]] == [[1, 3], [4, 6]]
     assert any(not torch.equal(a.blocks.anchors, b.blocks.anchors) for a, b in zip(*epochs))
+
+
+def test_files_a_run_writes_are_readable_by_the_group_under_the_usual_umask(tiny, tmp_path):
+    """safetensors writes through a private temp file: the weights of every checkpoint and of final/ came out 0600,
+    while the rest of the run (and every export) is 0644 under umask 022."""
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        run(tmp_path, *tiny, *FAST, "train.max_steps=1", "eval.batches=1")
+    finally:
+        os.umask(umask)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")
+             if p.is_file() and p.name != ".draftsmith.lock"}
+    assert "final/drafter/model.safetensors" in modes and "checkpoints/step_1/state/model.safetensors" in modes
+    assert {f: oct(m) for f, m in modes.items() if m != 0o644} == {}
