@@ -8,8 +8,13 @@
                              is the whole data-order state), tokens seen, the wandb run id, and
                              the identity of the prepared rows (a resume on other rows is refused)
 
+    step_<N>/checksums.json  size and sha256 of every other file, written last (:data:`MANIFEST`)
+
 A checkpoint is written to ``step_<N>.tmp`` and renamed when complete, so a kill mid-save never
 leaves a half checkpoint that ``resume=true`` would pick. Only the newest ``keep_last`` are kept.
+``resume=true`` checks the newest checkpoints' files against their checksums first
+(:func:`set_aside_damaged`): one damaged since it was written (zeroed bytes, a copy cut short) is set
+aside as ``step_<N>.damaged``, named, and the run resumes from the newest intact one.
 
 ``resume=true`` first compares the run's config with the checkpoint's ``config.yaml``
 (:func:`check_resume_config`): a changed key that alters the model, the objective or the data
@@ -24,9 +29,12 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from data.store import sha256_file
 
 from models.support import UserError
 from train.config import read_yaml
@@ -122,6 +130,7 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
             (tmp / "config.yaml").write_text(config_yaml)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
             share_like_umask(tmp)
+            write_manifest(tmp)  # last: a checkpoint without it was never complete
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
     except KeyboardInterrupt:  # Ctrl-C mid-save: the half-written one goes, the earlier ones are untouched
@@ -146,6 +155,75 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
     return final
 
 
+# ----------------------------------------------------------------------------- checksums
+MANIFEST = "checksums.json"  # in a checkpoint: {"files": {relative path: {"bytes": N, "sha256": hex}}}
+
+
+def _hashes(files: list[Path], threads: int = 4) -> list[str]:
+    """sha256 of each file, several at once (hashlib lets go of the GIL on large reads)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
+        return list(pool.map(sha256_file, files))
+
+
+def write_manifest(folder: Path) -> None:
+    """``folder/checksums.json``: the size and sha256 of every file under ``folder``, as feature shards carry theirs."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST)
+    listing = {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": h}
+               for f, h in zip(files, _hashes(files))}
+    (Path(folder) / MANIFEST).write_text(json.dumps({"files": listing}, indent=1) + "\n")
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """What differs in a checkpoint from what was written (a file missing, cut short or changed), or None when it
+    is intact. A checkpoint written before checksums existed has no manifest: None (not verifiable)."""
+    manifest = Path(folder) / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        listing = json.loads(manifest.read_text())["files"]
+        expected = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in listing.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    for name, (size, _) in expected.items():
+        f = Path(folder) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} holds {f.stat().st_size} bytes, {size} were written"
+    names = sorted(expected)
+    for name, digest in zip(names, _hashes([Path(folder) / n for n in names])):
+        if digest != expected[name][1]:
+            return f"{name} differs from what was written (sha256 {digest[:12]}..., {expected[name][1][:12]}... then)"
+    return None
+
+
+def set_aside_damaged(out_dir: Path, log) -> None:
+    """``resume=true`` (main process, holding ``out_dir``): the newest checkpoints whose files no longer match their
+    checksums are renamed ``step_<N>.damaged`` (kept for a look, never picked again), each named with what differs,
+    so the run resumes from the newest intact one. Every checkpoint damaged: an error naming each."""
+    damaged, intact = [], None
+    for folder in reversed(checkpoint_dirs(out_dir)):
+        problem = checkpoint_damage(folder)
+        if problem is None:
+            intact = folder
+            if not (folder / MANIFEST).is_file():
+                log(f"note: {folder} predates checkpoint checksums: its files cannot be verified")
+            break
+        damaged.append((folder, problem))
+    root = Path(out_dir) / "checkpoints"
+    if damaged and intact is None:
+        raise CheckpointError(f"every checkpoint under {root} is damaged ("
+                              + "; ".join(f"{f.name}: {p}" for f, p in damaged)
+                              + f"): restore them from a copy, or delete {root} to start over")
+    for folder, problem in damaged:
+        aside, n = folder.with_name(folder.name + ".damaged"), 1
+        while aside.exists():
+            aside, n = folder.with_name(f"{folder.name}.damaged.{n}"), n + 1
+        folder.rename(aside)
+        log(f"warning: the checkpoint {folder} is damaged ({problem}): set aside as {aside.name}; resuming from the "
+            f"newest intact one, {intact}")
+
+
 def load_checkpoint(accelerator, directory: Path) -> dict:
     """Restore model / optimizer / scheduler / RNG state; returns the trainer state."""
     import pickle
@@ -164,6 +242,13 @@ def load_checkpoint(accelerator, directory: Path) -> dict:
                               f"a file under {Path(directory) / 'state'} is damaged or missing. "
                               + _fallback(directory)) from e
     return state
+
+
+def nonfinite_checkpoint(directory: Path) -> CheckpointError:
+    """A restored checkpoint whose weights hold NaN / inf: training never saves such weights (``train.loop.diverged``
+    stops first), so its files were damaged after they were written, not the run's settings."""
+    return CheckpointError(f"the checkpoint {directory} holds NaN / inf weights, which training never saves: its files "
+                           f"were damaged after it was written (not a diverged run). " + _fallback(directory))
 
 
 def _reason(e: BaseException) -> str:

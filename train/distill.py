@@ -94,7 +94,7 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     from tqdm import tqdm
 
     from models.support import run_on_main
-    from train.checkpoint import refuse_unfinished_run, resume_checkpoint
+    from train.checkpoint import refuse_unfinished_run, resume_checkpoint, set_aside_damaged
     from train.export_stage import check_export_stage
     from train.loop import Run, true_tau_cadence_note
     from train.setup import check_inputs
@@ -115,6 +115,15 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     check_inputs(cfg, out_dir)  # what it reads, where it writes, the drafter's shape: before anything loads
+    if accelerator.is_main_process and held is not None:
+        # a second run into out_dir (resumed or not) would write the same checkpoints; the lock (and out_dir, if
+        # this run made it) goes again when the run stops on a refusal below
+        from models.support import hold
+
+        held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
+                                "out_dir=...", log))
+    if cfg.resume:  # checkpoints damaged since they were written are set aside, named: the newest intact one resumes
+        run_on_main(lambda: set_aside_damaged(out_dir, log), accelerator, what="the checkpoints' checksums")
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once
@@ -122,11 +131,6 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     replaces = refuse_unfinished_run(out_dir) if not cfg.resume else False
     run = Run(cfg, accelerator, out_dir, cfg.to_yaml(), mp, log, ckpt)
     if accelerator.is_main_process:
-        if held is not None:  # a second run into out_dir (resumed or not) would write the same checkpoints
-            from models.support import hold
-
-            held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
-                                    "out_dir=...", log))
         out_dir.mkdir(parents=True, exist_ok=True)
         # the resolved settings go to out_dir/config.yaml, not the console (a hundred lines before anything ran)
         log(f"train: recipe {cfg.recipe} into {out_dir} (every setting: {out_dir / 'config.yaml'})")
@@ -188,19 +192,22 @@ def build_optimizer(run, drafter, sched):
     return model, optimizer, scheduler
 
 
-def resume_state(run, sched, scheduler, rows: str):
+def resume_state(run, sched, scheduler, rows: str, model=None):
     """A fresh ``LoopState``, or (``resume=true``) the state of the checkpoint ``setup_run`` checked.
 
     The run's length may have changed since (``train.checkpoint.LENGTH_KEYS``): never to before the
     checkpoint's step, and the learning rate follows the new length's schedule from the first resumed step.
-    ``rows``: the identity of the rows this run loaded, which must be the checkpoint's.
+    ``rows``: the identity of the rows this run loaded, which must be the checkpoint's; ``model``: the restored
+    drafter, whose weights must be finite.
     """
-    from train.checkpoint import ResumeConfigError, load_checkpoint
-    from train.loop import LoopState, reshard_position, resync_lr
+    from train.checkpoint import ResumeConfigError, load_checkpoint, nonfinite_checkpoint
+    from train.loop import LoopState, nonfinite_weights, reshard_position, resync_lr
 
     if run.resume_from is None:
         return LoopState(world_size=run.world, rows=rows)
     state = LoopState.from_dict(load_checkpoint(run.accelerator, run.resume_from))
+    if model is not None and nonfinite_weights(run, model):  # else "training diverged ... lower train.lr" at step 1
+        raise nonfinite_checkpoint(run.resume_from)
     if state.rows is None:
         run.log("warning: the checkpoint predates recorded row identities: cannot check that the prepared rows "
                 "are the ones it trained on")
@@ -372,7 +379,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
     drafter = build_drafter(run, drafter_cfg, target)
     n_params = sum(p.numel() for p in drafter.parameters())  # before accelerate wraps it (FSDP shards it)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
-    state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
+    state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds), model)
     if not cfg.resume:  # every input is loaded and checked: only now are the earlier (finished) run's checkpoints
         clear_for_fresh_start(run.out_dir, run.log, run.accelerator)  # replaced (a failed rerun kept them)
         write_run_config(run)

@@ -251,6 +251,7 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(tmp_path_f
     args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
             "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
     run(tmp_path, *args)
+    (tmp_path / "checkpoints" / "step_2" / "checksums.json").unlink()  # written before checkpoints had checksums
     f = tmp_path / "checkpoints" / "step_2" / "state" / damaged
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"could not restore the checkpoint .*step_2 \(.*\): a file under "
@@ -1412,3 +1413,69 @@ def test_a_full_disk_under_any_writer_is_one_line_and_leaves_no_half_written_fol
     with pytest.raises(RuntimeError, match="illegal memory access") as e:
         run(tmp_path, *args, "resume=true")
     assert not isinstance(e.value, CheckpointError)
+
+
+@pytest.mark.parametrize("damage", ["zeroed bytes", "NaN weights, no checksums"])
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_path_factory, tmp_path, capsys, damage):
+    """Bytes zeroed inside state/model.safetensors resumed silently on wrong weights; NaN written there ended in
+    "training diverged ... lower train.lr". Checkpoints carry checksums: a damaged one is named, set aside, and the
+    run resumes from the newest intact one with the losses of an intact copy; a checkpoint without checksums whose
+    weights are not finite is named as damaged."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.tiny_run import FAST, losses, run, tiny_input_dirs
+    from train.checkpoint import CheckpointError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
+            "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1", "logging.every=1"]
+    run(tmp_path, *args)
+    intact = losses(tmp_path)
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    listed = json.loads((step_2 / "checksums.json").read_text())["files"]
+    assert {"state/model.safetensors", "drafter/model.safetensors", "trainer_state.json", "config.yaml"} <= set(listed)
+    weights = step_2 / "state" / "model.safetensors"
+    if damage == "zeroed bytes":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+        weights.write_bytes(bytes(data))
+        capsys.readouterr()
+        run(tmp_path, *args, "train.max_steps=3", "resume=true")
+        out = capsys.readouterr().out
+        assert (f"warning: the checkpoint {step_2} is damaged (state/model.safetensors differs from what was written "
+                f"(sha256 ") in out
+        assert f"set aside as step_2.damaged; resuming from the newest intact one, {step_2.parent / 'step_1'}" in out
+        assert losses(tmp_path)[2] == pytest.approx(intact[2], abs=1e-6)  # trained again from step 1, as before
+        assert (step_2.parent / "step_2.damaged").is_dir() and (step_2 / "checksums.json").is_file()
+        return
+    (step_2 / "checksums.json").unlink()  # as a checkpoint written before checksums existed
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, weights)
+    shutil.rmtree(tmp_path / "final")
+    with pytest.raises(CheckpointError, match=f"the checkpoint {re.escape(str(step_2))} holds NaN / inf weights, "
+                                              r"which training never saves: its files were damaged after it was "
+                                              r"written \(not a diverged run\). Delete \(or move away\) .*step_2 to "
+                                              "resume from .*step_1$"):
+        run(tmp_path, *args, "train.max_steps=3", "resume=true")
+
+
+def test_every_checkpoint_damaged_is_one_error_naming_each(tmp_path):
+    from train.checkpoint import CheckpointError, set_aside_damaged, write_manifest
+
+    for step in (1, 2):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        (folder / "state").mkdir(parents=True)
+        (folder / "state" / "model.safetensors").write_bytes(b"weights")
+        write_manifest(folder)
+    (tmp_path / "checkpoints" / "step_1" / "state" / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "checkpoints" / "step_2" / "state" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"every checkpoint under .*checkpoints is damaged \(step_2: "
+                                              "state/model.safetensors is missing; step_1: state/model.safetensors "
+                                              r"holds 1 bytes, 7 were written\): restore them from a copy, or delete"):
+        set_aside_damaged(tmp_path, lambda *_: None)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]  # nothing renamed
