@@ -389,6 +389,31 @@ def refuse_unfinished_run(out_dir: Path) -> bool:
     return True
 
 
+def nothing_to_train(cfg, out_dir: Path, ckpt: Path) -> str | None:
+    """``resume=true`` on a finished run with the length it was trained with: what to say instead of loading
+    everything, training nothing and writing ``final/`` again; None when there is something to train.
+
+    Finished: ``final/`` holds the newest checkpoint's step and was written after it. A longer ``train.epochs`` /
+    ``train.max_steps`` trains on from the checkpoint (``LENGTH_KEYS``)."""
+    final = Path(out_dir) / "final"
+    try:
+        trained = json.loads((final / FINAL_STATE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    state = Path(ckpt) / "trainer_state.json"
+    step = read_trainer_state(ckpt).get("step")
+    if trained != step or not (final / "config.yaml").is_file() or \
+            (state.is_file() and (final / "config.yaml").stat().st_mtime < state.stat().st_mtime):
+        return None
+    saved = _flat(read_yaml(Path(ckpt) / "config.yaml") or {}) if (Path(ckpt) / "config.yaml").is_file() else {}
+    now = _flat(cfg.to_dict())
+    if cfg.train.max_steps != step and any(saved.get(k, now[k]) != now[k] for k in LENGTH_KEYS):
+        return None
+    return (f"resume=true: the run in {out_dir} is finished (final/ holds the drafter of step {step}, its newest "
+            f"checkpoint's, and train.epochs / train.max_steps are the ones it trained with): nothing to train, final/ "
+            "is left as it is. Raise train.epochs or train.max_steps to train on from it")
+
+
 def clear_for_fresh_start(out_dir: Path, log, accelerator) -> None:
     """A run without ``resume=true`` in an ``out_dir`` that holds an earlier run's checkpoints.
 

@@ -87,14 +87,15 @@ def print_help() -> None:
 
 
 def setup_run(cfg, held: contextlib.ExitStack | None = None):
-    """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``.
+    """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``; None
+    when ``resume=true`` finds the run finished (nothing to train).
     ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.support``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
     from models.support import run_on_main
-    from train.checkpoint import refuse_unfinished_run, resume_checkpoint, set_aside_damaged
+    from train.checkpoint import nothing_to_train, refuse_unfinished_run, resume_checkpoint, set_aside_damaged
     from train.export_stage import check_export_stage
     from train.loop import Run, true_tau_cadence_note
     from train.setup import check_inputs
@@ -126,6 +127,9 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
         run_on_main(lambda: set_aside_damaged(out_dir, log), accelerator, what="the checkpoints' checksums")
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
+    if ckpt is not None and (done := nothing_to_train(cfg, out_dir, ckpt)):
+        log(done)
+        return None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once
     # the inputs have loaded: a rerun that stops on a mistake leaves that run as it was.
     replaces = refuse_unfinished_run(out_dir) if not cfg.resume else False
@@ -351,7 +355,14 @@ def save_final(run, model, step: int) -> Path:
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
     with contextlib.ExitStack() as held:  # out_dir is this run's until it returns or fails
-        return run_stages(setup_run(cfg, held), cfg, argv)
+        run = setup_run(cfg, held)
+        if run is None:  # resume=true on a finished run: final/ stays as it is
+            from train.checkpoint import FINAL_STATE
+
+            step = json.loads((cfg.resolved_out_dir() / "final" / FINAL_STATE).read_text())["step"]
+            return {"out_dir": str(cfg.resolved_out_dir()), "steps": step, "last": {}, "first_eval": {},
+                    "last_eval": {}, "nothing_to_train": True}
+        return run_stages(run, cfg, argv)
 
 
 def run_stages(run, cfg, argv: list[str] | None) -> dict:

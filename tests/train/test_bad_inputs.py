@@ -1479,3 +1479,27 @@ def test_every_checkpoint_damaged_is_one_error_naming_each(tmp_path):
                                               r"holds 1 bytes, 7 were written\): restore them from a copy, or delete"):
         set_aside_damaged(tmp_path, lambda *_: None)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]  # nothing renamed
+
+
+def test_resume_on_a_finished_run_says_there_is_nothing_to_train_and_leaves_final_alone(tmp_path_factory, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """resume=true on a finished run loaded the target and the data, trained nothing and wrote final/ again (new
+    files, new times, and the export stage again); it now says so and touches nothing. A longer run still trains."""
+    import train.setup
+    from tests.helpers.tiny_run import FAST, run, tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=2",
+            "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
+    run(tmp_path, *args)
+    final = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "final").rglob("*") if p.is_file()}
+    real = train.setup.load_target
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("loaded the target of a finished run"))
+    capsys.readouterr()
+    assert run(tmp_path, *args, "resume=true")["steps"] == 2
+    assert (f"resume=true: the run in {tmp_path} is finished (final/ holds the drafter of step 2, its newest "
+            "checkpoint's, and train.epochs / train.max_steps are the ones it trained with): nothing to train, final/ "
+            "is left as it is. Raise train.epochs or train.max_steps to train on from it") in capsys.readouterr().out
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "final").rglob("*") if p.is_file()} == final
+    monkeypatch.setattr(train.setup, "load_target", real)
+    assert run(tmp_path, *args, "train.max_steps=3", "resume=true")["steps"] == 3
