@@ -941,3 +941,15 @@ def test_files_a_run_writes_are_readable_by_the_group_under_the_usual_umask(tiny
              if p.is_file() and p.name != ".draftsmith.lock"}
     assert "final/drafter/model.safetensors" in modes and "checkpoints/step_1/state/model.safetensors" in modes
     assert {f: oct(m) for f, m in modes.items() if m != 0o644} == {}
+
+
+def test_the_default_output_folders_are_git_ignored():
+    """A first run from a checkout left exports/ and validate-report/ (validate's default --out) as untracked
+    folders next to the code; runs/ (training's default out_dir) already was ignored."""
+    from inference.validate import parse_args
+    from train.config import RunConfig
+
+    ignored = set((Path(__file__).parents[2] / ".gitignore").read_text().split())
+    assert RunConfig().out_dir.split("/")[0] + "/" in ignored
+    assert parse_args(["--target", "t", "--draft", "d"]).out + "/" in ignored
+    assert "exports/" in ignored  # the folder every export example in the README and docs writes to
