@@ -258,8 +258,8 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
 
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
-    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, nonfinite_weights,
-                            run_eval, step_row, train_step)
+    from train.loop import (Preempted, Throughput, advance, checkpoint_due, diverged, draw_step, eval_due,
+                            nonfinite_weights, run_eval, step_row, stop_due, train_step)
     from train.rng import epoch_order
 
     cfg, total = run.cfg, sched.total_steps
@@ -271,6 +271,15 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
     bar = tqdm(total=total, initial=state.step, disable=not (run.is_main and cfg.logging.progress),
                unit="step", dynamic_ncols=True)
     speed, last, started, first_step = Throughput(), {}, time.perf_counter(), state.step
+
+    def checkpoint() -> None:
+        if nonfinite_weights(run, model):  # never saved: keep_last would delete the good checkpoints
+            raise diverged(run, state.step, "the drafter's weights hold NaN / inf")
+        state.wandb_run_id = logger.wandb_run_id
+        save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
+                        cfg.checkpoint.keep_last)
+
+    run.stop.deferring = True  # a SIGTERM from here on ends the step under way, then stops (train.loop.StopRequest)
     while state.step < sched.total_steps:
         epoch = state.epoch
         order = epoch_order(len(train_ds), cfg.train.seed, epoch, run.rank, run.world)
@@ -295,16 +304,20 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             bar.update(1)
             # Checkpoint before evaluating: an eval that fails (a true-tau generation out of memory) must not
             # cost the steps since the last checkpoint. Nothing an eval does is in the checkpoint.
-            if checkpoint_due(cfg, state.step, final):
-                if nonfinite_weights(run, model):  # never saved: keep_last would delete the good checkpoints
-                    raise diverged(run, state.step, "the drafter's weights hold NaN / inf")
-                state.wandb_run_id = logger.wandb_run_id
-                save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
-                                cfg.checkpoint.keep_last)
+            saved = checkpoint_due(cfg, state.step, final)
+            if saved:
+                checkpoint()
+            if stop_due(run, stats):  # SIGTERM (preemption): this step's state on disk, then stop as Ctrl-C does
+                if not saved:
+                    checkpoint()
+                raise Preempted()
             evaluate, with_true = eval_due(cfg, state.step, final)
             if evaluate:
                 evals.append(run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger, total))
     bar.close()
+    run.stop.deferring = False
+    if run.stop.signalled:  # during the last step's eval: the last step's checkpoint is written, final/ is not
+        raise Preempted()
     return last, first_eval, [r for r in evals if len(r) > 1], len(prompts)  # {"step": N} alone: no held-out rows
 
 
@@ -354,7 +367,10 @@ def save_final(run, model, step: int) -> Path:
 
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
+    from train.loop import StopRequest, sigterm_as_interrupt
+
     with contextlib.ExitStack() as held:  # out_dir is this run's until it returns or fails
+        stop = held.enter_context(sigterm_as_interrupt(StopRequest()))  # SIGTERM: as Ctrl-C
         run = setup_run(cfg, held)
         if run is None:  # resume=true on a finished run: final/ stays as it is
             from train.checkpoint import FINAL_STATE
@@ -362,6 +378,7 @@ def train(cfg, argv: list[str] | None = None) -> dict:
             step = json.loads((cfg.resolved_out_dir() / "final" / FINAL_STATE).read_text())["step"]
             return {"out_dir": str(cfg.resolved_out_dir()), "steps": step, "last": {}, "first_eval": {},
                     "last_eval": {}, "nothing_to_train": True}
+        run.stop = stop
         return run_stages(run, cfg, argv)
 
 
@@ -402,9 +419,9 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         last, first_eval, evals, prompts = train_loop(run, model, optimizer, scheduler, target, train_ds, feats,
                                                       eval_ds, eval_feats, drafter_cfg, sched, state, logger)
         final_drafter = save_final(run, model, state.step)  # Ctrl-C here too: resume=true writes final/ again
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.loop.Preempted)
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
-        run.log(interrupted_message(run.out_dir, state, args, run.world))
+        run.log(interrupted_message(run.out_dir, state, args, run.world, getattr(e, "what", "interrupted")))
         raise
     finally:  # also on an error (a diverged run): the wandb run is closed
         logger.close()

@@ -1503,3 +1503,44 @@ def test_resume_on_a_finished_run_says_there_is_nothing_to_train_and_leaves_fina
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "final").rglob("*") if p.is_file()} == final
     monkeypatch.setattr(train.setup, "load_target", real)
     assert run(tmp_path, *args, "train.max_steps=3", "resume=true")["steps"] == 3
+
+
+def test_sigterm_stops_like_ctrl_c_with_the_last_steps_state_on_disk(tmp_path_factory, tmp_path):
+    """SIGTERM (what a job scheduler sends on preemption) exited 143 without a word, with the steps since the last
+    checkpoint lost. The run now ends the step under way, checkpoints it, and prints the newest checkpoint and the
+    command that resumes it, as Ctrl-C does; the exit status stays 143."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.tiny_run import tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "train.distill", "recipe=tiny", f"out_dir={out}", f"target.path={d['target']}",
+               f"data.prepared={d['data']}", "logging.progress=false", "eval.at_start=false", "eval.every=0",
+               "eval.true_tau_prompts=0", "checkpoint.every=0", "train.max_steps=100000", "train.batch_size=4",
+               "train.anchors=8", "logging.every=1"]
+    proc = subprocess.Popen(command, cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    newest = out / "checkpoints" / f"step_{step}"
+    assert f"stopped by SIGTERM at step {step}: newest checkpoint: {newest}; resume from it with:\n" in output, output
+    assert output.split("resume from it with:\n  ", 1)[1].splitlines()[0].endswith(" resume=true")
+    assert json.loads((newest / "trainer_state.json").read_text())["step"] == step
+    assert (newest / "checksums.json").is_file() and not list((out / "checkpoints").glob("*.tmp"))
+    assert "Traceback" not in output
