@@ -1544,3 +1544,82 @@ def test_sigterm_stops_like_ctrl_c_with_the_last_steps_state_on_disk(tmp_path_fa
     assert json.loads((newest / "trainer_state.json").read_text())["step"] == step
     assert (newest / "checksums.json").is_file() and not list((out / "checkpoints").glob("*.tmp"))
     assert "Traceback" not in output
+
+
+def _offline_plan(monkeypatch, *args) -> tuple[dict, str]:
+    """The dry run of ``args`` with no network (the recipe's shape facts), and what it printed."""
+    import contextlib
+    import io
+
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_hub_resolves", lambda: False)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        p = plan_module.print_plan(load_config(list(args)))
+    return p, printed.getvalue()
+
+
+def test_dry_run_before_the_data_is_prepared_prints_the_steps_train_max_steps_sets(monkeypatch):
+    """`--dry-run` before the data was prepared printed "steps None" even with train.max_steps set."""
+    p, out = _offline_plan(monkeypatch, "recipe=qwen35-9b", "train.max_steps=1000")
+    assert p["schedule"]["steps"] == 1000 and p["schedule"]["steps_exact"]
+    assert "  schedule: 1,000 steps, epochs unknown, at most 12.3M tokens (1 process(es) x 4 rows per step)" in out
+    assert "steps None" not in out and "rows unknown (offline)" in out  # a Hub data set, no network
+
+
+def test_dry_run_answers_the_planning_questions(monkeypatch, tmp_path):
+    """Rows (a local JSONL counted; a Hub data set's metadata when reachable, else unknown offline), steps, epochs
+    and tokens; the time per measured card with the measurement it comes from; the regeneration's tokens and the
+    memory its server needs beside training; the disk offline features take."""
+    import json
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from train.plan import MEASURED_STEPS
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                         {"role": "assistant", "content": "a"}]})
+                                for i in range(1000)) + "\n\n")
+    base = ["recipe=qwen35-9b", f"out_dir={tmp_path / 'run'}", "devices=1x141"]
+    p, out = _offline_plan(monkeypatch, *base, f"data.source={source}")
+    assert (p["data"]["rows"], p["data"]["rows_exact"], p["data"]["tokens"]) == (1000, False, 1000 * 3072)
+    # 1000 rows, 200 held out (a fifth), 4 rows a step: 200 steps an epoch, 6 epochs
+    assert (p["schedule"]["steps"], p["schedule"]["epochs"], p["schedule"]["steps_exact"]) == (1200, 6, False)
+    assert f"~1,000 rows (counted in {source}), at most 3.07M tokens" in out
+    assert "schedule: ~1,200 steps, 6 epochs, at most 14.7M tokens" in out
+    # The recipe's own shape on an H200, as measured (compiled): no scaling
+    h200 = next(t for t in _offline_plan(monkeypatch, *base, f"data.source={source}", "train.compile=true")[0]["time"]
+                if t["card"] == "H200")
+    measured = next(m for m in MEASURED_STEPS if m[0] == "H200")
+    assert h200["seconds_per_row"] == round(measured[3], 4) and h200["measured"]["commit"] == measured[4]
+    assert h200["hours"] == round(1200 * 4 * measured[3] / 3600, 2)
+    assert "time (an estimate from estimated steps) on 1 GPU of each kind: H100 ~" in out
+    assert f"H200: the measured qwen35-9b step (compiled, 0.2432 s a row of 3072 tokens, {measured[4]}: " \
+           f"{measured[5]}; docs/performance.md) scaled by FLOPs per row" in out
+    # Another shape: scaled by FLOPs per row (a bigger target costs more a row)
+    bigger = _offline_plan(monkeypatch, "recipe=qwen35-27b", f"data.source={source}", "devices=1x141")[0]["time"]
+    assert all(b["seconds_per_row"] > t["seconds_per_row"] for b, t in zip(bigger, p["time"]))
+    assert "regeneration (http://127.0.0.1:8000/v1): up to 1,000 answers x 2048 new tokens = 2.05M tokens" in out
+    assert ("a server sharing a GPU with training needs ~17.5 GiB of weights + at most ~5.0 GiB of KV cache (8 "
+            "answers in flight x 5120 tokens) + ~1 GiB = at most ~23.5 GiB; with training's, ~75.8 GiB on that GPU: "
+            "fits a 141 GiB GPU, give the server --gpu-memory-utilization 0.2 (vLLM)") in out
+    features = p["offline_features"]
+    assert features["bf16_gib"] == round(1000 * 3072 * (5 * 4096 * 2 + 13) / 1024 ** 3, 1)
+    assert "offline features (python -m data.extract --layers 1,8,15,22,29): at most ~117.2 GiB in bf16" in out
+    # A Hub data set: its metadata's row count when the Hub answers, the splits joined with "+" added up
+    card = huggingface_hub.DatasetCardData(dataset_info={"splits": [{"name": "chat", "num_examples": 627720},
+                                                                    {"name": "code", "num_examples": 175000}]})
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, **kw: type("I", (), {
+        "card_data": card})())
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_hub_resolves", lambda: True)
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's facts (test)"))
+    hub = plan_module.plan(load_config(base))["data"]
+    assert (hub["rows"], hub["rows_from"]) == (802720, "the Hub's metadata of nvidia/Nemotron-Post-Training-Dataset-v2")
