@@ -389,23 +389,26 @@ def refuse_unfinished_run(out_dir: Path) -> bool:
     return True
 
 
-def nothing_to_train(cfg, out_dir: Path, ckpt: Path) -> str | None:
+def nothing_to_train(cfg, out_dir: Path) -> str | None:
     """``resume=true`` on a finished run with the length it was trained with: what to say instead of loading
     everything, training nothing and writing ``final/`` again; None when there is something to train.
 
-    Finished: ``final/`` holds the newest checkpoint's step and was written after it. A longer ``train.epochs`` /
-    ``train.max_steps`` trains on from the checkpoint (``LENGTH_KEYS``)."""
-    final = Path(out_dir) / "final"
+    Finished: ``final/`` holds the newest checkpoint's step and was written after it (a checkpoint damaged since
+    does not matter then: nothing is read from it). A longer ``train.epochs`` / ``train.max_steps`` trains on from
+    the checkpoint (``LENGTH_KEYS``)."""
+    ckpt, final = latest_checkpoint(out_dir), Path(out_dir) / "final"
+    if ckpt is None:
+        return None
+    step = int(STEP_DIR.match(ckpt.name).group(1))
     try:
         trained = json.loads((final / FINAL_STATE).read_text()).get("step")
-    except (OSError, ValueError, AttributeError):
+        written = (final / "config.yaml").stat().st_mtime
+        saved = _flat(read_yaml(ckpt / "config.yaml") or {})
+    except (OSError, ValueError, AttributeError):  # no final/, or a part missing or unreadable: not finished
         return None
-    state = Path(ckpt) / "trainer_state.json"
-    step = read_trainer_state(ckpt).get("step")
-    if trained != step or not (final / "config.yaml").is_file() or \
-            (state.is_file() and (final / "config.yaml").stat().st_mtime < state.stat().st_mtime):
+    state = ckpt / "trainer_state.json"
+    if trained != step or (state.is_file() and written < state.stat().st_mtime):
         return None
-    saved = _flat(read_yaml(Path(ckpt) / "config.yaml") or {}) if (Path(ckpt) / "config.yaml").is_file() else {}
     now = _flat(cfg.to_dict())
     if cfg.train.max_steps != step and any(saved.get(k, now[k]) != now[k] for k in LENGTH_KEYS):
         return None

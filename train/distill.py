@@ -123,13 +123,13 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
 
         held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
                                 "out_dir=...", log))
+    if cfg.resume and (done := nothing_to_train(cfg, out_dir)):  # a finished run: final/ stays, nothing loads
+        log(done)
+        return None
     if cfg.resume:  # checkpoints damaged since they were written are set aside, named: the newest intact one resumes
         run_on_main(lambda: set_aside_damaged(out_dir, log), accelerator, what="the checkpoints' checksums")
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
-    if ckpt is not None and (done := nothing_to_train(cfg, out_dir, ckpt)):
-        log(done)
-        return None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once
     # the inputs have loaded: a rerun that stops on a mistake leaves that run as it was.
     replaces = refuse_unfinished_run(out_dir) if not cfg.resume else False
