@@ -941,6 +941,8 @@ def test_files_a_run_writes_are_readable_by_the_group_under_the_usual_umask(tiny
              if p.is_file() and p.name != ".draftsmith.lock"}
     assert "final/drafter/model.safetensors" in modes and "checkpoints/step_1/state/model.safetensors" in modes
     assert {f: oct(m) for f, m in modes.items() if m != 0o644} == {}
+    target = Path(tiny[0].split("=", 1)[1])  # the tiny target training builds (recipe=tiny), under this umask
+    assert stat.S_IMODE((target / "model.safetensors").stat().st_mode) == 0o666 & ~umask
 
 
 def test_the_default_output_folders_are_git_ignored():
