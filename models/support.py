@@ -221,6 +221,16 @@ def set_aside(path: Path) -> Path:
     return olds[0]
 
 
+def share_like_umask(folder: Path) -> None:
+    """Give every file under ``folder`` the permissions a plain write gets (0644 under the usual umask 022): safetensors
+    writes through a private temp file, so weights came out 0600, unreadable by the group that reads a run."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in Path(folder).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~mask)
+
+
 # ----------------------------------------------------------------------------- host-to-GPU copies that do not wait
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device``, queued without the host waiting (a host tensor bound for a GPU goes through

@@ -26,7 +26,6 @@ new length (:data:`LENGTH_KEYS`) that does not end before the checkpoint's step.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ import torch
 
 from data.store import sha256_file
 
-from models.support import UserError
+from models.support import UserError, share_like_umask
 from train.config import read_yaml
 # The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
 from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
@@ -97,16 +96,6 @@ def free_space(path: Path) -> str:
     except OSError:
         return "free space unknown"
     return (f"{free / 1024 ** 3:.1f} GiB" if free >= 1024 ** 3 else f"{free / 1024 ** 2:.0f} MiB") + " free there"
-
-
-def share_like_umask(folder: Path) -> None:
-    """Give every file under ``folder`` the permissions a plain write gets (0644 under the usual umask 022): safetensors
-    writes through a private temp file, so weights came out 0600, unreadable by the group that reads the run."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in Path(folder).rglob("*"):
-        if f.is_file() and not f.is_symlink():
-            f.chmod(0o666 & ~mask)
 
 
 def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state: dict, config_yaml: str,

@@ -325,8 +325,9 @@ def save_final(run, model, step: int) -> Path:
     """``out_dir/final/``: ``drafter/`` (bf16 when trained in bf16), the config it was trained with and
     ``trained.json`` (its optimizer steps). Written as ``final.tmp/`` and renamed when complete, so a kill
     never leaves a new config beside old weights; the previous ``final/`` goes only then."""
+    from models.support import share_like_umask
     from train.checkpoint import (FINAL_STATE, CheckpointError, free_space, latest_checkpoint, save_drafter,
-                                  share_like_umask, write_failure)
+                                  write_failure)
     from train.loop import diverged, nonfinite_weights
 
     final, tmp, old = (run.out_dir / name for name in ("final", "final.tmp", "final.old"))

@@ -63,7 +63,7 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
     model.eval()
     model.save_pretrained(directory)
     marker.write_text(json.dumps(stamp) + "\n")
-    from train.checkpoint import share_like_umask  # start-up time: train.config reads this module
+    from models.support import share_like_umask  # start-up time: train.config reads this module
 
     share_like_umask(directory)  # safetensors' weights come out 0600
     return directory
