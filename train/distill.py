@@ -279,6 +279,11 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
         save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
                         cfg.checkpoint.keep_last)
 
+    def stop(saved: bool) -> None:
+        if not saved:
+            checkpoint()
+        raise Preempted()
+
     run.stop.deferring = True  # a SIGTERM from here on ends the step under way, then stops (train.loop.StopRequest)
     while state.step < sched.total_steps:
         epoch = state.epoch
@@ -308,16 +313,14 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             if saved:
                 checkpoint()
             if stop_due(run, stats):  # SIGTERM (preemption): this step's state on disk, then stop as Ctrl-C does
-                if not saved:
-                    checkpoint()
-                raise Preempted()
+                stop(saved)
             evaluate, with_true = eval_due(cfg, state.step, final)
             if evaluate:
                 evals.append(run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger, total))
+                if stop_due(run):  # a SIGTERM during the eval
+                    stop(saved)
     bar.close()
     run.stop.deferring = False
-    if run.stop.signalled:  # during the last step's eval: the last step's checkpoint is written, final/ is not
-        raise Preempted()
     return last, first_eval, [r for r in evals if len(r) > 1], len(prompts)  # {"step": N} alone: no held-out rows
 
 

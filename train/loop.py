@@ -478,10 +478,16 @@ def checkpoint_due(cfg, step: int, final: bool) -> bool:
     return final or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
 
 
-def stop_due(run: Run, stats: StepStats) -> bool:
-    """Whether the run stops after this step for a SIGTERM: one process decides alone; several stop after the step
-    at whose start any of them had one (``StepStats.stop``), so that they save the same checkpoint."""
-    return run.stop.signalled if run.world == 1 else stats.stop
+def stop_due(run: Run, stats: StepStats | None = None) -> bool:
+    """Whether the run stops now for a SIGTERM. One process decides alone. Several decide together, so that they
+    save the same checkpoint: after a step, by the flag its collective carried (``StepStats.stop``: some process
+    had one when the step began); after an eval (``stats`` None), by one collective of their own."""
+    if run.world == 1:
+        return run.stop.signalled
+    if stats is not None:
+        return stats.stop
+    flag = torch.tensor(float(run.stop.signalled), device=run.device)
+    return bool(run.accelerator.reduce(flag, "sum") > 0)
 
 
 # ----------------------------------------------------------------------------- interruption

@@ -955,3 +955,36 @@ def test_the_default_output_folders_are_git_ignored():
     assert RunConfig().out_dir.split("/")[0] + "/" in ignored
     assert parse_args(["--target", "t", "--draft", "d"]).out + "/" in ignored
     assert "exports/" in ignored  # the folder every export example in the README and docs writes to
+
+
+def test_processes_stop_for_a_sigterm_after_the_same_step():
+    """A SIGTERM reaches each process at its own moment: they stop after the step at whose start any of them had
+    one (the flag rides the step's collective), or after an eval by one collective of their own; one process
+    decides alone, and outside the loop a SIGTERM stops at once as Ctrl-C does."""
+    from train.loop import Preempted, Run, StepStats, StopRequest, stop_due
+
+    class TwoProcesses:
+        num_processes, device = 2, torch.device("cpu")
+
+        def __init__(self, other_signalled):
+            self.other = other_signalled
+
+        def reduce(self, t, op):
+            return t + float(self.other)
+
+    zero = torch.zeros(())
+    for other in (False, True):
+        run = Run(None, TwoProcesses(other), Path("run"), "", "no", print)
+        assert stop_due(run, StepStats(zero, zero, zero, stop=other)) is other
+        assert stop_due(run) is other  # after an eval: this process had none, the other one maybe
+    alone = Run(None, types.SimpleNamespace(num_processes=1), Path("run"), "", "no", print)
+    assert not stop_due(alone)
+    stop = StopRequest()
+    stop.deferring = True
+    stop.handle(15, None)  # noted, acted on at the end of the step
+    assert stop.signalled
+    with pytest.raises(Preempted) as e:
+        stop.handle(15, None)  # a second one: at once
+    assert e.value.exit_status == 143 and isinstance(e.value, KeyboardInterrupt)
+    with pytest.raises(Preempted):
+        StopRequest().handle(15, None)  # before the loop: at once
