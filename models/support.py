@@ -114,10 +114,10 @@ def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
     try:
         main()
         sys.stdout.flush()  # inside the try: a closed pipe shows up here when the output was buffered
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C: 130; a stop by SIGTERM (train.loop.Preempted) carries its own, 143
         if interrupted:
             print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        raise SystemExit(getattr(e, "exit_status", 130)) from None
     except Exception as e:
         if isinstance(e, BrokenPipeError) and _stdout_closed():
             # `draftsmith train --help | head`: the reader has gone. Quiet, as shell tools are; devnull
@@ -268,6 +268,16 @@ def full_disk_named(folder: str | Path, rerun: str) -> Iterator[None]:
             left = ""
         raise DiskFullError(f"no space left on the disk of {where}{left}: free space there and rerun the same "
                             f"command: {rerun}") from e
+
+
+def share_like_umask(folder: Path) -> None:
+    """Give every file under ``folder`` the permissions a plain write gets (0644 under the usual umask 022): safetensors
+    writes through a private temp file, so weights came out 0600, unreadable by the group that reads a run."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in Path(folder).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~mask)
 
 
 # ----------------------------------------------------------------------------- host-to-GPU copies that do not wait

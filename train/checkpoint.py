@@ -8,8 +8,13 @@
                              is the whole data-order state), tokens seen, the wandb run id, and
                              the identity of the prepared rows (a resume on other rows is refused)
 
+    step_<N>/checksums.json  size and sha256 of every other file, written last (:data:`MANIFEST`)
+
 A checkpoint is written to ``step_<N>.tmp`` and renamed when complete, so a kill mid-save never
 leaves a half checkpoint that ``resume=true`` would pick. Only the newest ``keep_last`` are kept.
+``resume=true`` checks the newest checkpoints' files against their checksums first
+(:func:`set_aside_damaged`): one damaged since it was written (zeroed bytes, a copy cut short) is set
+aside as ``step_<N>.damaged``, named, and the run resumes from the newest intact one.
 
 ``resume=true`` first compares the run's config with the checkpoint's ``config.yaml``
 (:func:`check_resume_config`): a changed key that alters the model, the objective or the data
@@ -22,16 +27,21 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
 from models.drafter2 import drafter_class
 from models.support import UserError
+
+from data.store import sha256_file
+from models.support import share_like_umask
+from train.config import read_yaml
 # The run folder's file layout lives in models/provenance.py: export/ reads run folders too, and never imports train/
 from models.provenance import FINAL_STATE, STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401
 
@@ -48,6 +58,47 @@ def save_drafter(accelerator, model, directory: Path, dtype: torch.dtype | None 
         copy = drafter_class(unwrapped.config)(unwrapped.config)
         copy.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
         copy.save_pretrained(directory, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- writing: a full disk, permissions
+# What the writers raise when a write fails (a full disk, a quota, a vanished mount): Python's own writes an
+# OSError; safetensors a SafetensorError ("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ...
+# })"); torch.save a RuntimeError ("PytorchStreamWriter failed writing file data/0: file write failed", or
+# "unexpected pos" when it closes the file).
+NO_SPACE = ("no space left", "storagefull", "code: 28")
+WRITE_FAILED = (*NO_SPACE, "quota", "file write failed", "unexpected pos", "ioerror(", "input/output error",
+                "read-only file system")
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed when ``e`` (or an error it wraps) is a failed write; None for anything else (a bug, a
+    CUDA error), which keeps its traceback."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        text = str(e).lower()
+        if any(w in text for w in WRITE_FAILED):
+            if any(w in text for w in NO_SPACE):
+                return "No space left on device"
+            if "quota" in text:
+                return "Disk quota exceeded"
+            return re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", str(e).strip()).splitlines()[0][:200]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def free_space(path: Path) -> str:
+    """``1.2 GiB free there``: the space left on the file system of ``path`` (or of its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return "free space unknown"
+    return (f"{free / 1024 ** 3:.1f} GiB" if free >= 1024 ** 3 else f"{free / 1024 ** 2:.0f} MiB") + " free there"
 
 
 def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state: dict, config_yaml: str,
@@ -70,17 +121,23 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
         if accelerator.is_main_process:
             (tmp / "config.yaml").write_text(config_yaml)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+            share_like_umask(tmp)
+            write_manifest(tmp)  # last: a checkpoint without it was never complete
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
     except KeyboardInterrupt:  # Ctrl-C mid-save: the half-written one goes, the earlier ones are untouched
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except OSError as e:  # a full disk, a quota, a vanished mount: the earlier checkpoints are untouched
+    except Exception as e:  # a full disk, a quota, a vanished mount: the earlier checkpoints are untouched
+        reason = write_failure(e)
+        if reason is None:
+            raise
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written one only takes space
         newest = latest_checkpoint(out_dir)
         raise CheckpointError(
-            f"could not write the checkpoint of step {step} under {root} ({e.strerror or e}): "
+            f"could not write the checkpoint of step {step} under {root} ({reason}; {free_space(root)}), the "
+            f"half-written {tmp.name} removed: "
             + (f"the newest complete one, {newest}, is intact: free space (or fix the folder) and rerun with "
                "resume=true" if newest else "no earlier checkpoint to resume from: free space and rerun")) from e
     if accelerator.is_main_process:
@@ -88,6 +145,75 @@ def save_checkpoint(accelerator, model, out_dir: Path, step: int, trainer_state:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+# ----------------------------------------------------------------------------- checksums
+MANIFEST = "checksums.json"  # in a checkpoint: {"files": {relative path: {"bytes": N, "sha256": hex}}}
+
+
+def _hashes(files: list[Path], threads: int = 4) -> list[str]:
+    """sha256 of each file, several at once (hashlib lets go of the GIL on large reads)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
+        return list(pool.map(sha256_file, files))
+
+
+def write_manifest(folder: Path) -> None:
+    """``folder/checksums.json``: the size and sha256 of every file under ``folder``, as feature shards carry theirs."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST)
+    listing = {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": h}
+               for f, h in zip(files, _hashes(files))}
+    (Path(folder) / MANIFEST).write_text(json.dumps({"files": listing}, indent=1) + "\n")
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """What differs in a checkpoint from what was written (a file missing, cut short or changed), or None when it
+    is intact. A checkpoint written before checksums existed has no manifest: None (not verifiable)."""
+    manifest = Path(folder) / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        listing = json.loads(manifest.read_text())["files"]
+        expected = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in listing.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    for name, (size, _) in expected.items():
+        f = Path(folder) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} holds {f.stat().st_size} bytes, {size} were written"
+    names = sorted(expected)
+    for name, digest in zip(names, _hashes([Path(folder) / n for n in names])):
+        if digest != expected[name][1]:
+            return f"{name} differs from what was written (sha256 {digest[:12]}..., {expected[name][1][:12]}... then)"
+    return None
+
+
+def set_aside_damaged(out_dir: Path, log) -> None:
+    """``resume=true`` (main process, holding ``out_dir``): the newest checkpoints whose files no longer match their
+    checksums are renamed ``step_<N>.damaged`` (kept for a look, never picked again), each named with what differs,
+    so the run resumes from the newest intact one. Every checkpoint damaged: an error naming each."""
+    damaged, intact = [], None
+    for folder in reversed(checkpoint_dirs(out_dir)):
+        problem = checkpoint_damage(folder)
+        if problem is None:
+            intact = folder
+            if not (folder / MANIFEST).is_file():
+                log(f"note: {folder} predates checkpoint checksums: its files cannot be verified")
+            break
+        damaged.append((folder, problem))
+    root = Path(out_dir) / "checkpoints"
+    if damaged and intact is None:
+        raise CheckpointError(f"every checkpoint under {root} is damaged ("
+                              + "; ".join(f"{f.name}: {p}" for f, p in damaged)
+                              + f"): restore them from a copy, or delete {root} to start over")
+    for folder, problem in damaged:
+        aside, n = folder.with_name(folder.name + ".damaged"), 1
+        while aside.exists():
+            aside, n = folder.with_name(f"{folder.name}.damaged.{n}"), n + 1
+        folder.rename(aside)
+        log(f"warning: the checkpoint {folder} is damaged ({problem}): set aside as {aside.name}; resuming from the "
+            f"newest intact one, {intact}")
 
 
 def load_checkpoint(accelerator, directory: Path) -> dict:
@@ -102,6 +228,13 @@ def load_checkpoint(accelerator, directory: Path) -> dict:
                               f"a file under {Path(directory) / 'state'} is damaged or missing. "
                               + _fallback(directory)) from e
     return state
+
+
+def nonfinite_checkpoint(directory: Path) -> CheckpointError:
+    """A restored checkpoint whose weights hold NaN / inf: training never saves such weights (``train.loop.diverged``
+    stops first), so its files were damaged after they were written, not the run's settings."""
+    return CheckpointError(f"the checkpoint {directory} holds NaN / inf weights, which training never saves: its files "
+                           f"were damaged after it was written (not a diverged run). " + _fallback(directory))
 
 
 def _reason(e: BaseException) -> str:
@@ -212,7 +345,7 @@ def check_resume_config(ckpt: Path, cfg, log) -> None:
     if not saved_file.is_file():
         log(f"warning: {saved_file} is missing: cannot check that the settings match the checkpoint")
         return
-    saved = yaml.safe_load(saved_file.read_text()) or {}
+    saved = read_yaml(saved_file, "the checkpoint's settings ") or {}
     refused, harmless = config_changes(saved, cfg.to_dict(), type(cfg)().to_dict())
     if refused:
         raise ResumeConfigError(
@@ -241,6 +374,34 @@ def refuse_unfinished_run(out_dir: Path) -> bool:
             f"{read_trainer_state(newest).get('step', '?')}): resume=true continues it; to start over, delete "
             f"{Path(out_dir) / 'checkpoints'} (or choose another out_dir)")
     return True
+
+
+def nothing_to_train(cfg, out_dir: Path) -> str | None:
+    """``resume=true`` on a finished run with the length it was trained with: what to say instead of loading
+    everything, training nothing and writing ``final/`` again; None when there is something to train.
+
+    Finished: ``final/`` holds the newest checkpoint's step and was written after it (a checkpoint damaged since
+    does not matter then: nothing is read from it). A longer ``train.epochs`` / ``train.max_steps`` trains on from
+    the checkpoint (``LENGTH_KEYS``)."""
+    ckpt, final = latest_checkpoint(out_dir), Path(out_dir) / "final"
+    if ckpt is None:
+        return None
+    step = int(STEP_DIR.match(ckpt.name).group(1))
+    try:
+        trained = json.loads((final / FINAL_STATE).read_text()).get("step")
+        written = (final / "config.yaml").stat().st_mtime
+        saved = _flat(read_yaml(ckpt / "config.yaml") or {})
+    except (OSError, ValueError, AttributeError):  # no final/, or a part missing or unreadable: not finished
+        return None
+    state = ckpt / "trainer_state.json"
+    if trained != step or (state.is_file() and written < state.stat().st_mtime):
+        return None
+    now = _flat(cfg.to_dict())
+    if cfg.train.max_steps != step and any(saved.get(k, now[k]) != now[k] for k in LENGTH_KEYS):
+        return None
+    return (f"resume=true: the run in {out_dir} is finished (final/ holds the drafter of step {step}, its newest "
+            f"checkpoint's, and train.epochs / train.max_steps are the ones it trained with): nothing to train, final/ "
+            "is left as it is. Raise train.epochs or train.max_steps to train on from it")
 
 
 def clear_for_fresh_start(out_dir: Path, log, accelerator) -> None:

@@ -22,7 +22,8 @@ import yaml
 
 from models.config import LAYER_ORDER_FIX, layer_order_problem
 from models.quantization import parse_quantization
-from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK, SELECTOR_LOSS_ALPHA  # exports name the objective too
+# shared with exports, which name the objective; the run folder's layout
+from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK, SELECTOR_LOSS_ALPHA, STEP_DIR, checkpoint_dirs
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
                              set_dotted)
 from train.overrides import valid_keys as keys_of
@@ -309,7 +310,8 @@ class RunConfig:
                              "(fractions allowed), or train.max_steps=N")
         if self.train.max_steps is not None and self.train.max_steps < 1:
             raise ValueError(f"train.max_steps={self.train.max_steps} must be >= 1 (or unset: train.epochs decides)")
-        for key in ("train.batch_size", "train.grad_accum", "train.anchors", "drafter.block_size", "train.ce_chunk"):
+        self._check_drafter()  # every drafter shape key at once, before the weighting asks for a gamma of its block
+        for key in ("train.batch_size", "train.grad_accum", "train.anchors", "train.ce_chunk"):
             section, name = key.split(".")
             if getattr(getattr(self, section), name) < 1:
                 raise ValueError(f"{key} must be >= 1")
@@ -386,7 +388,6 @@ class RunConfig:
             raise ValueError(f"train.epochs={self.train.epochs}: give a finite number of passes over the data")
         if not 0 <= self.train.seed < 2**32:
             raise ValueError(f"train.seed={self.train.seed} must be in [0, 2**32)")
-        d = self.drafter
         rules = {  # key: (value, minimum); None = unset (a default applies)
             "logging.every": (self.logging.every, 1), "eval.every": (self.eval.every, 0),
             "eval.batches": (self.eval.batches, 1), "eval.true_tau_every": (self.eval.true_tau_every, 0),
@@ -396,24 +397,49 @@ class RunConfig:
             "data.max_length": (self.data.max_length, 1), "data.eval_rows": (self.data.eval_rows, 0),
             "data.limit": (self.data.limit, 1), "data.regenerate_max_tokens": (self.data.regenerate_max_tokens, 1),
             "data.regenerate_batch_size": (self.data.regenerate_batch_size, 1),
-            "data.tiny_conversations": (self.data.tiny_conversations, 1),
-            "drafter.num_hidden_layers": (d.num_hidden_layers, 1), "drafter.num_taps": (d.num_taps, 1),
-            # the shape overrides: 0 once meant "the target's" without a word
-            "drafter.intermediate_size": (d.intermediate_size, 1),
-            "drafter.num_attention_heads": (d.num_attention_heads, 1),
-            "drafter.num_key_value_heads": (d.num_key_value_heads, 1), "drafter.head_dim": (d.head_dim, 2)}
+            "data.tiny_conversations": (self.data.tiny_conversations, 1)}
         for key, (value, least) in rules.items():
             if value is not None and value < least:
                 raise ValueError(f"{key}={value} must be >= {least}")
-        if d.head_dim is not None and d.head_dim % 2:
-            raise ValueError(f"drafter.head_dim={d.head_dim} must be even (RoPE rotates pairs of dimensions)")
-        if d.target_layer_ids is not None and not d.target_layer_ids:
-            raise ValueError("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
-                             "default spread (drafter.num_taps of them)")
-        if d.target_layer_ids and (problem := layer_order_problem(d.target_layer_ids)):
-            raise ValueError(f"drafter.target_layer_ids={list(d.target_layer_ids)}: {problem}: {LAYER_ORDER_FIX}")
+
+    def _check_drafter(self) -> None:
+        """Every drafter shape key that is wrong without the target, named together in one error: one at a time
+        (block size 1 first asked for train.gamma, then loaded the target, then said a block needs 2 slots) cost
+        a run per mistake. What needs the target's shape (taps past its layers) is checked before it loads, by
+        ``train.setup.check_inputs``."""
+        d, problems = self.drafter, []
+        least = {"num_hidden_layers": 1, "num_taps": 1, "block_size": 2,
+                 # the shape overrides: 0 once meant "the target's" without a word
+                 "intermediate_size": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 2}
+        why = {"block_size": " (a block holds the bonus token and at least one mask; default 16)"}
+        for name, low in least.items():
+            value = getattr(d, name)
+            if value is not None and value < low:
+                problems.append(f"drafter.{name}={value} must be >= {low}{why.get(name, '')}")
+        if d.head_dim is not None and d.head_dim >= 2 and d.head_dim % 2:
+            problems.append(f"drafter.head_dim={d.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        heads, kv = d.num_attention_heads, d.num_key_value_heads
+        if heads and kv and heads >= 1 and kv >= 1 and heads % kv:
+            problems.append(f"drafter.num_key_value_heads={kv} must divide drafter.num_attention_heads={heads} "
+                            "(grouped-query attention)")
+        ids = d.target_layer_ids
+        if ids is not None and not ids:
+            problems.append("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
+                            "default spread (drafter.num_taps of them)")
+        elif ids:
+            if any(i < 0 for i in ids):
+                problems.append(f"drafter.target_layer_ids={ids}: layer ids count from 0")
+            if len(set(ids)) != len(ids):
+                problems.append(f"drafter.target_layer_ids={ids} taps a layer twice")
+            elif problem := layer_order_problem(ids):
+                problems.append(f"drafter.target_layer_ids={list(ids)}: {problem}: {LAYER_ORDER_FIX}")
+        if d.mask_token_id is not None and d.mask_token_id < 0:
+            problems.append(f"drafter.mask_token_id={d.mask_token_id} must be a row of the embedding (>= 0; unset: "
+                            "chosen from the tokenizer)")
         if d.rope_theta is not None and not (math.isfinite(d.rope_theta) and d.rope_theta > 0):
-            raise ValueError(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
+            problems.append(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def resolved_out_dir(self) -> Path:
         name = Path(self.recipe).stem if self.recipe else "run"
@@ -421,6 +447,42 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------- loading
+def read_yaml(path: Path, what: str = "") -> Any:
+    """A YAML file; one that does not parse is one line (the parser's own message runs over 8), and a run's
+    ``config.yaml`` (the run folder's, or a checkpoint's) names an intact copy of the same run's settings."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        copy = intact_run_config(Path(path))
+        fix = f"; restore it from {copy}" if copy else ""
+        raise ValueError(f"{what}{path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}{fix}") from None
+
+
+def intact_run_config(path: Path) -> Path | None:
+    """For a run's ``config.yaml`` (``out_dir/config.yaml``, ``final/`` or ``checkpoints/step_N/``'s): another copy
+    of the run's settings that parses, the newest checkpoint's first; None for any other file."""
+    if path.name != "config.yaml":
+        return None
+    folder = path.parent
+    if folder.name == "final" or (STEP_DIR.match(folder.name) and folder.parent.name == "checkpoints"):
+        root = folder.parent if folder.name == "final" else folder.parent.parent
+    elif (folder / "checkpoints").is_dir() or (folder / "final").is_dir():
+        root = folder
+    else:
+        return None
+    for copy in [d / "config.yaml" for d in reversed(checkpoint_dirs(root))] + [root / "final" / "config.yaml",
+                                                                                  root / "config.yaml"]:
+        if copy.is_file() and copy.resolve() != path.resolve():
+            try:
+                if isinstance(yaml.safe_load(copy.read_text()), dict):
+                    return copy
+            except (OSError, yaml.YAMLError):
+                continue
+    return None
+
+
 def valid_keys() -> list[str]:
     """Every dotted key of the training config (sections and leaves)."""
     return keys_of(RunConfig)
@@ -435,12 +497,7 @@ def load_config(argv: list[str] | None = None, *, recipe: str | None = None,
     tree: dict[str, Any] = {}
     if recipe:
         path = recipe_path(recipe)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            line = f" at line {where.line + 1}" if where is not None else ""
-            raise ValueError(f"recipe {path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}") from None
+        raw = read_yaml(path, "recipe ") or {}
         if not isinstance(raw, dict):
             raise ValueError(f"recipe {recipe} must be a YAML mapping")
         tree = raw

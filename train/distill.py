@@ -50,7 +50,6 @@ if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch 
 
 from tqdm import tqdm
 
-from data.readers import refuse_local_subset
 from models.provenance import data_provenance, provenance_of_run
 from train.config import RunConfig, load_config, valid_keys
 from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, open_metrics, step_line, tau_trend
@@ -85,7 +84,8 @@ def print_help() -> None:
 
 
 def setup_run(cfg, held: contextlib.ExitStack | None = None):
-    """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``.
+    """The accelerator (mixed precision, devices), the seed, ``out_dir`` with the resolved ``config.yaml``; None
+    when ``resume=true`` finds the run finished (nothing to train).
     ``held``: where the main process keeps its lock on ``out_dir`` until the run ends (``models.support``)."""
     from models.support import run_on_main
     # start-up time: `train.distill --help` imports no torch
@@ -93,11 +93,10 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from data.store import FeatureStore
-    from train.checkpoint import refuse_unfinished_run, resume_checkpoint
+    from train.checkpoint import nothing_to_train, refuse_unfinished_run, resume_checkpoint, set_aside_damaged
     from train.export_stage import check_export_stage
     from train.loop import Run, true_tau_cadence_note
-    from train.setup import warm_start_source
+    from train.setup import check_inputs
 
     cuda = torch.cuda.is_available()
     if cfg.train.attention == "flex" and not cuda:  # torch's NotImplementedError at the first backward otherwise
@@ -114,12 +113,19 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     set_seed(cfg.train.seed)
     out_dir = cfg.resolved_out_dir()
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
-    if cfg.features.mode == "offline":  # a mistyped or unfinished store was named only once the target had loaded
-        FeatureStore(cfg.features.store, verify=False)  # its index alone: it exists and its extraction finished
-    if cfg.data.subset and cfg.data.source != "tiny":  # read only once the target had loaded
-        refuse_local_subset(cfg.data.source, cfg.data.subset)
-    if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
-        warm_start_source(cfg.drafter.init_from)
+    check_inputs(cfg, out_dir)  # what it reads, where it writes, the drafter's shape: before anything loads
+    if accelerator.is_main_process and held is not None:
+        # a second run into out_dir (resumed or not) would write the same checkpoints; the lock (and out_dir, if
+        # this run made it) goes again when the run stops on a refusal below
+        from models.support import hold
+
+        held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
+                                "out_dir=...", log))
+    if cfg.resume and (done := nothing_to_train(cfg, out_dir)):  # a finished run: final/ stays, nothing loads
+        log(done)
+        return None
+    if cfg.resume:  # checkpoints damaged since they were written are set aside, named: the newest intact one resumes
+        run_on_main(lambda: set_aside_damaged(out_dir, log), accelerator, what="the checkpoints' checksums")
     # Refuse a resume with changed settings before anything is loaded or the run's config.yaml is rewritten.
     ckpt = resume_checkpoint(cfg, out_dir, log) if cfg.resume else None
     # An unfinished run is refused now; a finished one's checkpoints (and its config.yaml) are replaced once
@@ -127,11 +133,6 @@ def setup_run(cfg, held: contextlib.ExitStack | None = None):
     replaces = refuse_unfinished_run(out_dir) if not cfg.resume else False
     run = Run(cfg, accelerator, out_dir, cfg.to_yaml(), mp, log, ckpt)
     if accelerator.is_main_process:
-        if held is not None:  # a second run into out_dir (resumed or not) would write the same checkpoints
-            from models.support import hold
-
-            held.enter_context(hold(out_dir, LOCK, "out_dir", "wait for it to end, or give this run its own "
-                                    "out_dir=...", log))
         out_dir.mkdir(parents=True, exist_ok=True)
         # the resolved settings go to out_dir/config.yaml, not the console (a hundred lines before anything ran)
         log(f"train: recipe {cfg.recipe} into {out_dir} (every setting: {out_dir / 'config.yaml'})")
@@ -187,20 +188,23 @@ def build_optimizer(run, drafter, sched):
     return model, optimizer, scheduler
 
 
-def resume_state(run, sched, scheduler, rows: str):
+def resume_state(run, sched, scheduler, rows: str, model=None):
     """A fresh ``LoopState``, or (``resume=true``) the state of the checkpoint ``setup_run`` checked.
 
     The run's length may have changed since (``train.checkpoint.LENGTH_KEYS``): never to before the
     checkpoint's step, and the learning rate follows the new length's schedule from the first resumed step.
-    ``rows``: the identity of the rows this run loaded, which must be the checkpoint's.
+    ``rows``: the identity of the rows this run loaded, which must be the checkpoint's; ``model``: the restored
+    drafter, whose weights must be finite.
     """
     # start-up time: `train.distill --help` imports no torch
-    from train.checkpoint import ResumeConfigError, load_checkpoint
-    from train.loop import LoopState, reshard_position, resync_lr
+    from train.checkpoint import ResumeConfigError, load_checkpoint, nonfinite_checkpoint
+    from train.loop import LoopState, nonfinite_weights, reshard_position, resync_lr
 
     if run.resume_from is None:
         return LoopState(world_size=run.world, rows=rows)
     state = LoopState.from_dict(load_checkpoint(run.accelerator, run.resume_from))
+    if model is not None and nonfinite_weights(run, model):  # else "training diverged ... lower train.lr" at step 1
+        raise nonfinite_checkpoint(run.resume_from)
     if state.rows is None:
         run.log("warning: the checkpoint predates recorded row identities: cannot check that the prepared rows "
                 "are the ones it trained on")
@@ -246,8 +250,8 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
     # start-up time: `train.distill --help` imports no torch
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
-    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, flop_counter,
-                            nonfinite_weights, run_eval, step_row, train_step)
+    from train.loop import (Preempted, Throughput, advance, checkpoint_due, diverged, draw_step, eval_due,
+                            flop_counter, nonfinite_weights, run_eval, step_row, stop_due, train_step)
     from train.rng import epoch_order
 
     cfg, total = run.cfg, sched.total_steps
@@ -262,6 +266,20 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                unit="step", dynamic_ncols=True)
     speed, last, started, first_step = Throughput(), {}, time.perf_counter(), state.step
     count_flops, compile_row = flop_counter(cfg, drafter_cfg, target), compiled is not None
+
+    def checkpoint() -> None:
+        if nonfinite_weights(run, model):  # never saved: keep_last would delete the good checkpoints
+            raise diverged(run, state.step, "the drafter's weights hold NaN / inf")
+        state.wandb_run_id = logger.wandb_run_id
+        save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
+                        cfg.checkpoint.keep_last)
+
+    def stop(saved: bool) -> None:
+        if not saved:
+            checkpoint()
+        raise Preempted()
+
+    run.stop.deferring = True  # a SIGTERM from here on ends the step under way, then stops (train.loop.StopRequest)
     while state.step < sched.total_steps:
         epoch = state.epoch
         order = epoch_order(len(train_ds), cfg.train.seed, epoch, run.rank, run.world)
@@ -297,18 +315,20 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             paused = time.perf_counter()  # checkpoints and evals are left out of the next logged rates
             # Checkpoint before evaluating: an eval that fails (a true-tau generation out of memory) must not
             # cost the steps since the last checkpoint. Nothing an eval does is in the checkpoint.
-            if checkpoint_due(cfg, state.step, final):
-                if nonfinite_weights(run, model):  # never saved: keep_last would delete the good checkpoints
-                    raise diverged(run, state.step, "the drafter's weights hold NaN / inf")
-                state.wandb_run_id = logger.wandb_run_id
-                save_checkpoint(run.accelerator, model, run.out_dir, state.step, state.to_dict(), run.config_yaml,
-                                cfg.checkpoint.keep_last)
+            saved = checkpoint_due(cfg, state.step, final)
+            if saved:
+                checkpoint()
+            if stop_due(run, stats):  # SIGTERM (preemption): this step's state on disk, then stop as Ctrl-C does
+                stop(saved)
             evaluate, with_true = eval_due(cfg, state.step, final)
             if evaluate:
                 evals.append(guarded(lambda: run_eval(run, drafter, target, eval_feats, prompts, state.step,
                                                       with_true, logger, total)))
+                if stop_due(run):  # a SIGTERM during the eval
+                    stop(saved)
             speed.skip(time.perf_counter() - paused)
     bar.close()
+    run.stop.deferring = False
     return last, first_eval, [r for r in evals if len(r) > 1], len(prompts)  # {"step": N} alone: no held-out rows
 
 
@@ -319,7 +339,9 @@ def save_final(run, model, step: int) -> Path:
     # start-up time: `train.distill --help` imports no torch
     import torch
 
-    from train.checkpoint import FINAL_STATE, CheckpointError, latest_checkpoint, save_drafter
+    from models.support import share_like_umask
+    from train.checkpoint import (FINAL_STATE, CheckpointError, free_space, latest_checkpoint, save_drafter,
+                                  write_failure)
     from train.loop import diverged, nonfinite_weights
 
     final, tmp, old = (run.out_dir / name for name in ("final", "final.tmp", "final.old"))
@@ -335,31 +357,44 @@ def save_final(run, model, step: int) -> Path:
         if run.is_main:
             (tmp / "config.yaml").write_text(run.config_yaml)
             (tmp / FINAL_STATE).write_text(json.dumps({"step": step}) + "\n")
+            share_like_umask(tmp)
             if final.exists():
                 final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
-    except (KeyboardInterrupt, OSError) as e:
-        if run.is_main:
+    except (KeyboardInterrupt, Exception) as e:
+        reason = None if isinstance(e, KeyboardInterrupt) else write_failure(e)
+        if run.is_main and (reason or isinstance(e, KeyboardInterrupt)):
             if old.exists() and not final.exists():  # cut between the two renames: the previous final/ back
                 old.rename(final)
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, KeyboardInterrupt):
+        if reason is None:  # Ctrl-C, or a bug
             raise
         # the last step's checkpoint (always written) holds the same weights
         newest = latest_checkpoint(run.out_dir)
-        raise CheckpointError(f"could not write the final drafter to {final} ({e.strerror or e}): the checkpoint of "
-                              f"the last step, {newest}, holds the same weights: free space and rerun with "
-                              f"resume=true (it writes final/ again), or export it (python -m export.hf "
-                              f"--checkpoint {newest} --out DIR)") from e
+        raise CheckpointError(f"could not write the final drafter to {final} ({reason}; {free_space(run.out_dir)}), "
+                              f"the half-written {tmp.name} removed: the checkpoint of the last step, {newest}, holds "
+                              f"the same weights: free space and rerun with resume=true (it writes final/ again), or "
+                              f"export it (python -m export.hf --checkpoint {newest} --out DIR)") from e
     run.accelerator.wait_for_everyone()
     return final / "drafter"  # the closing summary names it
 
 
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
+    from train.loop import StopRequest, sigterm_as_interrupt
+
     with contextlib.ExitStack() as held:  # out_dir is this run's until it returns or fails
-        return run_stages(setup_run(cfg, held), cfg, argv)
+        stop = held.enter_context(sigterm_as_interrupt(StopRequest()))  # SIGTERM: as Ctrl-C
+        run = setup_run(cfg, held)
+        if run is None:  # resume=true on a finished run: final/ stays as it is
+            from train.checkpoint import FINAL_STATE
+
+            step = json.loads((cfg.resolved_out_dir() / "final" / FINAL_STATE).read_text())["step"]
+            return {"out_dir": str(cfg.resolved_out_dir()), "steps": step, "last": {}, "first_eval": {},
+                    "last_eval": {}, "nothing_to_train": True}
+        run.stop = stop
+        return run_stages(run, cfg, argv)
 
 
 def run_stages(run, cfg, argv: list[str] | None) -> dict:
@@ -387,7 +422,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
     drafter = build_drafter(run, drafter_cfg, target)
     n_params = sum(p.numel() for p in drafter.parameters())  # before accelerate wraps it (FSDP shards it)
     model, optimizer, scheduler = build_optimizer(run, drafter, sched)
-    state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds))
+    state = resume_state(run, sched, scheduler, rows_identity(train_ds, eval_ds), model)
     if not cfg.resume:  # every input is loaded and checked: only now are the earlier (finished) run's checkpoints
         clear_for_fresh_start(run.out_dir, run.log, run.accelerator)  # replaced (a failed rerun kept them)
         write_run_config(run)
@@ -399,9 +434,9 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         last, first_eval, evals, prompts = train_loop(run, model, optimizer, scheduler, target, train_ds, feats,
                                                       eval_ds, eval_feats, drafter_cfg, sched, state, logger)
         final_drafter = save_final(run, model, state.step)  # Ctrl-C here too: resume=true writes final/ again
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.loop.Preempted)
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
-        run.log(interrupted_message(run.out_dir, state, args, run.world))
+        run.log(interrupted_message(run.out_dir, state, args, run.world, getattr(e, "what", "interrupted")))
         raise
     finally:  # also on an error (a diverged run): the wandb run is closed
         logger.close()

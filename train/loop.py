@@ -40,6 +40,46 @@ if TYPE_CHECKING:
     from train.config import RunConfig
 
 
+class Preempted(KeyboardInterrupt):
+    """SIGTERM (what job schedulers send on preemption, and ``kill``): the run stops as Ctrl-C stops it, with the
+    status a process ended by SIGTERM has (128 + 15)."""
+
+    exit_status = 143
+    what = "stopped by SIGTERM"
+
+
+class StopRequest:
+    """SIGTERM during training. Outside the loop it stops the run at once, as Ctrl-C does. Inside it (``deferring``)
+    it is noted, and the loop stops at the end of the step under way with that step's state on disk
+    (``stop_due``); a second SIGTERM stops it at once."""
+
+    def __init__(self):
+        self.signalled = False
+        self.deferring = False
+
+    def handle(self, signum, frame) -> None:
+        if self.deferring and not self.signalled:
+            self.signalled = True
+            return
+        raise Preempted()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt(stop: StopRequest):
+    """SIGTERM handled by ``stop`` for the ``with`` block (the main thread only: elsewhere the default stays)."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop.handle)
+    except ValueError:  # not the main thread (a run started from a thread): nothing to install
+        yield stop
+        return
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @dataclass
 class Run:
     """What every stage needs to know about the run (fixed after setup)."""
@@ -53,6 +93,7 @@ class Run:
     resume_from: Path | None = None  # the checkpoint to resume (resume=true and one exists)
     compiled: Compiled | None = None  # train.compile's layers and their fall-back (set when the drafter is built)
     started: float = field(default_factory=time.perf_counter)  # the closing summary's elapsed time
+    stop: StopRequest = field(default_factory=StopRequest)  # SIGTERM, acted on at the end of a step
 
     @property
     def device(self) -> torch.device:
@@ -164,6 +205,7 @@ class StepStats:
     grad_norm: float | None = None
     slot_weight: torch.Tensor | int = 0  # [B-1] loss weight per slot, summed over the scored blocks (on the device)
     selector_ce_sum: torch.Tensor | None = None  # DFlash2: the selector CE summed over the scored slots
+    stop: bool = False  # some process had a SIGTERM when the step began (several processes: they agree through it)
 
 
 def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Schedule, drafter_cfg,
@@ -219,16 +261,21 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
     # Nothing in here reads a device value back (tests/test_host_reads.py): a read waits for every queued
     # kernel, and the GPU then idles while the host queues the next ones. The host counts come from draw_step.
     tokens = float(sum(m.n_tokens for m in micro_batches))
-    if run.world > 1:  # one collective for both: the step's normaliser (the loss denominator) and its tokens
-        pair = torch.stack([torch.as_tensor(local, dtype=torch.float32, device=dev),
-                            torch.tensor(tokens, dtype=torch.float32, device=dev)])
-        step_norm, tokens_all = acc.reduce(pair, "sum")
+    stop = run.stop.signalled
+    if run.world > 1:  # one collective for all three: the step's normaliser (the loss denominator), its tokens and
+        # whether a process had a SIGTERM (so that every process stops after the same step)
+        trio = torch.stack([torch.as_tensor(local, dtype=torch.float32, device=dev),
+                            torch.tensor(tokens, dtype=torch.float32, device=dev),
+                            torch.tensor(float(stop), dtype=torch.float32, device=dev)])
+        step_norm, tokens_all, stops = acc.reduce(trio, "sum")
+        stop = bool(stops > 0)  # read with tokens_all below: no second wait
     else:  # nothing to add up: reading a GPU sum back would wait for the previous step's queue
         step_norm, tokens_all = local, tokens
     denom = step_norm.clamp_min(1e-12) if torch.is_tensor(step_norm) else max(step_norm, 1e-12)
     scale = run.world / denom  # DDP / FSDP average gradients over processes: scale so they sum instead
     zero = torch.zeros((), device=dev)
-    stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all))
+    stats = StepStats(loss=zero.clone(), ce_sum=zero.clone(), kl_sum=zero.clone(), tokens_all=int(tokens_all),
+                      stop=stop)
     # DFlash2: its own block embedding and the selector term (on the unwrapped drafter: under DDP the selector is
     # used outside the wrapper's forward, and its gradients still reach the wrapper's hooks through the loss)
     drafter = acc.unwrap_model(model)
@@ -466,6 +513,18 @@ def checkpoint_due(cfg, step: int, final: bool) -> bool:
     return final or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
 
 
+def stop_due(run: Run, stats: StepStats | None = None) -> bool:
+    """Whether the run stops now for a SIGTERM. One process decides alone. Several decide together, so that they
+    save the same checkpoint: after a step, by the flag its collective carried (``StepStats.stop``: some process
+    had one when the step began); after an eval (``stats`` None), by one collective of their own."""
+    if run.world == 1:
+        return run.stop.signalled
+    if stats is not None:
+        return stats.stop
+    flag = torch.tensor(float(run.stop.signalled), device=run.device)
+    return bool(run.accelerator.reduce(flag, "sum") > 0)
+
+
 # ----------------------------------------------------------------------------- interruption
 def launch_command(world: int) -> str:
     """How this run was started, for the resume hint: ``draftsmith train``, ``python train/distill.py`` (the
@@ -495,15 +554,16 @@ def resume_command(args: list[str], world: int) -> str:
     return " ".join([launch_command(world), *map(shlex.quote, kept), "resume=true"])
 
 
-def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world: int) -> str:
-    """What Ctrl-C prints: the newest checkpoint and the exact resume command."""
+def interrupted_message(out_dir: Path, state: LoopState, args: list[str], world: int,
+                        what: str = "interrupted") -> str:
+    """What Ctrl-C (and SIGTERM: ``what``) prints: the newest checkpoint and the exact resume command."""
     ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         where = ("no checkpoint was written yet (checkpoint.every sets how often), so resuming starts from "
                  "scratch; run again with")
     else:
         where = f"newest checkpoint: {ckpt}; resume from it with"
-    return f"interrupted at step {state.step}: {where}:\n  {resume_command(args, world)}{launcher_note(world)}"
+    return f"{what} at step {state.step}: {where}:\n  {resume_command(args, world)}{launcher_note(world)}"
 
 
 def launcher_note(world: int) -> str:

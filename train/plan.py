@@ -3,7 +3,11 @@
 Nothing heavy is downloaded: the target's shape comes from a local ``config.json``, else from the
 Hub's ``config.json`` alone (a few KB) when the Hub is reachable, else from the shape facts the
 recipe carries (``target.num_layers``, ``target.hidden_size``, ...); the plan says which, and what
-it could not fetch. Data size comes from a prepared data set's ``stats.json`` when one exists.
+it could not fetch. Data size comes from a prepared data set's ``stats.json`` when one exists, else from
+the source: a local file is counted, a Hub data set's row count read from its metadata when the Hub is
+reachable. From those: steps, epochs and tokens; the time a run takes on the GPUs whose steps were
+measured (:data:`MEASURED_STEPS`, scaled by FLOPs per row: an estimate); what regenerating the answers
+costs, and the memory a regeneration server needs beside training; the disk offline features take.
 
 What a run and its plan decide alike lives here, and training imports it: the schedule
 (``make_schedule``), the held-out rows, and which parts of the target a process loads. So the plan
@@ -138,6 +142,8 @@ def target_shape(cfg) -> tuple[dict, str]:
             from models.config import mla_drafter_heads
 
             shape["num_key_value_heads"], shape["head_dim"] = mla_drafter_heads(text)
+        if text.get("layer_types"):  # linear-attention layers (Qwen3.5's GatedDeltaNet) keep no KV cache
+            shape["kv_cache_layers"] = sum(t != "linear_attention" for t in text["layer_types"])
         if not shape.get("head_dim") and shape.get("hidden_size") and shape.get("num_attention_heads"):
             shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     return shape, source
@@ -248,14 +254,10 @@ def plan(cfg) -> dict:
 
     d, tr = cfg.drafter, cfg.train
     L, H, V = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
-    facts = {k: v for k, v in shape.items() if k not in ("num_hidden_layers", "model_type")}
+    facts = {k: v for k, v in shape.items() if k not in ("num_hidden_layers", "model_type", "kv_cache_layers")}
     target = TargetShape(num_layers=L, **{k: v for k, v in facts.items() if v is not None})
     # The same resolver as training; the mask token does not change the plan, so any valid row stands in.
-    draft = DFlashConfig.for_target(
-        target, mask_token_id=d.mask_token_id or 0, num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
-        target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
-        block_size=d.block_size, rope_theta=d.rope_theta, variant=d.variant)
+    draft = _drafter_of(cfg, target)
     heads, kv, hd, inter = (draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim,
                             draft.intermediate_size)
     taps = draft.target_layer_ids
@@ -264,20 +266,35 @@ def plan(cfg) -> dict:
     params_b = cfg.target.params_b or (12 * L * H * H + 2 * V * H) / 1e9
     active_b = cfg.target.active_params_b or params_b
 
-    # Data size: a prepared set's stats when present; else per-row figures only.
+    # Data size: a prepared set's stats when present (exact); else the source's conversations (counted, or from a
+    # Hub data set's metadata), each of at most data.max_length tokens.
     prepared = Path(cfg.data.prepared) if cfg.data.prepared else cfg.resolved_out_dir() / "data"
     stats_file = prepared / "stats.json"
     rows = tokens = None
+    conversations, rows_from = source_rows(cfg)
     if stats_file.is_file():
         stats = json.loads(stats_file.read_text())
         rows, tokens = stats.get("rows"), stats.get("tokens")
+        rows_from = f"prepared data {stats_file}"
+    else:
+        rows = conversations
+    exact = stats_file.is_file() and rows is not None
+    tokens_per_row = tokens / rows if exact and tokens and rows else S  # at most data.max_length each
     rows_per_step = tr.batch_size * tr.grad_accum  # per process
     # Every process trains its own rows of a step: 8 GPUs take an epoch in an eighth of the steps of one.
     devices = parse_devices(cfg.devices)
     processes = 1 if cfg.target.device_map or devices is None else devices[0]
-    steps = None
+    steps = steps_per_epoch = None
+    schedule_note = None
     if rows:
-        steps = make_schedule(cfg, rows - held_out_rows(cfg.data.eval_rows, rows), processes, 0).total_steps
+        try:
+            sched = make_schedule(cfg, rows - held_out_rows(cfg.data.eval_rows, rows), processes, 0)
+            steps, steps_per_epoch = sched.total_steps, sched.steps_per_epoch
+        except ValueError as e:  # fewer rows than one micro-batch per process
+            schedule_note = str(e)
+    if tr.max_steps:  # known whatever the data: train.max_steps
+        steps = tr.max_steps
+    epochs = steps / steps_per_epoch if steps and steps_per_epoch else (None if tr.max_steps else tr.epochs)
 
     # Memory per GPU (bf16 target, fp32 drafter + AdamW, bf16 activations). Rough, on purpose.
     gib = 1024 ** 3
@@ -293,7 +310,7 @@ def plan(cfg) -> dict:
     }
     mem["total_gib"] = round((sum(mem.values()) - mem["embedding_lm_head_gib"]) * 1.15, 1)  # + allocator slack
     draft_fwd = draft.flops_per_token(S / 2 + B)
-    flops_row = 3 * draft_fwd * q + 2 * active_b * 1e9 * S  # drafter fwd+bwd + target fwd
+    flops_row = row_flops(cfg, draft, active_b, S, online=True)  # drafter fwd+bwd + target fwd, a full-length row
     out.update({
         "target_shape": {k: shape.get(k) for k in TEXT_KEYS}, "target_params_b": params_b,
         "target_layer_ids": taps,
@@ -306,19 +323,303 @@ def plan(cfg) -> dict:
         "objective": {"anchors_per_row": N, "weighting": describe_objective(objective_of_run(cfg.to_dict())),
                       "gamma": cfg.loss_weighting()["gamma"], "loss": tr.loss, "query_tokens_per_row": q,
                       "max_length": S},
-        "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "tokens": tokens,
-                 "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode},
-        "schedule": {"rows_per_step_per_process": rows_per_step, "processes": processes, "epochs": tr.epochs,
-                     "steps": steps, "lr": tr.lr, "schedule": tr.schedule, "warmup_ratio": tr.warmup_ratio},
+        "data": {"source": cfg.data.source, "prepared": str(prepared), "rows": rows, "rows_from": rows_from,
+                 "rows_exact": exact, "tokens": tokens if exact else (rows * S if rows else None),
+                 "regenerate": cfg.data.regenerate, "thinking": cfg.data.thinking, "features": cfg.features.mode,
+                 "pack": cfg.data.pack},
+        "schedule": {"rows_per_step_per_process": rows_per_step, "processes": processes, "epochs": epochs,
+                     "steps": steps, "steps_exact": bool(steps and (exact or tr.max_steps)),
+                     "tokens_trained": round(steps * rows_per_step * processes * tokens_per_row) if steps else None,
+                     "lr": tr.lr, "schedule": tr.schedule, "warmup_ratio": tr.warmup_ratio},
         "memory_per_gpu": mem,
         "placement": placement(mem),
         "devices": device_plan(cfg, mem),
         "tflops_per_row": round(flops_row / 1e12, 2),
+        "time": time_estimates(cfg, draft, active_b, tokens_per_row, steps, processes, exact),
+        "regeneration": regeneration_cost(cfg, shape, params_b, conversations, stats_file.is_file(),
+                                          mem["total_gib"], devices),
+        "offline_features": feature_disk(cfg, taps, H, tokens if exact else (rows * S if rows else None), exact),
     })
     if steps is None:
-        out["schedule"]["note"] = (f"data not prepared yet ({stats_file} missing): steps = "
-                                   f"epochs x rows / {rows_per_step * processes} rows per step")
+        out["schedule"]["note"] = schedule_note or (f"steps = epochs x rows / {rows_per_step * processes} rows per "
+                                                    "step: set train.max_steps, or prepare the data first")
+    elif not exact and not tr.max_steps:
+        out["schedule"]["note"] = ("estimated from the source's conversations before preparation"
+                                   + (" (packing joins them into fewer rows)" if cfg.data.pack else ""))
     return out
+
+
+# ----------------------------------------------------------------------------- rows of the source
+def source_rows(cfg) -> tuple[int | None, str]:
+    """(conversations ``data.source`` holds, ``data.limit`` applied; where the figure comes from)."""
+    source, limit = cfg.data.source, cfg.data.limit
+    if not source:
+        return None, "no data.source"
+    if source == "tiny":
+        n, how = cfg.data.tiny_conversations, "data.tiny_conversations"
+    else:
+        path = Path(source).expanduser()
+        try:
+            n, how = (_local_rows(path, cfg.data.split), f"counted in {path}") if path.exists() else \
+                _hub_rows(source, cfg.data.split, cfg.data.subset)
+        except Exception as e:  # a file no reader reads, a Hub error: the plan goes on without the count
+            return None, f"unknown ({type(e).__name__}: {textwrap.shorten(str(e), 120, placeholder=' ...')})"
+    if n is not None and limit and limit < n:
+        n, how = limit, f"data.limit of {n} in {how.removeprefix('counted in ')}"
+    return n, how
+
+
+def _local_rows(path: Path, split: str) -> int:
+    """Rows of a local source, as ``data.readers`` reads them: a JSONL file's non-blank lines, a JSON document's
+    items, a Parquet file's metadata, a ``save_to_disk`` folder's split(s), a folder's files."""
+    from data.readers import _folder_files, _is_saved_dataset
+
+    if path.is_file():
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
+            return len(data) if isinstance(data, list) else 1
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    if _is_saved_dataset(path):
+        from datasets import DatasetDict, load_from_disk
+
+        ds = load_from_disk(str(path))
+        return sum(len(ds[s]) for s in split.split("+")) if isinstance(ds, DatasetDict) else len(ds)
+    return sum(_local_rows(f, split) for f in _folder_files(path, split))
+
+
+def _hub_rows(name: str, split: str, subset: str | None) -> tuple[int | None, str]:
+    """A Hub data set's rows in ``split`` (``a+b``: both) from its card's metadata, without downloading it."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE or not _hub_resolves():
+        return None, "unknown (offline)"
+    info = HfApi().dataset_info(name, timeout=10)
+    card = (info.card_data.to_dict() if info.card_data else {}).get("dataset_info") or []
+    configs = card if isinstance(card, list) else [card]
+    config = next((c for c in configs if c.get("config_name", "default") == (subset or "default")),
+                  configs[0] if len(configs) == 1 else None)
+    counts = {s.get("name"): s.get("num_examples") for s in (config or {}).get("splits", [])}
+    wanted = split.split("+")
+    if all(isinstance(counts.get(w), int) for w in wanted):
+        return sum(counts[w] for w in wanted), f"the Hub's metadata of {name}"
+    return None, f"unknown (the Hub's metadata of {name} gives no row count for split {split})"
+
+
+# ----------------------------------------------------------------------------- how long a run takes
+# Whole online training steps as measured (docs/performance.md, "Whole online step, H100 and H200"): random-weight
+# targets of the recipe's shape, rows of 3072 tokens, 512 anchors, block 16, a 5-layer drafter, bf16, flex
+# attention. Seconds per row: one optimizer step's time over its rows. A dry run takes the closest measurement on
+# each card (the same recipe, else the nearest FLOPs per row; train.compile as the run has it where measured) and
+# scales it by FLOPs per row: an estimate, as another shape reaches another share of the card's peak.
+MEASURED_STEPS = (
+    # card, recipe shape, train.compile, seconds per row, commit, command
+    ("H100", "qwen3-8b", False, 0.296, "52d3549", "python -m train.bench --e2e qwen3-8b"),
+    ("H100", "qwen3-8b", True, 0.221, "52d3549", "python -m train.bench --e2e qwen3-8b --compile"),
+    ("H100", "qwen35-9b", False, 0.359, "52d3549", "python -m train.bench --e2e qwen35-9b"),
+    ("H100", "qwen35-9b", True, 0.296, "52d3549", "python -m train.bench --e2e qwen35-9b --compile"),
+    ("H200", "qwen35-9b", True, 0.973 / 4, "8a48cc6",
+     "python -m train.bench --e2e qwen35-9b --compile --steps 3 --warmup 1"),
+)
+MEASURED_ROW_TOKENS = 3072
+
+
+def row_flops(cfg, draft, active_b: float, tokens: float, online: bool | None = None) -> float:
+    """Model FLOPs of one row: the drafter's forward and backward over its anchors' blocks (3 x forward), and with
+    online features the target's forward over the row's ``tokens``."""
+    q = cfg.train.anchors * draft.block_size
+    online = cfg.features.mode == "online" if online is None else online
+    return 3 * draft.flops_per_token(tokens / 2 + draft.block_size) * q + (2 * active_b * 1e9 * tokens if online else 0)
+
+
+def _drafter_of(cfg, target):
+
+    d = cfg.drafter
+    return DFlashConfig.for_target(
+        target, mask_token_id=d.mask_token_id or 0, num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps,
+        target_layer_ids=d.target_layer_ids, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
+        block_size=d.block_size, rope_theta=d.rope_theta, variant=d.variant)
+
+
+def _measured_row_flops(recipe: str) -> float:
+    """FLOPs of a row of the measured step: the recipe's shape facts (no download), rows of 3072 tokens, online."""
+    from models.config import TargetShape
+    from train.config import load_config
+
+    ref = load_config([f"recipe={recipe}"])
+    t = ref.target
+    target = TargetShape(hidden_size=t.hidden_size, vocab_size=t.vocab_size, num_layers=t.num_layers,
+                         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                         head_dim=t.head_dim, intermediate_size=t.intermediate_size, rope_theta=t.rope_theta)
+    return row_flops(ref, _drafter_of(ref, target), t.active_params_b or t.params_b, MEASURED_ROW_TOKENS, online=True)
+
+
+def compiles(value) -> bool:
+    """Whether ``train.compile`` compiles on a GPU (true, or auto)."""
+    return value is True or str(value).lower() in ("true", "auto", "on", "yes")
+
+
+def time_estimates(cfg, draft, active_b: float, tokens_per_row: float, steps: int | None, processes: int,
+                   exact: bool) -> list[dict]:
+    """Per measured card: seconds per row and per step, and the run's time when its steps are known; none for a
+    shape far smaller than the measured ones."""
+    flops = row_flops(cfg, draft, active_b, tokens_per_row)
+    compiled = compiles(cfg.train.compile)
+    rows_per_step = cfg.train.batch_size * cfg.train.grad_accum
+    out = []
+    for card in dict.fromkeys(m[0] for m in MEASURED_STEPS):
+        measured = [m for m in MEASURED_STEPS if m[0] == card]
+        measured = [m for m in measured if m[2] == compiled] or measured
+        ref_flops = {m[1]: _measured_row_flops(m[1]) for m in measured}
+        ref = next((m for m in measured if m[1] == Path(cfg.recipe).stem), None) or \
+            min(measured, key=lambda m: abs(math.log(ref_flops[m[1]] / flops)))
+        if flops < ref_flops[ref[1]] / 100:  # a tiny shape: its steps are bound by kernel launches, not by FLOPs
+            return []
+        per_row = ref[3] * flops / ref_flops[ref[1]]
+        out.append({"card": card, "seconds_per_row": round(per_row, 4),
+                    "seconds_per_step": round(per_row * rows_per_step, 3),
+                    "hours": round(steps * rows_per_step * per_row / 3600, 2) if steps else None,
+                    # rows unknown: an epoch of 100k rows, spread over the processes
+                    "hours_per_100k_rows": round(1e5 / processes * per_row / 3600, 2),
+                    "gpus": processes, "exact_steps": exact or bool(cfg.train.max_steps),
+                    "same_compile": ref[2] == compiled, "rows_known_length": exact,
+                    "measured": {"recipe": ref[1], "compiled": ref[2], "seconds_per_row": round(ref[3], 4),
+                                 "commit": ref[4], "command": ref[5]}})
+    return out
+
+
+# ----------------------------------------------------------------------------- regeneration, offline features
+def regeneration_cost(cfg, shape: dict, params_b: float, conversations: int | None, prepared: bool,
+                      training_gib: float, devices) -> dict | None:
+    """Answers to generate (rows x data.regenerate_max_tokens at most) and the GPU memory the engine needs: the
+    target's weights and the KV cache of the answers in flight (the layers that keep one, by the target's
+    ``layer_types``; every layer when the config could not be read, an upper bound), beside training's when both
+    share a GPU."""
+    mode = cfg.data.regenerate
+    if mode in (None, "", "none"):
+        return None
+    if prepared:
+        return {"mode": mode, "note": "done: the data is prepared"}
+    from data.regenerate import make_generator
+
+    gib = 1024 ** 3
+    M = cfg.data.regenerate_max_tokens
+    in_flight = cfg.data.regenerate_batch_size if mode == "local" else make_generator.__kwdefaults__["concurrency"]
+    heads = shape.get("num_attention_heads") or 1
+    kv_heads = shape.get("num_key_value_heads") or heads
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
+    cached = shape.get("kv_cache_layers") or shape["num_hidden_layers"]  # unknown: every layer, an upper bound
+    kv_per_token = 2 * cached * kv_heads * head_dim * 2  # K and V, bf16
+    context = cfg.data.max_length + M
+    weights = params_b * 1e9 * 2 / gib
+    kv = in_flight * context * kv_per_token / gib
+    server = weights + kv + 1.0  # + ~1 GiB of the engine's own buffers (CUDA graphs, activations)
+    out = {"mode": mode, "answers": conversations, "max_new_tokens": M,
+           "tokens": conversations * M if conversations else None, "in_flight": in_flight, "context": context,
+           "weights_gib": round(weights, 1), "kv_cache_gib": round(kv, 1), "server_gib": round(server, 1),
+           "with_training_gib": round(server + training_gib, 1), "kv_layers_known": bool(shape.get("kv_cache_layers"))}
+    cap = devices[1] if devices else None
+    if cap:
+        out["gpu_gib"] = cap
+        out["fits_beside_training"] = server + training_gib <= cap
+        out["memory_fraction"] = math.ceil(server / cap * 20) / 20  # vLLM / SGLang take a share of the whole GPU
+    return out
+
+
+def feature_disk(cfg, taps: list[int], hidden: int, tokens: int | None, exact: bool) -> dict:
+    """Disk a ``data.extract`` store of these rows takes: per token the tapped layers' hidden states (bf16, or
+    fp8 with one bf16 scale per layer), the token columns (13 bytes) and, with ``--topk K``, K ids and log-probs."""
+    per_100k = not tokens  # rows unknown: 100k rows of data.max_length tokens
+    tokens = tokens or 100_000 * cfg.data.max_length
+    gib = 1024 ** 3
+    k = cfg.train.kl_topk
+    return {"tokens": tokens, "tokens_exact": exact, "per_100k_rows": per_100k, "layers": list(taps),
+            "bf16_gib": round(tokens * (len(taps) * hidden * 2 + 13) / gib, 1),
+            "fp8_gib": round(tokens * (len(taps) * (hidden + 2) + 13) / gib, 1),
+            "topk": k, "topk_gib": round(tokens * k * 6 / gib, 1)}
+
+
+def _duration(hours: float) -> str:
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} days"
+
+
+def _size(gib: float) -> str:
+    return f"{gib / 1024:.1f} TiB" if gib >= 1024 else f"{gib:.1f} GiB"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def print_time(times: list[dict], exact: bool) -> None:
+    """The time estimate per card, and which measurement each comes from."""
+    if not times:
+        print("  time: not estimated (the shape is far smaller than the measured ones, whose steps are bound by FLOPs; "
+              "a step this small is bound by kernel launches)")
+        return
+    gpus = times[0]["gpus"]
+    where = f"on {gpus} GPU{'s' if gpus > 1 else ''} of each kind"
+    if times[0]["hours"] is None:
+        parts = [f"{t['card']} ~{t['seconds_per_step']:.2f} s a step, ~{_duration(t['hours_per_100k_rows'])} an "
+                 "epoch of 100k rows" for t in times]
+        print(f"  time (an estimate) {where}: {'; '.join(parts)} (the run's rows are unknown)")
+    else:
+        approx = "" if exact else " from estimated steps"
+        parts = [f"{t['card']} ~{_duration(t['hours'])} (~{t['seconds_per_step']:.2f} s a step)" for t in times]
+        print(f"  time (an estimate{approx}) {where}: {'; '.join(parts)}")
+    if not times[0]["rows_known_length"]:
+        print("    (rows taken at data.max_length tokens: shorter ones take less)")
+    for t in times:
+        m = t["measured"]
+        kind = "compiled" if m["compiled"] else "eager"
+        other = "" if t["same_compile"] else f"; no {'eager' if m['compiled'] else 'compiled'} step was measured there"
+        print(f"    {t['card']}: the measured {m['recipe']} step ({kind}, {m['seconds_per_row']} s a row of "
+              f"{MEASURED_ROW_TOKENS} tokens, {m['commit']}: {m['command']}; docs/performance.md) scaled by FLOPs "
+              f"per row{other}")
+
+
+def print_regeneration(r: dict | None) -> None:
+    """What regenerating the answers costs, and the memory its engine needs beside training."""
+    if not r:
+        return
+    if "note" in r:
+        print(f"  regeneration ({r['mode']}): {r['note']}")
+        return
+    answers = (f"up to {r['answers']:,} answers x {r['max_new_tokens']} new tokens = {_count(r['tokens'])} tokens"
+               if r["answers"] else f"up to {_count(1e5 * r['max_new_tokens'])} tokens per 100k answers of "
+                                    f"{r['max_new_tokens']} new tokens (the source's rows are unknown)")
+    at_most = "" if r["kv_layers_known"] else "at most "
+    engine = (f"~{r['weights_gib']} GiB of weights + {at_most}~{r['kv_cache_gib']} GiB of KV cache ({r['in_flight']} "
+              f"answers in flight x {r['context']} tokens) + ~1 GiB = {at_most}~{r['server_gib']} GiB")
+    print(f"  regeneration ({r['mode']}): {answers}")
+    if r["mode"] == "local":
+        print(f"    in the training process, before training: the loaded target and {engine.split(' + ', 1)[1]}")
+        return
+    if r["mode"] in ("vllm", "sglang"):
+        print(f"    the {r['mode']} server ({engine}) runs before training, with the GPU to itself (the loaded target "
+              "moves to the CPU meanwhile)")
+        return
+    beside = (f"    a server sharing a GPU with training needs {engine}; with training's, "
+              f"~{r['with_training_gib']} GiB on that GPU")
+    if "gpu_gib" not in r:
+        beside += " (devices=1x80 says whether it fits, and the memory share to give the server)"
+    else:
+        fits = (f": fits a {r['gpu_gib']:g} GiB GPU, give the server --gpu-memory-utilization {r['memory_fraction']} "
+                f"(vLLM) or --mem-fraction-static {r['memory_fraction']} (SGLang)" if r["fits_beside_training"]
+                else f": more than a {r['gpu_gib']:g} GiB GPU; serve it on another GPU, or let draftsmith start it "
+                     "before training (data.regenerate=vllm or sglang)")
+        beside += fits
+    print(beside)
 
 
 def print_plan(cfg) -> dict:
@@ -342,12 +643,33 @@ def print_plan(cfg) -> dict:
         print(f"  objective: {o['anchors_per_row']} anchors/row, {o['weighting']}, loss {o['loss']}, "
               f"{o['query_tokens_per_row']} query tokens/row, max length {o['max_length']}")
         dt = p["data"]
-        print(f"  data: {dt['source']} -> {dt['prepared']} (rows {dt['rows']}, tokens {dt['tokens']}), "
-              f"regenerate {dt['regenerate']}, thinking {dt['thinking']}, features {dt['features']}")
+        if dt["rows"] is None:
+            size = f"rows {dt['rows_from']}"
+        elif dt["rows_exact"]:
+            size = f"{dt['rows']:,} rows, {_count(dt['tokens'] or 0)} tokens ({dt['rows_from']})"
+        else:
+            size = (f"~{dt['rows']:,} rows ({dt['rows_from']}), at most {_count(dt['tokens'])} tokens (rows are cut "
+                    f"at data.max_length={o['max_length']})")
+        print(f"  data: {dt['source']} -> {dt['prepared']}: {size}; regenerate {dt['regenerate']}, thinking "
+              f"{dt['thinking']}, features {dt['features']}")
         sc = p["schedule"]
-        print(f"  schedule: {sc['epochs']} epochs, steps {sc['steps']} ({sc['processes']} process(es) x "
-              f"{sc['rows_per_step_per_process']} rows per step), lr {sc['lr']} {sc['schedule']}, warmup "
-              f"{sc['warmup_ratio']:.0%}" + (f" ({sc['note']})" if "note" in sc else ""))
+        approx = "" if sc["steps_exact"] else "~"
+        steps = "steps unknown" if sc["steps"] is None else f"{approx}{sc['steps']:,} steps"
+        epochs = (f"{sc['epochs']:.3g} epochs" if sc["epochs"] else "epochs unknown") + (
+            f", {'' if dt['rows_exact'] else 'at most '}{_count(sc['tokens_trained'])} tokens"
+            if sc["tokens_trained"] else "")
+        print(f"  schedule: {steps}, {epochs} ({sc['processes']} process(es) x {sc['rows_per_step_per_process']} rows "
+              f"per step), lr {sc['lr']} {sc['schedule']}, warmup {sc['warmup_ratio']:.0%}"
+              + (f" ({sc['note']})" if "note" in sc else ""))
+        print_time(p["time"], sc["steps"] is not None and sc["steps_exact"])
+        print_regeneration(p["regeneration"])
+        f = p["offline_features"]
+        at_most = "" if f["tokens_exact"] else "at most "
+        rows = (f" (the run's rows are unknown: 100k rows of {o['max_length']} tokens)" if f["per_100k_rows"]
+                else "")
+        print(f"  offline features (python -m data.extract --layers {','.join(map(str, f['layers']))}): "
+              f"{at_most}~{_size(f['bf16_gib'])} in bf16, {at_most}~{_size(f['fp8_gib'])} in fp8 (+ "
+              f"~{_size(f['topk_gib'])} with --topk {f['topk']}) for {at_most}{_count(f['tokens'])} tokens{rows}")
         m = p["memory_per_gpu"]
         # the parts for one process holding the whole target; the devices line says what each GPU gets
         print(f"  memory parts (whole target in one process ~{m['total_gib']} GiB): "

@@ -20,16 +20,141 @@ from data import tiny_chat
 from data.engine import offloaded
 from data.features import OnlineFeatures, collate
 from data.prepare import ensure_prepared, load_prepared
-from data.store import FeatureStore, prepared_fingerprint
-from models.config import ConfigError, DFlashConfig, TargetShape
-from models.hub import INDEX, resolve_model_dir
+from data.readers import check_source, refuse_local_subset
+from data.reuse import META_FILE
+from data.store import FORMAT as STORE_FORMAT, INDEX as STORE_INDEX, FeatureStore, prepared_fingerprint
+from models.config import ConfigError, DFlashConfig, TargetShape, is_drafter_config
+from models.hub import INDEX, is_hub_id, resolve_model_dir
 from models.mask_token import resolve_mask_token
-from models.quantization import is_mlx_quantized
+from models.provenance import replaced_by_training
+from models.quantization import is_mlx_quantized, parse_quantization
 from models.quantize import resolve_target
 from models.target import TargetModel
 from models.target_folder import read_target_config
+from models.tiny import TINY_VOCAB, tiny_config
 from train.plan import borrows_target, held_out_rows, loads_whole_target
-from train.tiny import build_tiny_target, parse_tiny
+from train.tiny import NUM_LAYERS, build_tiny_target, parse_tiny
+
+
+# ----------------------------------------------------------------------------- before anything loads
+def check_inputs(cfg, out_dir: Path) -> None:
+    """Every path the run will read, where it will write, and the drafter's shape against the target's, checked
+    before anything is built, loaded or written: a mistyped source was once named only after the tiny target had
+    been fitted for minutes, and an ``out_dir`` inside a model folder filled it with checkpoints and a lock."""
+    refuse_model_folder_out_dir(cfg, out_dir)
+    check_read_paths(cfg, out_dir)
+    check_drafter_fits_target(cfg)
+
+
+# What training writes into must not be (or lie inside) a folder something else owns: its checkpoints, final/,
+# metrics.jsonl and lock file would mix with a model's files, and a later download or export replace them.
+def model_folder_kind(folder: Path) -> str | None:
+    """What ``folder`` is, when it is a folder some other tool owns: a model (config.json beside weights), a DFlash
+    drafter, prepared data or a feature store; None otherwise."""
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            d = json.loads(config.read_text())
+        except (OSError, ValueError):
+            d = None
+        if is_drafter_config(d):
+            return "a DFlash drafter folder"
+        if (folder / INDEX).is_file() or any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
+            return "a model folder (config.json beside weights)"
+    if (folder / META_FILE).is_file():
+        return "a prepared data folder"
+    index = folder / STORE_INDEX
+    if index.is_file():
+        try:
+            if json.loads(index.read_text()).get("format") == STORE_FORMAT:
+                return "a feature store"
+        except (OSError, ValueError, AttributeError):
+            pass
+    return None
+
+
+def refuse_model_folder_out_dir(cfg, out_dir: Path) -> None:
+    """``out_dir`` equal to or inside the target's folder, another input folder, or any model, drafter, prepared
+    data or feature store folder is refused (nothing has been written yet)."""
+    out = Path(out_dir).expanduser().resolve()
+    fix = f"give the run a folder of its own, e.g. out_dir=runs/{Path(cfg.recipe).stem or 'NAME'}"
+    inputs = {"the target's folder (target.path)": cfg.target.path,
+              "the quantized target's folder (target.quantization)": parse_quantization(cfg.target.quantization).path,
+              "the warm start's folder (drafter.init_from)": cfg.drafter.init_from,
+              "the feature store (features.store)": cfg.features.store, "data.prepared": cfg.data.prepared}
+    for what, path in inputs.items():
+        if not path or parse_tiny(path):
+            continue
+        folder = Path(path).expanduser().resolve()
+        if folder.is_dir() and (out == folder or folder in out.parents):
+            where = "is" if out == folder else "is inside"
+            raise ValueError(f"out_dir={out_dir} {where} {what} {folder}: the run's checkpoints, final/, metrics and "
+                             f"lock file would be written among its files; {fix}")
+    for folder in (out, *out.parents):
+        kind = model_folder_kind(folder) if folder.is_dir() else None
+        if kind:
+            where = "is" if folder == out else "is inside"
+            raise ValueError(f"out_dir={out_dir} {where} {kind}, {folder}: the run's checkpoints, final/, metrics and "
+                             f"lock file would be written among its files; {fix}")
+    part = replaced_by_training(out)
+    if part is not None:
+        raise ValueError(f"out_dir={out_dir} is inside {part}, which its own run replaces whole; {fix}")
+
+
+def check_read_paths(cfg, out_dir: Path) -> None:
+    """Each path the run reads exists (and is what it should be): the target folder, an MLX-quantized copy, the
+    data source when the data will be prepared, an offline store, a warm start."""
+    path = cfg.target.path
+    if path and not parse_tiny(path) and not is_hub_id(path):
+        read_target_config(path, cfg.target.revision, what="target.path", weights=False)  # a folder with config.json
+    quantized = parse_quantization(cfg.target.quantization).path
+    if quantized and not is_hub_id(quantized) and not Path(quantized).expanduser().is_dir():
+        raise FileNotFoundError(f"target.quantization=mlx:{quantized}: no such folder (and not a Hub id org/name): "
+                                "give the folder mlx_lm.convert -q wrote, or target.quantization=mlx-4bit to quantize "
+                                "the target into out_dir")
+    prepared = Path(cfg.data.prepared).expanduser() if cfg.data.prepared else out_dir / "data"
+    source = cfg.data.source
+    if cfg.data.rebuild or not (prepared / META_FILE).is_file():  # the source will be read
+        if not source:
+            raise ValueError(f"data.source is empty and no prepared data set exists at {prepared}: set data.source "
+                             "(file, folder, Hub id or tiny)")
+        if source != "tiny":
+            check_source(source, cfg.data.subset)
+    elif cfg.data.subset and source and source != "tiny":
+        refuse_local_subset(source, cfg.data.subset)
+    if cfg.features.mode == "offline":  # its index alone: it exists and its extraction finished
+        FeatureStore(cfg.features.store, verify=False)
+    if cfg.drafter.init_from:  # a mistyped folder was named only once the target and the data had loaded
+        warm_start_source(cfg.drafter.init_from)
+
+
+def local_target_config(cfg) -> dict | None:
+    """The target's config.json without any download: a tiny target's (fixed in code) or a local folder's; None
+    for a Hub id (training checks its drafter's shape once the config has been fetched)."""
+    arch = parse_tiny(cfg.target.path or "")
+    if arch:
+        return tiny_config(arch, TINY_VOCAB, NUM_LAYERS).to_dict()
+    if not cfg.target.path or is_hub_id(cfg.target.path):
+        return None
+    return read_target_config(cfg.target.path, cfg.target.revision, weights=False)[1]
+
+
+def check_drafter_fits_target(cfg) -> None:
+    """The drafter the run would resolve for this target, checked from the target's config alone (taps past its
+    layers, heads that do not divide, a mask token outside its embedding), with every key at once in the config
+    (``RunConfig._check_drafter``)."""
+    config = local_target_config(cfg)
+    if config is None:
+        return
+    d = cfg.drafter
+    try:
+        DFlashConfig.for_target(
+            TargetShape.from_config(config), mask_token_id=0 if d.mask_token_id is None else d.mask_token_id,
+            num_hidden_layers=d.num_hidden_layers, num_taps=d.num_taps, target_layer_ids=d.target_layer_ids,
+            num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+            intermediate_size=d.intermediate_size, block_size=d.block_size, rope_theta=d.rope_theta, variant=d.variant)
+    except ConfigError as e:
+        raise ValueError(f"the drafter.* settings do not fit the target {cfg.target.path}: {e}") from None
 
 
 def load_target(cfg, out_dir: Path, accelerator, log):

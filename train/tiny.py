@@ -71,6 +71,9 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
 
         kimi_checkpoint_layout(directory)
     marker.write_text(json.dumps(stamp) + "\n")
+    from models.support import share_like_umask  # start-up time: train.config reads this module
+
+    share_like_umask(directory)  # safetensors' weights come out 0600
     return directory
 
 

@@ -215,7 +215,8 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_says_so(t
 
     monkeypatch.setattr(train.checkpoint, "save_drafter", full_disk_at_the_second)
     with pytest.raises(CheckpointError, match=r"could not write the checkpoint of step 2 under .* \(No space left on "
-                                              r"device\): the newest complete one, .*step_1, is intact: free space "
+                                              r"device; [\d.]+ [GM]iB free there\), the half-written step_2.tmp "
+                                              r"removed: the newest complete one, .*step_1, is intact: free space "
                                               r"\(or fix the folder\) and rerun with resume=true"):
         run(tmp_path, *args)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
@@ -228,8 +229,9 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_says_so(t
     shutil.rmtree(tmp_path / "final")
     monkeypatch.setattr(train.checkpoint, "save_drafter", lambda *a, **kw: (_ for _ in ()).throw(
         OSError(errno.EDQUOT, "Disk quota exceeded")))
-    with pytest.raises(CheckpointError, match=r"could not write the final drafter to .*final \(Disk quota exceeded\): "
-                                              r"the checkpoint of the last step, .*step_3, holds the same weights"):
+    with pytest.raises(CheckpointError, match=r"could not write the final drafter to .*final \(Disk quota exceeded; "
+                                              r".* free there\), the half-written final.tmp removed: the checkpoint of "
+                                              r"the last step, .*step_3, holds the same weights"):
         run(tmp_path, *args, "resume=true")
     monkeypatch.setattr(train.checkpoint, "save_drafter", real)
     run(tmp_path, *args, "resume=true")
@@ -249,6 +251,8 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(tmp_path_f
     args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
             "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
     run(tmp_path, *args)
+    __import__("shutil").rmtree(tmp_path / "final")  # stopped before final/ was written: resume=true reads step_2
+    (tmp_path / "checkpoints" / "step_2" / "checksums.json").unlink()  # written before checkpoints had checksums
     f = tmp_path / "checkpoints" / "step_2" / "state" / damaged
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"could not restore the checkpoint .*step_2 \(.*\): a file under "
@@ -1194,17 +1198,22 @@ def test_fp16_mixed_precision_on_a_cpu_is_refused_before_anything_loads(no_cuda,
 
 
 @pytest.mark.parametrize("resume", ["false", "true"])
-def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, resume):
+def test_a_training_run_into_an_out_dir_another_run_holds_is_refused(tmp_path, monkeypatch, resume):
     """The same command in two terminals (or a requeued job while the first still ran, resume=true) trained into
     one out_dir: both wrote metrics.jsonl, the same step_N checkpoints and final/. The second is refused before
     anything loads, naming the holder's pid; a run that ended (here: by an error) leaves the folder free."""
     import os
 
+    import train.setup
     from models.support import hold
     from train.distill import LOCK, main
 
+    def no_target(*a, **k):
+        raise FileNotFoundError("no-target")
+
+    monkeypatch.setattr(train.setup, "load_target", no_target)
     out = tmp_path / "run"
-    args = ["recipe=tiny", f"out_dir={out}", f"resume={resume}", f"target.path={tmp_path / 'no-target'}"]
+    args = ["recipe=tiny", f"out_dir={out}", f"resume={resume}"]
     with hold(out, LOCK, "out_dir", "-"):
         with pytest.raises(ValueError, match=f"out_dir {out} is in use by another run \\(pid {os.getpid()}\\): wait"):
             main(args)
@@ -1233,3 +1242,408 @@ def test_train_bench_has_no_flex_sweep(capsys, no_build):
     """The tile sweep is a lab experiment (python -m lab.flex_sweep); the bench keeps --flex-backward."""
     assert "unrecognized arguments: --flex-sweep" in argparse_error(capsys, "train", ["--e2e", "qwen35-9b",
                                                                                      "--flex-sweep"])
+
+
+# ----------------------------------------------------------------------------- issue 44 (training side)
+def _nothing_loads(monkeypatch):
+    """Building, fitting or loading a target (or preparing data) fails the test: the refusal must come first."""
+    import train.distill
+    import train.setup
+
+    def refuse(*a, **k):
+        raise AssertionError("a target was built or loaded before the refusal")
+
+    for name in ("load_target", "build_tiny_target", "ensure_prepared"):
+        monkeypatch.setattr(train.setup, name, refuse)
+    monkeypatch.setattr(train.distill, "run_stages", refuse)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("where, said", [
+    ("the target", "is the target's folder \\(target.path\\)"),
+    ("inside the target", "is inside the target's folder \\(target.path\\)"),
+    ("another model", "is a model folder \\(config.json beside weights\\)"),
+    ("inside a drafter", "is inside a DFlash drafter folder"),
+    ("prepared data", "is a prepared data folder"),
+])
+def test_an_out_dir_in_a_model_folder_is_refused_before_anything_is_written(data_target, export_drafter, tmp_path,
+                                                                             monkeypatch, where, said):
+    """out_dir equal to (or inside) the target's folder or another model folder once got checkpoints, final/,
+    metrics.jsonl and a lock file written among the model's files."""
+    import shutil
+
+    from train.distill import main
+
+    _nothing_loads(monkeypatch)
+    target = tmp_path / "target"
+    shutil.copytree(data_target, target)
+    other = tmp_path / "other-model"
+    shutil.copytree(data_target, other)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "draftsmith_data.json").write_text("{}")
+    out = {"the target": target, "inside the target": target / "run", "another model": other,
+           "inside a drafter": export_drafter / "run", "prepared data": prepared}[where]
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=f"out_dir={re.escape(str(out))} {said}.* the run's checkpoints, final/, "
+                                         "metrics and lock file would be written among its files; give the run a "
+                                         "folder of its own, e.g. out_dir=runs/tiny"):
+        main(["recipe=tiny", f"target.path={target}", f"out_dir={out}", "data.source=tiny"])
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("override, said", [
+    ("data.source=./nope.jsonl", "data source './nope.jsonl' is neither a local file/folder nor a Hub id"),
+    ("data.source=chats.csv", "unsupported file type '.csv'"),
+    ("target.path=./no-target", "target.path './no-target' is neither a local folder nor a Hub id"),
+    ("target.quantization=mlx:./no-mlx", "target.quantization=mlx:./no-mlx: no such folder"),
+    ("drafter.init_from=./no-drafter", "drafter.init_from './no-drafter' is neither a local folder nor a Hub id"),
+    ("features.store=./no-store", "no-store"),
+])
+def test_every_path_a_run_reads_is_checked_before_the_target_is_built(tmp_path, monkeypatch, override, said):
+    """`recipe=tiny data.source=./nope.jsonl` fitted the tiny target for minutes before saying the source does not
+    exist; each path the run reads is now checked before anything is built, loaded or written."""
+    from train.distill import main
+
+    _nothing_loads(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chats.csv").write_text("a,b\n")
+    extra = ["features.mode=offline"] if override.startswith("features.") else []
+    with pytest.raises((ValueError, OSError), match=re.escape(said) if "(" not in said else said):
+        main(["recipe=tiny", "out_dir=run", override, *extra])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.csv"]
+
+
+def test_prepared_data_that_is_missing_with_no_source_is_named_before_anything_loads(tmp_path, monkeypatch):
+    from train.config import load_config
+    from train.distill import train
+
+    _nothing_loads(monkeypatch)
+    cfg = load_config(["recipe=tiny", f"out_dir={tmp_path / 'run'}", f"data.prepared={tmp_path / 'nothing-here'}"],
+                      overrides={"data.source": ""})
+    with pytest.raises(ValueError, match="data.source is empty and no prepared data set exists at .*nothing-here"):
+        train(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_bad_drafter_shape_key_is_named_at_once_before_anything_loads(tmp_path, monkeypatch):
+    """drafter.block_size=1 first asked for train.gamma, then loaded the target, and only then said a block needs
+    two slots; the shape keys are now checked together, and against the target's config before it loads."""
+    from train.config import load_config
+    from train.distill import main
+
+    with pytest.raises(ValueError) as e:
+        load_config(["recipe=tiny", "drafter.block_size=1"])
+    assert str(e.value).startswith("drafter.block_size=1 must be >= 2") and "train.gamma" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        load_config(["recipe=tiny", "drafter.block_size=1", "train.gamma=4", "drafter.head_dim=3",
+                     "drafter.num_attention_heads=6", "drafter.num_key_value_heads=4",
+                     "drafter.target_layer_ids=[1,1]"])
+    assert str(e.value) == (
+        "drafter.block_size=1 must be >= 2 (a block holds the bonus token and at least one mask; default 16); "
+        "drafter.head_dim=3 must be even (RoPE rotates pairs of dimensions); drafter.num_key_value_heads=4 must "
+        "divide drafter.num_attention_heads=6 (grouped-query attention); drafter.target_layer_ids=[1, 1] taps a "
+        "layer twice")
+    _nothing_loads(monkeypatch)
+    for override, said in (("drafter.target_layer_ids=[1,99]", "layer id 99 is outside"),
+                           ("drafter.num_taps=40", "too few target layers for 40 distinct taps"),
+                           ("drafter.mask_token_id=100000", "outside the target embedding")):
+        with pytest.raises(ValueError, match=f"the drafter.\\* settings do not fit the target tiny:qwen3: .*{said}"):
+            main(["recipe=tiny", f"out_dir={tmp_path / 'run'}", override])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_config_that_is_not_yaml_is_one_line_naming_an_intact_copy(tmp_path):
+    """A run's config.yaml (given back as the recipe, or a checkpoint's, read by resume=true) that does not parse was
+    an 8-line parser dump, or a traceback; it is one line naming a copy of the same settings to restore it from."""
+    from models.support import run_cli
+    from train.checkpoint import resume_checkpoint
+    from train.config import load_config
+    from train.distill import main
+
+    run = tmp_path / "run"
+    settings = load_config(["recipe=tiny", f"out_dir={run}"]).to_yaml()
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "config.yaml").write_text(settings)
+        (run / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text(f'{{"step": {step}}}')
+    broken = settings.replace("train:\n", "train:\n  lr: [3e-4\n", 1)
+    (run / "config.yaml").write_text(broken)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: main([f"recipe={run / 'config.yaml'}", "resume=true"]))
+    line = str(e.value.code).splitlines()[0]
+    assert re.fullmatch(f"error: recipe {re.escape(str(run / 'config.yaml'))} is not valid YAML at line \\d+: .*; "
+                        f"restore it from {re.escape(str(run / 'checkpoints' / 'step_2' / 'config.yaml'))}", line), line
+    (run / "config.yaml").write_text(settings)
+    (run / "checkpoints" / "step_2" / "config.yaml").write_text(broken)
+    cfg = load_config(["recipe=tiny", f"out_dir={run}", "resume=true"])
+    with pytest.raises(ValueError, match=f"step_2/config.yaml is not valid YAML at line \\d+: .*; restore it from "
+                                         f"{re.escape(str(run / 'checkpoints' / 'step_1' / 'config.yaml'))}$"):
+        resume_checkpoint(cfg, run, lambda *_: None)
+
+
+FULL_DISK = {  # what each writer raises when the disk fills up under it
+    "safetensors": lambda: __import__("safetensors").SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+    "torch.save": lambda: RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing "
+                                       "file data/0: file write failed"),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(FULL_DISK))
+def test_a_full_disk_under_any_writer_is_one_line_and_leaves_no_half_written_folder(tmp_path_factory, tmp_path,
+                                                                                    monkeypatch, writer):
+    """The save handlers caught OSError only: safetensors' SafetensorError and torch.save's RuntimeError on a full disk
+    ended in a traceback and left step_N.tmp / final.tmp half-written. Each is one line naming the folder, the space
+    left and resume=true; a RuntimeError that is no failed write (a CUDA error) keeps its traceback."""
+    import train.checkpoint
+    from tests.helpers.tiny_run import FAST, run, tiny_input_dirs
+    from train.checkpoint import CheckpointError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
+            "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
+    real = train.checkpoint.save_drafter
+
+    def fills_the_disk(where, error=FULL_DISK[writer]):
+        def save(accelerator, model, directory, dtype=None):
+            if directory.parent.name != where:
+                return real(accelerator, model, directory, dtype)
+            directory.mkdir(parents=True)
+            (directory / "model.safetensors").write_bytes(b"half")  # what the writer got out before the disk filled
+            raise error()
+        return save
+
+    monkeypatch.setattr(train.checkpoint, "save_drafter", fills_the_disk("step_2.tmp"))
+    said = {"safetensors": "No space left on device", "torch.save": "PytorchStreamWriter failed writing file data/0: "
+                                                                      "file write failed"}[writer]
+    with pytest.raises(CheckpointError, match=r"could not write the checkpoint of step 2 under .*checkpoints "
+                                              rf"\({said}; [\d.]+ [GM]iB free there\), the half-written "
+                                              r"step_2.tmp removed: the newest complete one, .*step_1, is intact: free "
+                                              r"space \(or fix the folder\) and rerun with resume=true$"):
+        run(tmp_path, *args)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    monkeypatch.setattr(train.checkpoint, "save_drafter", fills_the_disk("final.tmp"))
+    with pytest.raises(CheckpointError, match=rf"could not write the final drafter to .*final \({said}; "
+                                              r"[\d.]+ [GM]iB free there\), the half-written final.tmp removed: .*free "
+                                              r"space and rerun with resume=true"):
+        run(tmp_path, *args, "resume=true")
+    assert not (tmp_path / "final.tmp").exists() and not (tmp_path / "final").exists()
+    monkeypatch.setattr(train.checkpoint, "save_drafter", fills_the_disk(
+        "final.tmp", lambda: RuntimeError("CUDA error: an illegal memory access was encountered")))
+    with pytest.raises(RuntimeError, match="illegal memory access") as e:
+        run(tmp_path, *args, "resume=true")
+    assert not isinstance(e.value, CheckpointError)
+
+
+@pytest.mark.parametrize("damage", ["zeroed bytes", "NaN weights, no checksums"])
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(tmp_path_factory, tmp_path, capsys, damage):
+    """Bytes zeroed inside state/model.safetensors resumed silently on wrong weights; NaN written there ended in
+    "training diverged ... lower train.lr". Checkpoints carry checksums: a damaged one is named, set aside, and the
+    run resumes from the newest intact one with the losses of an intact copy; a checkpoint without checksums whose
+    weights are not finite is named as damaged."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.tiny_run import FAST, losses, run, tiny_input_dirs
+    from train.checkpoint import CheckpointError
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "checkpoint.every=1",
+            "train.max_steps=2", "train.batch_size=4", "train.anchors=8", "eval.batches=1", "logging.every=1"]
+    run(tmp_path, *args)
+    intact = losses(tmp_path)
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    listed = json.loads((step_2 / "checksums.json").read_text())["files"]
+    assert {"state/model.safetensors", "drafter/model.safetensors", "trainer_state.json", "config.yaml"} <= set(listed)
+    weights = step_2 / "state" / "model.safetensors"
+    if damage == "zeroed bytes":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+        weights.write_bytes(bytes(data))
+        capsys.readouterr()
+        run(tmp_path, *args, "train.max_steps=3", "resume=true")
+        out = capsys.readouterr().out
+        assert (f"warning: the checkpoint {step_2} is damaged (state/model.safetensors differs from what was written "
+                f"(sha256 ") in out
+        assert f"set aside as step_2.damaged; resuming from the newest intact one, {step_2.parent / 'step_1'}" in out
+        assert losses(tmp_path)[2] == pytest.approx(intact[2], abs=1e-6)  # trained again from step 1, as before
+        assert (step_2.parent / "step_2.damaged").is_dir() and (step_2 / "checksums.json").is_file()
+        return
+    (step_2 / "checksums.json").unlink()  # as a checkpoint written before checksums existed
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, weights)
+    shutil.rmtree(tmp_path / "final")
+    with pytest.raises(CheckpointError, match=f"the checkpoint {re.escape(str(step_2))} holds NaN / inf weights, "
+                                              r"which training never saves: its files were damaged after it was "
+                                              r"written \(not a diverged run\). Delete \(or move away\) .*step_2 to "
+                                              "resume from .*step_1$"):
+        run(tmp_path, *args, "train.max_steps=3", "resume=true")
+
+
+def test_every_checkpoint_damaged_is_one_error_naming_each(tmp_path):
+    from train.checkpoint import CheckpointError, set_aside_damaged, write_manifest
+
+    for step in (1, 2):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        (folder / "state").mkdir(parents=True)
+        (folder / "state" / "model.safetensors").write_bytes(b"weights")
+        write_manifest(folder)
+    (tmp_path / "checkpoints" / "step_1" / "state" / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "checkpoints" / "step_2" / "state" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"every checkpoint under .*checkpoints is damaged \(step_2: "
+                                              "state/model.safetensors is missing; step_1: state/model.safetensors "
+                                              r"holds 1 bytes, 7 were written\): restore them from a copy, or delete"):
+        set_aside_damaged(tmp_path, lambda *_: None)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]  # nothing renamed
+
+
+def test_resume_on_a_finished_run_says_there_is_nothing_to_train_and_leaves_final_alone(tmp_path_factory, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """resume=true on a finished run loaded the target and the data, trained nothing and wrote final/ again (new
+    files, new times, and the export stage again); it now says so and touches nothing. A longer run still trains."""
+    import train.setup
+    from tests.helpers.tiny_run import FAST, run, tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    args = [f"target.path={d['target']}", f"data.prepared={d['data']}", *FAST, "train.max_steps=2",
+            "train.batch_size=4", "train.anchors=8", "eval.batches=1"]
+    run(tmp_path, *args)
+    final = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "final").rglob("*") if p.is_file()}
+    real = train.setup.load_target
+    monkeypatch.setattr(train.setup, "load_target", lambda *a, **k: pytest.fail("loaded the target of a finished run"))
+    capsys.readouterr()
+    assert run(tmp_path, *args, "resume=true")["steps"] == 2
+    assert (f"resume=true: the run in {tmp_path} is finished (final/ holds the drafter of step 2, its newest "
+            "checkpoint's, and train.epochs / train.max_steps are the ones it trained with): nothing to train, final/ "
+            "is left as it is. Raise train.epochs or train.max_steps to train on from it") in capsys.readouterr().out
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "final").rglob("*") if p.is_file()} == final
+    monkeypatch.setattr(train.setup, "load_target", real)
+    assert run(tmp_path, *args, "train.max_steps=3", "resume=true")["steps"] == 3
+
+
+def test_sigterm_stops_like_ctrl_c_with_the_last_steps_state_on_disk(tmp_path_factory, tmp_path):
+    """SIGTERM (what a job scheduler sends on preemption) exited 143 without a word, with the steps since the last
+    checkpoint lost. The run now ends the step under way, checkpoints it, and prints the newest checkpoint and the
+    command that resumes it, as Ctrl-C does; the exit status stays 143."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.tiny_run import tiny_input_dirs
+
+    d = tiny_input_dirs(tmp_path_factory)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "train.distill", "recipe=tiny", f"out_dir={out}", f"target.path={d['target']}",
+               f"data.prepared={d['data']}", "logging.progress=false", "eval.at_start=false", "eval.every=0",
+               "eval.true_tau_prompts=0", "checkpoint.every=0", "train.max_steps=100000", "train.batch_size=4",
+               "train.anchors=8", "logging.every=1"]
+    proc = subprocess.Popen(command, cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    newest = out / "checkpoints" / f"step_{step}"
+    assert f"stopped by SIGTERM at step {step}: newest checkpoint: {newest}; resume from it with:\n" in output, output
+    assert output.split("resume from it with:\n  ", 1)[1].splitlines()[0].endswith(" resume=true")
+    assert json.loads((newest / "trainer_state.json").read_text())["step"] == step
+    assert (newest / "checksums.json").is_file() and not list((out / "checkpoints").glob("*.tmp"))
+    assert "Traceback" not in output
+
+
+def _offline_plan(monkeypatch, *args) -> tuple[dict, str]:
+    """The dry run of ``args`` with no network (the recipe's shape facts), and what it printed."""
+    import contextlib
+    import io
+
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_hub_resolves", lambda: False)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        p = plan_module.print_plan(load_config(list(args)))
+    return p, printed.getvalue()
+
+
+def test_dry_run_before_the_data_is_prepared_prints_the_steps_train_max_steps_sets(monkeypatch):
+    """`--dry-run` before the data was prepared printed "steps None" even with train.max_steps set."""
+    p, out = _offline_plan(monkeypatch, "recipe=qwen35-9b", "train.max_steps=1000")
+    assert p["schedule"]["steps"] == 1000 and p["schedule"]["steps_exact"]
+    assert "  schedule: 1,000 steps, epochs unknown, at most 12.3M tokens (1 process(es) x 4 rows per step)" in out
+    assert "steps None" not in out and "rows unknown (offline)" in out  # a Hub data set, no network
+
+
+def test_dry_run_answers_the_planning_questions(monkeypatch, tmp_path):
+    """Rows (a local JSONL counted; a Hub data set's metadata when reachable, else unknown offline), steps, epochs
+    and tokens; the time per measured card with the measurement it comes from; the regeneration's tokens and the
+    memory its server needs beside training; the disk offline features take."""
+    import json
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from train.plan import MEASURED_STEPS
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                         {"role": "assistant", "content": "a"}]})
+                                for i in range(1000)) + "\n\n")
+    base = ["recipe=qwen35-9b", f"out_dir={tmp_path / 'run'}", "devices=1x141"]
+    p, out = _offline_plan(monkeypatch, *base, f"data.source={source}")
+    assert (p["data"]["rows"], p["data"]["rows_exact"], p["data"]["tokens"]) == (1000, False, 1000 * 3072)
+    # 1000 rows, 200 held out (a fifth), 4 rows a step: 200 steps an epoch, 6 epochs
+    assert (p["schedule"]["steps"], p["schedule"]["epochs"], p["schedule"]["steps_exact"]) == (1200, 6, False)
+    assert f"~1,000 rows (counted in {source}), at most 3.07M tokens" in out
+    assert "schedule: ~1,200 steps, 6 epochs, at most 14.7M tokens" in out
+    # The recipe's own shape on an H200, as measured (compiled): no scaling
+    h200 = next(t for t in _offline_plan(monkeypatch, *base, f"data.source={source}", "train.compile=true")[0]["time"]
+                if t["card"] == "H200")
+    measured = next(m for m in MEASURED_STEPS if m[0] == "H200")
+    assert h200["seconds_per_row"] == round(measured[3], 4) and h200["measured"]["commit"] == measured[4]
+    assert h200["hours"] == round(1200 * 4 * measured[3] / 3600, 2)
+    assert "time (an estimate from estimated steps) on 1 GPU of each kind: H100 ~" in out
+    assert f"H200: the measured qwen35-9b step (compiled, 0.2432 s a row of 3072 tokens, {measured[4]}: " \
+           f"{measured[5]}; docs/performance.md) scaled by FLOPs per row" in out
+    # Another shape: scaled by FLOPs per row (a bigger target costs more a row)
+    bigger = _offline_plan(monkeypatch, "recipe=qwen35-27b", f"data.source={source}", "devices=1x141")[0]["time"]
+    assert all(b["seconds_per_row"] > t["seconds_per_row"] for b, t in zip(bigger, p["time"]))
+    assert "regeneration (http://127.0.0.1:8000/v1): up to 1,000 answers x 2048 new tokens = 2.05M tokens" in out
+    assert ("a server sharing a GPU with training needs ~17.5 GiB of weights + at most ~5.0 GiB of KV cache (8 "
+            "answers in flight x 5120 tokens) + ~1 GiB = at most ~23.5 GiB; with training's, ~75.8 GiB on that GPU: "
+            "fits a 141 GiB GPU, give the server --gpu-memory-utilization 0.2 (vLLM)") in out
+    features = p["offline_features"]
+    assert features["bf16_gib"] == round(1000 * 3072 * (5 * 4096 * 2 + 13) / 1024 ** 3, 1)
+    assert "offline features (python -m data.extract --layers 1,8,15,22,29): at most ~117.2 GiB in bf16" in out
+    # A Hub data set: its metadata's row count when the Hub answers, the splits joined with "+" added up
+    card = huggingface_hub.DatasetCardData(dataset_info={"splits": [{"name": "chat", "num_examples": 627720},
+                                                                    {"name": "code", "num_examples": 175000}]})
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, **kw: type("I", (), {
+        "card_data": card})())
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_hub_resolves", lambda: True)
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's facts (test)"))
+    hub = plan_module.plan(load_config(base))["data"]
+    assert (hub["rows"], hub["rows_from"]) == (802720, "the Hub's metadata of nvidia/Nemotron-Post-Training-Dataset-v2")

@@ -932,3 +932,67 @@ def test_a_step_takes_batch_size_rows_per_micro_batch_and_draws_its_anchors_from
     epochs = [draw_step(run_, rows, order, LoopState(epoch=e, step_in_epoch=1), sched, drafter_cfg) for e in (0, 1)]
     assert [m.rows for m in epochs[0]] == [m.rows for m in epochs[1]] == [[1, 3], [4, 6]]
     assert any(not torch.equal(a.blocks.anchors, b.blocks.anchors) for a, b in zip(*epochs))
+
+
+def test_files_a_run_writes_are_readable_by_the_group_under_the_usual_umask(tiny, tmp_path):
+    """safetensors writes through a private temp file: the weights of every checkpoint and of final/ came out 0600,
+    while the rest of the run (and every export) is 0644 under umask 022."""
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        run(tmp_path, *tiny, *FAST, "train.max_steps=1", "eval.batches=1")
+    finally:
+        os.umask(umask)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")
+             if p.is_file() and p.name != ".draftsmith.lock"}
+    assert "final/drafter/model.safetensors" in modes and "checkpoints/step_1/state/model.safetensors" in modes
+    assert {f: oct(m) for f, m in modes.items() if m != 0o644} == {}
+    target = Path(tiny[0].split("=", 1)[1])  # the tiny target training builds (recipe=tiny), under this umask
+    assert stat.S_IMODE((target / "model.safetensors").stat().st_mode) == 0o666 & ~umask
+
+
+def test_the_default_output_folders_are_git_ignored():
+    """A first run from a checkout left exports/ and validate-report/ (validate's default --out) as untracked
+    folders next to the code; runs/ (training's default out_dir) already was ignored."""
+    from inference.validate import parse_args
+    from train.config import RunConfig
+
+    ignored = set((Path(__file__).parents[2] / ".gitignore").read_text().split())
+    assert RunConfig().out_dir.split("/")[0] + "/" in ignored
+    assert parse_args(["--target", "t", "--draft", "d"]).out + "/" in ignored
+    assert "exports/" in ignored  # the folder every export example in the README and docs writes to
+
+
+def test_processes_stop_for_a_sigterm_after_the_same_step():
+    """A SIGTERM reaches each process at its own moment: they stop after the step at whose start any of them had
+    one (the flag rides the step's collective), or after an eval by one collective of their own; one process
+    decides alone, and outside the loop a SIGTERM stops at once as Ctrl-C does."""
+    from train.loop import Preempted, Run, StepStats, StopRequest, stop_due
+
+    class TwoProcesses:
+        num_processes, device = 2, torch.device("cpu")
+
+        def __init__(self, other_signalled):
+            self.other = other_signalled
+
+        def reduce(self, t, op):
+            return t + float(self.other)
+
+    zero = torch.zeros(())
+    for other in (False, True):
+        run = Run(None, TwoProcesses(other), Path("run"), "", "no", print)
+        assert stop_due(run, StepStats(zero, zero, zero, stop=other)) is other
+        assert stop_due(run) is other  # after an eval: this process had none, the other one maybe
+    alone = Run(None, types.SimpleNamespace(num_processes=1), Path("run"), "", "no", print)
+    assert not stop_due(alone)
+    stop = StopRequest()
+    stop.deferring = True
+    stop.handle(15, None)  # noted, acted on at the end of the step
+    assert stop.signalled
+    with pytest.raises(Preempted) as e:
+        stop.handle(15, None)  # a second one: at once
+    assert e.value.exit_status == 143 and isinstance(e.value, KeyboardInterrupt)
+    with pytest.raises(Preempted):
+        StopRequest().handle(15, None)  # before the loop: at once

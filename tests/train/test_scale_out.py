@@ -454,14 +454,15 @@ def test_dry_run_memory_and_compute_figures(tmp_path):
     """Each memory part and the FLOPs per row, from the target's shape and the drafter the resolver gives it:
     bf16 target weights, fp32 drafter weights + grads + two AdamW moments (16 bytes a parameter), bf16
     features of every tap, the LM head's fp32 logits for at most ce_chunk queries; a MoE target's forward
-    costs its active parameters. No stats.json: the steps are left to the data, per process of the node."""
+    costs its active parameters. No stats.json: the steps are estimated from the source, per process of the node."""
     from models.config import DFlashConfig, TargetShape
     from train.config import load_config
     from train.plan import plan
 
     target = local_target(tmp_path / "target", rope_parameters={"rope_type": "default", "rope_theta": 5e6})
-    p = plan(load_config(["recipe=tiny", f"target.path={target}", f"data.prepared={tmp_path}", "data.max_length=4096",
-                          "train.batch_size=2", "target.active_params_b=0.1", "devices=8x80"]))
+    args = ["recipe=tiny", f"target.path={target}", f"data.prepared={tmp_path}", "data.max_length=4096",
+            "train.batch_size=2", "target.active_params_b=0.1", "devices=8x80"]
+    p = plan(load_config(args))
     draft = DFlashConfig.for_target(TargetShape.from_config(json.loads((target / "config.json").read_text())),
                                     mask_token_id=0, num_hidden_layers=2, num_taps=3, block_size=8)
     L, H, V, inter, S, q, gib = 8, 2048, 32000, 6144, 4096, 48 * 8, 1024 ** 3  # tiny: 48 anchors of block 8
@@ -479,8 +480,12 @@ def test_dry_run_memory_and_compute_figures(tmp_path):
     flops = 3 * draft.flops_per_token(S / 2 + 8) * q + 2 * 0.1e9 * S  # drafter fwd+bwd, target fwd (active)
     assert p["tflops_per_row"] == round(flops / 1e12, 2)
     schedule = p["schedule"]
-    assert (schedule["epochs"], schedule["processes"], schedule["steps"]) == (2.5, 8, None)
-    assert schedule["note"].endswith("steps = epochs x rows / 16 rows per step")  # 2 rows x 8 processes
+    # no stats.json: estimated from the source's rows (data.tiny_conversations=320, 32 held out, 36 a process)
+    assert (schedule["epochs"], schedule["processes"], schedule["steps"]) == (2.5, 8, 45)
+    assert not schedule["steps_exact"] and schedule["note"].startswith("estimated from the source's conversations")
+    unknown = plan(load_config([*args, "data.source=org/chats"]))["schedule"]  # a Hub data set, offline
+    assert unknown["steps"] is None
+    assert "steps = epochs x rows / 16 rows per step" in unknown["note"]  # 2 rows x 8 processes
 
 
 def test_dry_run_fetches_the_hub_config_when_the_hub_resolves_and_reads_a_home_folder(monkeypatch, tmp_path):
