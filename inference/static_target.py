@@ -17,7 +17,8 @@ eager loop (``torch_loop.py``) measures the host. Here every per-token pass has 
 
 ``StaticTarget`` is the ``cycle.TargetState`` of the static and compiled loops (``inference.static_loop``);
 its drafter twin is ``inference.static_drafter``. Supported targets: Qwen3 (dense/MoE), Llama 3.x,
-Qwen3.5 / 3.6 (hybrid, dense/MoE).
+Qwen3.5 / 3.6 (hybrid, dense/MoE). gpt-oss and Gemma 4 are refused in one line (``check_static_target``):
+``--loop auto`` runs them on the eager loop.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class _StaticKV:
 
 
 def check_static_target(target: TargetModel) -> None:
+    if target.facts.static_loop:  # a family row says why (gpt-oss's sinks, Gemma 4's layer kinds)
+        raise StaticLoopUnsupported(f"the static-cache/CUDA-graph loop does not run {target.model_type} targets: "
+                                    f"{target.facts.static_loop}; use the eager loop (--loop eager)")
     kinds = set(target.layer_types) - {"full_attention", "linear_attention"}
     if kinds or (target.is_hybrid and target.family != "qwen3_5"):
         raise StaticLoopUnsupported(

@@ -6,6 +6,7 @@ The torch adapter (``target.py``), its MLX twin (``target_mlx.py``), the MLX-qua
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -20,6 +21,38 @@ SUPPORTED = {
     "llama": "llama",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
 }
+# --- gpt-oss and Gemma 4 (issue 46). gpt-oss: alternating sliding / full attention with learned attention sinks,
+# MoE. Gemma 4: the text tower of the multimodal checkpoint (gemma4) or a bare text checkpoint (gemma4_text):
+# 31B dense, 26B-A4B MoE, E2B / E4B with per-layer input embeddings and KV-shared layers.
+SUPPORTED.update({"gpt_oss": "gpt_oss", "gemma4": "gemma4", "gemma4_text": "gemma4"})
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What a family needs beyond the common decoder stack, one row per family (``FAMILY_FACTS``).
+
+    ``sdpa``: False when the attention has a term SDPA has no argument for (gpt-oss's learned sinks): such a
+    target never runs under SDPA or the project's ``CAUSAL_SDPA`` fast path, which would drop it silently.
+    ``static_loop``: why the static / CUDA-graph loop refuses the family (None: its structural checks decide).
+    """
+
+    sdpa: bool = True
+    static_loop: str | None = None
+
+
+FAMILY_FACTS: dict[str, FamilyFacts] = {}
+# --- gpt-oss and Gemma 4 (issue 46)
+FAMILY_FACTS.update({
+    "gpt_oss": FamilyFacts(sdpa=False, static_loop="gpt-oss has learned attention sinks (the static loop's SDPA "
+                                                   "would drop them) and sliding-window layers"),
+    "gemma4": FamilyFacts(static_loop="Gemma 4 has sliding-window layers, global layers with their own head size "
+                                      "and KV-shared layers"),
+})
+
+
+def family_facts(family: str) -> FamilyFacts:
+    """The family's row of ``FAMILY_FACTS`` (the defaults for a family without one)."""
+    return FAMILY_FACTS.get(family, FamilyFacts())
 
 
 class UnsupportedTarget(ValueError):

@@ -25,7 +25,7 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
     """A tiny target folder (config, safetensors, tokenizer), fitted on tiny chat; cached by its recipe."""
     from data.chat import tokenize_conversation
     from data.tiny_chat import build
-    from models.tiny import save_tiny_target, tiny_tokenizer
+    from models.tiny import default_template, save_tiny_target, tiny_tokenizer
 
     directory = Path(directory)
     stamp = {"arch": arch, "num_layers": num_layers, "seed": seed, "fit_steps": fit_steps,
@@ -38,7 +38,7 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    tok = tiny_tokenizer("llama3" if arch == "llama" else "chatml")
+    tok = tiny_tokenizer(default_template(arch))
     rows = []
     for conv in build(conversations, seed=seed + 1000):  # other conversations than the training data
         for row in tokenize_conversation(tok, conv["messages"], thinking=False)[0]:
