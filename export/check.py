@@ -69,8 +69,12 @@ def schema_problems(d: dict[str, Any], folder: Path | None = None, *, hf: bool =
     if "block_size" in d and "block_size" in nested and d["block_size"] != nested["block_size"]:
         problems.append(f"block_size={d['block_size']} but dflash_config.block_size={nested['block_size']}")
     rope = d.get("rope_parameters") or {}
-    if rope.get("rope_type") != "default":
-        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r}, expected 'default' (plain RoPE)")
+    if rope.get("rope_type") == "yarn":  # a published gpt-oss drafter's block, kept by a warm start from it
+        problems += [f"rope_parameters.{k} missing from its YaRN block" for k in
+                     ("factor", "original_max_position_embeddings") if k not in rope]
+    elif rope.get("rope_type") != "default":
+        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r}, expected 'default' (plain RoPE) or "
+                        "'yarn'")
     if "rope_theta" in d and rope.get("rope_theta") != d["rope_theta"]:
         problems.append(f"rope_theta={d['rope_theta']} but rope_parameters.rope_theta={rope.get('rope_theta')}")
     problems += [f"rope_parameters.{k} is set: the drafter's RoPE is full-head 1-D" for k in FORBIDDEN_ROPE_KEYS

@@ -9,7 +9,8 @@ timers and cache treatment). The loop (``--loop auto|eager|static|compiled``, ``
   target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager speedups there measure
   the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) stay eager until their graph
   replay has been measured on a GPU (``--loop static`` runs them); drafters with sliding-window layers
-  run eager (the static drafter pass has full-attention layers only).
+  or a YaRN rope block run eager (the static drafter pass has plain full-attention layers only), and so do
+  gpt-oss and Gemma 4 targets (attention sinks, sliding and KV-shared layers: ``check_static_target``).
 * a block size other than the drafter's runs the eager loop, DFlash and the baseline both (the graphs
   are captured for one block shape), with one warning saying so;
 * ``static`` / ``compiled`` (graphs + torch.compile'd layers) / ``eager`` force one; the MLX backend runs
@@ -63,6 +64,9 @@ def choose_loop(requested: str, target, drafter, block_size: int | None = None) 
         if drafter.config.use_sliding_window:
             raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
                                         "sliding-window layers: use --loop eager")
+        if drafter.config.rope_scaling:
+            raise StaticLoopUnsupported("the static drafter pass has plain RoPE only; this drafter's config carries "
+                                        "a YaRN block (rope_parameters): use --loop eager")
     except StaticLoopUnsupported:
         if requested == "auto":
             return "eager"

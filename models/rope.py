@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 # The keys of a YaRN block the drafter config keeps (besides rope_type and rope_theta).
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
@@ -46,6 +45,8 @@ def yarn_inv_freq(dim: int, theta: float, params: dict) -> tuple[np.ndarray, flo
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
+    import torch  # start-up time: models.config (every CLI's --help) reads rope_scaling_of alone
+
     pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
