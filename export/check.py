@@ -29,7 +29,7 @@ import numpy as np
 
 from models.config import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS, DFLASH2_KEYS, MODELING_FILE,
                            ConfigError, DFlashConfig, is_drafter_config, read_json_file)
-from models.mask_token import tokenizer_emitted_ids
+from models.mask_token import mask_problem
 from models.weights import STRAY_KEY, weight_files
 
 # Top-level keys of the flat layout (docs/design.md, "config.json"; written by DFlashConfig.to_dict).
@@ -218,10 +218,13 @@ def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[li
             tok = AutoTokenizer.from_pretrained(str(folder))
         except (OSError, ValueError) as e:
             return problems, f"target shape (tokenizer not readable: {e})"
-        if config.mask_token_id in tokenizer_emitted_ids(tok):
+        # The rule training resolves the mask by (models.mask_token): a spare row, the tokenizer's own mask token
+        # (Gemma 4's <mask>, z-lab's choice) or an unused special are fine; text, EOS and template tokens are not.
+        why = mask_problem(tok, config.mask_token_id)
+        if why:
             name = tok.convert_ids_to_tokens(config.mask_token_id)
             problems.append(f"mask_token_id={config.mask_token_id} ({name!r}) is a token the target's tokenizer "
-                            "emits: drafts would confuse it with real text")
+                            f"emits ({why}): drafts would confuse it with real text")
         checked = "target shape and tokenizer"
     return problems, f"{checked} ({target})"
 
