@@ -33,9 +33,10 @@ class StaticDrafterProposer:
         if cfg.use_sliding_window:
             raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
                                         "sliding-window layers: use the eager loop")
-        if cfg.rope_scaling:
-            raise StaticLoopUnsupported("the static drafter pass has plain RoPE only; this drafter's config carries "
-                                        "a YaRN block (rope_parameters): use the eager loop")
+        if cfg.rope_scaling or cfg.attention_bias:
+            raise StaticLoopUnsupported("the static drafter pass has plain RoPE and no attention biases; this "
+                                        "drafter's config carries a YaRN block or attention_bias (a published "
+                                        "gpt-oss drafter's): use the eager loop")
         warn_if_mask_is_emitted(cfg.mask_token_id, target.tokenizer)
         drafter.bind_target(target.embed_tokens, target.lm_head)
         self.drafter, self.layer_ids, self.block_size = drafter, list(cfg.target_layer_ids), cfg.block_size

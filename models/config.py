@@ -231,6 +231,9 @@ class DFlashConfig:
     # published gpt-oss drafters copy their target's); None = plain RoPE, what draftsmith trains. A v1 drafter may
     # soft-cap its logits too (``final_logit_softcapping``, z-lab's Gemma 4 drafter: 30).
     rope_scaling: dict[str, Any] | None = None
+    # Biases on q/k/v/o (Qwen3's ``attention_bias``): z-lab's published gpt-oss drafters have them; draftsmith trains
+    # without.
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [whole_number("target_layer_ids", i) for i in self.target_layer_ids]
@@ -436,7 +439,7 @@ class DFlashConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
@@ -582,6 +585,7 @@ class DFlashConfig:
             draftsmith=d.get("draftsmith") or None,
             variant=variant,
             rope_scaling=rope_scaling,
+            attention_bias=bool(d.get("attention_bias") or False),
             **dflash2,
         )
 
@@ -669,6 +673,8 @@ class DFlashConfig:
         [V, r] codebooks + ``hidden_projection`` [r, H]). The target's embedding and LM head are borrowed."""
         H, hd = self.hidden_size, self.head_dim
         attn = H * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * H
+        if self.attention_bias:
+            attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + H
         per_layer = attn + 3 * H * self.intermediate_size + 2 * H + 2 * hd
         counts = {"backbone": self.num_hidden_layers * per_layer + self.fc_in_features * H + 2 * H}
         if self.variant == "dflash2":
@@ -697,6 +703,9 @@ class DFlashConfig:
                 p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
                 p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
                 p + "mlp.down_proj.weight": (H, inter)})
+            if self.attention_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
+                               p + "self_attn.v_proj.bias": (kv * hd,), p + "self_attn.o_proj.bias": (H,)})
             if self.variant == "dflash2":
                 for conv in ("attention_conv", "mlp_conv"):
                     shapes[f"{p}{conv}.base_kernel"] = (2, self.conv_kernel_size, H)

@@ -109,10 +109,11 @@ class DFlashAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        bias = config.attention_bias  # published gpt-oss drafters: biases on all four
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # flex attention's backward tiles (models/flex_options.py), set by DFlashDraftModel.forward

@@ -31,7 +31,7 @@ def _rope(x, positions, theta, yarn=None):
     if yarn is None:
         inv, factor = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)), 1.0
     else:  # (inverse frequencies, attention factor) of the config's YaRN block, as transformers computes them
-        inv, factor = yarn[0].to(x.device), yarn[1]
+        inv, factor = yarn(x.device)
     f = positions.float()[..., None] * inv
     emb = torch.cat([f, f], -1)[:, None]
     cos, sin = emb.cos(), emb.sin()
@@ -46,16 +46,18 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.hd, config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.hd, config.rms_norm_eps)
         self.theta = config.rope_theta if hasattr(config, "rope_theta") else config.rope_parameters["rope_theta"]
         rope = getattr(config, "rope_parameters", None) or {}
-        # a plain attribute, not a buffer: a dtype cast of the model must leave the frequencies in float32
-        self.yarn = ROPE_INIT_FUNCTIONS["yarn"](config, None) if rope.get("rope_type") == "yarn" else None
+        # computed at call time, in float32 on the input's device (the model is built on the meta device)
+        self.yarn = (lambda device: ROPE_INIT_FUNCTIONS["yarn"](config, device)) if rope.get("rope_type") == "yarn" \
+            else None
 
     def forward(self, x, ctx, pos, mask):
         b, q, _ = x.shape

@@ -554,7 +554,8 @@ def test_no_speed_is_printed_for_a_run_that_decoded_no_token(folders, monkeypatc
 # ------------------------------------------------------------------ gpt-oss and Gemma 4 (issue 46)
 def published_drafter(folder, target, family: str):
     """A drafter folder shaped like z-lab's published one for the family (its config keys, tiny sizes): gpt-oss's
-    carries the target's YaRN block (``rope_scaling`` beside ``rope_theta``) and block 8; Gemma 4's has 4 sliding
+    carries the target's YaRN block (``rope_scaling`` beside ``rope_theta``), q/k/v/o biases (``attention_bias``),
+    ``model_type: gpt_oss`` and block 8; Gemma 4's has 4 sliding
     layers + 1 full (no is_causal: causal inside the block, z-lab's convention), ``block_size`` at the top only,
     the tokenizer's own ``<mask>`` and logits soft-capped at 30. Weights: a seeded drafter of that shape."""
     from safetensors.torch import save_file
@@ -569,13 +570,14 @@ def published_drafter(folder, target, family: str):
               "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
               "num_target_layers": target.num_layers, "tie_word_embeddings": False, "torch_dtype": "float32",
               "transformers_version": "4.57.1", "use_cache": True, "vocab_size": target.vocab_size}
-    if family == "gpt_oss":
-        config = {**common, "block_size": 8, "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
-                  "max_position_embeddings": 131072, "max_window_layers": 2, "sliding_window": None,
-                  "use_sliding_window": False, "rope_theta": 150000,
+    if family == "gpt_oss":  # model_type, biases, eps and dtype key as gpt-oss-20b-DFlash's config has them
+        config = {**common, "model_type": "gpt_oss", "attention_bias": True, "block_size": 8, "num_hidden_layers": 2,
+                  "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+                  "rope_theta": 150000, "dtype": "float32", "bos_token_id": 256, "eos_token_id": 258,
                   "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
                                    "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
                   "dflash_config": {"mask_token_id": mask, "target_layer_ids": [1, 3, 5]}}
+        del config["torch_dtype"]
     else:
         config = {**common, "block_size": 8, "num_hidden_layers": 5, "final_logit_softcapping": 30.0,
                   "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 6,
@@ -612,6 +614,7 @@ def test_a_drafter_shaped_like_z_labs_published_one_runs_in_generate(family_fold
     cfg = DFlashConfig.load(draft)
     if family == "gpt_oss":
         assert cfg.block_size == 8 and cfg.rope_theta == 150000 and cfg.rope_scaling["truncate"] is False
+        assert cfg.attention_bias and cfg.rms_norm_eps == 1e-5
     else:
         assert cfg.final_logit_softcapping == 30.0 and cfg.sliding_block_attention == "causal"
         assert cfg.layer_types.count("sliding_attention") == 4 and cfg.rope_scaling is None
@@ -640,3 +643,19 @@ def test_a_drafter_rope_engines_do_not_apply_the_same_way_is_refused_by_name(fam
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0}
     with pytest.raises(ConfigError, match="needs original_max_position_embeddings"):
         DFlashConfig.from_dict(config)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_a_published_layout_drafter_exports_with_its_rope_biases_and_cap(family_folders, family, tmp_path):
+    """Warm-started from a published drafter, an export keeps what its weights were trained with (YaRN, biases,
+    the cap) and the shipped modeling file computes the same (the export gate reloads it with AutoModel)."""
+    from export.hf import export_hf
+
+    target, draft = family_folders[family]
+    summary = export_hf(draft, tmp_path / "hf", dtype="fp32", target=target, log=lambda *_: None)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if family == "gpt_oss":
+        assert written["rope_parameters"]["rope_type"] == "yarn" and written["attention_bias"] is True
+    else:
+        assert written["final_logit_softcapping"] == 30.0 and "is_causal" not in written
+    assert summary["parity"]["transformers"]["max_abs"] < 1e-5
