@@ -64,7 +64,7 @@ def choose_loop(requested: str, target, drafter, block_size: int | None = None) 
         if drafter.config.use_sliding_window:
             raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
                                         "sliding-window layers: use --loop eager")
-        if drafter.config.rope_scaling or drafter.config.attention_bias:
+        if getattr(drafter.config, "rope_scaling", None) or getattr(drafter.config, "attention_bias", False):
             raise StaticLoopUnsupported("the static drafter pass has plain RoPE and no attention biases; this "
                                         "drafter's config carries a YaRN block or attention_bias (a published "
                                         "gpt-oss drafter's): use --loop eager")

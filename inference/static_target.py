@@ -31,6 +31,7 @@ from inference.grouped_attention import GROUPED_SDPA
 from inference.static_gdn import StaticGatedDeltaNet
 from models.attention import attention_implementation
 from models.target import TargetModel, allow_recompiles, cache_kwarg
+from models.target_folder import family_facts
 
 
 class StaticLoopUnsupported(ValueError):
@@ -103,9 +104,10 @@ class _StaticKV:
 
 
 def check_static_target(target: TargetModel) -> None:
-    if target.facts.static_loop:  # a family row says why (gpt-oss's sinks, Gemma 4's layer kinds)
+    why = family_facts(target.family).static_loop  # a family row says why (gpt-oss's sinks, Gemma 4's layer kinds)
+    if why:
         raise StaticLoopUnsupported(f"the static-cache/CUDA-graph loop does not run {target.model_type} targets: "
-                                    f"{target.facts.static_loop}; use the eager loop (--loop eager)")
+                                    f"{why}; use the eager loop (--loop eager)")
     kinds = set(target.layer_types) - {"full_attention", "linear_attention"}
     if kinds or (target.is_hybrid and target.family != "qwen3_5"):
         raise StaticLoopUnsupported(

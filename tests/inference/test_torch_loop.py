@@ -508,9 +508,8 @@ def test_the_static_loop_refuses_the_new_families_and_auto_runs_them_eager(runs,
         check_static_target(target)
     with pytest.raises(StaticLoopUnsupported, match="does not run"):
         StaticTarget(target, [1, 3], max_len=64, block_size=B)
-    on_gpu = types.SimpleNamespace(device=torch.device("cuda"), is_hybrid=False, facts=target.facts,
-                                   layer_types=target.layer_types, model_type=target.model_type, model=target.model,
-                                   family=target.family)
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"), is_hybrid=False, layer_types=target.layer_types,
+                                   model_type=target.model_type, model=target.model, family=target.family)
     assert choose_loop("auto", on_gpu, drafter) == "eager"
     with pytest.raises(StaticLoopUnsupported, match="does not run"):
         choose_loop("static", on_gpu, drafter)
