@@ -127,7 +127,7 @@ class _PinnedClock:
         return CHAT_DATE
 
 
-_CLOCK_LOCK = threading.Lock()
+_CLOCK_LOCK = threading.RLock()
 
 
 @contextmanager
