@@ -167,7 +167,7 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
-@pytest.mark.parametrize("arch", ARCHS + FAMILIES + ["gpt_oss_q4", "gemma4_q4"])
+@pytest.mark.parametrize("arch", ARCHS + ["gpt_oss", "gemma4", "gemma4_e", "gpt_oss_q4", "gemma4_q4"])
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
     proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
