@@ -13,7 +13,7 @@ multimodal checkpoints), gpt-oss and Gemma 4. bf16 and mlx-community affine-quan
 checkpoints both load through mlx_lm (``load_mlx_lm``); transformers 5 folders whose configs mlx_lm does
 not read yet (only ``rope_parameters``, ``num_local_experts``, ``qwen3_5_text``, Gemma 4's
 ``per_layer_config``) are adapted by config overrides, one function per family (``FAMILY_OVERRIDES``), and
-gpt-oss experts saved in transformers' bf16 layout are converted on load (``GPT_OSS_FROM_TRANSFORMERS``).
+gpt-oss experts saved in transformers' bf16 layout are converted on load (``gpt_oss_from_transformers``).
 
 What a family does outside the decoder layers is the adapter's, as in torch: Gemma 4 multiplies the
 embedding by sqrt(hidden) in the model's forward (``embed_tokens`` here is that scaled embedding, what the
@@ -298,7 +298,7 @@ def fix_after_load(model, config: dict) -> None:
 
     gpt-oss ships YaRN with ``truncate: false`` (the correction range is not rounded to whole dimensions);
     mlx_lm's ``YarnRoPE`` always rounds it, so its rotary frequencies (and every layer after the first) were
-    off (logits by 0.12 on the tiny target). The frequencies are set to transformers' unrounded ones.
+    off (logits by 1e-2 to 0.1 on tiny targets). The frequencies are set to transformers' unrounded ones.
     """
     text = config.get("text_config") or config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
