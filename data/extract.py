@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from data.chat import tokenizer_fingerprint
 from data.features import FeatureRow, OnlineFeatures, check_layer_ids
-from data.prepare import load_prepared, require_prepared
+from data.prepare import check_target_tokenizer, load_prepared, require_prepared
 from data.store import DTYPES, quantize_fp8, target_identity
 from data.store_writer import StoreWriter, check_store_folder
 from data.store_writer import LOCK  # in the store folder, held by rank 0 while an extraction writes there
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batch-size {a.batch_size}: use 1 or more rows per target forward")
     if not a.shard_mb > 0:  # nan too
         p.error(f"--shard-mb {a.shard_mb}: use a positive shard size in MiB (default 2048)")
-    from models.support import check_device, parse_dtype
+    from models.support import check_device, full_disk_named, parse_dtype
     from models.target import parse_max_memory  # start-up time (data.extract --help)
 
     a.target_dtype = parse_dtype(a.target_dtype, "--target-dtype", auto=True)
@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
 
             held.enter_context(hold(a.out, LOCK, "--out", "wait for it to end (rerunning the same command then "
                                     "resumes), or give this extraction its own --out", print))
+        held.enter_context(full_disk_named(a.out, "it resumes: finished shards are kept, the missing ones are "
+                                                 "computed"))
         report = _load_and_extract(a, ranks, rank_device, max_memory)
     # one write per line: the ranks of a launch share stdout, and print's separate newline write let two
     # ranks' lines run together (a write under PIPE_BUF bytes is atomic)
@@ -377,6 +379,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _load_and_extract(a: argparse.Namespace, ranks: Ranks, rank_device, max_memory) -> ExtractReport:
     from models.target import TargetModel  # start-up time (data.extract --help)
+
+    # before the target loads: without tokenizer files the data's tokenizer could not be checked against it
+    check_target_tokenizer(a.target, "data.extract checks the prepared data against the target's tokenizer: add the "
+                           "target's tokenizer files to the folder (they come with the model's repo)")
 
     if a.device_map:
         target = TargetModel.from_pretrained(a.target, dtype=a.target_dtype, device_map=a.device_map,

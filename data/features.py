@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from models.config import ConfigError
+from models.config import LAYER_ORDER_FIX, ConfigError, layer_order_problem
 from models.support import to_device
 
 
@@ -106,6 +106,8 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> None:
                           f"tap layers 0..{last - 1}")
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target_layer_ids", layer_ids, "a layer is tapped twice", "list each layer once")
+    if problem := layer_order_problem(layer_ids):
+        raise ConfigError("target_layer_ids", layer_ids, problem, LAYER_ORDER_FIX)
 
 
 class OnlineFeatures:

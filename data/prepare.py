@@ -62,13 +62,26 @@ from models.config import read_json_file, refuse_drafter_as_target
 SERVER_LOG = "regenerate-server.log"
 
 
+NO_TOKENIZER_FIX = ("the conversations are rendered with the target's tokenizer and chat template: add the target's "
+                    "tokenizer files to the folder (they come with the model's repo)")
+
+
+def check_target_tokenizer(target: str, fix: str = NO_TOKENIZER_FIX) -> None:
+    """The target folder (a Hub id's small files) has tokenizer files: checked before anything else is read,
+    written or loaded (``models.hub.require_tokenizer_files``, the rule training and generate use)."""
+    from models.hub import SMALL_FILES, require_tokenizer_files, resolve_model_dir  # start-up time (--help)
+
+    require_tokenizer_files(resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES), target, fix)
+
+
 def load_tokenizer(target: str):
-    from models.hub import SMALL_FILES, resolve_model_dir  # start-up time (data.prepare --help)
+    from models.hub import SMALL_FILES, require_tokenizer_files, resolve_model_dir  # start-up time (--help)
     from models.target import load_tokenizer as load  # start-up time (data.prepare --help)
 
     directory = resolve_model_dir(target, what="target", allow_patterns=SMALL_FILES)
     if (directory / "config.json").is_file():  # a drafter's tokenizer has no chat template: "no row has loss tokens"
         refuse_drafter_as_target(target, read_json_file(directory / "config.json"))
+    require_tokenizer_files(directory, target, NO_TOKENIZER_FIX)
     tokenizer = load(directory)
     require_chat_template(tokenizer, target)
     return tokenizer
@@ -415,12 +428,14 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=a.batch_size, retries=a.retries, backoff=a.backoff,
                       request_timeout=a.request_timeout)
     check_source(a.source, a.subset)  # before the target loads (minutes for a large one)
-    from models.support import hold
+    check_target_tokenizer(a.target)  # before anything is written: transformers built an empty tokenizer without them
+    from models.support import full_disk_named, hold
 
     # A second prepare into --out (a relaunch while the first still regenerates) would append to the same
     # answers file and clear what the first wrote: refused before the target loads.
-    with hold(a.out, LOCK, "--out", "wait for it to end (the same command then resumes), or give this one its "
-              "own --out", print):
+    with full_disk_named(a.out, "it resumes: the regenerated answers are kept, the rest is redone"), \
+            hold(a.out, LOCK, "--out", "wait for it to end (the same command then resumes), or give this one its "
+                 "own --out", print):
         target_model = None
         if a.regenerate == "local":  # the target loads in minutes: what can be refused without it is refused first
             check_before_loading(a.target, a.source, a.out, rebuild=a.rebuild, regenerate=a.regenerate,

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from export.usage import draftsmith_commands, engine_requirements, serve_commands, transformers_snippet
+from export.usage import (QUANTIZED_MLX_LOADERS, draftsmith_commands, engine_requirements, serve_commands,
+                          transformers_snippet)
 from models.hub import is_hub_id
 from models.provenance import describe_objective
 
@@ -48,7 +49,9 @@ def render_card(folder: str | Path, repo_id: str, report: dict[str, Any] | None 
                   "causal convolutions over the block's slots, and a low-rank candidate selector that re-ranks each "
                   "slot's top candidates walking the block from the last accepted token.", ""]
     lines += _shape_table(cfg, nested, quant)
-    lines += _usage(repo_id, shown_target, B, mlx_only, variant)
+    sliding = "sliding_attention" in (cfg.get("layer_types") or []) or bool(cfg.get("use_sliding_window"))
+    copy = prov.get("quantized_target")  # target.quantization=mlx:DIR: the weights it was trained against
+    lines += _usage(repo_id, shown_target, B, mlx_only, variant, sliding, copy if is_hub_id(copy) else None)
     lines += _recipe(prov, cfg, nested)
     if report is not None:
         from export.report import render_report
@@ -72,18 +75,24 @@ def _shape_table(cfg: dict, nested: dict, quant: dict | None) -> list[str]:
     return ["| | |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in rows] + [""]
 
 
-def _usage(repo_id: str, target: str, B: int, mlx_only: bool, variant: str = "dflash") -> list[str]:
+def _usage(repo_id: str, target: str, B: int, mlx_only: bool, variant: str = "dflash",
+           sliding: bool = False, quantized_target: str | None = None) -> list[str]:
     out = ["## Usage", ""]
     if not mlx_only:
-        serve, needs = serve_commands(repo_id, target, B, variant), engine_requirements(variant)
-        vllm, sglang = (f" Needs {needs[e]}." if needs else "" for e in ("vllm", "sglang"))
+        serve, needs = serve_commands(repo_id, target, B, variant), engine_requirements(variant, sliding)
+        vllm, sglang = (f" Needs {needs[e]}." for e in ("vllm", "sglang"))
         out += [f"vLLM:{vllm}", "", "```bash", serve["vllm"], "```", "", f"SGLang:{sglang}", "", "```bash",
                 serve["sglang"], "```", "",
                 "transformers (the shipped `modeling_dflash.py`; the drafter borrows the target's embedding and "
                 "LM head):", "", "```python", transformers_snippet(repo_id), "```", ""]
-    ours = draftsmith_commands(repo_id, target, mlx=True)
+    ours = draftsmith_commands(repo_id, quantized_target or target, mlx=True)
+    trained = (f" It was trained against `{quantized_target}`, a quantized copy of the target: run it with that one."
+               if quantized_target else "")
     out += [("MLX (Apple silicon)" if mlx_only else "MLX (Apple silicon; this folder also loads in MLX)")
-            + ", with draftsmith's lossless DFlash loop:", "", "```bash", ours["generate"], ours["validate"], "```", ""]
+            + f", with draftsmith's lossless DFlash loop.{trained}", "", "```bash", ours["generate"], ours["validate"],
+            "```", ""]
+    if mlx_only:
+        out += [QUANTIZED_MLX_LOADERS[0].upper() + QUANTIZED_MLX_LOADERS[1:] + ".", ""]
     return out
 
 
@@ -91,6 +100,7 @@ def _recipe(prov: dict, cfg: dict, nested: dict) -> list[str]:
     data, train = prov.get("data") or {}, prov.get("train") or {}
     rows = [("target", prov.get("target")), ("target revision", prov.get("target_revision")),
             ("trained against target quantization", prov.get("target_quantization")),
+            ("trained against (quantized copy of the target)", prov.get("quantized_target")),
             ("recipe", prov.get("recipe")), ("optimizer steps", prov.get("steps")),
             ("data", ", ".join(f"{k}={v}" for k, v in data.items()) if data else None),
             ("features", prov.get("features")),

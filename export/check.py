@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from models.config import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS, DFLASH2_KEYS, MODELING_FILE,
-                           ConfigError, DFlashConfig, is_drafter_config, read_json_file)
+                           ConfigError, DFlashConfig, is_drafter_config, layer_order_problem,
+                           read_json_file)
 from models.mask_token import mask_problem
 from models.weights import STRAY_KEY, weight_files
 
@@ -90,6 +91,8 @@ def schema_problems(d: dict[str, Any], folder: Path | None = None, *, hf: bool =
                             f"{n_target - 1}, is never tapped)")
     if len(set(ids)) != len(ids):
         problems.append(f"target_layer_ids {ids} repeats a layer")
+    elif all(isinstance(i, (int, float)) for i in ids) and (order := layer_order_problem(ids)):
+        problems.append(f"target_layer_ids {ids}: {order}")
     mask, vocab = nested.get("mask_token_id"), d.get("vocab_size")
     if isinstance(vocab, int) and not (isinstance(mask, int) and 0 <= mask < vocab):
         problems.append(f"dflash_config.mask_token_id={mask!r} is not a row of the target embedding (vocab {vocab})")

@@ -44,8 +44,10 @@ from export.usage import engine_requirements, serve_commands
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
 from models.drafter2 import load_drafter, select, unary_logits
+from models.weights import check_finite, folder_tensors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NOT_EXPORTED = "Nothing was exported: export an earlier checkpoint (runs/NAME/checkpoints/step_N), or retrain"
 
 
 SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([TGMK]I?B|B)?\s*", re.IGNORECASE)
@@ -192,6 +194,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
     check_out(out, overwrite, src.drafter_dir)
     torch_dtype = DTYPES[dtype]
     log(f"source: {src.drafter_dir} ({src.kind})")
+    check_finite(folder_tensors(src.drafter_dir), str(src.drafter_dir), NOT_EXPORTED)  # as stored, before any cast
     model = load_drafter(src.drafter_dir, dtype=torch_dtype)
     prov = provenance(src.provenance, target, target_revision, log)
     model.config = model.config.replace(torch_dtype=str(torch_dtype).removeprefix("torch."), draftsmith=prov or None)
@@ -203,11 +206,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bf16", targ
         stats = gate(tmp, model, torch_dtype, remote_code_check, log)
     cfg = model.config
     commands = serve_commands(str(out.resolve()), prov.get("target"), cfg.block_size, cfg.variant)
-    needs = engine_requirements(cfg.variant)
+    needs = engine_requirements(cfg.variant, cfg.use_sliding_window)
     log(f"exported {out} ({cfg.architecture}, {dtype}, {sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB): "
         f"block_size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}")
-    log("serve with vLLM:\n  " + commands["vllm"] + (f"\n  (needs {needs['vllm']})" if needs else ""))
-    log("serve with SGLang:\n  " + commands["sglang"] + (f"\n  (needs {needs['sglang']})" if needs else ""))
+    log("serve with vLLM:\n  " + commands["vllm"] + f"\n  (needs {needs['vllm']})")
+    log("serve with SGLang:\n  " + commands["sglang"] + f"\n  (needs {needs['sglang']})")
+    if prov.get("quantized_target"):  # target.quantization=mlx:DIR
+        log(f"trained against {prov.get('target_quantization') or prov['quantized_target']}, a quantized copy of "
+            f"{prov.get('target')}: on a Mac run it with --target {prov['quantized_target']} (vLLM and SGLang serve "
+            f"{prov.get('target')})")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "provenance": prov, "parity": stats,
             "commands": commands, "engines": needs}
 

@@ -33,8 +33,10 @@ import numpy as np
 from export.check import (LOW_TOP1, ExportCheckError, check_parity, config_differences, logit_stats, raise_if,
                           random_block, schema_problems, stand_in_head, target_problems, weight_problems)
 from export.folder import check_out, staging
-from export.hf import provenance
+from export.hf import NOT_EXPORTED, provenance
 from export.source import full_precision_source
+from export.usage import QUANTIZED_MLX_LOADERS
+from models.weights import check_finite, folder_tensors
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -175,6 +177,7 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     src = full_precision_source(checkpoint, "export.mlx")
     check_out(out, overwrite, src.drafter_dir)
     log(f"source: {src.drafter_dir} ({src.kind})")
+    check_finite(folder_tensors(src.drafter_dir), str(src.drafter_dir), NOT_EXPORTED)  # as stored, before any cast
     reference = load_torch_drafter(src.drafter_dir, dtype=torch.float32)
     model = load_drafter(src.drafter_dir, dtype=getattr(mx, DTYPES[dtype]))
     prov = provenance(src.provenance, target, target_revision, log)
@@ -192,7 +195,10 @@ def export_mlx(checkpoint: str | Path, out: str | Path, quantize: int | None = N
     size = sum(p.stat().st_size for p in out.iterdir()) / 1e6
     log(f"exported {out} (MLX, {dtype}{f', {quantize}-bit g{group_size}' if quantize else ''}, {size:.1f} MB)")
     log("run it with draftsmith's MLX loop:\n  python -m inference.generate --backend mlx --target "
-        f"{prov.get('target', 'TARGET')} --draft {out} --prompt \"Explain KV caching.\" --chat --baseline")
+        f"{prov.get('quantized_target') or prov.get('target', 'TARGET')} --draft {out} --prompt "
+        "\"Explain KV caching.\" --chat --baseline")
+    if quantize:
+        log(f"note: {QUANTIZED_MLX_LOADERS}")
     return {"out": str(out), "source": str(src.drafter_dir), "dtype": dtype, "quantization": model.quantization,
             "provenance": prov, "parity": stats}
 

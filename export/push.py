@@ -30,7 +30,7 @@ from export.check import raise_if, schema_problems, weight_problems
 from export.source import NotADrafterError, is_drafter_dir, training_output
 from models.config import MODELING_FILE, DFlashConfig
 from models.hub import is_hub_id
-from models.weights import INDEX
+from models.weights import INDEX, check_finite, folder_tensors
 
 IGNORE = [".*", "**/.*", "__pycache__/*", "*.tmp"]
 # What export.hf / export.mlx (and the card) write: all a push uploads. Any other file in the folder is refused,
@@ -106,6 +106,8 @@ def check_folder(folder: Path) -> DFlashConfig:
     raise_if(schema_problems(d, folder, hf=hf), f"{folder}/config.json fails the engine schema", fix)
     config = DFlashConfig.from_dict(d)
     raise_if(weight_problems(folder, config), f"{folder} weights", fix)
+    check_finite(folder_tensors(folder), f"--folder {folder}", "Nothing was uploaded: export an earlier checkpoint "
+                 "(python -m export.hf --checkpoint runs/NAME/checkpoints/step_N) and push that")
     return config
 
 
@@ -136,10 +138,12 @@ def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str
                          folder: Path | None = None) -> None:
     """A report measured with another drafter (other block size, mask id or weights) must not go on this card.
 
-    The weights are compared by ``models.weights.norm_signature`` (reports that predate it skip that part):
-    the same drafter in any export format matches, another trained drafter does not.
+    The weights are compared exactly by ``models.weights.weight_hashes`` (``fc``'s first rows and the norms, in the
+    two folders' common dtype): the same drafter in any export format matches, another checkpoint of the same run
+    does not (the ``norm_signature`` tolerance, 1e-2, is wider than two checkpoints differ). Reports that predate
+    the hashes are compared by their ``norm_signature``; older ones skip that part.
     """
-    from models.weights import norm_signature, same_signature
+    from models.weights import norm_signature, same_signature, weight_hash_differences, weight_hashes
 
     theirs = {"block size": report.get("trained_block_size"), "mask token id": report.get("mask_token_id")}
     ours = {"block size": config.block_size, "mask token id": config.mask_token_id}
@@ -151,8 +155,15 @@ def check_report_matches(report: dict[str, Any], config: DFlashConfig, path: str
         if report["draft_quantization"] != describe_quantization(config.quantization):
             wrong.append(f"drafter quantization {report['draft_quantization'] or 'none'} (this folder: "
                          f"{describe_quantization(config.quantization) or 'none'})")
-    signature = report.get("draft_signature")
-    if folder is not None and isinstance(signature, dict) and not same_signature(signature, norm_signature(folder)):
+    signature, hashes = report.get("draft_signature"), report.get("draft_hashes")
+    differ = (weight_hash_differences(hashes, weight_hashes(folder))
+              if folder is not None and isinstance(hashes, dict) else None)
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
+        wrong.append(f"other weights (its drafter {report.get('draft')!r} differs from this folder in {shown}, "
+                     "compared exactly: another drafter, e.g. another checkpoint of the run)")
+    elif differ is None and folder is not None and isinstance(signature, dict) and \
+            not same_signature(signature, norm_signature(folder)):
         wrong.append(f"other weights (its drafter {report.get('draft')!r} has other norm weights than this folder)")
     if wrong:
         raise ValueError(f"--report {path} was measured with another drafter: " + ", ".join(wrong) +

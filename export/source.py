@@ -24,8 +24,8 @@ import yaml
 from models.config import is_drafter_config
 # The block's builders and the run folder's layout are shared with train/ (which writes them): models/provenance.py.
 # describe_target_quantization and provenance_from_run are imported from here by export.hf and the tests.
-from models.provenance import (FINAL_STATE, STEP_DIR, describe_target_quantization, latest_checkpoint,  # noqa: F401
-                               provenance_from_run, provenance_of_run)
+from models.provenance import (FINAL_STATE, STEP_DIR, checkpoint_dirs, describe_target_quantization,  # noqa: F401
+                               latest_checkpoint, provenance_from_run, provenance_of_run)
 
 
 class NotADrafterError(ValueError):
@@ -80,6 +80,7 @@ def resolve_source(path: str | Path) -> Source:
                                    "incomplete): pass another step_N or the final drafter")
         prov = _from_run(p / "config.yaml", p / "trainer_state.json", p / "drafter", run_root=p.parent.parent)
         return Source(p / "drafter", "checkpoint", prov)
+    incomplete_checkpoint(p)
     if is_drafter_dir(p):
         run_cfg = p.parent / "config.yaml"
         kind = "final" if run_cfg.is_file() and p.parent.name == "final" else "drafter"
@@ -99,6 +100,30 @@ def resolve_source(path: str | Path) -> Source:
     what = "config.json is not a DFlash drafter's" if (p / "config.json").is_file() else "no config.json"
     raise NotADrafterError(f"{p} is not a drafter folder ({what}), a checkpoint or a run folder: pass "
                            "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME")
+
+
+def incomplete_checkpoint(p: Path) -> None:
+    """A checkpoint folder (``checkpoints/step_N``, or one holding ``trainer_state.json`` or ``state/``) without
+    its ``drafter/`` or ``trainer_state.json``: name the missing part (the generic "not a drafter folder, pass
+    runs/NAME/checkpoints/step_N" repeated what the user had passed) and a complete checkpoint beside it."""
+    named = bool(STEP_DIR.match(p.name)) and p.parent.name == "checkpoints"
+    if not (named or (p / "trainer_state.json").is_file() or (p / "state").is_dir()):
+        return
+    missing = [part for part, there in (("drafter/", is_drafter_dir(p / "drafter")),
+                                        ("trainer_state.json", (p / "trainer_state.json").is_file())) if not there]
+    if not missing:
+        return
+    holds = sorted(f.name + ("/" if f.is_dir() else "") for f in p.iterdir())
+    others = [c for c in checkpoint_dirs(p.parent.parent) if c != p and is_drafter_dir(c / "drafter")
+              and (c / "trainer_state.json").is_file()] if named else []
+    fix = (f"pass another checkpoint (the newest complete one: {others[-1]})" if others else
+           "pass another checkpoint or the run's final drafter")
+    if missing == ["trainer_state.json"]:
+        fix += f", or --checkpoint {p / 'drafter'} to export its drafter without the run's step count"
+    what = " and ".join(f"no {m}" + (" (or no config.json in it)" if m == "drafter/" and (p / "drafter").is_dir()
+                                     else "") for m in missing)
+    raise NotADrafterError(f"checkpoint {p} is incomplete: {what} (it holds {', '.join(holds) or 'nothing'}; a "
+                           f"checkpoint holds drafter/, state/, config.yaml and trainer_state.json): {fix}")
 
 
 def full_precision_source(checkpoint: str | Path, command: str) -> Source:

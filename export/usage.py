@@ -3,6 +3,9 @@
 vLLM and SGLang flags are the ones their DFlash integrations read: vLLM drafts ``B - 1`` tokens
 after the bonus token, SGLang counts the whole block ``B``. Both pick DFlash2 from the folder's
 ``DFlash2DraftModel`` architecture (same flags); vLLM runs its selector only on the V2 model runner.
+Every printed serve command comes with the engine releases that load the folder correctly
+(``engine_requirements``): vLLM >= 0.22.0, SGLang >= 0.5.13 (>= 0.5.18 with sliding layers) for
+DFlash, the builds named in ``ENGINE_REQUIREMENTS`` for DFlash2.
 """
 
 from __future__ import annotations
@@ -11,6 +14,19 @@ import json
 import shlex
 
 
+# The engine releases that load a DFlash (v1) folder correctly: older ones run it, wrongly and without a word.
+ENGINE_REQUIREMENTS_V1 = {
+    "vllm": ("vLLM >= 0.22.0 (0.20-0.21 tap each target layer one layer early: MT-bench acceptance 3.92 instead of "
+             "4.11; fixed by vLLM PR #40727)"),
+    "sglang": "SGLang >= 0.5.13 (0.5.11-0.5.12 ignore the drafter's RoPE base: wrong for every non-1e6 target)",
+}
+# Drafters with sliding-window layers: earlier SGLang releases run those layers causally inside the block.
+SGLANG_SLIDING = ("SGLang >= 0.5.18 (this drafter has sliding-window layers, which earlier releases run causally; "
+                  "0.5.11-0.5.12 also ignore the RoPE base)")
+# Which MLX loaders read a quantized MLX drafter folder (packed weights + scales + biases).
+QUANTIZED_MLX_LOADERS = ("this quantized MLX folder loads in draftsmith's MLX loop and in bstnxbt/dflash-mlx; z-lab's "
+                         "model_mlx.py and Aryagm/dflash-mlx refuse its extra scales/biases: give those the bf16 "
+                         "folder (export.mlx without --quantize, or the export.hf folder)")
 # What each engine needs to serve a DFlash2 drafter: only what is established (SPEC of the published support).
 ENGINE_REQUIREMENTS = {
     "dflash2": {
@@ -23,9 +39,12 @@ ENGINE_REQUIREMENTS = {
 }
 
 
-def engine_requirements(variant: str) -> dict[str, str]:
-    """``{"vllm": ..., "sglang": ...}``: the minimum engine builds for a drafter generation ({} for DFlash v1)."""
-    return dict(ENGINE_REQUIREMENTS.get(variant, {}))
+def engine_requirements(variant: str, sliding: bool = False) -> dict[str, str]:
+    """``{"vllm": ..., "sglang": ...}``: the minimum engine builds that load a drafter of this generation correctly
+    (``sliding``: a v1 drafter with sliding-window layers; every DFlash2 layer slides, and its own note says so)."""
+    if variant in ENGINE_REQUIREMENTS:
+        return dict(ENGINE_REQUIREMENTS[variant])
+    return {**ENGINE_REQUIREMENTS_V1, **({"sglang": SGLANG_SLIDING} if sliding else {})}
 
 
 def serve_commands(drafter: str, target: str | None, block_size: int, variant: str = "dflash") -> dict[str, str]:

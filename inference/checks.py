@@ -21,7 +21,7 @@ import yaml
 
 from inference.stats import resolve_block_size, warn_if_mask_is_emitted
 from models import hub
-from models.config import ARCHITECTURE, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
+from models.config import ARCHITECTURES, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
 
 log = logging.getLogger("inference")
 
@@ -96,11 +96,16 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_file(path)
 
 
+def drafter_kind(d: dict) -> str:
+    """What a drafter's config.json calls it: its DFlash architecture (v1 or DFlash2), else its dflash_config."""
+    return next((a for a in d.get("architectures") or [] if a in ARCHITECTURES.values()), "dflash_config")
+
+
 def read_target_facts(directory: str | Path, name: str = "") -> TargetFacts:
     path = Path(directory) / "config.json"
     d = _read_json(path, "target")
     if is_drafter_config(d):
-        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {ARCHITECTURE}), not a "
+        raise ValueError(f"--target {name or directory} is a DFlash drafter ({path} names {drafter_kind(d)}), not a "
                          "target model: did you swap --target and --draft?")
     text = d.get("text_config") or d  # multimodal checkpoints (Qwen3.5 / 3.6) keep the text tower's sizes here
     q = d.get("quantization") or d.get("quantization_config")
@@ -116,7 +121,8 @@ def read_drafter_config(directory: str | Path, name: str = "") -> tuple[DFlashCo
     if not is_drafter_config(d):
         kind = ", ".join(d.get("architectures") or []) or d.get("model_type", "unknown")
         raise ValueError(f"--draft {name or directory} is not a DFlash drafter: {path} describes a {kind} model "
-                         f"(no {ARCHITECTURE} architecture, no dflash_config). Did you swap --target and --draft?")
+                         f"(no {' or '.join(ARCHITECTURES.values())} architecture, no dflash_config). Did you swap "
+                         "--target and --draft?")
     return DFlashConfig.from_dict(d), d
 
 
@@ -187,18 +193,17 @@ class Preflight:
 def check_target_tokenizer(facts: TargetFacts, target: str, fix: str) -> None:
     """The target folder has tokenizer files when the command needs them: a folder without was found only after
     the target had loaded (minutes for a large one). Same rule as the load (``tokenizer*`` files)."""
-    directory = Path(facts.path).parent
-    if not any(directory.glob("tokenizer*")):
-        raise ValueError(f"--target {target}: {directory} has no tokenizer files (tokenizer.json, "
-                         f"tokenizer_config.json): {fix}")
+    hub.require_tokenizer_files(Path(facts.path).parent, target, fix)
 
 
-def check_draft_weights(draft: str) -> None:
-    """A local drafter folder holds its weights (a Hub id's come with the load): missing ones were found only
-    after the target had loaded (minutes for a large one)."""
-    from models.weights import weight_files  # here, not at the top: the commands' start-up time (it imports torch)
+def check_draft_weights(draft: str, folder: str | Path | None = None) -> None:
+    """A local drafter folder holds its weights, and they are finite (a Hub id's come with the load: the commands
+    call this again with the fetched ``folder``): missing ones were found only after the target had loaded
+    (minutes for a large one), and a drafter with NaN weights ran at tau 1.00 without a word."""
+    # here, not at the top: the commands' start-up time (models.weights imports torch)
+    from models.weights import check_finite, folder_tensors, weight_files
 
-    path = Path(draft).expanduser()
+    path = Path(folder if folder is not None else draft).expanduser()
     if not path.is_dir():
         return
     try:
@@ -206,6 +211,52 @@ def check_draft_weights(draft: str) -> None:
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--draft {draft}: {e}: pass the whole drafter folder (an export, or a run's "
                                 "final/drafter)") from None
+    check_finite(folder_tensors(path), f"--draft {draft}", "Its drafts would all be rejected (tau 1.00): use an "
+                 "earlier checkpoint's drafter (runs/NAME/checkpoints/step_N/drafter) or another export")
+
+
+def check_fetched_draft_weights(draft: str) -> None:
+    """``check_draft_weights`` for a Hub id, once the session has fetched it (a local folder was checked before)."""
+    if not Path(draft).expanduser().is_dir():
+        check_draft_weights(draft, hub.resolve_model_dir(draft, what="drafter"))
+
+
+def check_drafter_backend(cfg: DFlashConfig, backend: str, draft: str) -> None:
+    """A quantized MLX drafter runs on the MLX backend only: on torch it was refused after the target had loaded
+    (minutes for a large one), though its config.json says so."""
+    if backend != "mlx" and cfg.quantization:
+        q = cfg.quantization
+        raise ValueError(f"--draft {draft} is a quantized MLX export ({q.get('bits')}-bit, group "
+                         f"{q.get('group_size')}): only the MLX backend runs it (--backend mlx); with PyTorch use the "
+                         "full-precision drafter (its HF export or the run's final/drafter)")
+
+
+THINKING = {True: "on", False: "off", "on": "on", "off": "off"}
+
+
+def recorded_thinking(cfg: DFlashConfig) -> str | None:
+    """``on`` / ``off``: the thinking switch the drafter's training data was rendered with (its provenance block's
+    ``data.thinking``); None when it records none (the template's default, or a drafter from elsewhere)."""
+    data = (cfg.draftsmith or {}).get("data") if isinstance(cfg.draftsmith, dict) else None
+    value = data.get("thinking") if isinstance(data, dict) else None
+    return THINKING.get(value) if isinstance(value, (bool, str)) else None
+
+
+def resolve_thinking(flag: str | None, cfg: DFlashConfig, default: str | None, say) -> str | None:
+    """The thinking switch to render prompts with: ``--thinking`` when given (a warning when the drafter was trained
+    with the other one), else the drafter's recorded one (said in one line), else ``default``. Prompts rendered
+    with the other switch than training's measure the drafter on text it never saw."""
+    recorded = recorded_thinking(cfg)
+    if flag is None:
+        if recorded is not None:
+            say(f"thinking {recorded}: as the drafter was trained (its recorded data.thinking; --thinking on|off "
+                "overrides)")
+            return recorded
+        return default
+    if recorded is not None and flag != recorded:
+        say(f"warning: --thinking {flag}, but the drafter was trained with thinking {recorded} (its recorded "
+            "data.thinking): expect lower acceptance than it gets as trained; leave --thinking out to use its own")
+    return flag
 
 
 def preflight(target: str, draft: str, block_size: int | None = None, temperature: float = 0.0) -> Preflight:
@@ -221,14 +272,17 @@ def preflight(target: str, draft: str, block_size: int | None = None, temperatur
     if tpath.is_file() and dpath.is_file():
         t_raw, d_raw = _read_json(tpath, "target"), _read_json(dpath, "drafter")  # a truncated file is named
         if is_drafter_config(t_raw) and not is_drafter_config(d_raw):
-            raise ValueError(f"--target {target} is a DFlash drafter ({tpath} names {ARCHITECTURE}) and --draft "
+            raise ValueError(f"--target {target} is a DFlash drafter ({tpath} names {drafter_kind(t_raw)}) and --draft "
                              f"{draft} is not: swap them (--target {draft} --draft {target})")
     cfg, raw = read_drafter_config(ddir, draft)
     facts = read_target_facts(tdir, target)
     check_pair(cfg, facts, draft)
     b = resolve_block_size(block_size, cfg.block_size)
     rec = recorded_target(ddir, raw)
-    if rec is not None and not hub.same_model(rec, target):
+    prov = raw.get("draftsmith") if isinstance(raw.get("draftsmith"), dict) else {}
+    copy = prov.get("quantized_target")  # target.quantization=mlx:DIR: trained against DIR, a copy of the target
+    if rec is not None and not hub.same_model(rec, target) and not (isinstance(copy, str) and
+                                                                    hub.same_model(copy, target)):
         log.warning("the drafter %s records its target as %s, but --target is %s: acceptance will suffer unless they "
                     "are the same weights", draft, rec, target)
     return Preflight(target=facts, drafter=cfg, block_size=b, recorded_target=rec)

@@ -11,11 +11,13 @@ adapters; the MLX twin is ``mlx_loop.py``. Outline (docs/design.md, "Decoding cy
       check(committed)      every cache holds exactly the committed positions (static: nothing moves)
       close()               no rollback hook left on the target, also after an error
     Proposer                 eager: torch_loop.DrafterProposer      static: static_drafter.StaticDrafterProposer
-      reset(); propose(bonus, features, start, B) -> Proposal (or drafts); context_length()
+      reset(T, gen); propose(bonus, features, start, B) -> Proposal (or drafts); context_length()
       NoDrafter             proposes nothing: B = 1, the baseline is this same cycle without a drafter
-    propose_block(drafter, hidden, bonus) -> Proposal   THE proposal step: both drafter adapters call it
-                            (the static one inside its graphed pass). v1: argmax of each slot's logits
+    propose_block(drafter, hidden, bonus, T, uniform) -> Proposal   THE proposal step: both drafter adapters
+                            call it (the static one inside its graphed pass). v1: argmax of each slot's
+                            logits; DFlash2: the selector walk (greedy, or sampled with its q above T = 0)
     accept(logits, proposal, T, gen) -> tokens [B]      the target's token after each block position
+                            (rejection sampling against q when the proposal carries one)
 
     features, logits = target.prefill(prompt, proposer.taps); first = sample(logits)
     while not stopped:
@@ -31,10 +33,13 @@ draft pass, the target pass and ``accept`` by one function of device buffers tha
 proposes the next block (one CUDA graph replay), and ``target.commit`` by its host records; the read,
 the recording of the cycle and the checks stay here.
 
-Drafts are greedy (v1); the target's tokens are sampled at the requested temperature, so every
-committed token is a sample from the target's own distribution (greedy: identical to target-only
-greedy decoding). A drafter generation that samples its drafts (DFlash2's selector walk) returns its
-per-slot distribution ``q`` in the ``Proposal``, and ``accept`` is where rejection sampling reads it.
+Every committed token is a sample from the target's own distribution at the requested temperature
+(greedy: identical to target-only greedy decoding). v1 drafts are greedy, and ``accept`` draws the
+target's token at each position and lets the host compare. DFlash2 samples its drafts above temperature
+0 (the selector walk's softmax over K candidates, with uniforms the proposer draws from the generation's
+generator) and returns that ``q`` in the ``Proposal``; ``accept`` then does speculative rejection
+sampling against it, on the device, returning tokens whose first mismatch with the drafts is the first
+rejection, so the host's record of the cycle is the same code.
 """
 
 from __future__ import annotations
@@ -56,15 +61,35 @@ class Proposal(NamedTuple):
     candidates: torch.Tensor | None = None  # [B-1, K] the token ids ``q`` is over
 
 
-def propose_block(drafter, hidden: torch.Tensor, bonus: torch.Tensor) -> Proposal:
+def propose_block(drafter, hidden: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
+                  uniform: torch.Tensor | None = None) -> Proposal:
     """The proposal step, the one place a drafter generation decides its drafts.
 
     ``hidden``: the drafter's final-norm hidden states at block slots 1..B-1 (``[1, B-1, H]``); ``bonus``:
-    the block's first token (``[1]``, on the device), where a selector walk starts. DFlash v1: the argmax
-    of each slot's logits through the target's LM head. The static drafter calls this inside its graphed
-    pass: it must stay a function of device tensors (no host read, fixed shapes).
+    the block's first token (``[1]``, on the device), where a selector walk starts.
+
+    - DFlash v1: the argmax of each slot's logits through the target's LM head (greedy drafts at every
+      temperature; ``q`` None).
+    - DFlash2: the selector walk (``models.drafter2.select``) over each slot's top-K unary candidates from the
+      bonus token: at temperature 0 the best-scoring candidate (``q`` None), above it a draw from
+      softmax(score / T) over the K candidates, picked by inverse CDF of ``uniform`` (``[1, B-1]`` in [0, 1),
+      drawn by the caller from the generation's generator), with that ``q`` and its ``candidates`` kept for
+      the verifier's rejection sampling (``accept``).
+
+    The static drafter calls this inside its graphed pass: it stays a function of device tensors (no host
+    read, fixed shapes); ``temperature`` is a Python number, fixed for a captured pass.
     """
+    if drafter.variant == "dflash2":
+        p = drafter.propose(hidden, bonus, temperature, uniform)
+        return Proposal(drafts=p.tokens[0], q=None if p.q is None else p.q[0], candidates=p.candidates[0])
     return Proposal(drafts=drafter.logits(hidden)[0].argmax(-1))
+
+
+def samples_drafts(drafter, temperature: float) -> bool:
+    """Whether ``propose_block`` samples this drafter's drafts at ``temperature`` (DFlash2 above 0), so its
+    adapter must draw the walk's uniforms; v1 drafts are greedy and draw nothing (the generation's random
+    stream, and so v1's sampled outputs, stay what they were)."""
+    return temperature > 0 and getattr(drafter, "variant", "dflash") == "dflash2"
 
 
 def as_proposal(drafts, device: torch.device | None = None) -> Proposal:
@@ -90,12 +115,48 @@ def accept(logits: torch.Tensor, proposal: Proposal, temperature: float,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's token after each block position (``[T, V] -> [T]``), which the host matches against the
     drafts: the longest matching prefix is accepted, and the token at the first mismatch is the target's own.
+    All on the device, read with the drafts in the cycle's one ``.tolist()``.
 
-    Greedy drafts (``q`` is None): a draw from the target at each position (its argmax at temperature 0), so a
-    draft is accepted only when it equals the target's draw and every committed token is the target's sample.
-    A proposal with ``q`` is where rejection sampling against the drafts' distribution belongs.
+    Greedy drafts (``q`` is None: v1 at any temperature, DFlash2 at 0): a draw from the target at each position
+    (its argmax at temperature 0), so a draft is accepted only when it equals the target's draw and every
+    committed token is the target's sample. This is rejection sampling with a one-hot q, exactly (accept x with
+    probability p(x); on a rejection, a draw from p without x), and the random stream v1 always had.
+
+    Sampled drafts (``q`` over ``candidates``, DFlash2 above 0): speculative rejection sampling, ``rejection_sample``.
     """
-    return sample(logits, temperature, generator)
+    if proposal.q is None or temperature <= 0:
+        return sample(logits, temperature, generator)
+    return rejection_sample(logits, proposal, temperature, generator)
+
+
+def rejection_sample(logits: torch.Tensor, proposal: Proposal, temperature: float,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Speculative rejection sampling of sampled drafts, written so the host's prefix match reads it.
+
+    p_j = softmax(logits_j / T) is the target's distribution after block position j; draft x_j was drawn from
+    q_j (``proposal.q[j]`` over ``proposal.candidates[j]``, zero elsewhere). Position j accepts x_j when
+    u_j q_j(x_j) < p_j(x_j) (probability min(1, p_j(x_j) / q_j(x_j))) and returns x_j; otherwise it returns a
+    draw from norm(max(0, p_j - q_j)), which never is x_j (a rejection means p_j(x_j) < q_j(x_j), so the
+    residual is 0 there; it is set to 0 explicitly against rounding). The last position returns a draw from p:
+    the bonus after a fully accepted block. So the first position whose token differs from the draft is the
+    first rejection, and the token there is the correction: the committed tokens are distributed as the
+    target's own samples. A residual that rounds to all zeros (p = q) falls back to p without x_j.
+
+    Fixed shapes, no host read: the draws are ``B-1`` uniforms and a ``[B, V]`` exponential race
+    (argmax of r / E, E ~ Exp(1), picks index i with probability r_i / sum r; zero rows are never read).
+    """
+    n = proposal.drafts.shape[0]
+    p = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    drafts = proposal.drafts[:, None]
+    q = torch.zeros_like(p[:n]).scatter_(-1, proposal.candidates, proposal.q.float())  # [B-1, V]
+    u = torch.rand(n, device=p.device, generator=generator)
+    accepted = u * q.gather(-1, drafts).squeeze(-1) < p[:n].gather(-1, drafts).squeeze(-1)
+    residual = (p[:n] - q).clamp_min(0).scatter_(-1, drafts, 0.0)
+    fallback = p[:n].scatter(-1, drafts, 0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, fallback)
+    race = torch.cat([residual, p[n:]]) / torch.empty_like(p).exponential_(generator=generator)
+    drawn = race.argmax(-1)  # [B]: the correction at each draft position, the bonus at the last
+    return torch.cat([torch.where(accepted, proposal.drafts, drawn[:n]), drawn[n:]])
 
 
 class Proposer(Protocol):
@@ -105,7 +166,10 @@ class Proposer(Protocol):
     layer_ids: list[int]
     block_size: int
 
-    def reset(self) -> None: ...
+    def reset(self, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
+        """A new generation: no context yet. Drafts sampled at ``temperature`` (DFlash2) draw their randomness
+        from ``generator``, the generation's own (seeded) stream, so a seed fixes drafts and tokens alike."""
+        ...
 
     def propose(self, bonus: int, new_features: torch.Tensor | None, start: int,
                 block_size: int) -> Proposal | torch.Tensor | list[int]:
@@ -129,7 +193,7 @@ class NoDrafter:
         self.layer_ids: list[int] = []
         self._drafts = torch.empty(0, dtype=torch.long, device=device)
 
-    def reset(self) -> None:
+    def reset(self, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
         pass
 
     def propose(self, bonus: int, new_features, start: int, block_size: int) -> Proposal:
@@ -203,7 +267,7 @@ def generate(target: TargetState, proposer: Proposer, prompt_ids: list[int], max
     eos = set(target.target.eos_token_ids() if eos_token_ids is None else eos_token_ids)
     device = target.device
     gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-    proposer.reset()
+    proposer.reset(temperature, gen)
     result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
 
     t0 = time.perf_counter()

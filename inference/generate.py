@@ -14,7 +14,10 @@ is chosen once, when the session is built (``inference.session``).
 
 Before any weights load, the two ``config.json`` files are checked (``inference.checks.preflight``):
 a swapped ``--target``/``--draft``, a drafter for another target, ``--block-size`` above the trained
-one, ``--prompt-ids`` outside the target's vocabulary and a negative ``--temperature`` end in one line.
+one, ``--prompt-ids`` outside the target's vocabulary and a negative ``--temperature`` end in one line; so do a
+drafter whose weights hold NaN / Inf and a quantized MLX drafter on the torch backend (before the target loads).
+With ``--chat`` the prompt is rendered with the thinking switch the drafter was trained with (its provenance
+block's ``data.thinking``) unless ``--thinking`` says otherwise (a warning when it differs).
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ from data.chat import require_chat_template
 from inference.checks import (
     LOOPS,
     check_draft_weights,
+    check_drafter_backend,
     check_dtype,
+    check_fetched_draft_weights,
     check_prompt_ids,
     check_target_tokenizer,
     preflight,
+    resolve_thinking,
 )
 from inference.report import report_of
 
@@ -47,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, used as given")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the chat template")
     p.add_argument("--thinking", choices=["on", "off"], default=None,
-                   help="with --chat: enable_thinking for templates that have it (default: the template's)")
+                   help="with --chat: enable_thinking for templates that have it (default: the drafter's recorded "
+                        "training setting, else the template's)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="exact number of new tokens unless EOS comes first")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless: equals the target's output)")
     p.add_argument("--block-size", type=int, default=None,
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = check_dtype(args.dtype)
     pre = preflight(args.target, args.draft, args.block_size, args.temperature)  # before any weights load
     check_draft_weights(args.draft)
+    if args.chat:
+        args.thinking = resolve_thinking(args.thinking, pre.drafter, None, lambda m: print(m, file=sys.stderr))
     early_ids = parse_prompt_ids(args.prompt_ids, pre.target.vocab_size) if args.prompt_ids is not None else None
     if early_ids is None:
         check_target_tokenizer(pre.target, args.target, "pass --prompt-ids instead of --prompt, or add the "
@@ -137,8 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     from inference.session import WARMUP_TOKENS, Session, pick_backend
 
     backend = pick_backend(args.backend)
+    check_drafter_backend(pre.drafter, backend, args.draft)  # before the target loads
     session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop,
                       block_size=args.block_size)
+    check_fetched_draft_weights(args.draft)  # a Hub id's weights, fetched by the session: before any work
     tokenizer = session.tokenizer
     prompt = early_ids if early_ids is not None else encode_prompt(args, tokenizer)
     if session.loop_kind == "eager":  # the static loops cap --max-new-tokens at the positions, with their own warning

@@ -2,12 +2,14 @@
 
 One cycle, written once (``dflash_generate``), with the torch cycle's steps and semantics (docs/design.md,
 "Decoding cycle"): propose a block from the bonus token (``propose_block``: the proposal step, DFlash v1
-the argmax of each slot's logits), verify the whole block in one target pass, accept the longest prefix
-where draft == target token plus the target's own token at the first mismatch (``accept``), roll the
-target cache back to the committed length (``rollback_mlx``) and carry the target's features at the
-committed positions into the next proposal. Drafts are greedy; the target's tokens are sampled at the
-requested temperature, so every committed token is a sample from the target's own distribution (greedy:
-identical to target-only greedy decoding). Results are ``inference.stats.GenerationResult``, as in torch.
+the argmax of each slot's logits, DFlash2 the selector walk), verify the whole block in one target pass,
+accept the longest prefix where draft == target token plus the target's own token at the first mismatch
+(``accept``), roll the target cache back to the committed length (``rollback_mlx``) and carry the
+target's features at the committed positions into the next proposal. Every committed token is a sample
+from the target's own distribution (greedy: identical to target-only greedy decoding): greedy drafts
+(v1; DFlash2 at temperature 0) are compared with the target's draws, DFlash2's sampled drafts go through
+rejection sampling against their q (``rejection_sample``). Results are ``inference.stats.GenerationResult``,
+as in torch.
 The baseline (``target_generate``) is the same cycle without a drafter (``NoDrafter``: blocks of one token).
 
 MLX is lazy: the draft pass and the verify pass of a cycle are one graph, evaluated once when
@@ -33,6 +35,7 @@ from inference.checks import (
 )
 from inference.rollback_mlx import CacheRollback
 from inference.stats import GenerationResult, commit_tokens, resolve_block_size
+from models.drafter2_mlx import load_drafter
 from models.drafter_mlx import DFlashDraftModel, DraftCache
 from models.target_mlx import TargetModel
 
@@ -47,12 +50,24 @@ class Proposal(NamedTuple):
     candidates: mx.array | None = None  # [B-1, K] the token ids ``q`` is over
 
 
-def propose_block(drafter: DFlashDraftModel, hidden: mx.array, bonus: mx.array) -> Proposal:
+def propose_block(drafter: DFlashDraftModel, hidden: mx.array, bonus: mx.array, temperature: float = 0.0,
+                  uniform: mx.array | None = None) -> Proposal:
     """The proposal step, the one place a drafter generation decides its drafts (twin of
     ``cycle.propose_block``). ``hidden``: the drafter's final-norm hidden states at block slots 1..B-1
     (``[1, B-1, H]``); ``bonus``: the block's first token (``[1]``), where a selector walk starts. DFlash v1:
-    the argmax of each slot's logits through the target's LM head."""
+    the argmax of each slot's logits through the target's LM head. DFlash2: the selector walk
+    (``models.drafter2_mlx.select``), greedy at temperature 0, else sampled by inverse CDF of ``uniform``
+    (``[1, B-1]``) with its q over the K candidates kept for ``accept``."""
+    if drafter.variant == "dflash2":
+        p = drafter.propose(hidden, bonus, temperature, uniform)
+        return Proposal(drafts=p.tokens[0], q=None if p.q is None else p.q[0], candidates=p.candidates[0])
     return Proposal(drafts=mx.argmax(drafter.logits(hidden)[0], axis=-1))
+
+
+def samples_drafts(drafter, temperature: float) -> bool:
+    """Whether ``propose_block`` samples this drafter's drafts (DFlash2 above temperature 0): twin of
+    ``cycle.samples_drafts``."""
+    return temperature > 0 and getattr(drafter, "variant", "dflash") == "dflash2"
 
 
 def as_proposal(drafts) -> Proposal:
@@ -71,9 +86,31 @@ def sample(logits: mx.array, temperature: float, key: mx.array | None = None) ->
 
 def accept(logits: mx.array, proposal: Proposal, temperature: float, key: mx.array | None = None) -> mx.array:
     """The target's token after each block position (``[T, V] -> [T]``), matched against the drafts on the
-    host (twin of ``cycle.accept``): a draw from the target at each position for greedy drafts; a proposal
-    with ``q`` is where rejection sampling against the drafts' distribution belongs."""
-    return sample(logits, temperature, key)
+    host (twin of ``cycle.accept``): a draw from the target at each position for greedy drafts (``q`` None),
+    speculative rejection sampling (``rejection_sample``) for drafts sampled from a ``q``."""
+    if proposal.q is None or temperature <= 0:
+        return sample(logits, temperature, key)
+    return rejection_sample(logits, proposal, temperature, key)
+
+
+def rejection_sample(logits: mx.array, proposal: Proposal, temperature: float, key: mx.array) -> mx.array:
+    """Twin of ``cycle.rejection_sample``: position j returns draft x_j when u_j q_j(x_j) < p_j(x_j), else a draw
+    from norm(max(0, p_j - q_j)) (0 at x_j, so the first token that differs from the draft marks the first
+    rejection; p without x_j if the residual rounds to zero); the last position a draw from p (the bonus)."""
+    n = proposal.drafts.shape[0]
+    p = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)  # [B, V]
+    drafts = proposal.drafts[:, None]
+    q = mx.put_along_axis(mx.zeros(p[:n].shape), proposal.candidates, proposal.q.astype(mx.float32), axis=-1)
+    k_accept, k_draw = mx.random.split(key)
+    u = mx.random.uniform(shape=(n,), key=k_accept)
+    accepted = u * mx.take_along_axis(q, drafts, -1)[:, 0] < mx.take_along_axis(p[:n], drafts, -1)[:, 0]
+    zero = mx.zeros(drafts.shape)
+    residual = mx.put_along_axis(mx.maximum(p[:n] - q, 0), drafts, zero, axis=-1)
+    fallback = mx.put_along_axis(p[:n], drafts, zero, axis=-1)
+    residual = mx.where(residual.sum(-1, keepdims=True) > 0, residual, fallback)
+    drawn = mx.random.categorical(mx.log(mx.concatenate([residual, p[n:]])), axis=-1, key=k_draw)
+    return mx.concatenate([mx.where(accepted, proposal.drafts, drawn[:n].astype(proposal.drafts.dtype)),
+                           drawn[n:].astype(proposal.drafts.dtype)])
 
 
 class Proposer(Protocol):
@@ -82,7 +119,10 @@ class Proposer(Protocol):
     layer_ids: list[int]
     block_size: int
 
-    def reset(self) -> None: ...
+    def reset(self, temperature: float = 0.0, key: mx.array | None = None) -> None:
+        """A new generation: no context yet. Drafts sampled at ``temperature`` (DFlash2) draw from ``key``'s
+        stream (the generation's drafter key, from its seed)."""
+        ...
 
     def propose(self, bonus: int, new_features: mx.array | None, start: int,
                 block_size: int) -> Proposal | mx.array | list[int]:
@@ -103,7 +143,7 @@ class NoDrafter:
     def __init__(self):
         self.layer_ids: list[int] = []
 
-    def reset(self) -> None:
+    def reset(self, temperature: float = 0.0, key: mx.array | None = None) -> None:
         pass
 
     def propose(self, bonus: int, new_features, start: int, block_size: int) -> Proposal:
@@ -114,7 +154,8 @@ class NoDrafter:
 
 
 class DrafterProposer:
-    """The MLX drafter with its committed-context cache, bound to the target's embedding and LM head.
+    """The MLX drafter (either generation) with its committed-context cache, bound to the target's embedding and
+    LM head; its proposal is ``propose_block``.
 
     The drafter runs in the target's compute dtype (features and embeddings arrive in it).
     """
@@ -128,9 +169,11 @@ class DrafterProposer:
         self.block_size = drafter.config.block_size
         self.mask_id = drafter.config.mask_token_id
         self.cache = DraftCache(drafter.config.num_hidden_layers)
+        self.temperature, self.key = 0.0, None
 
-    def reset(self) -> None:
+    def reset(self, temperature: float = 0.0, key: mx.array | None = None) -> None:
         self.cache = DraftCache(self.drafter.config.num_hidden_layers)
+        self.temperature, self.key = temperature, key
 
     def propose(self, bonus: int, new_features: mx.array, start: int, block_size: int) -> Proposal:
         c = new_features.shape[1]
@@ -138,7 +181,11 @@ class DrafterProposer:
         positions = mx.arange(start - c, start + block_size)[None]
         hidden = self.drafter(self.drafter.embed(block), new_features.astype(self.drafter.dtype), positions,
                               cache=self.cache)
-        return propose_block(self.drafter, hidden[:, 1:], block[:, 0])
+        uniform = None
+        if samples_drafts(self.drafter, self.temperature):  # the walk's draws, from the drafter's key stream
+            self.key, sub = mx.random.split(self.key)
+            uniform = mx.random.uniform(shape=(1, block_size - 1), key=sub)
+        return propose_block(self.drafter, hidden[:, 1:], block[:, 0], self.temperature, uniform)
 
     def context_length(self) -> int:
         return len(self.cache)
@@ -194,7 +241,7 @@ def dflash_generate(target: TargetModel, proposer: Proposer, prompt_ids: list[in
     key = mx.random.key(seed) if temperature > 0 else None
     rollback = CacheRollback(target)
     cache = target.new_cache()
-    proposer.reset()
+    proposer.reset(temperature, draft_key(seed) if temperature > 0 else None)
     result = GenerationResult(tokens=[], block_size=B, position_accepts=[0] * (B - 1))
 
     with memory_limit(memory_limit_gb):
@@ -255,8 +302,14 @@ def load(target: str, drafter: str, revision: str | None = None, drafter_revisio
     if isinstance(dtype, str):
         dtype = getattr(mx, check_dtype(dtype))
     t = TargetModel.from_pretrained(target, revision=revision, dtype=dtype)
-    d = DFlashDraftModel.from_pretrained(drafter, revision=drafter_revision)
+    d = load_drafter(drafter, revision=drafter_revision)  # either generation (v1, DFlash2)
     return t, DrafterProposer(d, t)
+
+
+def draft_key(seed: int) -> mx.array:
+    """The drafter's own key stream for a seed: the third key split from ``mx.random.key(seed)``, which the cycle's
+    own chain (``_split``: two at a time) never makes, so the walk's draws are independent of the target's."""
+    return mx.random.split(mx.random.key(seed), 3)[2]
 
 
 def _split(key: mx.array | None):

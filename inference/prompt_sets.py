@@ -3,7 +3,7 @@
 ``--prompts`` takes
 
 - ``code`` / ``math`` / ``chat`` / ``long`` / ``all``: the sets shipped in ``inference/prompts/``
-  (original prompts written for draftsmith; ``all`` = the four categories);
+  (original prompts written for draftsmith; ``all`` = the four categories); several as ``code,math``;
 - a ``.jsonl`` / ``.json`` / ``.parquet`` file or a folder (a ``datasets.save_to_disk`` folder too);
 - a Hub data set id (``openai/gsm8k`` with ``--subset main --split test``, an mt-bench-like set...).
 
@@ -67,11 +67,28 @@ def _source_name(source: str) -> str:
     return path.stem if path.suffix else source.rstrip("/").split("/")[-1]
 
 
+def shipped_sets(spec: str) -> tuple[str, ...]:
+    """The shipped sets ``--prompts`` names: one (``code``), ``all``, or several (``code,math``); () for anything
+    else (a file, a folder, a Hub id). A list with a name that is no shipped set is refused, naming it."""
+    if spec == "all":
+        return BUILTIN
+    if spec in BUILTIN:
+        return (spec,)
+    parts = [part.strip() for part in spec.split(",")]
+    if len(parts) < 2 or Path(spec).expanduser().exists():
+        return ()
+    unknown = [part for part in parts if part not in BUILTIN + ("all",)]
+    if unknown:
+        raise FileNotFoundError(f"--prompts {spec}: {', '.join(map(repr, unknown))} is not a shipped prompt set "
+                                f"(shipped: {', '.join(BUILTIN)} or all; several: code,math)")
+    return tuple(name for name in BUILTIN if name in parts or "all" in parts)
+
+
 def load_prompts(spec: str, n: int | None = None, split: str = "test", subset: str | None = None) -> list[Prompt]:
     """The prompts ``--prompts spec`` names, the first ``n`` per category; empty is an error."""
     if n is not None and n < 1:
         raise ValueError(f"--n {n}: give at least 1 prompt per category (or leave --n out for all of them)")
-    names = BUILTIN if spec == "all" else (spec,) if spec in BUILTIN else ()
+    names = shipped_sets(spec)
     local = Path(spec).expanduser()
     if not names and not local.exists() and (local.suffix in (".jsonl", ".json", ".parquet")
                                              or spec.startswith(("/", "./", "../", "~"))):

@@ -205,10 +205,11 @@ def markdown_table(rows: list[list[str]]) -> str:
 
 
 def markdown(report: dict) -> str:
-    env_keys = ["backend", "device", "dtype", "draft_dtype", "draft_quantization", "target", "draft",
+    env_keys = ["backend", "loop", "device", "dtype", "draft_dtype", "draft_quantization", "target", "draft",
                 "target_quantization", "block_size",
                 "trained_block_size", "temperature", "thinking", "max_new_tokens", "repeats", "prompts",
-                "prompt_set_hash", "prompt_tokens_total", "peak_memory_bytes", "baseline_peak_memory_bytes",
+                "prompt_set_hash", "prompt_tokens_total", "skipped_too_long", "peak_memory_bytes",
+                "baseline_peak_memory_bytes",
                 "platform", "python_version", "torch_version", "transformers_version", "mlx_version", "mlx_lm_version",
                 "created"]
     hist = report["acceptance_histogram"]
@@ -220,6 +221,7 @@ def markdown(report: dict) -> str:
         "throughput follows. tau per-prompt mean = the mean of each prompt's own tau. speedup = DFlash / baseline "
         "post-prefill decode tokens/s (baseline: the target alone through the same loop code, dtype and prompt ids). "
         "cycle cost = seconds per DFlash cycle / seconds per baseline token.", "",
+        f"Loop: {report.get('loop') or 'not recorded'} (DFlash and the baseline both ran it).", "",
         "## Acceptance", "",
         "| committed per cycle | cycles | share |", "|---|---|---|",
         *[f"| {k} | {v} | {v / total:.1%} |" for k, v in hist.items()], "",

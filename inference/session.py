@@ -8,9 +8,9 @@ timers and cache treatment). The loop (``--loop auto|eager|static|compiled``, ``
   else the eager loop (``inference.torch_loop``). An eager batch-1 forward on a GPU is launch-bound (an 8B
   target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager speedups there measure
   the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) stay eager until their graph
-  replay has been measured on a GPU (``--loop static`` runs them); drafters with sliding-window layers
-  or a YaRN rope block run eager (the static drafter pass has plain full-attention layers only), and so do
-  gpt-oss and Gemma 4 targets (attention sinks, sliding and KV-shared layers: ``check_static_target``).
+  replay has been measured on a GPU (``--loop static`` runs them); drafters with a YaRN rope block or
+  attention biases run eager (the static drafter pass has plain RoPE and no biases), and so do gpt-oss and
+  Gemma 4 targets (attention sinks, sliding and KV-shared layers: ``check_static_target``).
 * a block size other than the drafter's runs the eager loop, DFlash and the baseline both (the graphs
   are captured for one block shape), with one warning saying so;
 * ``static`` / ``compiled`` (graphs + torch.compile'd layers) / ``eager`` force one; the MLX backend runs
@@ -28,8 +28,8 @@ from inference import static_loop, torch_loop
 from inference.checks import check_dtype, check_loop
 from inference.static_target import StaticLoopUnsupported, check_static_target
 from inference.stats import resolve_block_size
+from models.drafter2 import load_drafter
 from models.support import check_device
-from models.drafter import DFlashDraftModel
 from models.target import TargetModel
 
 log = logging.getLogger("inference")
@@ -61,9 +61,6 @@ def choose_loop(requested: str, target, drafter, block_size: int | None = None) 
         return "eager"
     try:
         check_static_target(target)
-        if drafter.config.use_sliding_window:
-            raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
-                                        "sliding-window layers: use --loop eager")
         if getattr(drafter.config, "rope_scaling", None) or getattr(drafter.config, "attention_bias", False):
             raise StaticLoopUnsupported("the static drafter pass has plain RoPE and no attention biases; this "
                                         "drafter's config carries a YaRN block or attention_bias (a published "
@@ -109,7 +106,7 @@ class Session:
             tdtype = getattr(torch, dtype) if dtype else default
             self.loop = torch_loop
             self.target = TargetModel.from_pretrained(target, dtype=tdtype, device=device)
-            drafter = DFlashDraftModel.from_pretrained(draft, dtype=tdtype, device=device)
+            drafter = load_drafter(draft, dtype=tdtype, device=device)  # either generation (v1, DFlash2)
             self.proposer = torch_loop.DrafterProposer(drafter, self.target)
             self.loop_kind = choose_loop(loop, self.target, drafter, block_size)
         if block_size is not None:
@@ -233,6 +230,7 @@ class Session:
             drafter = getattr(self.proposer, "drafter", None)  # test stand-ins have none
             ddtype = str(drafter.fc.weight.dtype if drafter is not None else None).removeprefix("torch.")
         return {"backend": self.backend, "device": device, "dtype": dtype, "draft_dtype": ddtype,
-                "loop": self.loop_kind, "platform": platform.platform(), "machine": platform.machine()}
+                "loop": "mlx" if self.backend == "mlx" else self.loop_kind, "platform": platform.platform(),
+                "machine": platform.machine()}
 
 

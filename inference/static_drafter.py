@@ -3,9 +3,12 @@
 Committed-context K/V live in buffers of ``max_len`` positions per layer (plus the block's ``B``
 slots); each block pass takes a fixed ``B`` new-context slots (``c <= B`` real, the rest masked and
 overwritten by the next cycle), so the pass has one shape and is captured once as a CUDA graph
-(``static_target.GraphedPass``), optionally compiled. The pass ends in the proposal step
-(``cycle.propose_block``), so a drafter generation's proposal runs inside the graph. Rollback is a
-length reset, as for the target (``static_target.StaticTarget``).
+(``static_target.GraphedPass``; one per temperature), optionally compiled. The pass ends in the proposal
+step (``cycle.propose_block``), so a drafter generation's proposal runs inside the graph: DFlash2's
+selector walk included, its uniforms (sampling) drawn into a static buffer before the replay. Either
+generation: the layers are written out here as ``models/drafter.py`` and ``models/drafter2.py`` compute
+them (DFlash2's two dynamic convs around attention and MLP), with sliding-window layers masked as the
+eager drafter masks them. Rollback is a length reset, as for the target (``static_target.StaticTarget``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from inference.cycle import Proposal, propose_block
+from inference.cycle import Proposal, propose_block, samples_drafts
 from inference.grouped_attention import attend_grouped
 from inference.static_target import GraphedPass, StaticLoopUnsupported, check_weights_unchanged, weight_places
 from inference.stats import warn_if_mask_is_emitted
@@ -24,15 +27,13 @@ from models.target import TargetModel
 
 
 class StaticDrafterProposer:
-    """The drafter over a preallocated committed-context cache; its block pass is graphed on CUDA."""
+    """The drafter (either generation) over a preallocated committed-context cache; its block pass is graphed
+    on CUDA."""
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, max_len: int, graphs: bool | None = None,
                  compile: bool = False):
         cfg = drafter.config
         cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=target.num_layers)
-        if cfg.use_sliding_window:
-            raise StaticLoopUnsupported("the static drafter pass has full-attention layers only; this drafter has "
-                                        "sliding-window layers: use the eager loop")
         if cfg.rope_scaling or cfg.attention_bias:
             raise StaticLoopUnsupported("the static drafter pass has plain RoPE and no attention biases; this "
                                         "drafter's config carries a YaRN block or attention_bias (a published "
@@ -52,17 +53,31 @@ class StaticDrafterProposer:
         self._ctx_len = torch.zeros(1, dtype=torch.long, device=dev)
         self._n_new = torch.zeros(1, dtype=torch.long, device=dev)
         self._slot = torch.arange(max_len, device=dev)
+        # DFlash2 sampling: the selector walk's draws for slots 1..B-1, filled from the generation's generator
+        # before each replay (a graph replays its kernels, not a host-side draw)
+        self._uniform = torch.zeros(1, B - 1, device=dev)
+        self.temperature, self.generator = 0.0, None
         self._qkv, self._gate_up = _fuse_projections(drafter)
         self._places = weight_places(drafter)
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         self._qkv_split = [q_width, kv_width, kv_width]
         # the fixed-shape pass (compiled or not) as the graphs run it, looked up at call time
         self.block_pass = torch.compile(self._block_pass, dynamic=False) if compile else self._block_pass
-        self._pass = GraphedPass(lambda: self.block_pass(self._feats), self.graphs)
+        # One graphed pass per temperature: the walk's softmax(score / T), or its greedy argmax, is captured.
+        self._passes: dict[float, GraphedPass] = {}
 
-    def reset(self) -> None:
+    def reset(self, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
         check_weights_unchanged(self.drafter, self._places, "drafter")
         self.ctx_len = 0  # stale slots are masked, then overwritten
+        self.temperature, self.generator = float(temperature), generator
+
+    @property
+    def _pass(self) -> GraphedPass:
+        """The graphed block pass at the current temperature, built (on CUDA captured) on first use."""
+        T = self.temperature if samples_drafts(self.drafter, self.temperature) else 0.0  # v1: one pass for all T
+        if T not in self._passes:
+            self._passes[T] = GraphedPass(lambda: self.block_pass(self._feats), self.graphs)
+        return self._passes[T]
 
     def graphed_pass(self) -> Callable[[], Proposal]:
         """The block pass as the loop replays it, on the inputs already in its buffers (profiling)."""
@@ -81,12 +96,14 @@ class StaticDrafterProposer:
         rope_ctx = rope_cos_sin(ctx_pos[None], cfg.head_dim, cfg.rope_theta, dtype)
         rope_blk = rope_cos_sin(blk_pos[None], cfg.head_dim, cfg.rope_theta, dtype)
         context = d.hidden_norm(d.fc(feats))
-        visible = self._slot < self._ctx_len + self._n_new  # committed context slots
-        mask = torch.cat([visible, torch.ones(B, dtype=torch.bool, device=dev)])[None, None, None].expand(1, 1, B, -1)
+        masks = self._masks(blk_pos)
         h = d.embed(self._block)
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
+            conv = getattr(layer, "attention_conv", None)  # DFlash2: a dynamic conv around each sublayer
             x = layer.input_layernorm(h)
+            if conv is not None:
+                x, dynamic = conv.prepare(x)  # the block's slots only: the context is never convolved
             # One Q/K/V matmul over the new context and the block together: a pass is bound by weight
             # reads, so each weight is read once, in one kernel (the context rows' queries are computed and
             # dropped: free at these sizes). The block's K/V go straight into the buffer's last B slots, so
@@ -99,11 +116,31 @@ class StaticDrafterProposer:
             self.values[i].index_copy_(2, ctx_pos, v[:, :, :C])
             self.keys[i][:, :, self.max_len:].copy_(apply_rope(k[:, :, C:], *rope_blk))
             self.values[i][:, :, self.max_len:].copy_(v[:, :, C:])
-            out = attend_grouped(q, self.keys[i], self.values[i], mask)
-            h = h + a.o_proj(out.transpose(1, 2).reshape(1, B, -1))
-            gate, up = F.linear(layer.post_attention_layernorm(h), self._gate_up[i]).chunk(2, dim=-1)
-            h = h + layer.mlp.down_proj(F.silu(gate) * up)
-        return propose_block(d, d.norm(h)[:, 1:], self._block[:, 0])
+            out = attend_grouped(q, self.keys[i], self.values[i], masks[layer.attention_type])
+            out = a.o_proj(out.transpose(1, 2).reshape(1, B, -1))
+            h = h + (out if conv is None else conv.finish(out, dynamic))
+            x = layer.post_attention_layernorm(h)
+            if conv is not None:
+                x, dynamic = layer.mlp_conv.prepare(x)
+            gate, up = F.linear(x, self._gate_up[i]).chunk(2, dim=-1)
+            out = layer.mlp.down_proj(F.silu(gate) * up)
+            h = h + (out if conv is None else layer.mlp_conv.finish(out, dynamic))
+        return propose_block(d, d.norm(h)[:, 1:], self._block[:, 0], self.temperature, self._uniform)
+
+    def _masks(self, blk_pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[1, 1, B, max_len + B]`` masks by layer type: committed context slots, then the block. A sliding
+        layer also hides context keys ``window`` or more positions before the query and, in-block ``causal``,
+        the block's later slots (``models.drafter.sliding_mask``, the eager drafter's mask)."""
+        cfg, B, dev = self.drafter.config, self.block_size, blk_pos.device
+        visible = self._slot < self._ctx_len + self._n_new  # committed context slots
+        block = torch.ones(B, B, dtype=torch.bool, device=dev)
+        full = torch.cat([visible, block[0]])[None, None, None].expand(1, 1, B, -1)
+        masks = {"full_attention": full}
+        if cfg.use_sliding_window:
+            near = visible[None] & (blk_pos[:, None] - self._slot[None] < cfg.sliding_window)  # [B, max_len]
+            inside = block if cfg.sliding_block_attention == "bidirectional" else block.tril()
+            masks["sliding_attention"] = torch.cat([near, inside], dim=1)[None, None]
+        return masks
 
     def check_block_size(self, block_size: int) -> None:
         if block_size != self.block_size:
@@ -121,6 +158,8 @@ class StaticDrafterProposer:
         self._ctx_len.fill_(self.ctx_len)
         self._n_new.fill_(c)
         self._block[0, 0] = bonus
+        if samples_drafts(self.drafter, self.temperature):  # the walk's draws, from the generation's stream
+            self._uniform.uniform_(generator=self.generator)
         feats = new_features.to(self._feats.dtype)
         if c <= self.block_size:
             self._feats[:, :c].copy_(feats)

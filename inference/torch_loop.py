@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from inference.checks import check_proposer_binding
-from inference.cycle import NoDrafter, Proposal, Proposer, generate, propose_block
+from inference.cycle import NoDrafter, Proposal, Proposer, generate, propose_block, samples_drafts
 from inference.rollback_torch import CacheRollback
 from inference.stats import GenerationResult
 from models.drafter import DFlashDraftModel, DraftCache
@@ -63,7 +63,8 @@ class DynamicTarget:
 
 
 class DrafterProposer:
-    """The drafter with its committed-context cache, bound to the target's embedding and LM head."""
+    """The drafter (either generation) with its committed-context cache, bound to the target's embedding and LM
+    head; its proposal is ``cycle.propose_block`` (v1 argmax, DFlash2 the selector walk)."""
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
         check_proposer_binding(drafter.config, target)
@@ -73,9 +74,11 @@ class DrafterProposer:
         self.block_size = drafter.config.block_size
         self.mask_id = drafter.config.mask_token_id
         self.cache = DraftCache(drafter.config.num_hidden_layers)
+        self.temperature, self.generator = 0.0, None
 
-    def reset(self) -> None:
+    def reset(self, temperature: float = 0.0, generator: torch.Generator | None = None) -> None:
         self.cache = DraftCache(self.drafter.config.num_hidden_layers)
+        self.temperature, self.generator = temperature, generator
 
     @torch.no_grad()
     def propose(self, bonus: int, new_features: torch.Tensor, start: int, block_size: int) -> Proposal:
@@ -85,7 +88,11 @@ class DrafterProposer:
         positions = torch.arange(start - c, start + block_size, device=device)[None]
         feats = new_features.to(self.drafter.fc.weight.dtype)
         hidden = self.drafter(self.drafter.embed(block), feats, positions, cache=self.cache)
-        return propose_block(self.drafter, hidden[:, 1:], block[:, 0])  # stays on the device: one sync per cycle
+        uniform = None
+        if samples_drafts(self.drafter, self.temperature):  # the walk's draws, from the generation's stream
+            uniform = torch.rand(1, block_size - 1, device=device, generator=self.generator)
+        # stays on the device: one sync per cycle
+        return propose_block(self.drafter, hidden[:, 1:], block[:, 0], self.temperature, uniform)
 
     def context_length(self) -> int:
         return len(self.cache)

@@ -12,10 +12,15 @@ Method (the same for every backend, so numbers compare):
 1. Pre-flight on the two ``config.json`` files before any weights load: a swapped ``--target`` /
    ``--draft``, a drafter for another target (hidden size, vocabulary, layer ids vs the target's
    depth, mask id outside the embedding), a block size above the trained one, an empty prompt set,
-   ``--n 0`` and a negative temperature each end in one ``error:`` line; a drafter that records a
+   ``--n 0``, a negative temperature, a drafter whose weights hold NaN / Inf and a quantized MLX
+   drafter on the torch backend each end in one ``error:`` line; a drafter that records a
    different target than ``--target`` gets a warning.
-2. Prompts (``inference.prompt_sets``) are rendered once with the target's chat template and an
-   explicit ``--thinking`` switch; DFlash and the baseline get the identical prompt token ids.
+2. Prompts (``inference.prompt_sets``; several shipped sets: ``--prompts code,math``) are rendered
+   once with the target's chat template and a thinking switch: ``--thinking``, else the one the
+   drafter was trained with (its provenance block's ``data.thinking``, said in one line), else off;
+   an explicit ``--thinking`` that differs from the drafter's gets a warning. DFlash and the
+   baseline get the identical prompt token ids. Prompts whose tokens plus ``--max-new-tokens`` run
+   past the target's positions are skipped, with a count by category (``skipped_too_long``).
 3. A warm-up generation of both (not recorded), then for every prompt and every repeat the
    baseline (the target alone through the same backend's loop module, same dtype, stop rules and
    timers: ``inference.session.Session.baseline``) and DFlash (``Session.run``), alternating.
@@ -40,8 +45,10 @@ in ``inference.report``:
   folder's config; null = not quantized), ``recorded_target``, ``block_size``,
   ``trained_block_size``, ``mask_token_id``, ``draft_quantization`` (None for full precision),
   ``draft_signature`` (first values of the drafter's norm
-  weights: what ``export.push`` matches the report to its folder by), ``temperature``, ``thinking``,
-  ``max_new_tokens``, ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``, ``created``,
+  weights), ``draft_hashes`` (exact hashes of ``fc``'s first rows and the norms, in each dtype: what
+  ``export.push`` matches the report to its folder by), ``temperature``, ``thinking``,
+  ``max_new_tokens``, ``repeats``, ``seed``, ``prompts``, ``prompt_set_hash``, ``prompt_tokens_total``,
+  ``skipped_too_long`` (prompts past the target's positions, not measured), ``created``,
   ``python_version``, ``torch_version``, ``transformers_version``, ``mlx_version``,
   ``mlx_lm_version``, ``draftsmith_version``;
 - overall numbers: ``tau`` (pooled over all cycles: the headline), ``tau_per_prompt_mean``,
@@ -62,6 +69,7 @@ import json
 import platform
 import sys
 import time
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
@@ -71,17 +79,20 @@ from inference import partial
 from inference.checks import (
     LOOPS,
     check_draft_weights,
+    check_drafter_backend,
     check_dtype,
+    check_fetched_draft_weights,
     check_target_tokenizer,
     check_temperature,
     preflight,
+    resolve_thinking,
 )
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
 from models.config import describe_quantization
 from models import hub
-from models.support import hold, set_aside
+from models.support import full_disk_named, hold, set_aside
 from models.provenance import refuse_training_output
 
 
@@ -93,15 +104,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto",
                    help="torch (CUDA or CPU), mlx (Metal, or CPU on Linux), auto: mlx on Apple Silicon")
     p.add_argument("--prompts", default="all",
-                   help=f"{'|'.join(BUILTIN)}|all (shipped sets), a .jsonl of chat messages, a folder, or a Hub data "
-                        "set id (default: all)")
+                   help=f"{'|'.join(BUILTIN)}|all (shipped sets; several: code,math), a .jsonl of chat messages, a "
+                        "folder, or a Hub data set id (default: all)")
     p.add_argument("--split", default="test", help="data set split for a Hub id or save_to_disk folder (default: test)")
     p.add_argument("--subset", default=None, help="data set config name for a Hub id (e.g. main for openai/gsm8k)")
     p.add_argument("--n", type=int, default=None, help="first N prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per prompt; outputs that hit it are flagged")
     p.add_argument("--block-size", type=int, default=None, help="at most the drafter's trained block size")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared token by token)")
-    p.add_argument("--thinking", choices=["on", "off"], default="off", help="the chat template's thinking switch")
+    p.add_argument("--thinking", choices=["on", "off"], default=None,
+                   help="the chat template's thinking switch (default: the drafter's recorded training setting, "
+                        "else off)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode; timings are the median")
     p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -264,15 +277,34 @@ def draft_signature(draft: str) -> dict[str, list[float]]:
     return norm_signature(hub.resolve_model_dir(draft, what="drafter"))
 
 
-def warn_if_too_long(ids: list[list[int]], max_new_tokens: int, positions: int) -> int:
-    """Say how many prompts (+ the tokens to generate) run past the target's positions: the numbers of
-    those prompts measure a target outside what it was trained for. Returns that count."""
-    over = [len(x) for x in ids if len(x) + max_new_tokens > positions]
-    if over:
-        print(f"warning: {len(over)} of {len(ids)} prompts plus --max-new-tokens {max_new_tokens} run past the "
-              f"target's {positions} positions (longest prompt {max(over)} tokens): their tau and speed describe a "
-              "target beyond its context; use a shorter set or --n", file=sys.stderr)
-    return len(over)
+def draft_hashes(draft: str) -> dict[str, dict]:
+    """``models.weights.weight_hashes`` of the drafter measured: what ``export.push`` matches a report to its folder
+    by, exactly."""
+    from models.weights import weight_hashes  # here, not at the top: a CLI's start-up time (it imports torch)
+
+    return weight_hashes(hub.resolve_model_dir(draft, what="drafter"))
+
+
+def skip_too_long(ids: list[list[int]], prompts: list, max_new_tokens: int,
+                  positions: int) -> tuple[list[list[int]], list, int]:
+    """(ids, prompts) without the prompts whose tokens plus ``--max-new-tokens`` run past the target's positions,
+    and how many were skipped (said in one line, by category): their numbers would describe a target beyond its
+    context, and a set with a few such prompts (the long set on a short-context target) still runs the others.
+    None left is an error."""
+    keep = [i for i, x in enumerate(ids) if len(x) + max_new_tokens <= positions]
+    skipped = len(ids) - len(keep)
+    if not skipped:
+        return ids, prompts, 0
+    over = [i for i in range(len(ids)) if i not in set(keep)]
+    by = Counter(prompts[i].category for i in over)
+    longest = max(len(ids[i]) for i in over)
+    what = (f"{skipped} of {len(ids)} prompts ({', '.join(f'{c}: {n}' for c, n in sorted(by.items()))}; longest "
+            f"{longest} tokens) plus --max-new-tokens {max_new_tokens} run past the target's {positions} positions")
+    if not keep:
+        raise ValueError(f"--prompts: all {what}: lower --max-new-tokens, or use a set of shorter prompts")
+    print(f"validate: skipped {what}: their tau and speed would describe a target beyond its context "
+          f"(a lower --max-new-tokens keeps those that fit)", file=sys.stderr)
+    return [ids[i] for i in keep], [prompts[i] for i in keep], skipped
 
 
 def resume_settings(environment: dict) -> dict:
@@ -294,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare:
         return run_compare(args.compare, args.out)
     # One run per --out (they would share partial.jsonl); an unwritable one fails here, before the models load.
-    with hold(args.out, partial.LOCK, "--out", "wait for it, or give this run its own --out"):
+    with full_disk_named(args.out, f"it resumes: the prompts measured so far are kept in {partial.PARTIAL}"), \
+            hold(args.out, partial.LOCK, "--out", "wait for it, or give this run its own --out"):
         return validate(args)
 
 
@@ -310,11 +343,15 @@ def validate(args: argparse.Namespace) -> dict:
     check_draft_weights(args.draft)
     check_target_tokenizer(pre.target, args.target, "validate renders its prompts with the target's chat template: "
                            "add the target's tokenizer files to the folder")
+    args.thinking = resolve_thinking(args.thinking, pre.drafter, "off", lambda m: print(m, file=sys.stderr))
     prompts = load_prompts(args.prompts, n=args.n, split=args.split, subset=args.subset)
-    session = Session(pick_backend(args.backend), args.target, args.draft, args.device, args.dtype, loop=args.loop,
+    backend = pick_backend(args.backend)
+    check_drafter_backend(pre.drafter, backend, args.draft)  # before the target loads
+    session = Session(backend, args.target, args.draft, args.device, args.dtype, loop=args.loop,
                       block_size=pre.block_size)
+    check_fetched_draft_weights(args.draft)  # a Hub id's weights, fetched by the session: before any work
     ids = render_prompts(session.tokenizer, prompts, args.thinking)
-    warn_if_too_long(ids, args.max_new_tokens, session.target.max_position_embeddings)
+    ids, prompts, skipped = skip_too_long(ids, prompts, args.max_new_tokens, session.target.max_position_embeddings)
     print(f"validate: {len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), block size "
           f"{pre.block_size}, {args.repeats} repeat(s), {session.backend} on {session.describe()['device']}",
           file=sys.stderr)
@@ -323,10 +360,12 @@ def validate(args: argparse.Namespace) -> dict:
         "target_quantization": describe_quantization(pre.target.quantization), "recorded_target": pre.recorded_target,
         "block_size": pre.block_size, "trained_block_size": pre.drafter.block_size,
         "mask_token_id": pre.drafter.mask_token_id, "draft_signature": draft_signature(args.draft),
+        "draft_hashes": draft_hashes(args.draft),
         "draft_quantization": describe_quantization(pre.drafter.quantization),  # a 4-bit export's own figures
         "temperature": args.temperature, "thinking": args.thinking,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed, "prompts": args.prompts,
         "prompt_set_hash": prompt_set_hash(prompts, args.thinking), "prompt_tokens_total": sum(map(len, ids)),
+        "skipped_too_long": skipped,
         **_versions(),
     }
     settings = resume_settings(environment)

@@ -101,6 +101,21 @@ def default_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
     return [int(round(1 + (i * (L - 4)) / (n - 1))) for i in range(n)]
 
 
+LAYER_ORDER_FIX = ("list them in ascending order (a drafter trained with another order has fc's input blocks in that "
+                   "order: retrain it with sorted ids)")
+
+
+def layer_order_problem(layer_ids: Iterable[int]) -> str | None:
+    """Why tapped layer ids in this order are refused (None: strictly increasing). Every engine (vLLM, SGLang, the
+    MLX loaders) concatenates the features in ascending layer order, so a drafter whose ``fc`` saw them in another
+    order gets permuted inputs there: the ids are strictly increasing everywhere (config, recipe, export)."""
+    ids = list(layer_ids)
+    if all(a < b for a, b in zip(ids, ids[1:])):
+        return None
+    return (f"layer ids must be strictly increasing (engines concatenate the features in ascending layer order, "
+            f"{sorted(set(ids))})")
+
+
 def mlx_only(d: dict[str, Any]) -> dict[str, Any]:
     """The config of a folder only MLX reads (packed quantized weights): without ``auto_map``, so no
     transformers loader is pointed at a modeling file that cannot load it."""
@@ -321,6 +336,8 @@ class DFlashConfig:
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ConfigError("target_layer_ids", self.target_layer_ids, "a layer is tapped twice",
                               "list each layer id once")
+        if problem := layer_order_problem(self.target_layer_ids):
+            raise ConfigError("target_layer_ids", self.target_layer_ids, problem, LAYER_ORDER_FIX)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError("mask_token_id", self.mask_token_id,
                               f"outside the target embedding (vocab_size={self.vocab_size})",

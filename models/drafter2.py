@@ -80,14 +80,15 @@ class DynamicConv(nn.Module):
     def convolve(self, u: torch.Tensor, side: int, dynamic: torch.Tensor) -> torch.Tensor:
         """``out_t = sum_j (base_kernel[side, j] + D_t[j]) * u_{t-j}``, with u_{t-j} = 0 before the block's start."""
         b, q, H = u.shape
-        B = self.block_size
+        # one pass of fewer slots than a block is one shorter block (inference with a smaller block size)
+        B = min(self.block_size, q)
         if q % B:
             raise ValueError(f"DFlash2 convs run over whole blocks: {q} block slots is not a multiple of "
                              f"block_size {B}")
         blocks = u.view(b, q // B, B, H)
         base = self.base_kernel[side].to(u.dtype)
         out = None
-        for j in range(self.taps):
+        for j in range(min(self.taps, B)):  # a tap at or past the block's start reads zeros
             past = blocks if j == 0 else F.pad(blocks[:, :, :B - j], (0, 0, j, 0))  # slot t reads t-j of its block
             past = past.reshape(b, q, H)
             term = past * base[j] + (past.view(b, q, self.groups, -1) * dynamic[:, :, j, :, None]).view(b, q, H)

@@ -22,6 +22,15 @@ WEIGHT_FILES = ["*.safetensors"]
 INDEX = "model.safetensors.index.json"  # a sharded folder's index: which shard holds each tensor
 
 
+def require_tokenizer_files(directory: str | Path, target: str | Path, fix: str) -> None:
+    """A target folder has tokenizer files (``tokenizer*``: what the loads read): without them transformers built an
+    empty tokenizer (data.prepare then asked for a chat template, then found no row with loss tokens), or the
+    folder was found without one only after the target had loaded. One rule and one message for every command."""
+    if not any(Path(directory).glob("tokenizer*")):
+        raise ValueError(f"--target {target}: {directory} has no tokenizer files (tokenizer.json, "
+                         f"tokenizer_config.json): {fix}")
+
+
 def is_hub_id(path_or_id: str | Path) -> bool:
     """``org/name`` that is not a local path (a local folder of that name wins, as in transformers)."""
     return not Path(str(path_or_id)).expanduser().exists() and bool(HUB_ID.match(str(path_or_id)))

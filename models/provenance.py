@@ -110,8 +110,22 @@ def provenance_from_run(run: dict[str, Any]) -> dict[str, Any]:
         "features": (run.get("features") or {}).get("mode"),
         "train": {k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
         "objective": objective_of_run(run),
+        "quantized_target": quantized_target(target.get("quantization")),
     }
     return {k: v for k, v in prov.items() if v not in (None, {}, "")}
+
+
+def quantized_target(quantization: str | None) -> str | None:
+    """``target.quantization=mlx:DIR``: DIR, the weights the drafter was trained against (a local folder by its
+    absolute path, as the target is recorded); its MLX commands and card name it. None for any other value."""
+    try:
+        spec = parse_quantization(quantization)
+    except ValueError:
+        return None
+    if spec.kind != "mlx" or not spec.path:
+        return None
+    folder = Path(spec.path).expanduser()
+    return str(folder.resolve()) if folder.is_dir() else spec.path
 
 
 def trained_against(path: str, quantization: str | None) -> str:
@@ -123,6 +137,9 @@ def trained_against(path: str, quantization: str | None) -> str:
         if folder.is_dir() and is_mlx_quantized(folder):
             return f"mlx:{path} ({describe_mlx(json.loads((folder / 'config.json').read_text()))})"
         return "none (unquantized weights)"
+    folder = Path(spec.path).expanduser() if spec.kind == "mlx" and spec.path else None
+    if folder is not None and folder.is_dir() and is_mlx_quantized(folder):  # mlx:DIR: the folder, by its full path
+        return f"mlx:{folder.resolve()} ({describe_mlx(json.loads((folder / 'config.json').read_text()))})"
     return spec.describe()
 
 

@@ -221,6 +221,55 @@ def set_aside(path: Path) -> Path:
     return olds[0]
 
 
+# ----------------------------------------------------------------------------- a full disk, said once
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+
+
+class DiskFullError(UserError, OSError):
+    """The disk (or quota) an output folder is on is full; the command's partial work is kept for a rerun."""
+
+
+def disk_full(e: BaseException | None) -> BaseException | None:
+    """The full-disk error in ``e``'s chain (its causes and contexts): an ``OSError`` with ENOSPC / EDQUOT, or a
+    writer's own error that only says so in words (safetensors, pyarrow); None for any other error."""
+    import errno
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or \
+                any(w in str(e) for w in DISK_FULL_WORDS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def full_disk_named(folder: str | Path, rerun: str) -> Iterator[None]:
+    """Turn a full disk inside the block into one line naming the folder written (the file's, when the writer
+    named one elsewhere), the space left there and what a rerun keeps: the bare "[Errno 28] No space left on
+    device" named neither."""
+    import shutil
+
+    try:
+        yield
+    except Exception as e:
+        full = disk_full(e)
+        if full is None or isinstance(e, DiskFullError):
+            raise
+        where = Path(folder)
+        written = getattr(full, "filename", None)
+        if written and not Path(written).absolute().is_relative_to(where.absolute()):
+            where = Path(written).parent  # another disk than the output's (a cache, a temp folder)
+        try:
+            room = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
+            left = f" ({room / 2**30:.1f} GiB left there)"
+        except (OSError, StopIteration):
+            left = ""
+        raise DiskFullError(f"no space left on the disk of {where}{left}: free space there and rerun the same "
+                            f"command: {rerun}") from e
+
+
 # ----------------------------------------------------------------------------- host-to-GPU copies that do not wait
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device``, queued without the host waiting (a host tensor bound for a GPU goes through

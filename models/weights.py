@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from models.hub import INDEX, fetch_files, shard_index
+from models.support import UserError
 
 STRAY_KEY = re.compile(r"(^|\.)(embed_tokens|lm_head)\.")
 
@@ -134,6 +136,70 @@ def same_signature(a: dict[str, list[float]], b: dict[str, list[float]], tol: fl
         len(a[k]) == len(b[k]) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a[k], b[k])) for k in a)
 
 
+HASH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HASH_ROWS = 64  # rows of fc hashed: every row moves in training, and the hash stays cheap at any drafter size
+
+
+def _hashed_tensors(names: Iterable[str]) -> list[str]:
+    """The tensors a drafter is identified by: ``fc`` (its quantized parts too) and every RMSNorm weight."""
+    return sorted(k for k in names if k in ("fc.weight", "fc.scales", "fc.biases") or k.endswith("norm.weight"))
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    raw = t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(
+        {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+
+
+def weight_hashes(directory: Path) -> dict[str, dict]:
+    """Exact content hashes of a few tensors of a drafter folder (``fc``'s first ``HASH_ROWS`` rows and every norm):
+    ``{name: {"dtype": stored dtype, "sha256": {dtype: hash of the values cast to it}}}`` (packed integer weights:
+    ``{"native": hash}``). ``inference.validate`` records them and ``export.push`` compares them exactly
+    (:func:`same_weights`): two checkpoints of one run differ by less than :func:`same_signature`'s tolerance, and
+    a report of one went on the card of another."""
+    out: dict[str, dict] = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for key in _hashed_tensors(f.keys()):
+                t = f.get_slice(key)[:HASH_ROWS] if key.startswith("fc.") else f.get_tensor(key)
+                stored = str(t.dtype).removeprefix("torch.")
+                hashes = ({name: _sha(t.to(dtype)) for name, dtype in HASH_DTYPES.items()} if t.is_floating_point()
+                          else {"native": _sha(t)})
+                out[key] = {"dtype": stored, "sha256": hashes}
+    return dict(sorted(out.items()))
+
+
+def _common_dtype(a: str, b: str) -> str:
+    """The dtype two stored copies of one drafter are compared in: the narrower (an fp32 checkpoint and its bf16
+    export agree in bf16, exactly, since the export rounds the same way); bf16 against fp16: bf16."""
+    if a == b:
+        return a
+    if "float32" in (a, b):
+        return b if a == "float32" else a
+    return "bfloat16"
+
+
+def weight_hash_differences(a: dict[str, dict], b: dict[str, dict]) -> list[str] | None:
+    """Tensors whose exact hashes differ between two :func:`weight_hashes` (compared in their common dtype); None
+    when they share no tensor (nothing to compare)."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    differ = []
+    for name in common:
+        x, y = a[name], b[name]
+        if "native" in x["sha256"] or "native" in y["sha256"]:
+            same = x["dtype"] == y["dtype"] and x["sha256"].get("native") == y["sha256"].get("native")
+        else:
+            dtype = _common_dtype(x["dtype"], y["dtype"])
+            same = x["sha256"].get(dtype) is not None and x["sha256"].get(dtype) == y["sha256"].get(dtype)
+        if not same:
+            differ.append(name)
+    return differ
+
+
 def read_safetensors_tensors(directory: Path, keys: list[str], device: str | torch.device = "cpu",
                              optional: list[str] = (), repo_id: str | None = None) -> dict:
     """Named tensors from a model folder's safetensors shards, reading only those (``optional`` ones may
@@ -191,3 +257,44 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
                 continue
             raise absent(key)
     return out
+
+
+class NonFiniteWeights(UserError, ValueError):
+    """A drafter whose weights hold NaN or Inf: it drafts nothing useful, and no engine says why."""
+
+
+def folder_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every drafter tensor in a folder's safetensors files, one at a time (a stray copy of the
+    target's embedding or LM head, which loaders drop, is not read)."""
+    for path in weight_files(directory):
+        check_complete(path)  # a truncated file is named, not a reader's error
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if not STRAY_KEY.search(key):
+                    yield key, f.get_tensor(key)
+
+
+def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """``"fc.weight (3 NaN, 1 Inf of 3072 values)"`` for each floating tensor holding a value that is not finite
+    (packed integer weights of a quantized folder hold none)."""
+    found = []
+    for name, t in named:
+        if not t.is_floating_point():
+            continue
+        finite = torch.isfinite(t)
+        if bool(finite.all()):
+            continue
+        nan = int(torch.isnan(t).sum())
+        found.append(f"{name} ({nan} NaN, {t.numel() - int(finite.sum()) - nan} Inf of {t.numel()} values)")
+    return found
+
+
+def check_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, fix: str) -> None:
+    """Refuse weights holding NaN / Inf, naming the tensor: a NaN drafter ran at tau 1.00 without a word, and an
+    export blamed the disk for it ("fc.weight changed on the way to disk": NaN is not equal to itself)."""
+    bad = nonfinite(named)
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(b.split(' (')[0] for b in bad[1:4])}" + \
+            (", ..." if len(bad) > 4 else "") + ")" if len(bad) > 1 else ""
+        raise NonFiniteWeights(f"{what}: weight {bad[0]} is not finite{more}: the drafter diverged in training or "
+                               f"its file is damaged. {fix}")

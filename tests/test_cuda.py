@@ -408,3 +408,47 @@ def test_host_tensors_reach_the_gpu_without_waiting_for_its_queue():
     assert not torch.cuda.current_stream().query()  # returned while the kernel still runs
     torch.cuda.synchronize()
     assert torch.equal(y.cpu(), x) and y.device.type == "cuda"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_graphed_dflash2_pass_equals_the_eager_one_on_cuda(arch):
+    """DFlash2 inside the captured draft pass (its two convs per layer, sliding-window masks, the selector walk):
+    replayed, greedy and sampled (uniforms from the static buffer, one captured pass per temperature), it proposes
+    the eager drafter's drafts, candidates and q cycle by cycle; the resident cycle and the two-graph cycle give
+    target-only decoding's tokens and the eager loop's acceptance lengths, with a random and a bigram-walk drafter
+    (fp32). Not yet run on a GPU."""
+    from inference.static_loop import StaticDrafterProposer, StaticTarget, resident_cycle, static_dflash_generate
+    from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
+    from models.target import TargetModel
+    from models.tiny import tiny_target, tiny_tokenizer
+    from tests.helpers.dflash2 import bigram_dflash2, random_dflash2, tiny_v2_config
+
+    prompt = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
+    target = TargetModel(tiny_target(arch).cuda(), tiny_tokenizer())
+    ref = target_generate(target, prompt, 80, eos_token_ids=[])
+    seq = prompt + ref.tokens
+    feats = target.forward(torch.tensor([seq], device="cuda"), tiny_v2_config(target).target_layer_ids,
+                           with_logits=False).features
+    for drafter in (random_dflash2(tiny_v2_config(target)).cuda(), bigram_dflash2(target, seq).cuda().eval()):
+        eager = DrafterProposer(drafter, target)
+        st = StaticTarget(target, drafter.config.target_layer_ids, max_len=len(prompt) + 100, block_size=8)
+        static = StaticDrafterProposer(drafter, target, st.max_len)
+        assert static.graphs
+        for T in (0.0, 0.7):
+            eager.reset(T, torch.Generator("cuda").manual_seed(3))
+            static.reset(T, torch.Generator("cuda").manual_seed(3))
+            start, new = len(prompt), feats[:, :len(prompt)]
+            for keep in (3, 1, 8, 2, 5, 8, 4):
+                a, b = eager.propose(seq[start], new, start, 8), static.propose(seq[start], new, start, 8)
+                assert torch.equal(a.drafts, b.drafts), (T, start)
+                if T > 0:  # candidate order is not part of the contract (ties among K = V bigram candidates)
+                    assert torch.equal(a.candidates.sort(-1).values, b.candidates.sort(-1).values)
+                    by_id = lambda p: torch.zeros(7, 288, device="cuda").scatter(-1, p.candidates, p.q)  # noqa: E731
+                    assert_close(by_id(b), by_id(a), atol=1e-5, what="q of the graphed walk, by token")
+                new, start = feats[:, start:start + keep], start + keep
+        assert sorted(static._passes) == [0.0, 0.7] and all(p.graph is not None for p in static._passes.values())
+        loop = dflash_generate(target, DrafterProposer(drafter, target), prompt, 64, eos_token_ids=[])
+        for resident in (True, False):
+            res = static_dflash_generate(st, static, prompt, 64, eos_token_ids=[], resident=resident)
+            assert_same_loop(res, loop, ref.tokens[:64], target.is_hybrid)
+        assert resident_cycle(st, static)._graph.graph is not None

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from models.config import LAYER_ORDER_FIX, layer_order_problem
 from models.quantization import parse_quantization
 from models.provenance import DPACE_ALPHA, GAMMA_BY_BLOCK  # shared with exports, which name the objective
 from train.overrides import (build, check_key, flatten, leaf_type, parse_args, parse_value, recipe_path,
@@ -368,6 +369,8 @@ class RunConfig:
         if d.target_layer_ids is not None and not d.target_layer_ids:
             raise ValueError("drafter.target_layer_ids=[] taps no layer: list layer ids, or leave it unset for the "
                              "default spread (drafter.num_taps of them)")
+        if d.target_layer_ids and (problem := layer_order_problem(d.target_layer_ids)):
+            raise ValueError(f"drafter.target_layer_ids={list(d.target_layer_ids)}: {problem}: {LAYER_ORDER_FIX}")
         if d.rope_theta is not None and not (math.isfinite(d.rope_theta) and d.rope_theta > 0):
             raise ValueError(f"drafter.rope_theta={d.rope_theta} must be a positive RoPE base (unset: the target's)")
 

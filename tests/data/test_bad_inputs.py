@@ -1136,7 +1136,9 @@ def test_extract_dtype_device_and_topk_checked_before_anything_is_written(tmp_pa
     monkeypatch.setattr(models.target.TargetModel, "from_pretrained", load)
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "draftsmith_data.json").write_text("{}")  # a prepared folder, as far as the flags go
-    argv = ["--target", "t", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")  # a target with tokenizer files, as far as they go
+    argv = ["--target", str(tmp_path / "t"), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
     with pytest.raises(KeyboardInterrupt):
         data.extract.main([*argv, "--target-dtype", "bf16", "--device", "cpu"])
     assert loaded["dtype"] == "bfloat16"
@@ -1465,3 +1467,80 @@ def test_a_prepare_into_a_folder_another_prepare_writes_is_refused_and_a_finishe
     main(args)
     assert (out / LOCK).is_file() and (out / "draftsmith_data.json").is_file()
     main(args)  # the finished folder is reused, the lock file in it is the prepare's own
+
+
+def test_prepare_and_extract_refuse_a_target_without_tokenizer_files_before_anything_else(data_target, tmp_path):
+    """transformers built an empty tokenizer: data.prepare asked for a chat template, then said no row had loss
+    tokens. Both commands give the "no tokenizer files" line training and generate give, before anything is read,
+    written or loaded."""
+    import shutil
+
+    from data.extract import main as extract
+    from data.prepare import main as prepare
+    from models.support import run_cli
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in Path(data_target).iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, bare / f.name)
+    prepared = tmp_path / "data-ready"  # a prepared folder as far as extract checks before loading anything
+    prepared.mkdir()
+    (prepared / "draftsmith_data.json").write_text("{}")
+    said = f"error: --target {bare}: {bare} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
+    runs = {"prepare": lambda: prepare(["--target", str(bare), "--source", str(_DATA_FIX / "openai.jsonl"), "--out",
+                                        str(tmp_path / "data")]),
+            "extract": lambda: extract(["--target", str(bare), "--data", str(prepared), "--out",
+                                        str(tmp_path / "feats")])}
+    for name, run in runs.items():
+        with pytest.raises(SystemExit) as e:
+            run_cli(run)
+        assert str(e.value.code).startswith(said), e.value.code
+        assert "tokenizer files to the folder" in str(e.value.code)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "data-ready"]  # nothing written
+
+
+def _disk_full(*args, **kwargs):
+    import errno
+    import os
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_in_prepare_and_extract_names_the_folder_and_says_a_rerun_resumes(data_target, tmp_path,
+                                                                                       monkeypatch):
+    """Both ended in a bare "[Errno 28] No space left on device", naming neither the folder nor what a rerun does.
+    (Fault injection: the writers raise what a full disk raises.)"""
+    import data.rows
+    import data.store_writer
+    from data.extract import main as extract
+    from data.prepare import main as prepare
+    from models.support import run_cli
+
+    def error_of(run) -> str:
+        with pytest.raises(SystemExit) as e:
+            run_cli(run)
+        return str(e.value.code)
+
+    prepared, feats = tmp_path / "data", tmp_path / "feats"
+    argv = ["--target", str(data_target), "--source", str(_DATA_FIX / "openai.jsonl"), "--out", str(prepared),
+            "--no-progress"]
+    real = data.rows.tokenize_to_disk
+    monkeypatch.setattr(data.rows, "tokenize_to_disk", _disk_full)
+    message = error_of(lambda: prepare(argv))
+    assert re.match(rf"error: no space left on the disk of {re.escape(str(prepared))} \(\d+\.\d GiB left there\): free "
+                    "space there and rerun the same command: it resumes: the regenerated answers are kept", message)
+    monkeypatch.setattr(data.rows, "tokenize_to_disk", real)
+    prepare(argv)
+
+    argv = ["--target", str(data_target), "--data", str(prepared), "--out", str(feats), "--layers", "0",
+            "--no-progress", "--device", "cpu", "--target-dtype", "fp32"]
+    real = data.store_writer.write_safetensors
+    monkeypatch.setattr(data.store_writer, "write_safetensors", _disk_full)
+    message = error_of(lambda: extract(argv))
+    assert message.startswith(f"error: no space left on the disk of {feats} (") and message.endswith(
+        "free space there and rerun the same command: it resumes: finished shards are kept, the missing ones are "
+        "computed\n(set DRAFTSMITH_TRACEBACK=1 to see where it came from)")
+    monkeypatch.setattr(data.store_writer, "write_safetensors", real)
+    extract(argv)
+    assert json.loads((feats / "index.json").read_text())["complete"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,17 @@ def _export_case(case: str, root, drafter) -> list[str]:
         (ckpt / "drafter").mkdir(parents=True)
         (ckpt / "trainer_state.json").write_text('{"step": 3}')
         return ["--checkpoint", str(ckpt), "--out", out]
+    if case in ("a checkpoint without drafter/", "a checkpoint without trainer_state.json"):
+        # export.hf said "not a drafter folder ... pass runs/NAME/checkpoints/step_N": what the user had passed
+        for step in (2, 3):
+            ckpt = root / "run" / "checkpoints" / f"step_{step}"
+            (ckpt / "state").mkdir(parents=True)
+            (ckpt / "config.yaml").write_text("recipe: tiny\n")
+            if step == 2 or "drafter/" not in case:
+                shutil.copytree(drafter, ckpt / "drafter")
+            if step == 2 or "trainer_state" not in case:
+                (ckpt / "trainer_state.json").write_text(f'{{"step": {step}}}')
+        return ["--checkpoint", str(root / "run" / "checkpoints" / "step_3"), "--out", out]
     if case in ("run config not YAML", "a run's final/ folder"):
         (root / "run" / "final").mkdir(parents=True)
         drafter.rename(root / "run" / "final" / "drafter")
@@ -144,6 +156,11 @@ EXPORT_CASES = {
     "damaged trainer state": "holds no integer 'step': the folder is damaged",
     "config.json a JSON list": "config.json is not a DFlash drafter's",
     "an incomplete checkpoint": "drafter/ holds no DFlash config.json (the checkpoint is incomplete)",
+    "a checkpoint without drafter/": "step_3 is incomplete: no drafter/ (it holds config.yaml, state/, "
+                                     "trainer_state.json; a checkpoint holds drafter/, state/, config.yaml and "
+                                     "trainer_state.json): pass another checkpoint (the newest complete one: ",
+    "a checkpoint without trainer_state.json": "step_3 is incomplete: no trainer_state.json (it holds config.yaml, "
+                                               "drafter/, state/; ",
     "run config not YAML": "config.yaml is not valid YAML (",
     "a run's final/ folder": "final is not a drafter folder (no config.json), a checkpoint or a run folder: pass "
                              "runs/NAME/checkpoints/step_N, runs/NAME/final/drafter or runs/NAME",
@@ -583,3 +600,184 @@ def test_exporting_a_folder_with_suffixed_codebooks_writes_the_published_names(t
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert "candidate_selector.successor_codebook" in names and not any(n.endswith("codebook.weight") for n in names)
+
+
+def _dtype_of(folder: Path) -> str:
+    return json.loads((folder / "config.json").read_text())["torch_dtype"]
+
+
+def test_overwrite_through_a_symlink_replaces_the_export_it_points_at(tmp_path, export_drafter):
+    """export --out LINK --overwrite, LINK a symlink to an earlier export: exited 0 having replaced the link with a
+    new folder, the old weights left where it pointed and a `.LINK.old` link beside it. The export is written where
+    the link points; the link stays and nothing is left beside either."""
+    from export.hf import export_hf
+
+    quiet = lambda *_: None  # noqa: E731
+    exports = tmp_path / "exports"
+    export_hf(export_drafter, exports / "v1", dtype="fp32", remote_code_check=False, log=quiet)
+    (tmp_path / "latest").symlink_to(exports / "v1")
+    export_hf(export_drafter, tmp_path / "latest", dtype="bf16", overwrite=True, remote_code_check=False, log=quiet)
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest").resolve() == exports / "v1"
+    assert _dtype_of(exports / "v1") == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "exports", "latest"]
+    assert sorted(p.name for p in exports.iterdir()) == ["v1"]
+
+
+def test_an_out_that_is_a_symlink_to_an_empty_folder_or_a_mount_point_is_written_into(tmp_path, export_drafter,
+                                                                                       monkeypatch):
+    """--out a symlink to an empty folder passed every gate, then failed with [Errno 20] Not a directory; an --out
+    that is a mount point failed with [Errno 16] Device or resource busy (the export renamed the folder itself).
+    Both are written into: a mount point gets the files moved in (its lost+found left alone), the folder itself is
+    never renamed or removed."""
+    import errno
+    import os
+
+    from export.hf import export_hf
+
+    quiet = lambda *_: None  # noqa: E731
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    export_hf(export_drafter, tmp_path / "link", dtype="fp32", remote_code_check=False, log=quiet)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "empty" / "model.safetensors").is_file()
+
+    mount = tmp_path / "mnt"
+    (mount / "lost+found").mkdir(parents=True)
+    real_rename, real_rmdir, real_ismount = os.rename, os.rmdir, os.path.ismount
+
+    def busy(f):  # what the kernel answers for a mount point
+        def call(src, *a, **k):
+            if Path(src) == mount:
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
+            return f(src, *a, **k)
+        return call
+
+    monkeypatch.setattr(os, "rename", busy(real_rename))
+    monkeypatch.setattr(os, "rmdir", busy(real_rmdir))
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real_ismount(p))
+    export_hf(export_drafter, mount, dtype="fp32", remote_code_check=False, log=quiet)
+    assert _dtype_of(mount) == "float32"
+    export_hf(export_drafter, mount, dtype="bf16", overwrite=True, remote_code_check=False, log=quiet)
+    assert _dtype_of(mount) == "bfloat16"
+    assert sorted(p.name for p in mount.iterdir()) == ["config.json", "lost+found", "model.safetensors",
+                                                       "modeling_dflash.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "empty", "link", "mnt"]
+    message = _export_error("hf", ["--checkpoint", str(export_drafter), "--out", str(mount), "--no-remote-code-check"])
+    assert "exists and is not empty" in message  # without --overwrite, as for any folder
+
+
+def _poison(folder: Path, name: str = "fc.weight", value: float = float("nan")) -> None:
+    """Set one value of a tensor in a folder's model.safetensors (a diverged or damaged drafter)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    state[name] = state[name].clone()
+    state[name].view(-1)[3] = value
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_a_drafter_with_nan_or_inf_weights_is_refused_naming_the_tensor(tmp_path, export_drafter, monkeypatch):
+    """push --dry-run passed every gate and would have uploaded it; export.hf blamed the disk ("fc.weight changed on
+    the way to disk": NaN is not equal to itself). One finiteness check names the tensor, before any work."""
+    import shutil
+
+    from huggingface_hub import HfApi
+
+    from export.hf import export_hf
+
+    export_hf(export_drafter, tmp_path / "hf", dtype="fp32", remote_code_check=False, log=lambda *_: None)
+    _poison(export_drafter)
+    _poison(export_drafter, "norm.weight", float("inf"))
+    modules = ["hf"] + ["mlx"] * bool(importlib.util.find_spec("mlx"))
+    for module in modules:
+        message = _export_error(module, ["--checkpoint", str(export_drafter), "--out", str(tmp_path / "to" / module)])
+        assert (f"{export_drafter}: weight fc.weight (1 NaN, 0 Inf of 3072 values) is not finite (and 1 more: "
+                "norm.weight): the drafter diverged in training or its file is damaged. Nothing was exported: export "
+                "an earlier checkpoint") in message, message
+        assert not (tmp_path / "to" / module).exists()
+    monkeypatch.setattr(HfApi, "upload_folder", lambda *a, **k: pytest.fail("uploaded"))
+    shutil.copytree(tmp_path / "hf", tmp_path / "hf-nan")
+    _poison(tmp_path / "hf-nan", "layers.0.mlp.down_proj.weight", float("-inf"))
+    message = _export_error("push", ["--folder", str(tmp_path / "hf-nan"), "--repo", "me/d", "--dry-run"])
+    assert "weight layers.0.mlp.down_proj.weight (0 NaN, 1 Inf of 2048 values) is not finite" in message
+    assert "Nothing was uploaded" in message
+
+
+def test_a_report_of_another_checkpoint_of_the_run_is_refused_by_an_exact_hash(tmp_path, export_drafter):
+    """push --report R, R measured on another drafter of the same run (a step-100 export with the final drafter's
+    report): the card showed the other drafter's numbers, because the norm fingerprint's tolerance (1e-2) is wider
+    than two checkpoints differ (<= 0.0042). validate records exact hashes of a few tensors, push compares them in
+    the two folders' common dtype: the same drafter in any format matches, another checkpoint does not."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from export.hf import export_hf
+    from models.config import DFlashConfig
+    from models.weights import norm_signature, same_signature, weight_hashes
+
+    quiet = lambda *_: None  # noqa: E731
+    later = Path(shutil.copytree(export_drafter, tmp_path / "step_200"))
+    state = load_file(str(later / "model.safetensors"))
+    save_file({k: v + 0.004 * torch.rand_like(v) if k.endswith("norm.weight") or k == "fc.weight" else v
+               for k, v in state.items()}, str(later / "model.safetensors"), metadata={"format": "pt"})
+    assert same_signature(norm_signature(later), norm_signature(export_drafter))  # the old check let it through
+
+    def report_of(drafter: Path) -> Path:  # what validate writes about the drafter it measured
+        config = DFlashConfig.load(drafter)
+        path = tmp_path / f"report-{drafter.name}.json"
+        path.write_text(json.dumps({
+            "schema": "draftsmith.validate/1", "tau": 2.5, "tau_per_prompt_mean": 2.7, "backend": "torch",
+            "device": "cpu", "dtype": "float32", "target": "t", "num_prompts": 3, "per_category": {},
+            "draft": str(drafter), "trained_block_size": config.block_size, "mask_token_id": config.mask_token_id,
+            "draft_quantization": None, "draft_signature": norm_signature(drafter),
+            "draft_hashes": weight_hashes(drafter)}))
+        return path
+
+    export_hf(export_drafter, tmp_path / "step100-bf16", remote_code_check=False, log=quiet)
+    push = ["--folder", str(tmp_path / "step100-bf16"), "--repo", "me/d", "--dry-run", "--report"]
+    message = _export_error("push", push + [str(report_of(later))])
+    assert (f"was measured with another drafter: other weights (its drafter '{later}' differs from this folder in "
+            "fc.weight, hidden_norm.weight, layers.0.input_layernorm.weight (+") in message
+    from export.push import main
+
+    # the fp32 drafter's report matches its bf16 export, exactly
+    assert main(push + [str(report_of(export_drafter))])["uploaded"] is False
+    if importlib.util.find_spec("mlx"):
+        from export.mlx import export_mlx
+
+        export_mlx(export_drafter, tmp_path / "step100-mlx", log=quiet)  # bf16: MLX rounds as torch does
+        main(["--folder", str(tmp_path / "step100-mlx"), "--repo", "me/d", "--dry-run", "--report",
+              str(report_of(export_drafter))])
+
+
+def test_serve_commands_and_cards_state_the_engine_releases_that_load_the_folder(tmp_path, export_drafter):
+    """vLLM 0.20-0.21 tap one layer early and SGLang 0.5.11-0.5.12 ignore the RoPE base (0.5.17 and earlier run
+    sliding layers causally): the folder loads there and drafts worse without a word. Every printed serve command
+    and the card name the releases that load it correctly; a quantized MLX export names the MLX loaders that read
+    it and points the others to the bf16 folder."""
+    from export.card import render_card
+    from export.hf import export_hf
+    from export.usage import engine_requirements
+
+    said = []
+    summary = export_hf(export_drafter, tmp_path / "hf", remote_code_check=False, log=said.append)
+    printed = "\n".join(said)
+    assert "(needs vLLM >= 0.22.0 (0.20-0.21 tap each target layer one layer early: MT-bench acceptance 3.92 " \
+           "instead of 4.11; fixed by vLLM PR #40727))" in printed
+    assert "(needs SGLang >= 0.5.13 (0.5.11-0.5.12 ignore the drafter's RoPE base" in printed
+    assert summary["engines"] == engine_requirements("dflash")
+    card = str(render_card(tmp_path / "hf", "me/d"))
+    assert "vLLM: Needs vLLM >= 0.22.0" in card and "SGLang: Needs SGLang >= 0.5.13" in card
+    assert engine_requirements("dflash", sliding=True)["sglang"].startswith("SGLang >= 0.5.18 (this drafter has "
+                                                                            "sliding-window layers")
+    assert "0.5.18" in engine_requirements("dflash2")["sglang"]  # DFlash2 keeps its own, later builds
+    if importlib.util.find_spec("mlx"):
+        from export.mlx import export_mlx
+
+        said.clear()
+        export_mlx(export_drafter, tmp_path / "q4", quantize=4, group_size=32, log=said.append)
+        loaders = ("loads in draftsmith's MLX loop and in bstnxbt/dflash-mlx; z-lab's model_mlx.py and "
+                   "Aryagm/dflash-mlx refuse its extra scales/biases: give those the bf16 folder")
+        assert loaders in "\n".join(said) and loaders in str(render_card(tmp_path / "q4", "me/d-4bit"))

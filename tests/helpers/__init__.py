@@ -39,7 +39,7 @@ class ReferenceProposer:
         self.seen = 0
         self.received: list[tuple[int, object]] = []
 
-    def reset(self) -> None:
+    def reset(self, temperature: float = 0.0, generator=None) -> None:
         self.seen = 0
 
     def propose(self, bonus, new_features, start, block_size):

@@ -110,3 +110,111 @@ def random_dflash2(config, seed: int = 0, conv_scale: float = 0.1):
             else:
                 p.copy_((0.5 if "codebook" in name else 0.1) * torch.randn_like(p))
     return model.eval()
+
+
+def tiny_v2_config(target, **kw):
+    """A tiny DFlash2 drafter config for a tiny target (``tests.helpers.tiny_drafter_config`` with the DFlash2 keys:
+    convs of groups of 16 channels, rank 8, K = 4 candidates, every layer sliding with a window of 24)."""
+    from tests.helpers import tiny_drafter_config
+
+    args = dict(variant="dflash2", selector_rank=8, selector_top_k=4, sliding_window=24)
+    args.update(kw)
+    return tiny_drafter_config(target, **args)
+
+
+def bigram_dflash2(target, sequence: list[int], seed: int = 1, strength: float = 10.0):
+    """A DFlash2 drafter whose selector walk drafts ``sequence``'s bigrams: after token a it proposes the token that
+    last followed a in ``sequence`` (so it is right for a few slots, then wrong: multi-token acceptance through the
+    walk, its predecessors the walk's own picks). Random weights (convs off identity) with attention and MLP
+    outputs damped, so every mask slot's hidden state stays near the normed mask embedding h0;
+    ``hidden_projection`` maps h0 to ones, the codebooks are a one-hot predecessor and a ``strength``-scaled
+    successor table, and K = V candidates, so the pair term decides every pick. Built on the CPU in float32."""
+    V = target.vocab_size
+    model = random_dflash2(tiny_v2_config(target, selector_rank=V, selector_top_k=V), seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+        h0 = model.norm(target.embed_tokens.weight[model.config.mask_token_id][None].detach().float().cpu())[0]
+        selector = model.candidate_selector
+        selector.hidden_projection.weight.copy_(torch.ones(V, 1) * h0 / h0.dot(h0))
+        selector.predecessor_codebook.copy_(torch.eye(V))
+        successor = torch.zeros(V, V)
+        for a, b in zip(sequence, sequence[1:]):
+            successor[:, a] = 0
+            successor[b, a] = strength
+        selector.successor_codebook.copy_(successor)
+    return model
+
+
+# A hand-made verify block for the rejection sampler (``accept`` with a q): vocabulary 6, B = 3 (two drafts),
+# K = 4 candidates per slot, the second slot's q depending on the first draft (as the walk's does), target rows
+# with mass outside the candidates. At T = 0.7 the logits are 0.7 log p, so softmax(logits / T) = p.
+REJECTION_T = 0.7
+REJECTION_P = np.array([[0.10, 0.35, 0.05, 0.10, 0.25, 0.15],
+                        [0.30, 0.05, 0.20, 0.15, 0.10, 0.20],
+                        [0.05, 0.10, 0.40, 0.10, 0.15, 0.20]])
+REJECTION_CANDIDATES = np.array([[0, 1, 2, 3], [1, 2, 4, 5]])
+REJECTION_Q1 = np.array([0.40, 0.30, 0.20, 0.10])
+REJECTION_Q2 = {x: np.roll([0.50, 0.25, 0.15, 0.10], x) for x in range(4)}  # by the first draft
+CHI2_5_DOF_1E4 = 25.74  # P(chi-square with 5 degrees of freedom > 25.74) = 1e-4
+
+
+def chi_square(counts: np.ndarray, p: np.ndarray) -> float:
+    expected = counts.sum() * p
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def rejection_trials(accept_block, n: int = 20000, seed: int = 0) -> dict:
+    """``n`` cycles of the hand-made block: drafts drawn from q (inverse CDF, as the walk draws them),
+    ``accept_block(drafts, q rows, candidate rows) -> the target's tokens [3]`` (the sampler under test, its own
+    random stream), then the host's rule (the longest prefix equal to the drafts, then the token at the first
+    mismatch). Returns the committed tokens' counts at each position (position k counted over the cycles that
+    reached it), the acceptance counts, and the first drafts' counts (what always accepting would commit)."""
+    rng = np.random.default_rng(seed)
+    counts, reached, drafted = np.zeros((3, 6)), np.zeros(3), np.zeros(6)
+    for _ in range(n):
+        x1 = REJECTION_CANDIDATES[0, min(np.searchsorted(np.cumsum(REJECTION_Q1), rng.random(), "right"), 3)]
+        q2 = REJECTION_Q2[x1]
+        x2 = REJECTION_CANDIDATES[1, min(np.searchsorted(np.cumsum(q2), rng.random(), "right"), 3)]
+        drafts = [int(x1), int(x2)]
+        tokens = accept_block(drafts, np.stack([REJECTION_Q1, q2]), REJECTION_CANDIDATES)
+        accepted = 0
+        while accepted < 2 and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        for k, tok in enumerate(drafts[:accepted] + [tokens[accepted]]):
+            counts[k, tok] += 1
+            reached[k] += 1
+        drafted[x1] += 1
+    q1 = np.zeros(6)
+    q1[REJECTION_CANDIDATES[0]] = REJECTION_Q1
+    overlap = np.minimum(REJECTION_P[0], q1)  # P(first draft accepted and = x)
+    second = sum(overlap[x] * np.minimum(REJECTION_P[1], _scatter(REJECTION_Q2[x], 1)).sum() for x in range(4))
+    return dict(counts=counts, reached=reached, drafted=drafted, n=n,
+                accept_rate=(reached[1] / n, overlap.sum()),  # (measured, exact) P(slot 1 accepted)
+                accept_rate_2=(reached[2] / max(reached[1], 1), second / overlap.sum()),  # P(slot 2 | slot 1)
+                compare_rate=float((REJECTION_P[0] * q1).sum()))  # what sampling p and comparing would accept
+
+
+def _scatter(q: np.ndarray, slot: int) -> np.ndarray:
+    full = np.zeros(6)
+    full[REJECTION_CANDIDATES[slot]] = q
+    return full
+
+
+def check_rejection_trials(stats: dict) -> None:
+    """Every committed position's frequencies match the target's row (chi-square below its 1e-4 quantile; a
+    correct sampler fails that with probability 1e-4 per position, and the fixed seed makes it deterministic);
+    the acceptance rates equal the rejection sampler's sum(min(p, q)) within 4.5 binomial standard errors, far
+    from the rate of comparing with a target sample; the first drafts alone fail the same chi-square (the power
+    of the test: committing the drafts as drawn, tokens ~ q, is caught)."""
+    for k in range(3):
+        stat = chi_square(stats["counts"][k], REJECTION_P[k])
+        assert stat < CHI2_5_DOF_1E4, (f"position {k + 1}: chi-square {stat:.1f} over {int(stats['reached'][k])} "
+                                       f"tokens, frequencies {stats['counts'][k] / stats['reached'][k]} vs "
+                                       f"{REJECTION_P[k]}")
+    for (measured, exact), n in ((stats["accept_rate"], stats["n"]), (stats["accept_rate_2"], stats["reached"][1])):
+        se = np.sqrt(exact * (1 - exact) / n)
+        assert abs(measured - exact) < 4.5 * se, f"acceptance rate {measured:.4f}, expected {exact:.4f} (se {se:.4f})"
+    assert abs(stats["accept_rate"][1] - stats["compare_rate"]) > 0.3
+    assert chi_square(stats["drafted"], REJECTION_P[0]) > 100 * CHI2_5_DOF_1E4

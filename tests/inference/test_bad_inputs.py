@@ -821,16 +821,33 @@ def test_a_run_or_checkpoint_folder_as_draft_names_the_drafter_inside(tmp_path):
         preflight(str(tmp_path / "target"), str(tmp_path / "step_3"), None)
 
 
-def test_validate_warns_of_prompts_past_the_targets_positions(capsys):
-    """The long set (5k-token prompts) ran on a 4096-position target without a word."""
-    from inference.validate import warn_if_too_long
+def test_validate_skips_prompts_past_the_targets_positions_with_a_count(capsys):
+    """The long set (5k-token prompts) ran on a 4096-position target without a word, then with a warning: its
+    numbers described a target beyond its context. Those prompts are skipped with a count by category; the others
+    run; none left is an error."""
+    from inference.prompt_sets import Prompt
+    from inference.validate import skip_too_long
 
-    assert warn_if_too_long([[1] * 5000, [1] * 100], 64, 4096) == 1
-    assert "1 of 2 prompts plus --max-new-tokens 64 run past the target's 4096 positions" in capsys.readouterr().err
-    assert warn_if_too_long([[1] * 100], 64, 4096) == 0 and capsys.readouterr().err == ""
-    assert warn_if_too_long([[1] * 4032], 64, 4096) == 0 and capsys.readouterr().err == ""  # fills it exactly
-    assert warn_if_too_long([[1] * 4100, [1] * 5000, [1] * 10], 64, 4096) == 2
-    assert "2 of 3 prompts" in (err := capsys.readouterr().err) and "(longest prompt 5000 tokens)" in err
+    prompts = [Prompt(f"p{i}", cat, []) for i, cat in enumerate(["long", "code", "long"])]
+    ids, kept, skipped = skip_too_long([[1] * 5000, [1] * 100, [1] * 4100], prompts, 64, 4096)
+    assert (ids, [p.id for p in kept], skipped) == ([[1] * 100], ["p1"], 2)
+    err = capsys.readouterr().err
+    assert ("validate: skipped 2 of 3 prompts (long: 2; longest 5000 tokens) plus --max-new-tokens 64 run past the "
+            "target's 4096 positions") in err
+    assert skip_too_long([[1] * 4032], prompts[:1], 64, 4096) == ([[1] * 4032], prompts[:1], 0)  # fills it exactly
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="--prompts: all 1 of 1 prompts .* lower --max-new-tokens"):
+        skip_too_long([[1] * 5000], prompts[:1], 64, 4096)
+
+
+def test_several_shipped_prompt_sets_are_one_prompts_value():
+    """--prompts code,math was taken for a Hub data set id."""
+    from inference.prompt_sets import load_prompts
+
+    assert {p.category for p in load_prompts("code,math", n=2)} == {"code", "math"}
+    assert len(load_prompts("math,code", n=1)) == 2
+    with pytest.raises(FileNotFoundError, match="--prompts code,maths: 'maths' is not a shipped prompt set"):
+        load_prompts("code,maths")
 
 
 def test_generate_warns_of_a_prompt_past_the_targets_positions(tmp_path, capsys):
@@ -1110,9 +1127,9 @@ def test_static_loop_past_its_preallocated_length(tiny_targets):
 
 
 def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
-    """An empty prompt, a drafter with sliding-window layers, a target loaded with flash attention (the static
-    mask of stale slots would be ignored), a block of another size and features that do not continue the
-    drafter's cache each get a named error instead of wrong drafts or an opaque traceback."""
+    """An empty prompt, a target loaded with flash attention (the static mask of stale slots would be ignored),
+    a block of another size and features that do not continue the drafter's cache each get a named error
+    instead of wrong drafts or an opaque traceback. (Sliding-window drafters run: test_dflash2_loops.py.)"""
     import torch
 
     from inference.static_loop import StaticDrafterProposer, StaticLoopUnsupported, StaticTarget, static_dflash_generate
@@ -1128,10 +1145,6 @@ def test_static_loop_refuses_what_it_cannot_run_exactly(tiny_targets):
     proposer = StaticDrafterProposer(drafter, target, max_len=64)
     with pytest.raises(ValueError, match="the prompt is empty"):
         static_dflash_generate(st, proposer, [], 8)
-    sliding = tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-                                  sliding_block_attention="causal")
-    with pytest.raises(StaticLoopUnsupported, match="sliding-window layers: use the eager loop"):
-        StaticDrafterProposer(DFlashDraftModel(sliding), target, max_len=64)
     flash = TargetModel(tiny_target("qwen3", num_layers=2))
     flash.model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(StaticLoopUnsupported, match="needs attn_implementation 'sdpa' or 'eager'"):
@@ -1277,3 +1290,166 @@ def test_prompts_saved_with_a_byte_order_mark_lose_no_row(tmp_path, capsys):
     for name in ("p.jsonl", "p.json"):
         assert [p.messages[0]["content"] for p in load_prompts(str(tmp_path / name))] == ["first", "second"]
     assert "skipped" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ DFlash2 folders
+@pytest.mark.parametrize("run", [_generate, _validate])
+def test_dflash2_folders_swapped_or_for_another_target(infer_dirs, tmp_path, run):
+    """A DFlash2 folder (published layout, trained for a 6-layer target) is pre-flighted as a v1 one: given as the
+    target it is named by its own architecture, and against the 8-layer target the depth is named."""
+    from tests.helpers.dflash2 import published_folder
+
+    draft = str(published_folder(tmp_path / "published"))
+    extra = ("--prompt-ids", "1") if run is _generate else ()
+    with pytest.raises(ValueError, match=r"is a DFlash drafter \(.*published/config.json names DFlash2DraftModel\) "
+                                         "and --draft .* is not: swap them"):
+        run(infer_dirs, *extra, target=draft, draft=infer_dirs["target"])
+    with pytest.raises(ValueError, match="was trained on a 6-layer target; this target has 8 layers"):
+        run(infer_dirs, *extra, draft=draft)
+
+
+def test_dflash2_folder_without_is_causal_or_a_codebook(infer_dirs, tmp_path):
+    """A DFlash2 config.json without ``is_causal: false`` (z-lab's code would make its layers causal) ends in one
+    line before any weights load; a folder missing a selector codebook names it when the drafter loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from inference.session import Session
+    from models.config import ConfigError
+    from models.tiny import save_tiny_target
+    from tests.helpers.dflash2 import published_folder
+
+    folder = published_folder(tmp_path / "causal")
+    config = json.loads((folder / "config.json").read_text())
+    del config["is_causal"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="is_causal.*config.json must say is_causal: false"):
+        _generate(infer_dirs, "--prompt-ids", "1", draft=str(folder))
+    folder = published_folder(tmp_path / "no-codebook")
+    state = load_file(str(folder / "model.safetensors"))
+    del state["candidate_selector.successor_codebook"]
+    save_file(state, str(folder / "model.safetensors"))
+    target = save_tiny_target(tmp_path / "target6", num_layers=6)
+    with pytest.raises(ValueError, match=r"missing \['candidate_selector.successor_codebook'\]"):
+        Session("torch", str(target), str(folder), "cpu", "float32")
+
+
+def _drafter_copy(infer_dirs, tmp_path, name: str = "draft"):
+    import shutil
+
+    return Path(shutil.copytree(infer_dirs["draft"], tmp_path / name))
+
+
+def test_a_drafter_with_nan_weights_is_refused_before_the_target_loads(infer_dirs, tmp_path):
+    """generate / validate ran a NaN drafter at tau 1.00 without a word. Refused naming the tensor, before any
+    weights load (the target folder here has none: a load would fail otherwise)."""
+    from safetensors.torch import load_file, save_file
+
+    draft = _drafter_copy(infer_dirs, tmp_path)
+    state = load_file(str(draft / "model.safetensors"))
+    state["hidden_norm.weight"][0] = float("nan")
+    save_file(state, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    n = state["hidden_norm.weight"].numel()
+    said = f"--draft {draft}: weight hidden_norm.weight (1 NaN, 0 Inf of {n} values) is not finite"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        _generate(infer_dirs, "--prompt-ids", "1,2", draft=str(draft))
+    with pytest.raises(ValueError, match=re.escape(said) + ".*tau 1.00"):
+        _validate(infer_dirs, draft=str(draft))
+
+
+def test_a_quantized_mlx_drafter_on_the_torch_backend_is_refused_before_the_target_loads(infer_dirs, tmp_path):
+    """It was refused by the drafter's loader, after the target had loaded (minutes for a large one)."""
+    d = json.loads((Path(infer_dirs["draft"]) / "config.json").read_text())
+    q4 = tmp_path / "q4"
+    q4.mkdir()
+    d["quantization"] = d["quantization_config"] = {"bits": 4, "group_size": 32, "mode": "affine"}
+    (q4 / "config.json").write_text(json.dumps(d))
+    (q4 / "model.safetensors").write_bytes((Path(infer_dirs["draft"]) / "model.safetensors").read_bytes())
+    said = (f"--draft {q4} is a quantized MLX export (4-bit, group 32): only the MLX backend runs it (--backend mlx); "
+            "with PyTorch use the full-precision drafter")
+    for run in (_generate, _validate):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            run(infer_dirs, *(["--prompt-ids", "1,2"] if run is _generate else []), draft=str(q4))
+
+
+def test_generate_and_validate_render_prompts_with_the_drafters_thinking_setting(infer_dirs, tmp_path, capsys):
+    """Both rendered prompts with their own default (validate: off; generate: the template's) whatever the drafter
+    was trained with. They take the drafter's recorded data.thinking unless told otherwise, and say so; an explicit
+    --thinking that differs gets a warning."""
+    from inference.checks import read_drafter_config, resolve_thinking
+
+    draft = _drafter_copy(infer_dirs, tmp_path)
+    d = json.loads((draft / "config.json").read_text())
+    d["draftsmith"] = {"target": infer_dirs["full_dir"], "data": {"thinking": True}}
+    (draft / "config.json").write_text(json.dumps(d))
+    cfg = read_drafter_config(draft)[0]
+    said = []
+    assert resolve_thinking(None, cfg, "off", said.append) == "on" and said == [
+        "thinking on: as the drafter was trained (its recorded data.thinking; --thinking on|off overrides)"]
+    assert resolve_thinking("off", cfg, "off", said.append) == "off" and said[-1].startswith(
+        "warning: --thinking off, but the drafter was trained with thinking on (its recorded data.thinking)")
+    assert resolve_thinking("on", cfg, "off", said.append) == "on" and len(said) == 2
+    plain = read_drafter_config(infer_dirs["draft"])[0]
+    assert resolve_thinking(None, plain, "off", said.append) == "off" and len(said) == 2  # records none: as before
+
+    target = infer_dirs["full_dir"]
+    _generate(infer_dirs, "--prompt", "hi", "--chat", "--max-new-tokens", "2", target=target, draft=str(draft))
+    assert "thinking on: as the drafter was trained" in capsys.readouterr().err
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    report = _validate(infer_dirs, "--prompts", str(prompts), "--max-new-tokens", "2", target=target,
+                       draft=str(draft))
+    assert report["thinking"] == "on" and "thinking on: as the drafter was trained" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loop", ["eager", "static", "compiled", "mlx"])
+def test_report_md_names_the_loop_that_ran(loop):
+    """report.json said which loop ran (eager / static / compiled); report.md, what people read and paste, did not,
+    and an MLX run said "eager"."""
+    from inference.report import PromptRun, build_report, markdown
+    from inference.stats import GenerationResult
+
+    run = PromptRun("p0", "code", 3)
+    result = GenerationResult(tokens=[1, 2, 3, 4], acceptance_lengths=[2, 1], position_accepts=[1, 0, 0],
+                              block_size=4, prefill_s=0.1, decode_s=0.2)
+    run.dflash.append(result)
+    run.baseline.append(GenerationResult(tokens=[1, 2, 3, 4], decode_s=0.3, prefill_s=0.1))
+    text = markdown(build_report([run], 4, True, {"backend": "mlx" if loop == "mlx" else "torch", "loop": loop,
+                                                 "temperature": 0}))
+    assert f"Loop: {loop} (DFlash and the baseline both ran it)." in text and f"- loop: {loop}" in text
+
+
+def test_an_mlx_session_describes_its_loop_as_mlx():
+    from inference.session import Session
+
+    session = Session.__new__(Session)
+    session.backend, session.loop_kind = "mlx", "eager"
+    pytest.importorskip("mlx.core")
+    session.target = type("T", (), {"dtype": "mlx.core.bfloat16"})()
+    session.proposer = None
+    assert session.describe()["loop"] == "mlx"
+
+
+def test_a_full_disk_in_validate_names_the_folder_and_says_a_rerun_resumes(infer_dirs, tmp_path, monkeypatch):
+    """It ended in a bare "[Errno 28] No space left on device". (Fault injection: the prompt recorder raises what a
+    full disk raises.)"""
+    import errno
+    import os
+
+    from inference import partial
+    from models.support import run_cli
+
+    def full(self, *a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(partial.Recorder, "__call__", full)
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: _validate(infer_dirs, "--prompts", str(prompts), "--max-new-tokens", "2",
+                                  target=infer_dirs["full_dir"]))
+    out = infer_dirs["root"] / "out"
+    assert str(e.value.code).startswith(f"error: no space left on the disk of {out} (")
+    assert "free space there and rerun the same command: it resumes: the prompts measured so far are kept in " \
+           "partial.jsonl" in str(e.value.code)

@@ -445,9 +445,12 @@ def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off
     assert choose_loop("auto", target("cuda"), drafter(False)) == "static"
     assert choose_loop("compiled", target("cuda"), drafter(False)) == "compiled"
     assert choose_loop("static", target("cuda", hybrid=True), drafter(False)) == "static"  # asked for: runs
-    assert choose_loop("auto", target("cuda"), drafter(True)) == "eager"
-    with pytest.raises(StaticLoopUnsupported, match="this drafter has sliding-window layers: use --loop eager"):
-        choose_loop("static", target("cuda"), drafter(True))
+    # sliding-window drafters (every DFlash2 one) run the static loop: its pass masks the window
+    assert choose_loop("auto", target("cuda"), drafter(True)) == choose_loop("static", target("cuda"), drafter(True))
+    assert choose_loop("auto", target("cuda"), drafter(True)) == "static"
+    with pytest.raises(StaticLoopUnsupported, match="supports full-attention and Qwen3.5 GatedDeltaNet"):
+        choose_loop("static", SimpleNamespace(**{**vars(target("cuda")), "layer_types": ["sliding_attention"]}),
+                    drafter(False))
     with caplog.at_level(logging.WARNING):
         assert choose_loop("auto", target("cpu", hybrid=True), drafter(False)) == "eager"
     assert caplog.text == ""  # the note about CUDA graphs is for a GPU run
@@ -527,7 +530,7 @@ def test_session_loads_both_models_in_bfloat16_on_cuda_float32_on_cpu_or_the_dty
         return SimpleNamespace(tokenizer=None)
 
     monkeypatch.setattr(TargetModel, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(inference.session, "load_drafter", from_pretrained)  # either drafter generation
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(inference.session, "check_device", lambda device: None)  # there is no GPU to check
     monkeypatch.setattr(inference.session, "choose_loop", lambda *a: "eager")

@@ -812,6 +812,140 @@ def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
     assert target.dtype == proposer.drafter.dtype == mx.bfloat16
 
 
+# ------------------------------------------------------------------------------------------ DFlash2
+def dflash2_pair(folders, runs, arch: str, tmp_path, kind: str = "random"):
+    """The MLX target, the torch target of the same folder, its greedy continuation, and a DFlash2 drafter (random:
+    convs off identity, the selector on, sliding window 24; or the bigram walk) in torch and as MLX loads it."""
+    from models.drafter2_mlx import load_drafter
+    from models.target import TargetModel as TorchTarget
+    from tests.helpers.dflash2 import bigram_dflash2, random_dflash2, tiny_v2_config
+
+    target, seq, _ = runs(arch)
+    torch_target = TorchTarget.from_pretrained(folders(arch)[0], dtype=torch.float32)
+    if kind == "random":
+        drafter = random_dflash2(tiny_v2_config(torch_target), seed=0)
+    else:
+        drafter = bigram_dflash2(torch_target, seq)
+    drafter.save_pretrained(tmp_path / f"v2-{kind}")
+    return target, torch_target, seq, drafter, load_drafter(tmp_path / f"v2-{kind}")
+
+
+def recorded_cycles(monkeypatch) -> list:
+    from inference.stats import GenerationResult
+
+    seen, real = [], GenerationResult.record_cycle
+    monkeypatch.setattr(GenerationResult, "record_cycle", lambda self, drafts, tokens, *a, **k: seen.append(
+        (list(drafts), list(tokens))) or real(self, drafts, tokens, *a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["random", "bigram"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dflash2_mlx_loop_equals_the_torch_loop(folders, runs, arch, kind, tmp_path, monkeypatch):
+    """Greedy with a DFlash2 drafter (the selector walk in ``propose_block``): the MLX loop drafts, verifies and
+    accepts what the torch eager loop does, cycle by cycle, and is lossless; the bigram walk accepts several
+    tokens a cycle."""
+    from inference import torch_loop
+    from models.drafter2_mlx import DFlash2DraftModel
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, arch, tmp_path, kind)
+    assert isinstance(mlx_v2, DFlash2DraftModel)
+    new = 32
+    mine = recorded_cycles(monkeypatch)
+    ours = dflash_generate(target, DrafterProposer(mlx_v2, target), PROMPT, new, eos_token_ids=[])
+    monkeypatch.undo()
+    theirs_cycles = recorded_cycles(monkeypatch)
+    theirs = torch_loop.dflash_generate(torch_target, torch_loop.DrafterProposer(drafter, torch_target), PROMPT, new,
+                                        eos_token_ids=[])
+    assert ours.tokens == theirs.tokens == seq[len(PROMPT):len(PROMPT) + new]
+    assert mine == theirs_cycles and ours.acceptance_lengths == theirs.acceptance_lengths
+    if kind == "bigram":
+        assert max(ours.acceptance_lengths) >= 3
+
+
+def test_dflash2_mlx_loop_with_a_smaller_block_equals_the_torch_loop(folders, runs, tmp_path):
+    """A block shorter than the trained one is one shorter block for the convs, as in torch: same tokens and
+    acceptance lengths, lossless."""
+    from inference import torch_loop
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path, "bigram")
+    ours = dflash_generate(target, DrafterProposer(mlx_v2, target), PROMPT, 24, block_size=3, eos_token_ids=[])
+    theirs = torch_loop.dflash_generate(torch_target, torch_loop.DrafterProposer(drafter, torch_target), PROMPT, 24,
+                                        block_size=3, eos_token_ids=[])
+    assert ours.tokens == theirs.tokens == seq[len(PROMPT):len(PROMPT) + 24]
+    assert ours.acceptance_lengths == theirs.acceptance_lengths and max(ours.acceptance_lengths) >= 2
+
+
+def test_mlx_dflash2_proposer_drafts_what_the_torch_proposer_drafts(folders, runs, tmp_path):
+    """Cycle by cycle with uneven commits (the window of 24 cutting the context): the same walk."""
+    from inference import torch_loop
+
+    target, torch_target, seq, drafter, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path)
+    feats = torch_target.forward(torch.tensor([seq]), drafter.config.target_layer_ids, with_logits=False).features
+    ours, theirs = DrafterProposer(mlx_v2, target), torch_loop.DrafterProposer(drafter, torch_target)
+    start, new = len(PROMPT), feats[:, :len(PROMPT)]
+    for keep in (3, 1, 8, 2, 5, 8, 4):
+        a = theirs.propose(seq[start], new, start, B)
+        b = ours.propose(seq[start], mx.array(new.numpy()), start, B)
+        assert a.drafts.tolist() == np.array(b.drafts).tolist(), f"drafts at {start}"
+        assert ours.context_length() == theirs.context_length() == start
+        new, start = feats[:, start:start + keep], start + keep
+
+
+def test_mlx_rejection_sampling_commits_the_targets_distribution():
+    """The MLX ``accept`` with a q on the hand-made block of the torch test, 10,000 cycles (an MLX call costs more):
+    the same checks, whose tolerances scale with the sample size."""
+    from inference.mlx_loop import Proposal, accept
+    from tests.helpers.dflash2 import REJECTION_P, REJECTION_T, check_rejection_trials, rejection_trials
+
+    logits = mx.array((REJECTION_T * np.log(REJECTION_P)).astype(np.float32))
+    keys = iter(mx.random.split(mx.random.key(0), 10000))
+
+    def accept_block(drafts, q, candidates):
+        proposal = Proposal(mx.array(drafts), mx.array(q.astype(np.float32)), mx.array(candidates))
+        return accept(logits, proposal, REJECTION_T, next(keys)).tolist()
+
+    check_rejection_trials(rejection_trials(accept_block, n=10000))
+
+
+def test_sampled_dflash2_generation_in_mlx_is_seeded_and_lossless_in_distribution(folders, runs, tmp_path):
+    """At T = 0.7 the bigram walk's drafts are sampled (its q kept) and verified by rejection sampling: a seed fixes
+    the output, drafts are both accepted and rejected, and each committed token is a draw from the tempered
+    target at its prefix (mean surprisal minus entropy 0 within 4 standard errors over 20 generations)."""
+    target, _, _, _, mlx_v2 = dflash2_pair(folders, runs, "qwen3", tmp_path, "bigram")
+    proposer = DrafterProposer(mlx_v2, target)
+    T, n_new, gaps, lengths = 0.7, 12, [], []
+    a = dflash_generate(target, proposer, PROMPT, n_new, temperature=T, seed=3, eos_token_ids=[])
+    assert a.tokens == dflash_generate(target, proposer, PROMPT, n_new, temperature=T, seed=3, eos_token_ids=[]).tokens
+    for s in range(20):
+        res = dflash_generate(target, proposer, PROMPT, n_new, temperature=T, seed=s, eos_token_ids=[])
+        lengths += res.acceptance_lengths
+        ids = PROMPT + res.tokens
+        logits = torch.tensor(np.array(target.forward(mx.array([ids]), cache=target.new_cache()).logits[0]),
+                              dtype=torch.float64)
+        logp = torch.log_softmax(logits[len(PROMPT) - 1:-1] / T, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        gaps += [(-logp[i, tok] - entropy[i]).item() for i, tok in enumerate(res.tokens[1:], 1)]
+    gaps = np.array(gaps)
+    bound = 4 * gaps.std() / np.sqrt(len(gaps))
+    assert abs(gaps.mean()) < bound, f"surprisal - entropy {gaps.mean():.3f} (bound {bound:.3f})"
+    assert max(lengths) >= 3 and lengths.count(1) >= 20  # drafts accepted, and rejected
+
+
+def test_mlx_sessions_load_the_published_dflash2_layout(tmp_path):
+    """``--backend mlx`` with a folder laid out as z-lab publishes DFlash2 drafters: the DFlash2 class, lossless."""
+    from inference.session import Session
+    from models.drafter2_mlx import DFlash2DraftModel
+    from models.tiny import save_tiny_target
+    from tests.helpers.dflash2 import published_folder
+
+    target = save_tiny_target(tmp_path / "target6", num_layers=6)  # the fixture's target depth
+    session = Session("mlx", str(target), str(published_folder(tmp_path / "published")), dtype="float32")
+    assert isinstance(session.proposer.drafter, DFlash2DraftModel)
+    result, base = session.run(PROMPT, baseline=True, max_new_tokens=16, eos_token_ids=[])
+    assert result.tokens == base.tokens and len(result.tokens) == 16
+
+
 # ------------------------------------------------------------------------- gpt-oss and Gemma 4 (issue 46)
 @pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
 def test_gemma_embedding_scale_and_soft_capped_logits_match_torch(folders, arch):

@@ -603,7 +603,7 @@ def test_flags_left_out_take_the_documented_defaults():
     args = parse_args(["--target", "t", "--draft", "d"])
     assert (args.prompts, args.split, args.subset, args.n, args.max_new_tokens, args.block_size, args.temperature,
             args.thinking, args.repeats, args.seed, args.loop, args.out) == (
-        "all", "test", None, None, 256, None, 0.0, "off", 1, 0, "auto", "validate-report")
+        "all", "test", None, None, 256, None, 0.0, None, 1, 0, "auto", "validate-report")  # thinking: the drafter's
 
 
 def test_versions_name_every_package_and_none_for_one_not_installed(monkeypatch):
@@ -655,15 +655,16 @@ def test_a_run_reports_the_settings_it_measured_with(setup, tmp_path, monkeypatc
 
     generations, keyed, warned, sources = [], [], [], []
     real_run, real_base, real_key, real_warn = Session.run, Session.baseline, partial.settings_key, \
-        inference.validate.warn_if_too_long
+        inference.validate.skip_too_long
     monkeypatch.setattr(inference.validate, "load_prompts",
                         lambda spec, **kw: sources.append(kw) or load_prompts(spec, n=kw["n"]))  # (Hub-only flags)
     monkeypatch.setattr(Session, "run", lambda self, *a, **kw: generations.append(kw) or real_run(self, *a, **kw))
     monkeypatch.setattr(Session, "baseline",
                         lambda self, *a, **kw: generations.append(kw) or real_base(self, *a, **kw))
     monkeypatch.setattr(partial, "settings_key", lambda settings: keyed.append(settings) or real_key(settings))
-    monkeypatch.setattr(inference.validate, "warn_if_too_long", lambda *a: warned.append(a) or real_warn(*a))
+    monkeypatch.setattr(inference.validate, "skip_too_long", lambda *a: warned.append(a) or real_warn(*a))
     monkeypatch.setattr(inference.validate, "preflight", quantized)
+    monkeypatch.setattr(inference.validate, "check_drafter_backend", lambda *a: None)  # the stand-in 8-bit drafter
     monkeypatch.setattr(inference.validate, "time", SimpleNamespace(
         strftime=__import__("time").strftime, gmtime=lambda: (2025, 1, 2, 3, 4, 5, 3, 2, 0),
         localtime=lambda: (2025, 1, 2, 12, 4, 5, 3, 2, 0)))
@@ -683,7 +684,7 @@ def test_a_run_reports_the_settings_it_measured_with(setup, tmp_path, monkeypatc
     ids = render_prompts(session.tokenizer, prompts, "on")
     assert report["prompt_set_hash"] == prompt_set_hash(prompts, "on")
     assert report["prompt_tokens_total"] == sum(map(len, ids)) and [len(w[0]) for w in warned] == [2]
-    assert warned[0][1:] == (6, 4096) and [p["prompt_tokens"] for p in report["per_prompt"]] == list(map(len, ids))
+    assert warned[0][2:] == (6, 4096) and [p["prompt_tokens"] for p in report["per_prompt"]] == list(map(len, ids))
     assert report["mask_token_id"] == session.proposer.drafter.config.mask_token_id is not None
     assert (report["target_model_type"], report["recorded_target"]) == ("qwen3", "Qwen/Qwen3-8B")
     assert (report["target_quantization"], report["draft_quantization"]) == ("4-bit affine, group 64",

@@ -884,6 +884,124 @@ def test_init_from_a_dflash2_drafter_for_a_v1_run_is_refused(tmp_path):
         new_drafter(config, init_from=folder)
 
 
+def test_target_layer_ids_out_of_order_are_refused_everywhere(tmp_path, export_drafter):
+    """drafter.target_layer_ids=[3,1,2] passed the config and every export gate: training concatenated the features
+    in config order, vLLM, SGLang and the MLX loaders in ascending order, so fc got permuted inputs in every engine.
+    The ids are strictly increasing everywhere: config creation, recipe keys, a folder's config.json, export gates,
+    extract --layers."""
+    from data.features import check_layer_ids
+    from export.check import schema_problems
+    from models.config import ConfigError, DFlashConfig
+    from train.config import load_config
+
+    ordered = "layer ids must be strictly increasing (engines concatenate the features in ascending layer order, "
+    with pytest.raises(ConfigError, match=re.escape(f"target_layer_ids=[3, 1, 2]: {ordered}[1, 2, 3])")):
+        DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, vocab_size=300, num_target_layers=8,
+                     target_layer_ids=[3, 1, 2], mask_token_id=290)
+    with pytest.raises(ValueError, match=re.escape(f"drafter.target_layer_ids=[3, 1, 2]: {ordered}")):
+        load_config(["recipe=tiny", "drafter.target_layer_ids=[3,1,2]"])
+    d = json.loads((export_drafter / "config.json").read_text())
+    d["dflash_config"]["target_layer_ids"] = [5, 1, 3]
+    (export_drafter / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=re.escape("target_layer_ids=[5, 1, 3]: " + ordered)):
+        DFlashConfig.load(export_drafter)
+    assert [p for p in schema_problems(d, export_drafter) if "strictly increasing" in p] == [
+        f"target_layer_ids [5, 1, 3]: {ordered}[1, 3, 5])"]
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        check_layer_ids([3, 1], 8)
+    check_layer_ids([1, 3], 8)
+
+
+def test_a_full_disk_is_recognised_however_the_writer_says_it(tmp_path):
+    """safetensors and pyarrow say "No space left on device" in their own error types (no errno), datasets wraps
+    the OSError: each becomes the one line naming the folder; other errors pass through as they are."""
+    import errno
+    import os
+
+    from models.support import DiskFullError, full_disk_named, is_user_error
+
+    class WriterError(Exception):  # e.g. safetensors' SafetensorError
+        pass
+
+    def wrapped():
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            raise RuntimeError("An error occurred while generating the dataset") from e
+
+    for raise_it in (lambda: (_ for _ in ()).throw(WriterError('IoError(Os { code: 28, kind: StorageFull, message: '
+                                                               '"No space left on device" })')), wrapped,
+                     lambda: (_ for _ in ()).throw(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)))):
+        with pytest.raises(DiskFullError, match=f"no space left on the disk of {re.escape(str(tmp_path))} .*: free "
+                                                "space there and rerun the same command: it resumes") as e:
+            with full_disk_named(tmp_path, "it resumes"):
+                raise_it()
+        assert is_user_error(e.value)
+    elsewhere = tmp_path.parent / "cache" / "x.arrow"  # a writer that names a file on another folder: that folder
+    with pytest.raises(DiskFullError, match=f"disk of {re.escape(str(elsewhere.parent))}"):
+        with full_disk_named(tmp_path, "it resumes"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(elsewhere))
+    with pytest.raises(KeyError):
+        with full_disk_named(tmp_path, "it resumes"):
+            raise KeyError("x")
+
+
+def test_an_mlx_target_made_from_another_model_is_refused_and_the_copy_is_recorded(mlx_q4_folder, tmp_path,
+                                                                                     export_drafter):
+    """target.quantization=mlx:DIR with DIR a quantized copy of another model of the same shape: training ran
+    against DIR's weights without a word, while the drafter, its exports, serve commands and card named
+    target.path. DIR must be a copy of target.path (config shape keys; where target.path's weights are here, its
+    norms and first embedding rows), and is recorded as what the drafter was trained against."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from export.card import render_card
+    from models.provenance import provenance_from_run
+    from models.quantization import QuantizationError
+    from models.quantize import resolve_target
+    from models.tiny import save_tiny_target
+
+    src, q4 = mlx_q4_folder
+    said = []
+    assert resolve_target(str(src), f"mlx:{q4}", tmp_path, log=said.append) == (str(q4), None)
+    assert said == [f"target.quantization=mlx:{q4}: a quantized copy of target.path={src} (config and 4 weight "
+                    "fingerprints checked); the drafter records it as the target it trained against"]
+    refused = f"target.quantization=mlx:{q4}: {q4} is not a quantized copy of target.path="
+    other = save_tiny_target(tmp_path / "other", "qwen3", num_layers=2, seed=1)  # the same shape, other weights
+    with pytest.raises(QuantizationError, match=re.escape(f"{refused}{other}: its first 16 embedding rows dequantize "
+                                                          "to other values (") + r".*Train against a quantized copy "
+                                                          r"of .*other \(target.quantization=mlx-4bit"):
+        resolve_target(str(other), f"mlx:{q4}", tmp_path)
+    tuned = Path(shutil.copytree(src, tmp_path / "tuned"))  # a fine-tune that left the embedding alone
+    state = load_file(str(tuned / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"] * 1.01
+    save_file(state, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match=re.escape(f"{refused}{tuned}: model.norm.weight differs (max |diff|")):
+        resolve_target(str(tuned), f"mlx:{q4}", tmp_path)
+    deeper = save_tiny_target(tmp_path / "deeper", "qwen3", num_layers=3)
+    with pytest.raises(QuantizationError, match=re.escape(f"{refused}{deeper}: num_hidden_layers 2, target.path's 3")):
+        resolve_target(str(deeper), f"mlx:{q4}", tmp_path)
+    config_only = tmp_path / "config-only"  # as a Hub id's small files: the config is all there is to compare
+    config_only.mkdir()
+    shutil.copy(src / "config.json", config_only / "config.json")
+    resolve_target(str(config_only), f"mlx:{q4}", tmp_path, log=said.append)
+    assert "(config (weights not compared: target.path's weights are not on this machine) checked)" in said[-1]
+
+    prov = provenance_from_run({"target": {"path": str(src), "quantization": f"mlx:{q4}"}})
+    assert prov["quantized_target"] == str(q4.resolve())
+    assert prov["target_quantization"] == f"mlx:{q4.resolve()} (mlx-4bit-g32)"
+    d = json.loads((export_drafter / "config.json").read_text())
+    d["draftsmith"] = {"target": "Qwen/Qwen3-8B", "quantized_target": "mlx-community/Qwen3-8B-4bit",
+                       "target_quantization": "mlx:mlx-community/Qwen3-8B-4bit"}
+    (export_drafter / "config.json").write_text(json.dumps(d))
+    card = str(render_card(export_drafter, "me/d"))
+    assert "--target mlx-community/Qwen3-8B-4bit --draft me/d" in card
+    assert "It was trained against `mlx-community/Qwen3-8B-4bit`, a quantized copy of the target" in card
+    assert "vllm serve Qwen/Qwen3-8B" in card
+
+
 @pytest.mark.parametrize("edit, problem", [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "rope_parameters.rope_type='llama3': rope type 'llama3': a drafter runs plain RoPE or YaRN"),

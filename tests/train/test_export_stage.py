@@ -96,7 +96,7 @@ def test_a_training_run_exports_its_final_drafter(tmp_path_factory, tmp_path, mo
     from train.config import load_config
     from train.distill import train
 
-    def in_process(cmd, env):
+    def in_process(cmd, env, **kw):  # cwd: the package folder (train.export_stage)
         args = cmd[3:] + (["--no-remote-code-check"] if cmd[2] == "export.hf" else [])
         importlib.import_module(cmd[2]).main(args)
         return SimpleNamespace(returncode=0)
