@@ -17,6 +17,12 @@ including a ``<think>`` block when thinking is on. The loss mask covers that tex
 token of the trailer (the end-of-turn token: ``<|im_end|>``, ``<|eot_id|>``); the rest of the
 trailer (a newline) is context. The served text of the turn is ``prompt + generated + trailer``.
 
+Some templates have no end-of-turn token (GLM 4.x: ``...<|assistant|>\n<think></think>\nanswer<|user|>``):
+the trailer is empty and the turn ends when the target writes the role token that opens the next turn
+(``<|user|>``, or ``<|observation|>`` before a tool result; both are in its generation config's EOS set).
+That token, when the template writes a special token right after the answer, is the trailer instead
+(a final turn is followed by a user turn), so the drafter learns the stop there too.
+
 Multi-turn: turns are appended to one row while each next prompt extends the text so far. Some
 templates re-render history differently from how it was served (Qwen3 drops ``<think>`` blocks of
 earlier turns, and its thinking-off prompt adds an empty think block that history lacks); then
@@ -62,7 +68,8 @@ from transformers.utils import chat_template_utils
 SENTINEL = "\u2063DRAFTSMITH\u2063"  # invisible separator: never produced by a template
 # Version of the rules above that turn a conversation into labels. Every prepared folder records it, so a
 # folder labelled by older rules is rebuilt (its regenerated answers kept) instead of trained as if current.
-# 1: a cut answer's end-of-turn token was labelled. 2: it is context.
+# 1: a cut answer's end-of-turn token was labelled. 2: it is context. (Labelling the next turn's role token of a
+# template without an end-of-turn token changed no version: no family supported before had such a template.)
 LABEL_RULES = 2
 LABEL_RULES_BEFORE_RECORDED = 1  # folders prepared before the version was recorded
 
@@ -102,7 +109,8 @@ def _template_text(tokenizer) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _reads(template: str, name: str) -> bool:
-    return re.search(rf"""message(\.{name}\b|\[['"]{name}['"]\])""", template) is not None
+    # any loop variable (message.thinking, m['thinking']); not a name that merely ends in it (enable_thinking)
+    return re.search(rf"""\w(\.{name}\b|\[['"]{name}['"]\])""", template) is not None
 
 
 def reasoning_field(tokenizer) -> str:
@@ -207,6 +215,7 @@ def conversation_segments(tokenizer, messages: list[dict], thinking: bool | None
             raise TemplateError(f"assistant turn {i}: rendered turn does not end with the template's trailer "
                                 f"{trailer!r}")
         answer = full[start:len(full) - len(trailer)]
+        trailer = trailer or next_turn_token(tokenizer, msgs, i, full, thinking)
         if not prompt.startswith(text):
             rows.append(segs)
             segs, text = [], ""
@@ -216,6 +225,20 @@ def conversation_segments(tokenizer, messages: list[dict], thinking: bool | None
         text = prompt + answer + trailer
     rows.append(segs)
     return [r for r in rows if r]
+
+
+def next_turn_token(tokenizer, msgs: list[dict], i: int, full: str, thinking: bool | None) -> str:
+    """The special token a template without an end-of-turn token writes right after assistant turn ``i`` (rendered
+    as ``full``) when the conversation goes on: the next message's, else a user turn's. "" when it writes nothing
+    there or an ordinary token (then the turn has no stop token to label, as before)."""
+    following = msgs[i + 1] if i + 1 < len(msgs) else {"role": "user", "content": SENTINEL}
+    after = render(tokenizer, msgs[:i + 1] + [following], thinking=thinking)
+    if not after.startswith(full):
+        return ""
+    ids = encode(tokenizer, after[len(full):])
+    special = set(getattr(tokenizer, "all_special_ids", None) or []) | {
+        int(k) for k, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
+    return tokenizer.decode(ids[:1]) if ids and ids[0] in special else ""
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -8,6 +8,9 @@ are the median over ``--repeats``. Groups (a category, or all prompts) pool cycl
   (total committed / total cycles; a cycle commits accepted + 1, or what it emitted before the first
   EOS or the token budget, 0 when that was its first token): what throughput follows. ``tau_per_prompt_mean`` = the mean
   of the prompts' own taus, beside it; the two differ when prompts have different lengths.
+- ``tau_uncut`` / ``tau_uncut_per_prompt_mean``: the same with each prompt's last cycle counted in full
+  (its accepted drafts + 1, before the token budget or an EOS cut it), as earlier DFlash loops counted
+  (``TAU_NAMES`` says which published numbers use which).
 - ``acceptance_histogram`` {length: cycles}: sums to ``num_cycles``.
 - ``position_acceptance[k-1]`` = share of cycles whose draft slot k was accepted: in [0, 1] and
   non-increasing in k (a slot is only accepted after every earlier one).
@@ -42,6 +45,15 @@ class PromptRun:
     prompt_tokens: int
     dflash: list[GenerationResult] = field(default_factory=list)
     baseline: list[GenerationResult] = field(default_factory=list)
+
+
+# One line each in report.md: which published numbers count tau which way.
+TAU_NAMES = (
+    "tau (budget-cut): the cycle that ends a generation counts only the tokens it emitted before the token budget "
+    "or the first EOS; how draftsmith and z-lab's current loop (at 07ebd93) count, what throughput follows.",
+    "tau uncut: that last cycle counted with its full acceptance (accepted drafts + 1), as z-lab's earlier loop "
+    "counted; many published figures use it, and it reads higher on short generations.",
+)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -94,6 +106,7 @@ def prompt_numbers(run: PromptRun, greedy: bool) -> dict:
         "id": run.id, "category": run.category, "prompt_tokens": run.prompt_tokens,
         "new_tokens": len(d.tokens), "baseline_new_tokens": len(b.tokens),
         "num_cycles": len(lengths), "committed": sum(lengths), "tau": d.tau,
+        "committed_uncut": d.committed_uncut, "tau_uncut": d.tau_uncut,
         "acceptance_lengths": list(lengths),
         "acceptance_histogram": {str(k): v for k, v in d.histogram().items()},
         "position_accepts": list(d.position_accepts),
@@ -140,6 +153,9 @@ def group_numbers(rows: list[dict], block_size: int) -> dict:
         "num_prompts": len(rows), "num_cycles": cycles, "num_tokens": sum(r["new_tokens"] for r in rows),
         "tau": _ratio(committed, cycles) or 0.0,
         "tau_per_prompt_mean": statistics.fmean([r["tau"] for r in rows if r["num_cycles"]] or [0.0]),
+        "tau_uncut": _ratio(sum(r.get("committed_uncut", r["committed"]) for r in rows), cycles) or 0.0,
+        "tau_uncut_per_prompt_mean": statistics.fmean([r.get("tau_uncut", r["tau"]) for r in rows if r["num_cycles"]]
+                                                      or [0.0]),
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         "position_acceptance": [v / cycles if cycles else 0.0 for v in pos],
         "tau_first_quarter": _ratio(sum(first), len(first)), "tau_last_quarter": _ratio(sum(last), len(last)),
@@ -169,6 +185,7 @@ def build_report(runs: list[PromptRun], block_size: int, greedy: bool, environme
 TABLE_COLUMNS = [  # (header, key, format)
     ("prompts", "num_prompts", "{}"), ("tau pooled", "tau", "{:.2f}"), ("tau per-prompt mean", "tau_per_prompt_mean",
                                                                         "{:.2f}"),
+    ("tau uncut pooled", "tau_uncut", "{:.2f}"),
     ("DFlash tok/s", "dflash_tok_s", "{:.1f}"), ("baseline tok/s", "baseline_tok_s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"), ("cycle cost", "cycle_cost", "{:.2f}"), ("TTFT s", "ttft_s", "{:.3f}"),
     ("identical", "identical_share", "{:.0%}"), ("truncated", "truncated", "{}"),
@@ -221,6 +238,7 @@ def markdown(report: dict) -> str:
         "throughput follows. tau per-prompt mean = the mean of each prompt's own tau. speedup = DFlash / baseline "
         "post-prefill decode tokens/s (baseline: the target alone through the same loop code, dtype and prompt ids). "
         "cycle cost = seconds per DFlash cycle / seconds per baseline token.", "",
+        *(f"- {line}" for line in TAU_NAMES), "",
         f"Loop: {report.get('loop') or 'not recorded'} (DFlash and the baseline both ran it).", "",
         "## Acceptance", "",
         "| committed per cycle | cycles | share |", "|---|---|---|",
@@ -243,9 +261,9 @@ def markdown(report: dict) -> str:
 
 
 # ------------------------------------------------------------------ compare
-COMPARE_KEYS = ["tau", "tau_per_prompt_mean", "speedup", "dflash_tok_s", "baseline_tok_s", "cycle_cost", "cycle_s",
-                "ttft_s", "identical_share", "tau_first_quarter", "tau_last_quarter", "peak_memory_bytes",
-                "baseline_peak_memory_bytes", "num_prompts", "truncated"]
+COMPARE_KEYS = ["tau", "tau_uncut", "tau_per_prompt_mean", "tau_uncut_per_prompt_mean", "speedup", "dflash_tok_s",
+                "baseline_tok_s", "cycle_cost", "cycle_s", "ttft_s", "identical_share", "tau_first_quarter",
+                "tau_last_quarter", "peak_memory_bytes", "baseline_peak_memory_bytes", "num_prompts", "truncated"]
 COMPARE_INFO = ["backend", "device", "dtype", "target", "draft", "target_quantization", "block_size", "temperature",
                 "thinking", "prompts", "prompt_set_hash", "max_new_tokens"]
 
@@ -259,7 +277,7 @@ def compare_rows(reports: list[dict], labels: list[str]) -> list[list[str]]:
     categories = list(dict.fromkeys(c for r in reports for c in r.get("per_category", {})))
     keyed = [(k, [r.get(k) for r in reports]) for k in COMPARE_KEYS]
     for c in categories:
-        for k in ("tau", "speedup"):
+        for k in ("tau", "tau_uncut", "speedup"):
             keyed.append((f"{c}: {k}", [r.get("per_category", {}).get(c, {}).get(k) for r in reports]))
     for name, values in keyed:
         ratios = [_fmt(_ratio(v, values[0]) if isinstance(v, (int, float)) and isinstance(values[0], (int, float))

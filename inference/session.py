@@ -4,13 +4,15 @@ What ``generate``, ``validate`` and ``bench`` run: ``Session.run`` generates wit
 the baseline), ``Session.baseline`` runs the target alone through the same loop (same dtype, stop rules,
 timers and cache treatment). The loop (``--loop auto|eager|static|compiled``, ``choose_loop``):
 
-* ``auto``: the static-buffer loop with CUDA graphs (``inference.static_loop``) on a GPU where it applies,
-  else the eager loop (``inference.torch_loop``). An eager batch-1 forward on a GPU is launch-bound (an 8B
-  target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager speedups there measure
-  the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) stay eager until their graph
-  replay has been measured on a GPU (``--loop static`` runs them); drafters with a YaRN rope block or
-  attention biases run eager (the static drafter pass has plain RoPE and no biases), and so do gpt-oss and
-  Gemma 4 targets (attention sinks, sliding and KV-shared layers: ``check_static_target``).
+* ``auto``: on a GPU, the loop ``AUTO_LOOP_ON_CUDA`` names for the target's family: the fastest loop tested
+  lossless for it on a GPU, with the measurement that admitted it; elsewhere (and where the static loop
+  does not apply) the eager loop (``inference.torch_loop``). An eager batch-1 forward on a GPU is
+  launch-bound (an 8B target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager
+  speedups there measure the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) and GLM
+  4.x MoE stay eager until their graph replay's speed has been measured on a GPU (``--loop static`` runs
+  them, exact on the CPU); Qwen3-Next, latent-attention targets (DeepSeek-V3, Kimi), gpt-oss and Gemma 4 run
+  eager (the static loop refuses them), and so do drafters with a YaRN rope block or attention biases (a
+  published gpt-oss drafter's: the static drafter pass has plain RoPE and no biases).
 * a block size other than the drafter's runs the eager loop, DFlash and the baseline both (the graphs
   are captured for one block shape), with one warning saying so;
 * ``static`` / ``compiled`` (graphs + torch.compile'd layers) / ``eager`` force one; the MLX backend runs
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -31,10 +34,46 @@ from inference.stats import resolve_block_size
 from models.drafter2 import load_drafter
 from models.support import check_device
 from models.target import TargetModel
+from models.target_folder import family_facts
 
 log = logging.getLogger("inference")
 
 WARMUP_TOKENS = 16  # tokens of the untimed warm-up generation before a speed comparison
+
+
+@dataclass(frozen=True)
+class AutoLoop:
+    """What ``--loop auto`` runs on CUDA for a target family, why, and the measurement that admitted it."""
+
+    loop: str  # eager | static | compiled
+    why: str
+    measured: str | None  # card, commit, command and figures; None: no GPU measurement admits a faster loop yet
+
+
+# --loop auto on CUDA, by target family (models.target.SUPPORTED). A loop is admitted for a family once a GPU
+# has measured it lossless (tests/test_cuda.py: the eager loop's tokens and acceptance lengths) and faster;
+# admitting one is a change of `loop` here with the figure in `measured` (docs/performance.md keeps the table).
+AUTO_LOOP_ON_CUDA = {
+    "qwen3": AutoLoop(
+        "static", "static caches + CUDA graphs: an eager batch-1 forward is launch-bound (the speedup would be the "
+        "host's); the compiled loop is faster per cycle, but its one-time compile costs more than a short run saves",
+        "H200, acc4b55, inference.bench --random-target qwen3-8b --loop static: cycle cost 1.385-1.401 target steps "
+        "(eager on an H100: 1.14-1.95, launch-bound); lossless: tests/test_cuda.py graph replay = eager loop "
+        "(H200, 8a48cc6)"),
+    "llama": AutoLoop(
+        "static", "the same full-attention static loop as Qwen3",
+        "lossless: tests/test_cuda.py graph replay = eager loop (H200, 8a48cc6); speed: the Qwen3 figures (the same "
+        "passes)"),
+    "qwen3_5": AutoLoop(
+        "eager", "GatedDeltaNet graph replay is lossless (tests/test_cuda.py, H200, 8a48cc6) but its speed is not "
+        "measured yet (lab/gpu/measure.sh measures it)", None),
+}
+NOT_MEASURED = AutoLoop("eager", "no loop is measured on a GPU for this family", None)
+
+
+def auto_loop(family: str | None) -> AutoLoop:
+    """The ``AUTO_LOOP_ON_CUDA`` rule of a target family (``NOT_MEASURED`` for a family without one)."""
+    return AUTO_LOOP_ON_CUDA.get(family or "", NOT_MEASURED)
 
 
 def pick_backend(requested: str) -> str:
@@ -52,10 +91,12 @@ def pick_backend(requested: str) -> str:
 
 def choose_loop(requested: str, target, drafter, block_size: int | None = None) -> str:
     """The torch loop a session runs (the rules in the module docstring): eager, static or compiled."""
-    if requested == "auto" and target.device.type == "cuda" and target.is_hybrid:
-        log.warning("Qwen3.5 target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the "
-                    "speedup partly measures the host); --loop static runs the CUDA-graph loop, not yet checked "
-                    "on a GPU")
+    rule = auto_loop(getattr(target, "family", None))
+    if requested == "auto" and target.device.type == "cuda" and rule.loop == "eager":
+        if family_facts(getattr(target, "family", "") or "").static_loop in ("auto", "asked"):  # else: it refuses
+            log.warning("%s target on CUDA: --loop auto runs the eager loop (launch-bound at batch 1, so the speedup "
+                        "partly measures the host): %s; --loop static runs the CUDA-graph loop",
+                        getattr(target, "family", None) or "this", rule.why)
         return "eager"
     if requested == "eager" or (requested == "auto" and target.device.type != "cuda"):
         return "eager"
@@ -69,7 +110,7 @@ def choose_loop(requested: str, target, drafter, block_size: int | None = None) 
         if requested == "auto":
             return "eager"
         raise
-    kind = "static" if requested == "auto" else requested
+    kind = rule.loop if requested == "auto" else requested
     trained = drafter.config.block_size if block_size is not None else None
     if block_size not in (None, trained):
         # The graphs are captured for one block shape: DFlash would run eager against a static baseline

@@ -17,8 +17,10 @@ eager loop (``torch_loop.py``) measures the host. Here every per-token pass has 
 
 ``StaticTarget`` is the ``cycle.TargetState`` of the static and compiled loops (``inference.static_loop``);
 its drafter twin is ``inference.static_drafter``. Supported targets: Qwen3 (dense/MoE), Llama 3.x,
-Qwen3.5 / 3.6 (hybrid, dense/MoE). gpt-oss and Gemma 4 are refused in one line (``check_static_target``):
-``--loop auto`` runs them on the eager loop.
+Qwen3.5 / 3.6 (hybrid, dense/MoE), GLM 4.x MoE. Refused, in one line (``check_static_target``): Qwen3-Next
+(its GatedDeltaNet fuses the projections the static pass reads) and latent-attention targets (DeepSeek-V3,
+Kimi: their caches hold latents, not per-head K/V), gpt-oss (attention sinks) and Gemma 4 (sliding, KV-shared
+layers): ``--loop auto`` runs them on the eager loop.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from inference.grouped_attention import GROUPED_SDPA
 from inference.static_gdn import StaticGatedDeltaNet
 from models.attention import attention_implementation
 from models.target import TargetModel, allow_recompiles, cache_kwarg
-from models.target_folder import family_facts
+from models.target_folder import MLA_STATIC, family_facts
 
 
 class StaticLoopUnsupported(ValueError):
@@ -103,17 +105,39 @@ class _StaticKV:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
+# What a GatedDeltaNet module must have for ``StaticGatedDeltaNet`` (Qwen3.5 / 3.6's layout).
+STATIC_GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
+                    "out_proj", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
+                    "conv_dim", "conv_kernel_size")
+
+
 def check_static_target(target: TargetModel) -> None:
-    why = family_facts(target.family).static_loop  # a family row says why (gpt-oss's sinks, Gemma 4's layer kinds)
-    if why:
-        raise StaticLoopUnsupported(f"the static-cache/CUDA-graph loop does not run {target.model_type} targets: "
-                                    f"{why}; use the eager loop (--loop eager)")
+    """Refuse, in one line, a target the static loop cannot run exactly: a family it does not run (Qwen3-Next's
+    fused GatedDeltaNet projections, latent attention), sliding or other layer kinds, GatedDeltaNet modules
+    without Qwen3.5's parts, a latent-attention config, or an attention implementation that ignores its mask.
+    The family table says it first; the checks on the layers and the config hold for a family not yet in it."""
+    refusal = family_facts(getattr(target, "family", "")).static_loop
+    if refusal not in ("auto", "asked"):
+        raise StaticLoopUnsupported(f"the static-cache/CUDA-graph loop cannot run {target.model_type}: {refusal}; "
+                                    "use the eager loop (--loop eager)")
     kinds = set(target.layer_types) - {"full_attention", "linear_attention"}
-    if kinds or (target.is_hybrid and target.family != "qwen3_5"):
+    if kinds:
         raise StaticLoopUnsupported(
             f"the static-cache/CUDA-graph loop supports full-attention and Qwen3.5 GatedDeltaNet layers; "
             f"{target.model_type} has layer types {sorted(set(target.layer_types))}: use the eager loop "
             "(inference.torch_loop.dflash_generate)")
+    layers = getattr(target, "layers", None)  # (stand-ins of tests have none)
+    mixers = [getattr(layers[i], "linear_attn", None) for i, kind in enumerate(target.layer_types)
+              if kind == "linear_attention"] if layers is not None else []
+    other = sorted({type(m).__name__ for m in mixers if m is None or not all(hasattr(m, p) for p in STATIC_GDN_PARTS)})
+    if other:
+        raise StaticLoopUnsupported(
+            f"the static-cache/CUDA-graph loop supports full-attention and Qwen3.5 GatedDeltaNet layers "
+            f"(in_proj_qkv/z/b/a); {target.model_type}'s linear-attention layers are {', '.join(other)}: use the "
+            "eager loop (--loop eager)")
+    if getattr(getattr(target, "config", None), "kv_lora_rank", None):
+        raise StaticLoopUnsupported(f"the static-cache/CUDA-graph loop cannot run {target.model_type}: {MLA_STATIC}; "
+                                    "use the eager loop (--loop eager)")
     attn = getattr(target.model.config, "_attn_implementation", "sdpa")
     if attn not in ("sdpa", "eager"):  # the static mask (stale slots past the committed length) must be applied
         raise StaticLoopUnsupported(f"the static loop needs attn_implementation 'sdpa' or 'eager' (it masks the "

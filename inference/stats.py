@@ -3,6 +3,10 @@
 tau = committed tokens per verify cycle, bonus included, averaged over the cycles of one
 generation (the token from the prefill is not a cycle). Shared by the torch and MLX loops so
 both report the same numbers under the same names.
+
+The cycle that ends a generation counts what it emitted: the token budget or the first EOS may cut it
+short (``tau``, budget-cut). ``tau_uncut`` counts that cycle's full acceptance instead (accepted drafts
++ 1, as if nothing had cut it): how earlier DFlash loops counted, behind many published figures.
 """
 
 from __future__ import annotations
@@ -25,10 +29,26 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stop_reason: str = "max_new_tokens"  # or "eos"
+    # the last cycle's full acceptance (accepted drafts + 1) before the budget or an EOS cut it; None: not
+    # recorded (a result of an earlier version, read back from validate's partial.jsonl)
+    last_cycle_uncut: int | None = None
 
     @property
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def committed_uncut(self) -> int:
+        """Committed tokens with the last cycle counted in full (``tau_uncut`` x cycles)."""
+        total = sum(self.acceptance_lengths)
+        if not self.acceptance_lengths or self.last_cycle_uncut is None:
+            return total
+        return total - self.acceptance_lengths[-1] + self.last_cycle_uncut
+
+    @property
+    def tau_uncut(self) -> float:
+        """tau with the last cycle's full acceptance (see the module docstring); = tau when nothing cut it."""
+        return self.committed_uncut / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -50,6 +70,7 @@ class GenerationResult:
         stop = commit_tokens(drafts[:accepted] + [target_tokens[accepted]], self.tokens, eos_ids, max_new_tokens)
         committed = len(self.tokens) - before
         self.acceptance_lengths.append(committed)
+        self.last_cycle_uncut = accepted + 1  # what this cycle accepted, before any cut (the last one's stays)
         for k in range(min(accepted, committed)):
             self.position_accepts[k] += 1
         return accepted + 1, stop
@@ -63,6 +84,7 @@ class GenerationResult:
             "num_tokens": len(self.tokens),
             "acceptance_lengths": self.acceptance_lengths,
             "tau": self.tau,
+            "tau_uncut": self.tau_uncut,
             "acceptance_histogram": {str(k): v for k, v in self.histogram().items()},
             "position_accepts": self.position_accepts,
             "block_size": self.block_size,

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from models.quantization import BITS, QuantizationError
-from models.target_folder import check_supported
+from models.target_folder import check_supported, family_facts
 
 
 # ----------------------------------------------------------------------------- dequantization
@@ -148,13 +148,14 @@ _QWEN35_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", 
 def to_hf_state_dict(weights: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """Undo mlx_lm's ``sanitize`` for one family, giving the transformers *module* names.
 
-    Qwen3 / Llama: same names. Qwen3.5 (``qwen3_5*``): drop the ``language_model.`` prefix (the text
-    tower is built as a causal LM), vision weights dropped, conv1d back to ``[C, 1, K]``, and the
-    ``1 + w`` norms mlx_lm folded back to transformers' ``w`` (mlx_lm adds 1 when it converts).
-    MoE: ``mlp.switch_mlp.{gate,up,down}_proj.weight [E, out, in]`` -> ``mlp.experts.gate_up_proj``
-    (gate then up) and ``mlp.experts.down_proj``.
+    Qwen3 / Llama / GLM 4.x MoE: same names. Qwen3.5 (``qwen3_5*``) and Qwen3-Next: drop the
+    ``language_model.`` prefix (the text tower is built as a causal LM; Kimi K2.5's too), vision weights
+    dropped, conv1d back to ``[C, 1, K]``, and the ``1 + w`` norms mlx_lm folded back to transformers' ``w``
+    (mlx_lm adds 1 when it converts). MoE: ``mlp.switch_mlp.{gate,up,down}_proj.weight [E, out, in]`` ->
+    ``mlp.experts.gate_up_proj`` (gate then up) and ``mlp.experts.down_proj``. Latent attention (DeepSeek-V3,
+    Kimi): ``self_attn.embed_q`` / ``unembed_out`` joined back into ``kv_b_proj``.
     """
-    family = check_supported(model_type)
+    facts = family_facts(check_supported(model_type))
     out: dict[str, torch.Tensor] = {}
     for key, value in weights.items():
         if key.startswith(("vision_tower", "model.visual", "mtp.")) or ".mtp." in key:
@@ -164,7 +165,7 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], model_type: str) -> dict[
         elif key.startswith("model.language_model."):
             key = "model." + key.removeprefix("model.language_model.")
         out[key] = value
-    if family == "qwen3_5":
+    if facts.linear_attention is not None:  # Qwen3.5 / 3.6 and Qwen3-Next: the same norms and conv layout
         sanitized = any(k.endswith("conv1d.weight") and v.shape[-1] == 1 for k, v in out.items())
         for key, value in list(out.items()):
             if key.endswith("conv1d.weight") and value.shape[-1] == 1:
@@ -177,9 +178,21 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], model_type: str) -> dict[
         up = out.pop(f"{prefix}.switch_mlp.up_proj.weight")
         out[f"{prefix}.experts.gate_up_proj"] = torch.cat([gate, up], dim=-2)
         out[f"{prefix}.experts.down_proj"] = out.pop(f"{prefix}.switch_mlp.down_proj.weight")
-    if family in FAMILY_EXPERTS:
-        FAMILY_EXPERTS[family](out)
+    if facts.latent_attention:
+        for key in [k for k in out if k.endswith(".self_attn.embed_q.weight")]:
+            out[key.replace("embed_q", "kv_b_proj")] = latent_up_projection(out.pop(key), out.pop(
+                key.replace("embed_q", "unembed_out")))
+    experts = FAMILY_EXPERTS.get(check_supported(model_type))
+    if experts is not None:
+        experts(out)
     return out
+
+
+def latent_up_projection(embed_q: torch.Tensor, unembed_out: torch.Tensor) -> torch.Tensor:
+    """transformers' ``kv_b_proj.weight`` ``[heads * (nope + v), kv_lora_rank]`` of a latent-attention layer from
+    mlx_lm's two halves of it: ``embed_q`` ``[heads, kv_lora_rank, nope]`` (the key half, transposed, which mlx_lm
+    applies to the queries) and ``unembed_out`` ``[heads, v, kv_lora_rank]`` (the value half)."""
+    return torch.cat([embed_q.transpose(1, 2), unembed_out], dim=1).reshape(-1, embed_q.shape[1]).contiguous()
 
 
 # --- gpt-oss and Gemma 4 (issue 46): their experts as mlx_lm stores them -> transformers' parameters

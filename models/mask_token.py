@@ -59,11 +59,15 @@ def _special_tokens(tokenizer) -> dict[int, str]:
     return out
 
 
-def forbidden_mask_ids(tokenizer, produced_ids: Iterable[int] = ()) -> dict[int, str]:
+def forbidden_mask_ids(tokenizer, produced_ids: Iterable[int] = (), allow_unk: bool = False) -> dict[int, str]:
     """Ids a mask token must never be, with the reason: EOS/pad/BOS/UNK, chat-control tokens (named in
-    the chat template), tokens a rendered chat produces, and ``produced_ids`` (what the data holds)."""
+    the chat template), tokens a rendered chat produces, and ``produced_ids`` (what the data holds).
+
+    ``allow_unk``: the UNK token is not refused for being UNK (only if the template or the data produce it). A
+    byte-level tokenizer never emits its UNK, and z-lab's Kimi-K2.5 drafter masks with Kimi's ``[UNK]`` (163838):
+    an explicit id may name it; the automatic choice still passes it over."""
     bad: dict[int, str] = {}
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id"):
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id") + (() if allow_unk else ("unk_token_id",)):
         i = getattr(tokenizer, name, None)
         for j in (i if isinstance(i, list) else [i]):
             if j is not None:
@@ -93,7 +97,7 @@ def mask_problem(tokenizer, mask_id: int) -> str | None:
     or an unused special token. Inference uses it to warn about a published drafter's choice."""
     if mask_id not in tokenizer_emitted_ids(tokenizer):
         return None
-    bad = forbidden_mask_ids(tokenizer)
+    bad = forbidden_mask_ids(tokenizer, allow_unk=True)
     if mask_id in bad:
         return bad[mask_id]
     return None if mask_id in _special_tokens(tokenizer) else "an ordinary text token"
@@ -111,9 +115,9 @@ def resolve_mask_token(embedding_rows: int, tokenizer, explicit: int | None = No
     """
     emitted = tokenizer_emitted_ids(tokenizer)
     special = _special_tokens(tokenizer)
-    bad = forbidden_mask_ids(tokenizer, produced_ids)
+    forbidden = forbidden_mask_ids(tokenizer, produced_ids)
 
-    def usable(i: int) -> str | None:
+    def usable(i: int, bad: dict[int, str] = forbidden) -> str | None:
         """None if ``i`` may be the mask token, else why not."""
         if not 0 <= i < embedding_rows:
             return f"outside the target embedding ({embedding_rows} rows)"
@@ -129,7 +133,7 @@ def resolve_mask_token(embedding_rows: int, tokenizer, explicit: int | None = No
         return tokenizer.convert_ids_to_tokens(i) if i in emitted else None
 
     if explicit is not None:
-        why = usable(int(explicit))
+        why = usable(int(explicit), forbidden_mask_ids(tokenizer, produced_ids, allow_unk=True))
         if why:
             raise ConfigError("mask_token_id", explicit, why,
                               "leave drafter.mask_token_id unset to choose automatically, or give a spare embedding "

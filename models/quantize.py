@@ -42,7 +42,7 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
 
     Same steps as mlx_lm's ``convert`` (its ``load``, its dtype cast, ``quantize_model`` with the
     model's own ``quant_predicate``, its ``save``), plus the config overrides transformers 5 configs
-    need (``models.target_mlx.load_mlx_lm``); the written config.json is the source's own plus
+    need (``models.target_mlx.mlx_lm_load``); the written config.json is the source's own plus
     ``quantization``, so both loaders read it. Cached: a folder made with the same arguments is reused.
     """
     check_bits_group(bits, group_size)
@@ -51,7 +51,7 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
         from mlx.utils import tree_map_with_path
         from mlx_lm.utils import quantize_model, save
 
-        from models.target_mlx import load_mlx_lm
+        from models.target_mlx import mlx_lm_load
     except ImportError as e:
         raise QuantizationError(f"quantizing to MLX needs mlx and mlx-lm ({e}): pip install 'mlx[cpu]' mlx-lm "
                                 "(plain 'mlx' on macOS)") from e
@@ -77,8 +77,7 @@ def quantize_to_mlx(hf_path: str | Path, out_dir: str | Path, bits: int = 4, gro
         raise QuantizationError(f"group size {group_size} does not divide the target's hidden size {hidden}: mlx_lm "
                                 f"would leave every such layer unquantized; use group size {fits or 'none fits'}")
     log(f"quantizing {hf_path} to MLX {bits}-bit, group size {group_size} (mlx_lm) -> {out}")
-    # mlx_lm's load, with the config overrides transformers 5 folders need and gpt-oss's bf16 experts read
-    model, tokenizer, config = load_mlx_lm(src, source_config, lazy=True)
+    model, tokenizer, config = mlx_lm_load(src, source_config, lazy=True)
     # mlx_lm.convert: cast floating weights to --dtype, else the config's torch_dtype.
     cast = dtype or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
     if cast in ("float16", "bfloat16", "float32"):

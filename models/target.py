@@ -2,8 +2,10 @@
 
 One adapter covers the architectures whose decoder stack is ``embed_tokens -> layers -> norm``
 with an ``lm_head``: Qwen3 (dense, MoE), Llama 3.x and Qwen3.5 / 3.6 (hybrid GatedDeltaNet +
-attention, dense and MoE; the text tower of the multimodal checkpoint), gpt-oss and Gemma 4 (what each
-family needs beyond that: ``models.target_folder.FAMILY_FACTS`` and the config). Taps are forward hooks
+attention, dense and MoE; the text tower of the multimodal checkpoint), GLM 4.x MoE, Qwen3-Next
+(hybrid, like Qwen3.5), DeepSeek-V3 and Kimi K2 / K2.5 (multi-head latent attention; K2.5's text
+tower), gpt-oss (attention sinks) and Gemma 4 (scaled embedding, soft-capped logits). What differs per
+family is in ``models.target_folder.FAMILY_FACTS``. Taps are forward hooks
 on the chosen layers, so only those layers' outputs are kept; when logits are not needed and no
 cache is being filled, the forward stops right after the deepest tapped layer.
 """
@@ -18,8 +20,8 @@ from pathlib import Path
 import torch
 import torch._dynamo.config
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache, FineGrainedFP8Config,
-                          GenerationConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, DeepseekV3ForCausalLM, DynamicCache,
+                          FineGrainedFP8Config, GenerationConfig)
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from models import gated_deltanet as gdn
@@ -53,13 +55,43 @@ def parse_max_memory(spec: str | dict | None) -> dict | None:
 
 
 def warn_if_slow_linear_attention(family: str, device: torch.device) -> None:
-    """One line when a Qwen3.5 / 3.6 target runs on CUDA without the fast GatedDeltaNet kernels."""
-    if family != "qwen3_5" or device.type != "cuda" or importlib.util.find_spec("fla") is not None:
+    """One line when a Qwen3.5 / 3.6 or Qwen3-Next target runs on CUDA without the fast GatedDeltaNet kernels."""
+    if family_facts(family).linear_attention is None or device.type != "cuda" or \
+            importlib.util.find_spec("fla") is not None:
         return
     logging.getLogger(__name__).warning(
-        "Qwen3.5 target on CUDA without flash-linear-attention: GatedDeltaNet runs transformers' torch reference "
+        "%s target on CUDA without flash-linear-attention: GatedDeltaNet runs transformers' torch reference "
         "(2.7x slower forward); install the kernels: pip install 'draftsmith[cuda]' "
-        "(and causal-conv1d where it builds)")
+        "(and causal-conv1d where it builds)", {"qwen3_5": "Qwen3.5", "qwen3_next": "Qwen3-Next"}.get(family, family))
+
+
+# ----------------------------------------------------------------------------- text towers AutoModelForCausalLM refuses
+class KimiK25TextModel(DeepseekV3ForCausalLM):
+    """Kimi K2.5's text tower alone, from the multimodal checkpoint: a DeepSeek-V3 causal LM (``kimi_k2``) whose
+    weights the checkpoint stores under ``language_model.`` (``language_model.model.layers.N``,
+    ``language_model.lm_head``); the vision tower and projector are not loaded. transformers' own
+    ``save_pretrained`` of the multimodal model writes ``language_model.model.blocks.N`` and
+    ``model.mm_projector``: read too."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^(model\.)?mm_projector\."]
+    checkpoint_keys = {r"^language_model\.model\.blocks\.": "model.layers.", r"^language_model\.": ""}
+
+
+# model_type -> the causal LM of its text tower, for multimodal checkpoints AutoModelForCausalLM does not map to
+# one (it maps Qwen3.5's itself).
+TEXT_TOWERS = {"kimi_k25": KimiK25TextModel}
+
+
+def load_causal_lm(directory: Path, model_type: str | None, **kwargs) -> nn.Module:
+    """The causal LM (the text tower of a multimodal checkpoint) of a target folder, as transformers loads it."""
+    tower = TEXT_TOWERS.get(model_type)
+    if tower is None:
+        return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    full = AutoConfig.from_pretrained(directory)
+    text = full.get_text_config(decoder=True)
+    if getattr(full, "quantization_config", None) is not None and getattr(text, "quantization_config", None) is None:
+        text.quantization_config = full.quantization_config  # a quantized checkpoint may say so at the top only
+    return tower.from_pretrained(directory, config=text, key_mapping=tower.checkpoint_keys, **kwargs)
 
 
 class _StopForward(Exception):
@@ -333,7 +365,7 @@ class TargetModel:
         (``load_mlx_target``), so every consumer runs the weights the Mac runs.
         ``quantization`` = ``bnb-4bit`` / ``fp8`` loads through transformers' quantizers.
         """
-        directory, _ = read_target_config(path_or_id, revision)
+        directory, config = read_target_config(path_or_id, revision)
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
         if device_map is not None:
@@ -359,7 +391,7 @@ class TargetModel:
             if device is not None:
                 kwargs.setdefault("device_map", {"": str(device)})
                 device = None
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or "auto", **kwargs)
+        model = load_causal_lm(directory, config.get("model_type"), dtype=dtype or "auto", **kwargs)
         check_borrowed_parts_resident(model)
         if device is not None:
             model = model.to(device)

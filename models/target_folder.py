@@ -20,49 +20,75 @@ SUPPORTED = {
     "qwen3": "qwen3", "qwen3_moe": "qwen3",
     "llama": "llama",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
+    # GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi K2.5 (K2.5's text tower is a DeepSeek-V3 model: "kimi_k2")
+    "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next",
+    "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3",
+}
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What the loops, loaders and the plan need to know about a family beyond its decoder layers.
+
+    ``linear_attention``: the module layout of its GatedDeltaNet layers, None without any ("qwen3_5":
+    ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, what the static loop and the fused training
+    path read; "qwen3_next": fused ``in_proj_qkvz`` / ``in_proj_ba``). ``latent_attention``: multi-head latent
+    attention (the cache holds one compressed latent and one rope key per position, not per-head K/V).
+    ``static_loop``: "auto" (``--loop auto`` takes the static CUDA-graph loop on a GPU), "asked" (it runs the
+    family exactly, checked on the CPU, but ``auto`` stays eager until its graph replay is measured on a GPU), or
+    the one-line reason the static loop refuses it. ``sdpa``: False when the attention has a term SDPA has no
+    argument for (gpt-oss's learned sinks): such a target never runs under SDPA or the project's ``CAUSAL_SDPA``
+    fast path, which would drop it silently.
+    """
+
+    linear_attention: str | None = None
+    latent_attention: bool = False
+    static_loop: str = "auto"
+    sdpa: bool = True
+
+
+MLA_STATIC = ("its multi-head latent attention caches one compressed latent and one rope key per position, not the "
+              "per-head K/V buffers the static loop preallocates")
+FAMILY_FACTS = {
+    "qwen3": FamilyFacts(),
+    "llama": FamilyFacts(),
+    "qwen3_5": FamilyFacts(linear_attention="qwen3_5", static_loop="asked"),
+    # GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi K2.5
+    "glm4_moe": FamilyFacts(static_loop="asked"),
+    "qwen3_next": FamilyFacts(linear_attention="qwen3_next", static_loop=(
+        "its GatedDeltaNet layers fuse their input projections (in_proj_qkvz, in_proj_ba), which the static "
+        "GatedDeltaNet pass (Qwen3.5's in_proj_qkv/z/b/a) does not read")),
+    "deepseek_v3": FamilyFacts(latent_attention=True, static_loop=MLA_STATIC),
 }
 # --- gpt-oss and Gemma 4 (issue 46). gpt-oss: alternating sliding / full attention with learned attention sinks,
 # MoE. Gemma 4: the text tower of the multimodal checkpoint (gemma4) or a bare text checkpoint (gemma4_text):
 # 31B dense, 26B-A4B MoE, E2B / E4B with per-layer input embeddings and KV-shared layers.
 SUPPORTED.update({"gpt_oss": "gpt_oss", "gemma4": "gemma4", "gemma4_text": "gemma4"})
-
-
-@dataclass(frozen=True)
-class FamilyFacts:
-    """What a family needs beyond the common decoder stack, one row per family (``FAMILY_FACTS``).
-
-    ``sdpa``: False when the attention has a term SDPA has no argument for (gpt-oss's learned sinks): such a
-    target never runs under SDPA or the project's ``CAUSAL_SDPA`` fast path, which would drop it silently.
-    ``static_loop``: why the static / CUDA-graph loop refuses the family (None: its structural checks decide).
-    """
-
-    sdpa: bool = True
-    static_loop: str | None = None
-
-
-FAMILY_FACTS: dict[str, FamilyFacts] = {}
-# --- gpt-oss and Gemma 4 (issue 46)
 FAMILY_FACTS.update({
-    "gpt_oss": FamilyFacts(sdpa=False, static_loop="gpt-oss has learned attention sinks (the static loop's SDPA "
-                                                   "would drop them) and sliding-window layers"),
-    "gemma4": FamilyFacts(static_loop="Gemma 4 has sliding-window layers, global layers with their own head size "
-                                      "and KV-shared layers"),
+    "gpt_oss": FamilyFacts(sdpa=False, static_loop="its learned attention sinks (the static loop's SDPA would drop "
+                                                   "them) and sliding-window layers"),
+    "gemma4": FamilyFacts(static_loop="its sliding-window layers, global layers with their own head size and "
+                                      "KV-shared layers"),
 })
-
-
-def family_facts(family: str) -> FamilyFacts:
-    """The family's row of ``FAMILY_FACTS`` (the defaults for a family without one)."""
-    return FAMILY_FACTS.get(family, FamilyFacts())
 
 
 class UnsupportedTarget(ValueError):
     pass
 
 
+TARGET_NAMES = ("Qwen3 (dense, MoE), Llama 3.x, Qwen3.5 / 3.6 (hybrid, dense and MoE), GLM 4.x MoE, Qwen3-Next, "
+                "DeepSeek-V3, Kimi K2 / K2.5, gpt-oss, Gemma 4")
+
+
 def check_supported(model_type: str) -> str:
     if model_type not in SUPPORTED:
-        raise UnsupportedTarget(f"not supported yet: {model_type} (draftsmith targets: {sorted(SUPPORTED)})")
+        raise UnsupportedTarget(f"not supported yet: {model_type}. draftsmith trains drafters for {TARGET_NAMES} "
+                                f"(model types {', '.join(sorted(SUPPORTED))})")
     return SUPPORTED[model_type]
+
+
+def family_facts(family: str) -> FamilyFacts:
+    return FAMILY_FACTS.get(family, FamilyFacts())
 
 
 def read_target_config(path_or_id: str | Path, revision: str | None = None,

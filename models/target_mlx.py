@@ -9,11 +9,13 @@ whatever the list held and puts it back).
 
 Architectures (same list as the torch adapter, ``models.target_folder.SUPPORTED``): Qwen3 dense / MoE,
 Llama 3.x, Qwen3.5 / 3.6 hybrid (GatedDeltaNet + attention, dense / MoE, the text tower of the
-multimodal checkpoints), gpt-oss and Gemma 4. bf16 and mlx-community affine-quantized (4 / 8 bit)
-checkpoints both load through mlx_lm (``load_mlx_lm``); transformers 5 folders whose configs mlx_lm does
-not read yet (only ``rope_parameters``, ``num_local_experts``, ``qwen3_5_text``, Gemma 4's
-``per_layer_config``) are adapted by config overrides, one function per family (``FAMILY_OVERRIDES``), and
-gpt-oss experts saved in transformers' bf16 layout are converted on load (``gpt_oss_from_transformers``).
+multimodal checkpoints), GLM 4.x MoE, Qwen3-Next (hybrid), DeepSeek-V3 and Kimi K2 / K2.5 (latent
+attention; mlx_lm's ``kimi_k25`` wraps the text model in ``language_model``), gpt-oss and Gemma 4. bf16 and
+mlx-community affine-quantized (4 / 8 bit) checkpoints both load through mlx_lm (``mlx_lm_load``);
+transformers 5 folders whose configs mlx_lm does not read yet (only ``rope_parameters``,
+``num_local_experts``, ``qwen3_5_text``, Gemma 4's ``per_layer_config``) are adapted by config overrides, and
+weights transformers saves in another layout than mlx_lm reads (Kimi K2.5's names, gpt-oss's bf16 experts)
+are converted on load.
 
 What a family does outside the decoder layers is the adapter's, as in torch: Gemma 4 multiplies the
 embedding by sqrt(hidden) in the model's forward (``embed_tokens`` here is that scaled embedding, what the
@@ -22,13 +24,13 @@ drafter's block is embedded with) and soft-caps the logits (``logits``).
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import gpt_oss
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
@@ -238,7 +240,7 @@ class TargetModel:
         weights keep their packing and only their scales/biases are cast.
         """
         directory, config = read_target_config(path_or_id, revision)
-        model, tokenizer, _ = load_mlx_lm(directory, config)
+        model, tokenizer, _ = mlx_lm_load(directory, config)
         if dtype is not None:
             _cast_floating(model, dtype)
         return cls(model, tokenizer=tokenizer, config=config, name=str(path_or_id))
@@ -252,6 +254,41 @@ def _cast_floating(model, dtype: mx.Dtype) -> None:
     if cast:
         model.update(tree_unflatten(cast))
         mx.eval(model.parameters())
+
+
+def mlx_lm_load(directory: Path, config: dict, lazy: bool = False) -> tuple:
+    """``mlx_lm.load`` of a target folder: (model, tokenizer wrapper, config as mlx_lm read it), with the config
+    overrides below and, for a folder transformers wrote, its weight names as mlx_lm reads them
+    (``SAVED_NAMES``)."""
+    overrides = mlx_lm_overrides(config)
+    renames = SAVED_NAMES.get(config.get("model_type"))
+    classes = _get_classes if renames is None else _renaming(renames)
+    convert = SAVED_LAYOUTS.get(config.get("model_type"))  # gpt-oss's bf16 experts (issue 46, below)
+    classes = classes if convert is None else _converting(convert)
+    model, read = load_model(Path(directory), lazy, model_config=overrides, get_model_classes=classes)
+    fix_after_load(model, config)
+    return model, load_tokenizer(Path(directory), eos_token_ids=read.get("eos_token_id", None)), read
+
+
+# Weight names transformers' save_pretrained writes where mlx_lm reads the published checkpoint's: transformers 5.24
+# saves Kimi K2.5's text layers as ``language_model.model.blocks.N`` and its projector as ``model.mm_projector``.
+SAVED_NAMES = {"kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+                            (r"^model\.mm_projector\.", "mm_projector."))}
+
+
+def _renaming(renames):
+    """mlx_lm's model classes lookup (``mlx_lm.utils._get_classes``), with a model class that renames the weights
+    before its own ``sanitize``."""
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights):
+            for pattern, name in renames:
+                weights = {re.sub(pattern, name, k): v for k, v in weights.items()}
+            return model_class.sanitize(self, weights)
+        return type(model_class.__name__, (model_class,), {"sanitize": sanitize,
+                                                            "__module__": model_class.__module__}), args_class
+    return classes
 
 
 def mlx_lm_overrides(config: dict) -> dict:
@@ -268,29 +305,37 @@ def mlx_lm_overrides(config: dict) -> dict:
         if "num_experts" not in config and "num_local_experts" in config:
             out["num_experts"] = config["num_local_experts"]
         out.setdefault("mlp_only_layers", config.get("mlp_only_layers") or [])
-    family = FAMILY_OVERRIDES.get(model_type)
+    if model_type in FLAT_ROPE_MODEL_TYPES:
+        out.update(flat_rope_overrides(config))
+    family = FAMILY_OVERRIDES.get(model_type)  # gpt-oss / Gemma 4 (issue 46), below
     if family is not None:
         out.update(family(config))
     return out
 
 
-def load_mlx_lm(directory: str | Path, config: dict, lazy: bool = False) -> tuple:
-    """(model, tokenizer wrapper, config) of a target folder, as ``mlx_lm.load`` gives them, with the config
-    overrides (``mlx_lm_overrides``), gpt-oss's transformers expert layout converted on load and the fixes
-    after loading (``fix_after_load``). The loader of the MLX adapter and of ``models.quantize``."""
-    directory = Path(directory)
-    model, loaded = load_model(directory, lazy=lazy, model_config=mlx_lm_overrides(config),
-                               get_model_classes=_model_classes)
-    fix_after_load(model, config)
-    return model, load_tokenizer(directory, eos_token_ids=loaded.get("eos_token_id")), loaded
+# GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi K2 / K2.5: mlx_lm reads ``rope_theta``, ``partial_rotary_factor`` and
+# ``rope_scaling``, which transformers 5 folds into ``rope_parameters``. Without them glm4_moe and qwen3_next fail to
+# load (required arguments), and DeepSeek-V3 / Kimi load but run plain RoPE instead of YaRN: silently other logits.
+FLAT_ROPE_MODEL_TYPES = ("glm4_moe", "qwen3_next", "deepseek_v3", "kimi_k2", "kimi_k25")
 
 
-def _model_classes(config: dict):
-    """mlx_lm's classes for a config, gpt-oss's with a ``sanitize`` that reads transformers' bf16 experts too."""
-    model_class, args_class = _get_classes(config)
-    if model_class is gpt_oss.Model:
-        return GptOssFromTransformers, args_class
-    return model_class, args_class
+def flat_rope_overrides(config: dict) -> dict:
+    """The rope keys mlx_lm reads, from a transformers 5 ``rope_parameters`` block; a multimodal config (Kimi
+    K2.5) gets them inside its whole ``text_config`` (mlx_lm replaces top-level keys, it does not merge them).
+    Keys the folder already has (published checkpoints ship ``rope_theta`` / ``rope_scaling``) are kept."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        inner = flat_rope_overrides(text)
+        return {"text_config": {**text, **inner}} if inner else {}
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in rope:  # no flat block (or the folder's own keys): nothing to add
+        return {}
+    out = {"rope_theta": config.get("rope_theta") or rope["rope_theta"]}
+    if "partial_rotary_factor" in rope and config.get("partial_rotary_factor") is None:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if config.get("rope_scaling") is None:
+        out["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else dict(rope)
+    return out
 
 
 def fix_after_load(model, config: dict) -> None:
@@ -326,15 +371,7 @@ class ScaledEmbedding:
 
 
 # --- gpt-oss and Gemma 4 (issue 46): per-family config overrides and loading --------------------------------
-def _flat_rope(text: dict) -> dict:
-    """mlx_lm reads ``rope_theta`` and ``rope_scaling``; transformers 5 writes one ``rope_parameters`` block."""
-    rope = text.get("rope_parameters") or {}
-    if "rope_theta" not in rope or "rope_scaling" in text:
-        return {}
-    out = {"rope_theta": rope["rope_theta"]}
-    if rope.get("rope_type", "default") != "default":
-        out["rope_scaling"] = dict(rope)  # else gpt-oss would run plain RoPE, silently (logits off by 2.5)
-    return out
+FLAT_ROPE_MODEL_TYPES += ("gpt_oss",)  # its YaRN block: without rope_scaling mlx_lm runs plain RoPE (logits off by 2.5)
 
 
 def _gemma4_text(text: dict) -> dict:
@@ -361,7 +398,7 @@ def _gemma4(config: dict) -> dict:
 
 
 FAMILY_OVERRIDES = {}  # model_type -> config.json -> the keys mlx_lm needs
-FAMILY_OVERRIDES.update({"gpt_oss": _flat_rope, "gemma4_text": _gemma4_text, "gemma4": _gemma4})
+FAMILY_OVERRIDES.update({"gemma4_text": _gemma4_text, "gemma4": _gemma4})
 
 
 def gpt_oss_from_transformers(weights: dict) -> dict:
@@ -389,8 +426,17 @@ def gpt_oss_from_transformers(weights: dict) -> dict:
     return out
 
 
-class GptOssFromTransformers(gpt_oss.Model):
-    """mlx_lm's gpt-oss, reading transformers' bf16 expert layout too (``gpt_oss_from_transformers``)."""
+# model_type -> weights as transformers saved them -> the layout mlx_lm's sanitize reads
+SAVED_LAYOUTS = {"gpt_oss": gpt_oss_from_transformers}
 
-    def sanitize(self, weights):
-        return super().sanitize(gpt_oss_from_transformers(weights))
+
+def _converting(convert):
+    """mlx_lm's model classes lookup, with a model class that converts the weights before its own ``sanitize``."""
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights):
+            return model_class.sanitize(self, convert(weights))
+        return type(model_class.__name__, (model_class,), {"sanitize": sanitize,
+                                                            "__module__": model_class.__module__}), args_class
+    return classes

@@ -2,7 +2,9 @@
 
 Tests and the ``tiny`` recipe use them: no download, seconds to build, and the same code paths
 as the real models (Qwen3 dense / MoE, Llama 3, Qwen3.5 hybrid with GatedDeltaNet layers, and
-the Qwen3.5 multimodal checkpoint whose text tower is the target; gpt-oss and Gemma 4, below).
+the Qwen3.5 multimodal checkpoint whose text tower is the target; GLM 4.x MoE, Qwen3-Next,
+DeepSeek-V3 and the Kimi K2.5 multimodal checkpoint, ``MOE_FAMILY_ARCHS``; gpt-oss and Gemma 4,
+``FAMILY_ARCHS``).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import (AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
-                          GptOssConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config,
-                          Qwen3_5ForConditionalGeneration, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration,
+                          Gemma4TextConfig, GptOssConfig, Kimi_K25ForConditionalGeneration, LlamaConfig,
+                          PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeTextConfig,
+                          Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
 # Byte-level vocabulary: the 256 byte symbols, then the specials. Ids past the tokenizer's
 # length are spare embedding rows (where the mask token goes).
@@ -219,13 +221,82 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int):
                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
         return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,
                              image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2)
-    if arch in FAMILY_ARCHS:
+    if arch in MOE_FAMILY_ARCHS:
+        return moe_family_config(arch, common)
+    if arch in FAMILY_ARCHS:  # gpt-oss / Gemma 4
         return family_config(arch, vocab_size, num_layers)
     raise ValueError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
 
 
-TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl",
-              *FAMILY_ARCHS)  # gpt-oss / Gemma 4 (issue 46), below
+# ----------------------------------------------------------------------------- GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 /
+# Kimi K2.5 (issue 46). Each exercises what is new in its family: GLM's shared expert, q/k/v biases, qk-norm and
+# partial rotary (0.5); Qwen3-Next's fused GatedDeltaNet projections (3 linear : 1 full layers, as mlx_lm's
+# full_attention_interval 4 assumes) and sparse MoE with a gated shared expert in every layer; DeepSeek-V3's latent
+# attention (MLA: q/kv low-rank, a 16-wide latent cache), grouped routing (2 groups) and YaRN RoPE; Kimi K2.5 is
+# the multimodal checkpoint whose text tower is that DeepSeek-V3 model.
+MOE_FAMILY_ARCHS = ("glm4_moe", "qwen3_next", "deepseek_v3", "kimi_k25")
+
+
+def moe_family_config(arch: str, common: dict):
+    """The transformers config of a tiny GLM 4.x MoE / Qwen3-Next / DeepSeek-V3 / Kimi K2.5 target."""
+    n = common["num_hidden_layers"]
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True)
+    if arch == "glm4_moe":
+        return AutoConfig.for_model("glm4_moe", **common, **moe, attention_bias=True, use_qk_norm=True,
+                                    n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                    topk_group=1, routed_scaling_factor=1.0,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                     "partial_rotary_factor": 0.5})
+    if arch == "qwen3_next":
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+        return AutoConfig.for_model("qwen3_next", **common, **moe, layer_types=layer_types, linear_conv_kernel_dim=4,
+                                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, num_experts=4, shared_expert_intermediate_size=32,
+                                    decoder_sparse_step=1, mlp_only_layers=[],
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25})
+    mla = {**common, **moe, "num_key_value_heads": common["num_attention_heads"], "max_position_embeddings": 163840}
+    del mla["head_dim"]  # DeepSeek-V3's config sets it to the rope width itself
+    text = AutoConfig.for_model("deepseek_v3", **mla, n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1,
+                                first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+                                rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
+                                                 "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    if arch == "deepseek_v3":
+        return text
+    vision = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                  num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    return AutoConfig.for_model("kimi_k25", text_config=text.to_dict(), vision_config=vision, projection_hidden_size=32,
+                                image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
+                                vision_start_token_id=TINY_VOCAB - 3, vision_end_token_id=TINY_VOCAB - 4,
+                                tie_word_embeddings=False)
+
+
+def kimi_checkpoint_layout(directory: Path) -> None:
+    """Rename a Kimi K2.5 folder written by transformers' ``save_pretrained`` to the layout Moonshot ships (and
+    mlx_lm reads): transformers 5.24 writes the text layers as ``language_model.model.blocks.N`` and the projector
+    under ``model.mm_projector``; the published checkpoint has ``language_model.model.layers.N`` and
+    ``mm_projector``."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        weights = load_file(str(shard))
+        renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
+                   .replace("model.mm_projector.", "mm_projector."): v for k, v in weights.items()}
+        save_file(renamed, str(shard), metadata={"format": "pt"})
+    index = Path(directory) / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
+                              .replace("model.mm_projector.", "mm_projector."): v
+                              for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+
+
+TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", *MOE_FAMILY_ARCHS,
+              *FAMILY_ARCHS)
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next")  # GatedDeltaNet + attention layers
 
 
 def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_size: int = TINY_VOCAB,
@@ -233,8 +304,9 @@ def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_s
     """A tiny causal LM of the given architecture with seeded random weights (fp32, eval mode)."""
     config = tiny_config(arch, vocab_size, num_layers)
     torch.manual_seed(seed)
-    if arch == "qwen3_5_vl":
-        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=dtype)
+    if arch in ("qwen3_5_vl", "kimi_k25"):  # multimodal checkpoints: AutoModelForCausalLM builds no vision tower
+        cls = Qwen3_5ForConditionalGeneration if arch == "qwen3_5_vl" else Kimi_K25ForConditionalGeneration
+        model = cls._from_config(config, dtype=dtype)
     elif arch == "gemma4":
         model = Gemma4ForConditionalGeneration._from_config(config, dtype=dtype)
     else:
@@ -249,6 +321,8 @@ def save_tiny_target(directory: str | Path, arch: str = "qwen3", seed: int = 0, 
     directory = Path(directory)
     model = tiny_target(arch, seed=seed, num_layers=num_layers)
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if arch == "kimi_k25":
+        kimi_checkpoint_layout(directory)
     tok = tiny_tokenizer(template or default_template(arch))
     tok.save_pretrained(directory)
     gen = {"eos_token_id": tok.eos_token_id, "bos_token_id": 256, "do_sample": False}

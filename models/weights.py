@@ -206,11 +206,13 @@ def read_safetensors_tensors(directory: Path, keys: list[str], device: str | tor
     be absent). A sharded checkpoint's index names the shard of each; ``repo_id`` (a Hub snapshot)
     downloads just those shards.
 
-    A multimodal checkpoint stores the text tower under ``model.language_model.``: a key the text
-    model calls ``model.X`` is looked up there too.
+    A multimodal checkpoint stores the text tower under ``model.language_model.`` (Qwen3.5) or
+    ``language_model.`` (Kimi K2.5: ``language_model.model.X``, ``language_model.lm_head``): a key the text
+    model calls ``model.X`` or ``lm_head.X`` is looked up there too.
     """
     def aliases(key: str) -> list[str]:
-        return [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
+        out = [key] + ([key.replace("model.", "model.language_model.", 1)] if key.startswith("model.") else [])
+        return out + (["language_model." + key] if key.startswith(("model.", "lm_head.")) else [])
 
     def absent(key: str) -> ValueError:
         return ValueError(f"{directory}: no tensor named {' or '.join(aliases(key))} in its safetensors shards "

@@ -39,11 +39,7 @@ import time
 
 import torch
 
-# Dense bf16 tensor-core peaks (no sparsity) by a piece of torch.cuda.get_device_name(); the first piece
-# found wins, so the PCIe and NVL H100s (fewer SMs, lower clocks) come before the SXM "H100".
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
-                    "L40S": 362.0, "4090": 165.0, "B200": 2250.0}
-
+from train.flops import DrafterShape, drafter_flops, peak_tflops, tapped_parameters, target_flops
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
@@ -158,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     for n_anchors in a.anchors:
         ids, lm, doc, pos = random_rows(a, device)
         feats = torch.randn(a.batch, a.seq, a.taps * H, device=device, dtype=dtype)
-        target_flops = 2 * a.target_params * a.seq * a.batch if target is not None else 0
+        forward_flops = target_flops(a.target_params, a.seq * a.batch) if target is not None else 0
 
         def features(i: int) -> torch.Tensor:
             if target is None:
@@ -202,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        row = _result_row(a, target, use_flex, n_anchors, dt, done, target_flops)
+        row = _result_row(a, target, use_flex, n_anchors, dt, done, forward_flops)
         print(json.dumps(row), flush=True)
         print(json.dumps({"bench": "train_parts", "recipe": a.e2e, "compile": a.compile, "anchors": n_anchors,
                           "batch": a.batch,
@@ -241,11 +237,11 @@ def _models(a, cfg, target, device: torch.device, dtype: torch.dtype):
     return drafter, embed, head, opt
 
 
-def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list, target_flops: float) -> dict:
+def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list, forward_flops: float) -> dict:
     """The JSON line of one timed run: ``done`` holds each micro-batch's (blocks, scored slots)."""
     cuda = torch.cuda.is_available()
     blocks_done = sum(int(b.valid.sum()) for b, _ in done)
-    flops = sum(step_flops(a, b, scored) + target_flops for b, scored in done)
+    flops = sum(step_flops(a, b, scored) + forward_flops for b, scored in done)
     row = {"bench": "train_e2e" if target is not None else "train_step", "recipe": a.e2e,
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "attention": "flex" if use_flex else "dense", "compile": a.compile,
@@ -258,7 +254,7 @@ def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
         name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        peak = peak_tflops(name)
         row["mfu"] = round(flops / dt / 1e12 / peak, 4) if peak else None
         row["peak_tflops"] = peak  # what mfu divides by
     else:
@@ -269,21 +265,11 @@ def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list
 
 
 def step_flops(a, blocks, scored: int) -> float:
-    """Model FLOPs of one drafter micro-batch (forward + backward, no recompute), from the blocks drawn.
-
-    Per query token: the layer matmuls x3 (forward, input and weight grads). Attention x3 over
-    the keys each query sees (context before its anchor + its own block). The context's fc
-    x2 (weight grad only: features need none) and each layer's context k/v projections x3.
-    The frozen LM head x2 (forward + input grad) over scored slots only.
-    """
-    H = a.hidden
-    q = blocks.valid.sum().item() * a.block
-    keys = ((blocks.anchors + a.block) * blocks.valid).sum().item() * a.block
-    proj = a.hidden * a.head_dim * (2 * a.heads + 2 * a.kv_heads) + 3 * a.hidden * a.intermediate
-    ctx = a.seq * a.batch
-    return (3 * a.layers * (2 * proj * q + 4 * a.heads * a.head_dim * keys)
-            + 2 * 2 * a.taps * H * H * ctx + 3 * a.layers * 2 * 2 * H * a.kv_heads * a.head_dim * ctx
-            + 2 * 2 * H * a.vocab * scored)
+    """Model FLOPs of one drafter micro-batch at the bench's shape (``train.flops.drafter_flops``, as training
+    logs them)."""
+    shape = DrafterShape(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+                         intermediate=a.intermediate, taps=a.taps, vocab=a.vocab, block=a.block)
+    return drafter_flops(shape, blocks, scored, a.seq * a.batch)
 
 
 def random_rows(a, device):
@@ -326,8 +312,7 @@ def e2e_setup(a, argv, spec: dict, device: str | None = None):
         a.block = drafter.get("block_size", 16)
     if a.grad_accum is None:
         a.grad_accum = train.get("grad_accum", 1)
-    ran = target.layers[: max(a.layer_ids) + 1]  # the tapped forward stops after the deepest tap
-    a.target_params = sum(p.numel() for p in ran.parameters())
+    a.target_params = tapped_parameters(target, a.layer_ids)  # the tapped forward stops after the deepest tap
     return target
 
 

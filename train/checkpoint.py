@@ -150,6 +150,7 @@ HARMLESS_KEYS = (
     "target.model_type", "target.num_layers", "target.hidden_size", "target.intermediate_size",  # dry-run facts
     "target.num_attention_heads", "target.num_key_value_heads", "target.head_dim", "target.vocab_size",
     "target.max_position_embeddings", "target.rope_theta", "target.params_b", "target.active_params_b",
+    "target.weights_gib",
     "target.device_map", "target.max_memory",  # where the target's layers live, not what it computes
     # Where the prepared rows are read from, and whether they were rebuilt: the checkpoint records the rows'
     # identity (LoopState.rows), and a resume on other rows is refused by that, not by the folder's name.

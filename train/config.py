@@ -27,6 +27,18 @@ from train.overrides import (build, check_key, flatten, leaf_type, parse_args, p
                              set_dotted)
 from train.overrides import valid_keys as keys_of
 
+# train.compile's booleans as YAML 1.1 and the command line spell them (a str key reads `false` as "no")
+COMPILE_SPELLINGS = {"yes": "true", "on": "true", "1": "true", "no": "false", "off": "false", "0": "false"}
+
+
+def compile_setting(value) -> str:
+    """``train.compile`` as ``auto``, ``true`` or ``false`` (train/compiling.py says what each does); a boolean,
+    or any spelling of one, included. Anything else is returned as given, for ``validate`` to refuse."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower()
+    return COMPILE_SPELLINGS.get(text, text)
+
 
 @dataclass
 class TargetConfig:
@@ -54,6 +66,9 @@ class TargetConfig:
     rope_theta: float | None = None  # the target's RoPE base (the drafter's default base)
     params_b: float | None = None  # total parameters, billions
     active_params_b: float | None = None  # per-token parameters for MoE targets (FLOPs), billions
+    # GiB of weights as loaded, for a checkpoint not stored in bf16 (FP8 DeepSeek-V3, Kimi K2.5's INT4 experts);
+    # the plan counts params_b x 2 bytes otherwise
+    weights_gib: float | None = None
 
 
 @dataclass
@@ -141,7 +156,8 @@ class TrainConfig:
     # flex backward tiles: auto (measured best for the GPU, else torch's) | torch | M1,N1,M2,N2,STAGES,WARPS
     flex_backward: str = "auto"
     grad_checkpointing: bool = False
-    compile: bool = False  # torch.compile each drafter layer and, online, the target's (CUDA; fuses elementwise ops)
+    # torch.compile each drafter layer and, online, the target's: auto (on CUDA; off on CPU / MPS) | true | false
+    compile: str = "auto"
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | fp16 | no
     seed: int = 0
 
@@ -252,11 +268,12 @@ class RunConfig:
         parse_flex_backward(self.train.flex_backward)  # a typo would fail only at the first CUDA step
         # the short names train.mixed_precision and the CLIs take mean the same here (once an AttributeError)
         self.target.dtype = DTYPE_NAMES.get(self.target.dtype, self.target.dtype)
+        self.train.compile = compile_setting(self.train.compile)  # a recipe's `compile: false` arrives as "no"
         choices = {"target.dtype": ("auto", "float32", "bfloat16", "float16"),
                    "features.mode": ("online", "offline"), "train.loss": ("ce", "kl", "ce+kl"),
                    "train.attention": ("auto", "flex", "dense"), "train.schedule": ("cosine", "constant"),
                    "train.mixed_precision": ("auto", "bf16", "fp16", "no"), "drafter.variant": ("dflash", "dflash2"),
-                   "train.loss_weighting": ("decay", "dpace")}
+                   "train.loss_weighting": ("decay", "dpace"), "train.compile": ("auto", "true", "false")}
         for key, allowed in choices.items():
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)

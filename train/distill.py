@@ -155,8 +155,9 @@ def write_run_config(run) -> None:
 
 def build_drafter(run, drafter_cfg, target):
     """A fresh drafter (Qwen3 init from the seed) or ``drafter.init_from``, in fp32 on the device, bound to
-    the target's frozen embedding and LM head (``train.compile``: both models' layers compiled)."""
+    the target's frozen embedding and LM head (``train.compile``: both models' layers compiled, ``run.compiled``)."""
     from models.drafter2 import new_drafter
+    from train.compiling import compile_models
 
     torch.manual_seed(run.cfg.train.seed)
     # the run's config (checked against init_from's): what is saved. A v1 init_from of a DFlash2 run gives the
@@ -166,21 +167,8 @@ def build_drafter(run, drafter_cfg, target):
     drafter.bind_target(target.embed_tokens, target.lm_head)
     drafter.gradient_checkpointing = run.cfg.train.grad_checkpointing
     drafter.set_flex_backward(run.cfg.train.flex_backward)
-    if run.cfg.train.compile:
-        compile_models(run.cfg, run.device.type, drafter, target)
+    run.compiled = compile_models(run.cfg, run.device.type, drafter, target)  # None: eager (train.compile)
     return drafter
-
-
-def compile_models(cfg, device_type: str, drafter, target) -> None:
-    """``train.compile=true``: the drafter's layers, and with online features the target's too (its tapped
-    forward is ~40% of an online step; offline runs never call it)."""
-    if device_type != "cuda":
-        raise ValueError("train.compile=true compiles the drafter's (and online, the target's) layers for CUDA "
-                         f"kernels; this run is on {device_type}: drop train.compile (the eager layers are the same "
-                         "math)")
-    drafter.compile_layers()
-    if cfg.features.mode == "online":
-        target.compile_layers()
 
 
 def build_optimizer(run, drafter, sched):
@@ -257,31 +245,44 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
 
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
-    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, nonfinite_weights,
-                            run_eval, step_row, train_step)
+    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, flop_counter,
+                            nonfinite_weights, run_eval, step_row, train_step)
     from train.rng import epoch_order
 
     cfg, total = run.cfg, sched.total_steps
     drafter = run.accelerator.unwrap_model(model)
+    compiled = run.compiled  # train.compile: what compiles runs through it, with its fall-back to eager
+    guarded = compiled.call if compiled is not None else (lambda fn, optimizer=None: fn())
     prompts = true_tau_prompt_set(eval_ds, cfg.eval.true_tau_prompts, run.log)
-    first_eval = (run_eval(run, drafter, target, eval_feats, prompts, 0, True, logger, total)
+    first_eval = (guarded(lambda: run_eval(run, drafter, target, eval_feats, prompts, 0, True, logger, total))
                   if cfg.eval.at_start and state.step == 0 else {})
     evals = [first_eval] if first_eval else []
     bar = tqdm(total=total, initial=state.step, disable=not (run.is_main and cfg.logging.progress),
                unit="step", dynamic_ncols=True)
     speed, last, started, first_step = Throughput(), {}, time.perf_counter(), state.step
+    count_flops, compile_row = flop_counter(cfg, drafter_cfg, target), compiled is not None
     while state.step < sched.total_steps:
         epoch = state.epoch
         order = epoch_order(len(train_ds), cfg.train.seed, epoch, run.rank, run.world)
         while state.epoch == epoch and state.step < sched.total_steps:
-            micro = draw_step(run, train_ds, order, state, sched, drafter_cfg)
-            stats = train_step(run, model, optimizer, scheduler, target, feats, micro, drafter_cfg)
+            micro = draw_step(run, train_ds, order, state, sched, drafter_cfg, count_flops)
+
+            def step():
+                return train_step(run, model, optimizer, scheduler, target, feats, micro, drafter_cfg)
+            stats = compiled.step(step, optimizer, run.log) if compiled is not None else step()
             speed.add(stats)
             progress = state.epoch + (state.step_in_epoch + 1) / sched.steps_per_epoch
             advance(state, sched, stats)
             final = state.step == sched.total_steps
-            if state.step % cfg.logging.every == 0 or final:
+            logged = state.step % cfg.logging.every == 0 or final
+            if state.step == first_step + 1 and not logged:
+                speed.reset()  # the first step builds kernels (flex attention, the loss; train.compile's layers)
+            if logged:
                 last = step_row(run, state, stats, scheduler, speed, progress)
+                if compile_row and compiled.first_step_s is not None:  # the one-time cost, in the first row
+                    compile_row = False
+                    if compiled.active and compiled.compile_s() is not None:
+                        last["compile_s"] = round(compiled.compile_s(), 1)
                 if not math.isfinite(last["loss"]):
                     raise diverged(run, state.step, f"the loss is {last['loss']}")
                 # No bar (logs, CI): the console still gets every logged step, as a line (the bar shows it otherwise).
@@ -292,6 +293,7 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                                 tok_s=f"{last['tokens_per_s']:.0f}")
                 speed.reset()
             bar.update(1)
+            paused = time.perf_counter()  # checkpoints and evals are left out of the next logged rates
             # Checkpoint before evaluating: an eval that fails (a true-tau generation out of memory) must not
             # cost the steps since the last checkpoint. Nothing an eval does is in the checkpoint.
             if checkpoint_due(cfg, state.step, final):
@@ -302,7 +304,9 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
                                 cfg.checkpoint.keep_last)
             evaluate, with_true = eval_due(cfg, state.step, final)
             if evaluate:
-                evals.append(run_eval(run, drafter, target, eval_feats, prompts, state.step, with_true, logger, total))
+                evals.append(guarded(lambda: run_eval(run, drafter, target, eval_feats, prompts, state.step,
+                                                      with_true, logger, total)))
+            speed.skip(time.perf_counter() - paused)
     bar.close()
     return last, first_eval, [r for r in evals if len(r) > 1], len(prompts)  # {"step": N} alone: no held-out rows
 

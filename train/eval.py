@@ -101,15 +101,15 @@ def true_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int) -> 
     drafter.eval()
     proposer = DrafterProposer(drafter, target)
     lengths: list[int] = []
-    uncut: list[int] = []  # cycles that did not end their generation (no EOS, no budget cut in them)
+    uncut = 0  # committed tokens, each generation's last cycle counted in full (validate's tau_uncut)
     for p in prompts:
         result = dflash_generate(target, proposer, p, max_new_tokens=max_new_tokens)
         lengths += result.acceptance_lengths
-        uncut += result.acceptance_lengths[:-1]
+        uncut += result.committed_uncut
     drafter.train(was_training)
     hist: dict[str, int] = {}
     for n in lengths:
         hist[str(n)] = hist.get(str(n), 0) + 1
     return {"eval_tau_true": sum(lengths) / len(lengths) if lengths else 0.0, "eval_true_cycles": len(lengths),
-            "eval_tau_true_uncut": sum(uncut) / len(uncut) if uncut else 0.0,
+            "eval_tau_true_uncut": uncut / len(lengths) if lengths else 0.0,
             "eval_true_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0])))}

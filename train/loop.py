@@ -20,6 +20,7 @@ import torch
 
 from models.support import UserError, to_device
 from train.block_mask import documents_contiguous
+from train.flops import DrafterShape, drafter_flops, peak_tflops, tapped_parameters, target_flops
 from train.metrics import eval_line
 from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks, loss_weight, simulated_acceptance
 from train.rng import epoch_order, row_generators
@@ -27,6 +28,7 @@ from train.rng import epoch_order, row_generators
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from train.compiling import Compiled
     from train.config import RunConfig
 
 
@@ -41,6 +43,7 @@ class Run:
     mixed_precision: str
     log: Callable[[str], None]  # console lines, main process only
     resume_from: Path | None = None  # the checkpoint to resume (resume=true and one exists)
+    compiled: Compiled | None = None  # train.compile's layers and their fall-back (set when the drafter is built)
     started: float = field(default_factory=time.perf_counter)  # the closing summary's elapsed time
 
     @property
@@ -151,6 +154,7 @@ class MicroBatch:
     pos: torch.Tensor
     contiguous: bool  # each row's documents are contiguous runs (checked on the host copy)
     n_tokens: int  # context tokens of the rows (counted on the host copy; no default: a forgotten 0 would log 0 tok/s)
+    flops: float = 0.0  # model FLOPs of its forward + backward (train.flops, counted on the host's blocks)
 
 
 @dataclass
@@ -164,12 +168,14 @@ class StepStats:
     tokens: int = 0  # this process's context tokens
     anchors: int | torch.Tensor = 0  # valid blocks; a device count until logged
     tokens_all: int = 0  # every process's context tokens
+    flops: float = 0.0  # this process's model FLOPs
     acceptance: dict = field(default_factory=dict)
     grad_norm: float | None = None
     slot_weight: torch.Tensor | int = 0  # [B-1] loss weight per slot, summed over the scored blocks (on the device)
 
 
-def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Schedule, drafter_cfg) -> list[MicroBatch]:
+def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Schedule, drafter_cfg,
+              count_flops: Callable | None = None) -> list[MicroBatch]:
     """The blocks of every micro-batch of the next optimizer step, from the token columns alone.
 
     The step's loss is sum(w_k * loss_k) / sum(w_k) over every scored slot of the whole optimizer
@@ -178,6 +184,7 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
     batch_size=2 x grad_accum=1 and 1 x 2 would train differently. The denominator must be known
     before the first backward, so every micro-batch's blocks are drawn first (cheap; no features).
     (D-PACE's weight sum is known only after the last forward: ``train_step`` rescales the gradients.)
+    ``count_flops(blocks, tokens)`` (``flop_counter``): each micro-batch's model FLOPs, from the host's blocks.
     """
     from train.setup import token_batch
 
@@ -192,9 +199,10 @@ def draw_step(run: Run, train_ds, order: list[int], state: LoopState, sched: Sch
         doc = tok.doc_ids.long()
         blocks = draw_blocks(tok.input_ids, tok.loss_mask, doc, tok.position_ids, tr.anchors, drafter_cfg.block_size,
                              drafter_cfg.mask_token_id, row_generators(tr.seed, state.epoch, rows))
+        n_tokens = int(tok.lengths.numpy().sum())
         out.append(MicroBatch(rows, tok, blocks.to(dev), to_device(doc, dev), to_device(tok.position_ids, dev),
-                              documents_contiguous(doc),
-                              int(tok.lengths.numpy().sum())))
+                              documents_contiguous(doc), n_tokens,
+                              count_flops(blocks, n_tokens) if count_flops is not None else 0.0))
     return out
 
 
@@ -255,6 +263,7 @@ def train_step(run: Run, model, optimizer, scheduler, target, feats, micro_batch
         for k, v in simulated_acceptance(out.correct, out.label_mask, out.valid).items():
             stats.acceptance[k] = stats.acceptance[k] + v if k in stats.acceptance else v
         stats.tokens += m.n_tokens  # the provider's rows are these rows (an offline store's are checked)
+        stats.flops += m.flops
         stats.anchors = stats.anchors + out.valid.sum()  # on the device: an int() here waited for the backward
     if rescale:
         rescale_gradients(run, model, stats, denom, dpace_weight)
@@ -328,19 +337,51 @@ def diverged(run: Run, step: int | None, what: str) -> TrainingDiverged:
         "and start again")
 
 
+def flop_counter(cfg, drafter_cfg, target) -> Callable:
+    """``count(blocks, tokens)``: model FLOPs of a micro-batch as ``train.bench`` counts them (``train.flops``):
+    the drafter's forward + backward and, with online features, the target's tapped forward (its LM head too
+    when the loss reads the target's logits)."""
+    shape = DrafterShape.of(drafter_cfg)
+    per_token = 0.0
+    if cfg.features.mode == "online":
+        per_token = target_flops(tapped_parameters(target, list(drafter_cfg.target_layer_ids),
+                                                   with_logits=cfg.train.loss != "ce"), 1)
+
+    def count(blocks, tokens: int) -> float:
+        return drafter_flops(shape, blocks, int(blocks.scored_index.numel()), tokens) + per_token * tokens
+    return count
+
+
 # ----------------------------------------------------------------------------- logging
 class Throughput:
-    """Tokens and anchors per second since the last logged step."""
+    """Tokens, anchors and model FLOPs per second since the last logged step."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.t, self.tokens, self.anchors = time.perf_counter(), 0, 0
+        self.t, self.tokens, self.anchors, self.flops = time.perf_counter(), 0, 0, 0.0
 
     def add(self, stats: StepStats) -> None:
         self.tokens += stats.tokens
         self.anchors += stats.anchors
+        self.flops += stats.flops
+
+    def skip(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the rates (an eval or a checkpoint between steps)."""
+        self.t += seconds
+
+
+def utilisation(run: Run, flops_per_s: float) -> dict:
+    """On CUDA, ``tflops`` (model FLOP/s of every process) and ``mfu`` (per process, against the card's dense
+    bf16 peak: ``train.flops.PEAK_BF16_TFLOPS``, the table ``train.bench`` divides by); nothing on a CPU."""
+    if run.device.type != "cuda":
+        return {}
+    peak = peak_tflops(torch.cuda.get_device_name(run.device))
+    row = {"tflops": round(flops_per_s / 1e12, 2)}
+    if peak:
+        row["mfu"] = round(flops_per_s / run.world / 1e12 / peak, 4)
+    return row
 
 
 def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Throughput,
@@ -365,7 +406,8 @@ def step_row(run: Run, state: LoopState, stats: StepStats, scheduler, speed: Thr
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": None if stats.grad_norm is None else float(stats.grad_norm),
             "tokens_per_s": round(speed.tokens * run.world / dt, 1),
-            "anchors_per_s": round(int(speed.anchors) * run.world / dt, 1)}
+            "anchors_per_s": round(int(speed.anchors) * run.world / dt, 1),
+            **utilisation(run, speed.flops * run.world / dt)}
 
 
 def run_eval(run: Run, drafter, target, eval_feats, prompts: list[list[int]], step: int, with_true: bool,

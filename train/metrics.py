@@ -21,7 +21,7 @@ from typing import Any
 # Keys the step line spells out itself; every other number of a row (ce, kl, grad_norm, what a new objective
 # adds) follows as `name value`, so a new metric shows up without touching the line. Lists and dicts (per-slot
 # figures, histograms) stay in metrics.jsonl.
-STEP_KEYS = {"step", "epoch", "loss", "tau", "lr", "tokens_per_s", "anchors_per_s"}
+STEP_KEYS = {"step", "epoch", "loss", "tau", "lr", "tokens_per_s", "anchors_per_s", "mfu"}
 EVAL_KEYS = {"step", "eval_loss", "eval_tau_sim", "eval_blocks", "eval_tau_true", "eval_true_cycles",
              "eval_tau_true_uncut"}
 SIMULATED_TAU = "acceptance of blocks at uniform anchors on held-out rows"
@@ -52,13 +52,16 @@ def extras(row: dict, known: set[str]) -> list[str]:
 
 
 def step_line(row: dict, total: int, elapsed: float, left: float | None = None) -> str:
-    """``step  20/200  epoch 0.25  loss 4.2156  sim tau 1.87  lr 0.0006  5.1k tok/s  0:01:02 (~0:09:18 left)
-    ce 4.3  grad_norm 1.2``: a logged step (``step_row``) for the console; the row itself goes to metrics.jsonl."""
+    """``step  20/200  epoch 0.25  loss 4.2156  sim tau 1.87  lr 0.0006  5.1k tok/s  MFU 0.517  0:01:02 (~0:09:18
+    left)  ce 4.3  grad_norm 1.2``: a logged step (``step_row``) for the console (MFU on CUDA); the row itself goes
+    to metrics.jsonl."""
     width = len(str(total))
     left_s = f" (~{clock(left)} left)" if left and left >= 1 else ""
     return "  ".join([f"step  {row['step']:>{width}}/{total}", f"epoch {row['epoch']:.2f}",
                       f"loss {row['loss']:.4f}", f"sim tau {row['tau']:.2f}", f"lr {number(row['lr'])}",
-                      f"{per_second(row['tokens_per_s'])} tok/s", clock(elapsed) + left_s, *extras(row, STEP_KEYS)])
+                      f"{per_second(row['tokens_per_s'])} tok/s",
+                      *([f"MFU {row['mfu']:.3f}"] if row.get("mfu") is not None else []),  # on CUDA (train.flops)
+                      clock(elapsed) + left_s, *extras(row, STEP_KEYS)])
 
 
 def eval_line(row: dict, total: int | None = None) -> str:
@@ -71,7 +74,7 @@ def eval_line(row: dict, total: int | None = None) -> str:
         parts.append(f"sim tau {row['eval_tau_sim']:.2f} ({row.get('eval_blocks', 0)} blocks)")
     if "eval_tau_true" in row:
         parts.append(f"true tau {row['eval_tau_true']:.2f} ({row.get('eval_true_cycles', 0)} cycles; "
-                     f"{row.get('eval_tau_true_uncut', 0.0):.2f} without each prompt's last cycle)")
+                     f"{row.get('eval_tau_true_uncut', 0.0):.2f} uncut: each prompt's last cycle in full)")
     if len(parts) == 1:
         parts.append("no held-out rows (data.eval_rows=0)")
     return "  ".join(parts + extras(row, EVAL_KEYS))

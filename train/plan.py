@@ -84,6 +84,10 @@ def target_shape(cfg) -> tuple[dict, str]:
             if text.get(k) is not None:
                 shape[k] = text[k]
         shape["model_type"] = fetched.get("model_type", shape["model_type"])
+        if text.get("kv_lora_rank") and text.get("num_attention_heads"):  # latent attention: no K/V head width
+            from models.config import mla_drafter_heads
+
+            shape["num_key_value_heads"], shape["head_dim"] = mla_drafter_heads(text)
         if not shape.get("head_dim") and shape.get("hidden_size") and shape.get("num_attention_heads"):
             shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     return shape, source
@@ -105,6 +109,33 @@ def parse_devices(spec: str) -> tuple[int, float] | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.device_count(), round(torch.cuda.get_device_properties(0).total_memory / 1024 ** 3, 1)
+
+
+GPU_GIB, NODE_GPUS, LARGE_GPU_GIB = 80, 8, 141  # the reference GPU and node (8 x 80 GB), and an H200
+
+
+def placement(mem: dict, slack: float = 1.15) -> str:
+    """Where the target goes, whatever GPUs this machine has: one 80 GB GPU, a node's GPUs (``target.device_map``),
+    or, past one node of 8 x 80 GB, offline features extracted on larger nodes (the training processes then
+    hold the embedding and LM head only)."""
+    target, borrowed = mem["target_weights_gib"], mem["embedding_lm_head_gib"]
+    rest = sum(v for k, v in mem.items() if k not in ("target_weights_gib", "embedding_lm_head_gib", "total_gib"))
+    if (target + rest) * slack <= GPU_GIB:
+        return f"the target (~{target:.0f} GiB of weights) and the drafter fit one {GPU_GIB} GB GPU"
+    gpus = next((k for k in range(2, NODE_GPUS + 1) if (target / k + rest) * slack <= GPU_GIB), None)
+    if gpus is not None:
+        return (f"the target (~{target:.0f} GiB of weights) does not fit one {GPU_GIB} GB GPU: target.device_map=auto "
+                f"spreads it over {gpus} or more GPUs of a node (one training process per node, the drafter on GPU 0; "
+                f"devices={NODE_GPUS}x{GPU_GIB} plans it), or features.mode=offline (extracted once with "
+                f"--device-map auto; training processes then hold {borrowed:.1f} GiB of it)")
+    large = -(-target * slack // (LARGE_GPU_GIB * 0.9))
+    return (f"the target (~{target:.0f} GiB of weights) does not fit one node of {NODE_GPUS} x {GPU_GIB} GB even "
+            f"spread (target.device_map) beside the drafter: train on offline features (features.mode=offline). "
+            f"Extract them on nodes whose GPUs hold the whole target (python -m data.extract --device-map auto, e.g. "
+            f"{int(large)} or more {LARGE_GPU_GIB} GB GPUs; several such nodes extract in parallel, one process "
+            f"each), then train on any GPUs: each process holds the target's embedding and LM head "
+            f"({borrowed:.1f} GiB), the drafter and its optimizer state (eval.true_tau_prompts=0, or the main "
+            "process loads the whole target for true tau)")
 
 
 def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
@@ -147,6 +178,10 @@ def device_plan(cfg, mem: dict, slack: float = 1.15) -> dict:
         if not spread and spread_gib <= cap:
             fixes.append(f"target.device_map=auto (one process per node spreads the target over its {n} GPUs: "
                          f"~{spread_gib:.1f} GiB on GPU 0)")
+        if not offline and spread_gib > cap:  # not even spread over this node's GPUs, beside the drafter
+            fixes.append(f"features.mode=offline with the features extracted on nodes that hold the whole target "
+                         f"(~{target:.0f} GiB: python -m data.extract --device-map auto); then each process here "
+                         f"holds its embedding and LM head ({borrowed:.1f} GiB)")
         fixes.append("more or larger GPUs, or less per GPU: train.batch_size, train.anchors, "
                      "train.grad_checkpointing=true, drafter.num_hidden_layers")
         worst = max(range(n), key=lambda i: per[i])
@@ -206,7 +241,7 @@ def plan(cfg) -> dict:
     gib = 1024 ** 3
     q = N * B  # drafter query tokens per row
     mem = {
-        "target_weights_gib": round(params_b * 1e9 * 2 / gib, 2),
+        "target_weights_gib": round(cfg.target.weights_gib or params_b * 1e9 * 2 / gib, 2),
         "embedding_lm_head_gib": round(2 * V * H * 2 / gib, 2),  # all that offline features load on most GPUs
         "drafter_weights_grads_adam_gib": round(n_draft * 16 / gib, 2),
         "features_gib": round(tr.batch_size * S * len(taps) * H * 2 / gib, 3),
@@ -234,6 +269,7 @@ def plan(cfg) -> dict:
         "schedule": {"rows_per_step_per_process": rows_per_step, "processes": processes, "epochs": tr.epochs,
                      "steps": steps, "lr": tr.lr, "schedule": tr.schedule, "warmup_ratio": tr.warmup_ratio},
         "memory_per_gpu": mem,
+        "placement": placement(mem),
         "devices": device_plan(cfg, mem),
         "tflops_per_row": round(flops_row / 1e12, 2),
     })
@@ -274,6 +310,7 @@ def print_plan(cfg) -> dict:
         # the parts for one process holding the whole target; the devices line says what each GPU gets
         print(f"  memory parts (whole target in one process ~{m['total_gib']} GiB): "
               + ", ".join(f"{k} {v}" for k, v in m.items() if k != "total_gib"))
+        print(f"  placement: {p['placement']}")
         dv = p["devices"]
         if not dv["count"]:
             print(f"  devices: {dv['note']}")

@@ -35,9 +35,12 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
         return directory
     log(f"building tiny {arch} target in {directory} (fit {fit_steps} steps on tiny chat)")
     save_tiny_target(directory, arch=arch, seed=seed, num_layers=num_layers)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    # Kimi K2.5's multimodal checkpoint (AutoModelForCausalLM refuses it) is fitted whole and saved in its published
+    # layout again (models.tiny.kimi_checkpoint_layout)
+    cls = Kimi_K25ForConditionalGeneration if arch == "kimi_k25" else AutoModelForCausalLM
+    model = cls.from_pretrained(directory, dtype=torch.float32)
     tok = tiny_tokenizer(default_template(arch))
     rows = []
     for conv in build(conversations, seed=seed + 1000):  # other conversations than the training data
@@ -62,6 +65,10 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
             log(f"  tiny target fit step {step}: lm loss {loss.item():.3f}")
     model.eval()
     model.save_pretrained(directory)
+    if arch == "kimi_k25":
+        from models.tiny import kimi_checkpoint_layout
+
+        kimi_checkpoint_layout(directory)
     marker.write_text(json.dumps(stamp) + "\n")
     return directory
 

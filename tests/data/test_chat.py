@@ -388,6 +388,68 @@ def test_rows_identity_sees_every_split_and_the_loss_counts():
     assert rows_identity(ds([[1, 2], [3, 4, 5], [6, 7]], [1, 1, 1]), held_out) != base
 
 
+# GLM 4.x's template structure (GLM-4.5): a [gMASK]<sop> prefix, role tokens that open each turn and no end-of-turn
+# token; thinking in <think></think> (an empty block when off), "/nothink" appended to user turns when off.
+GLM_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}<|system|>{{ '\\n' + m.content }}"
+    "{% elif m.role == 'user' %}<|user|>{{ '\\n' + m.content }}"
+    "{{ '/nothink' if (enable_thinking is defined and not enable_thinking) else '' }}"
+    "{% elif m.role == 'tool' %}<|observation|>{{ '\\n' + m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>"
+    "{{ '\\n<think>' + (m.reasoning_content or '') + '</think>' }}{{ '\\n' + m.content }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{{ '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' }}{% endif %}")
+GLM_SPECIALS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
+
+def glm_tokenizer():
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": GLM_SPECIALS})
+    tok.chat_template = GLM_TEMPLATE
+    return tok
+
+
+@pytest.mark.parametrize("thinking", [True, False, None])
+def test_a_template_without_an_end_of_turn_token_labels_the_next_role_token(thinking):
+    """GLM's turn ends when the target writes the role token of the next turn (<|user|>, <|observation|> before a
+    tool result): that token is labelled after every answer, the last one included (a user turn would follow), so
+    the drafter learns the stop; the rows are still what the server saw, turn after turn."""
+    tok = glm_tokenizer()
+    tool = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Let me look."},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
+    for messages, stops in ((SINGLE, ["<|user|>"]), (MULTI, ["<|user|>"] * 3), (tool, ["<|observation|>", "<|user|>"])):
+        rows, dropped = tokenize_conversation(tok, messages, thinking)
+        assert dropped == 0
+        spans = [tok.decode(r.input_ids[a:b]) for r in rows for a, b in loss_spans(r.loss_mask)]
+        answers = [m for m in messages if m["role"] == "assistant"]
+        assert len(spans) == len(answers)
+        for span, m, stop in zip(spans, answers, stops):
+            # thinking off: the served prompt ends with the empty think block, the target writes what follows
+            think = "" if thinking is False else f"\n<think>{m.get('reasoning_content') or ''}</think>"
+            assert span == f"{think}\n{m['content']}{stop}"
+        for r in rows:  # every row renders as served: the prefix, and the stop token last
+            text = tok.decode(r.input_ids)
+            assert text.startswith("[gMASK]<sop>") and text.endswith("<|user|>") and r.loss_mask[-1] == 1
+
+
+def test_a_regenerated_answer_ending_with_its_stop_token_keeps_its_ids_on_a_glm_template():
+    """vLLM's ids end with the stop token the target wrote (<|user|>): it is the turn's label, not part of the
+    answer, and the generated ids are used as they are; a cut answer gets no stop label."""
+    from data.chat import encode
+
+    tok = glm_tokenizer()
+    user = tok.convert_tokens_to_ids("<|user|>")
+    ids = encode(tok, "\n<think></think>\nhello world") + [user]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "hello world", "token_ids": ids}]
+    (row,), _ = tokenize_conversation(tok, messages, None)
+    assert row.retokenized == 0 and [row.input_ids[a:b] for a, b in loss_spans(row.loss_mask)] == [ids]
+    (cut,), _ = tokenize_conversation(tok, [messages[0], {**messages[1], "cut": True}], None)
+    assert cut.input_ids[-1] == user and cut.loss_mask[-1] == 0
+
+
 # ------------------------------------------------------------------ gpt-oss (harmony) and Gemma 4 templates
 @pytest.mark.parametrize("template, thought, end", [
     ("harmony", "<|channel|>analysis<|message|>Pick a common one.<|end|><|start|>assistant<|channel|>final<|message|>",

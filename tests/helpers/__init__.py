@@ -72,14 +72,16 @@ def reference_drafts(proposer, sequence: list[int], mistakes: set[int], vocab: i
     proposer.block_pass = proposer._block_pass = block_pass
 
 
-def expected_acceptance(prompt_len: int, max_new: int, block: int, mistakes: set[int]) -> list[int]:
-    """Acceptance lengths a reference proposer must get, from the rule alone."""
+def expected_acceptance(prompt_len: int, max_new: int, block: int, mistakes: set[int],
+                        uncut: bool = False) -> list[int]:
+    """Acceptance lengths a reference proposer must get, from the rule alone (``uncut``: the last cycle with its
+    full acceptance, as ``tau_uncut`` counts it, not what the budget let it emit)."""
     lengths, pos, produced = [], prompt_len, 1
     while produced < max_new:
         acc = 0
         while acc < block - 1 and (pos + 1 + acc) not in mistakes:
             acc += 1
-        lengths.append(min(acc + 1, max_new - produced))  # the last cycle counts only what it emitted
+        lengths.append(acc + 1 if uncut else min(acc + 1, max_new - produced))  # cut: what the last one emitted
         pos += acc + 1
         produced += acc + 1
     return lengths

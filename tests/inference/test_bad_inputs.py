@@ -1095,6 +1095,35 @@ def test_static_loop_on_an_unsupported_layer_kind_says_to_use_the_eager_loop():
             StaticTarget(target, [0], max_len=64, block_size=8)
 
 
+@pytest.mark.parametrize("arch, words", [
+    ("qwen3_next", "its GatedDeltaNet layers fuse their input projections"),
+    ("deepseek_v3", "its multi-head latent attention caches one compressed latent"),
+    ("kimi_k25", "its multi-head latent attention caches one compressed latent")])
+def test_static_loop_refuses_qwen3_next_and_latent_attention_in_one_line(tiny_targets, arch, words):
+    """Qwen3-Next (fused GatedDeltaNet projections the static pass does not read) and latent-attention targets
+    (DeepSeek-V3, Kimi: latent caches, not per-head K/V buffers) are refused by name, for --loop static and when
+    the static target is built; --loop auto runs them eager. The checks also hold without the family table: a
+    GatedDeltaNet of another layout, a config with a KV latent."""
+    from types import SimpleNamespace
+
+    from inference.session import choose_loop
+    from inference.static_target import StaticLoopUnsupported, StaticTarget, check_static_target
+
+    target = tiny_targets(arch)
+    drafter = SimpleNamespace(config=SimpleNamespace(use_sliding_window=False, block_size=8))
+    cuda = SimpleNamespace(**{k: getattr(target, k) for k in ("family", "model_type", "layer_types", "is_hybrid",
+                                                               "layers", "config", "model")},
+                           device=torch.device("cuda"))
+    for build in (lambda: StaticTarget(target, [1], max_len=64, block_size=8),
+                  lambda: choose_loop("static", cuda, drafter)):
+        with pytest.raises(StaticLoopUnsupported, match=f"cannot run {target.model_type}: {words}.*--loop eager"):
+            build()
+    assert choose_loop("auto", cuda, drafter) == "eager"
+    cuda.family = "qwen3"  # a family the table lets through: the layers and the config still refuse
+    with pytest.raises(StaticLoopUnsupported, match="Qwen3NextGatedDeltaNet|compressed latent"):
+        check_static_target(cuda)
+
+
 def test_static_gated_delta_net_pass_outside_its_kept_states(tiny_targets):
     """The GatedDeltaNet rollback picks a kept state: a pass that skips ahead or goes back too far is refused, and
     so is a first pass that does not start at 0 (its message named positions -1 to -1)."""

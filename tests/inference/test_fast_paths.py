@@ -16,7 +16,7 @@ NEW, B = 24, 8
 MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 17, 19)}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_moe", "glm4_moe"])
 def test_static_loop_equals_eager_loop(tiny_targets, arch):
     """Same tokens and acceptance lengths as the eager loop: planted mistakes (exact acceptance known)
     and a random drafter through the static drafter pass (same drafts as the eager drafter)."""

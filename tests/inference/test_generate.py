@@ -456,6 +456,36 @@ def test_loop_choice_for_sliding_window_drafters_compiled_and_hybrid_targets_off
     assert caplog.text == ""  # the note about CUDA graphs is for a GPU run
 
 
+def test_auto_loop_is_a_table_by_family_and_admitting_one_is_a_change_of_it(caplog, monkeypatch):
+    """--loop auto on CUDA runs the loop AUTO_LOOP_ON_CUDA names for the target's family: every supported family
+    has a rule with its reason, a faster loop than eager only with the measurement that admitted it; Qwen3.5 stays
+    eager (saying why) until its entry changes, and then runs the admitted loop."""
+    import logging
+    from types import SimpleNamespace
+
+    import inference.session
+    from inference.session import AUTO_LOOP_ON_CUDA, AutoLoop, choose_loop
+    from models.target import SUPPORTED
+
+    for family in set(SUPPORTED.values()):
+        rule = AUTO_LOOP_ON_CUDA[family]
+        assert rule.loop in ("eager", "static", "compiled") and rule.why, family
+        assert rule.loop == "eager" or rule.measured, f"{family}: {rule.loop} admitted without a measurement"
+    hybrid = SimpleNamespace(device=torch.device("cuda"), is_hybrid=True, family="qwen3_5", model_type="qwen3_5",
+                             layer_types=["linear_attention", "full_attention"],
+                             model=SimpleNamespace(config=SimpleNamespace()))
+    drafter = SimpleNamespace(config=SimpleNamespace(use_sliding_window=False, block_size=8))
+    with caplog.at_level(logging.WARNING, logger="inference"):
+        assert choose_loop("auto", hybrid, drafter) == "eager"
+    assert "qwen3_5 target on CUDA: --loop auto runs the eager loop" in caplog.text
+    assert AUTO_LOOP_ON_CUDA["qwen3_5"].why in caplog.text
+    monkeypatch.setitem(inference.session.AUTO_LOOP_ON_CUDA, "qwen3_5",
+                        AutoLoop("compiled", "measured", "H100, COMMIT, inference.bench ...: cycle cost 1.2"))
+    monkeypatch.setattr(inference.session, "check_static_target", lambda target: None)  # a stand-in target
+    assert choose_loop("auto", hybrid, drafter) == "compiled"
+    assert choose_loop("auto", SimpleNamespace(**{**vars(hybrid), "family": "mamba"}), drafter) == "eager"
+
+
 def test_a_block_size_other_than_the_drafters_is_decided_when_the_session_is_built(caplog):
     """The static loops are captured for the drafter's block: another block size picks the eager loop for DFlash and
     the baseline when the session is built (one warning); a static session asked for another one by a single call

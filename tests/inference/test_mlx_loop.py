@@ -21,6 +21,7 @@ from inference.rollback_mlx import CacheRollback  # noqa: E402
 from models.drafter import DFlashDraftModel as TorchDrafter  # noqa: E402
 from models.drafter_mlx import DFlashDraftModel  # noqa: E402
 from models.target_mlx import TargetModel, UnsupportedTarget  # noqa: E402
+from models.tiny import MOE_FAMILY_ARCHS  # noqa: E402
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "qwen3_5"]
@@ -59,7 +60,8 @@ def folders(tmp_path_factory):
     made: dict[str, tuple] = {}
     source = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_vl", "qwen3_q4": "qwen3",
               "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe",
-              **{f: f for f in FAMILIES}, "gpt_oss_q4": "gpt_oss", "gemma4_q4": "gemma4"}
+              **{arch: arch for arch in MOE_FAMILY_ARCHS}, **{f: f for f in FAMILIES}, "gpt_oss_q4": "gpt_oss",
+              "gemma4_q4": "gemma4"}
 
     def get(name: str):
         if name not in made:
@@ -68,7 +70,9 @@ def folders(tmp_path_factory):
                 save_tiny_target(hf, source[name])
                 if name == "qwen3_5_moe":
                     fuse_experts(hf)
-            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe", *FAMILIES):  # mlx_lm.convert cannot read these
+            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS, *FAMILIES):  # mlx_lm.convert
+                # cannot read these configs (transformers 5's rope_parameters, Gemma 4's per_layer_config, gpt-oss's
+                # bf16 experts): TargetModel loads them with its overrides
                 made[name] = (hf, hf)
             elif name in ("gpt_oss_q4", "gemma4_q4"):  # quantized as mlx_lm.convert -q, with draftsmith's loader
                 from models.quantize import quantize_to_mlx
@@ -129,7 +133,7 @@ def mlx_drafter(torch_drafter: TorchDrafter, tmp_path) -> DFlashDraftModel:
 
 
 # ------------------------------------------------------------------------------- losslessness
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", "gpt_oss", "gemma4"])
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS, "gpt_oss", "gemma4"])
 def test_random_drafter_is_lossless(runs, arch, tmp_path):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, NEW,
@@ -167,7 +171,8 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["gpt_oss", "gemma4", "gemma4_e", "gpt_oss_q4", "gemma4_q4"])
+@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS) + ["gpt_oss", "gemma4", "gemma4_e", "gpt_oss_q4",
+                                                                "gemma4_q4"])
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
     proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
@@ -217,21 +222,28 @@ def test_quantized_4bit_target_is_lossless(runs, tmp_path):
 
 
 # ---------------------------------------------------------------------------- capture and scoping
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe", *FAMILIES])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe",
+                                  *MOE_FAMILY_ARCHS, *FAMILIES])
 def test_captured_features_are_the_torch_hidden_states(folders, arch):
-    from transformers import AutoModelForCausalLM
+    """MLX features and logits equal the torch target's (GLM's partial rotary, Qwen3-Next's GatedDeltaNet,
+    DeepSeek-V3 / Kimi's YaRN latent attention once mlx_lm is given the rope keys transformers 5 folds into
+    rope_parameters; measured at most 7.4e-5, Qwen3-Next's chunked vs recurrent GatedDeltaNet), and so do the
+    embeddings the drafter's block starts from."""
+    from models.target import TargetModel as TorchTarget
 
     hf, converted = folders(arch)
     target = TargetModel.from_pretrained(converted)
     ids = PROMPT[:12]
     taps = [6, 1, 3]  # config order, not sorted: the features are joined in the order the drafter was trained on
     out = target.forward(mx.array([ids]), taps, cache=target.new_cache())
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model = TorchTarget.from_pretrained(hf, dtype=torch.float32).model  # Kimi K2.5: its text tower
     with torch.no_grad():
         ref = model(torch.tensor([ids]), output_hidden_states=True)
     expected = torch.cat([ref.hidden_states[i + 1] for i in taps], dim=-1)  # output of decoder layer i
     assert_close(np.array(out.features), expected, 1e-4, f"{arch} tapped layers 6, 1, 3")
     assert_close(np.array(out.logits), ref.logits, 1e-4, f"{arch} logits")
+    assert_close(np.array(target.embed(mx.array([ids]))), model.get_input_embeddings()(torch.tensor([ids])), 0,
+                 f"{arch} embeddings")
 
 
 def test_captures_are_scoped_and_independent(runs):
@@ -751,6 +763,37 @@ def test_mlx_lm_overrides_fill_what_transformers_5_configs_spell_differently():
         "model_type": "qwen3_5", "rope_theta": 5e6}
     assert mlx_lm_overrides({"model_type": "qwen3", "rope_theta": 1e6, "rope_parameters": {"rope_theta": 5e6}}) == {}
     assert mlx_lm_overrides({"model_type": "qwen3_5", "text_config": {}, "rope_parameters": {"rope_theta": 5e6}}) == {}
+    # GLM / Qwen3-Next / DeepSeek-V3 / Kimi: mlx_lm's rope keys from transformers 5's rope_parameters (a YaRN block
+    # becomes rope_scaling: without it DeepSeek-V3 runs plain RoPE, silently); a published config keeps its own
+    yarn = {"rope_type": "yarn", "factor": 64.0, "rope_theta": 5e4}
+    assert mlx_lm_overrides({"model_type": "glm4_moe", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}}) == {
+        "rope_theta": 1e6, "partial_rotary_factor": 0.5, "rope_scaling": None}
+    assert mlx_lm_overrides({"model_type": "deepseek_v3", "rope_parameters": yarn}) == {
+        "rope_theta": 5e4, "rope_scaling": yarn}
+    text = {"model_type": "deepseek_v3", "hidden_size": 8, "rope_parameters": yarn}
+    assert mlx_lm_overrides({"model_type": "kimi_k25", "text_config": text}) == {
+        "text_config": {**text, "rope_theta": 5e4, "rope_scaling": yarn}}  # the whole text config: mlx_lm replaces it
+    published = {"model_type": "deepseek_v3", "rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 64.0}}
+    assert mlx_lm_overrides(published) == {} and mlx_lm_overrides({"model_type": "kimi_k25", "text_config":
+                                                                    published}) == {}
+
+
+def test_a_kimi_folder_as_transformers_writes_it_loads_in_mlx_lm(tmp_path):
+    """transformers 5.24 saves Kimi K2.5's text layers as language_model.model.blocks.N and its projector under
+    model.mm_projector, which mlx_lm refuses ("parameters not in model"): the loader renames them."""
+    from models.target import TargetModel as TorchTarget
+    from models.tiny import tiny_target, tiny_tokenizer
+
+    full = tiny_target("kimi_k25", num_layers=4)
+    full.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    target = TargetModel.from_pretrained(tmp_path)
+    ids = PROMPT[:12]
+    ref = TorchTarget.from_pretrained(tmp_path, dtype=torch.float32).forward(torch.tensor([ids]), [1])
+    out = target.forward(mx.array([ids]), [1], cache=target.new_cache())
+    assert_close(np.array(out.logits), ref.logits, 1e-4, "logits")
+    assert_close(np.array(out.features), ref.features, 1e-4, "layer 1")
 
 
 def test_logits_slice_gives_only_the_requested_positions(runs):
@@ -810,6 +853,40 @@ def test_load_gives_a_ready_target_and_drafter(folders, runs, tmp_path):
     assert target.eos_token_ids() == [258]
     target, proposer = load(str(folders("qwen3")[1]), str(tmp_path / "drafter"), dtype="bfloat16")
     assert target.dtype == proposer.drafter.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_k25"])
+def test_new_family_caches_roll_back_to_what_the_committed_tokens_give(runs, arch):
+    """Qwen3-Next: its GatedDeltaNet (ArraysCache) is restored from the snapshot and the kept tokens are replayed
+    through the layer's own mixer (trimming an ArraysCache does nothing: 4.4 off); latent attention (DeepSeek-V3,
+    Kimi): its KVCache holds one latent and one rope key per position and is trimmed. Either way the cache equals
+    feeding only the committed tokens, and the next token's logits agree."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    target, seq, _ = runs(arch)
+    block, keep = seq[len(PROMPT):len(PROMPT) + B], 3
+    rolled, ref = target.new_cache(), target.new_cache()
+    for cache in (rolled, ref):
+        target.forward(mx.array([PROMPT]), cache=cache)
+    rollback = CacheRollback(target)
+    assert bool(rollback.linear) == (arch == "qwen3_next")
+    with rollback.recording(rolled):
+        target.forward(mx.array([block]), cache=rolled)
+    rollback.commit(rolled, keep=keep, block_len=B)
+    rollback.check(rolled, len(PROMPT) + keep)
+    target.forward(mx.array([block[:keep]]), cache=ref)
+    for i, (a, b) in enumerate(zip(rolled, ref)):
+        if isinstance(a, ArraysCache):
+            for j, what in enumerate(("conv window", "recurrent state")):
+                assert_close(np.array(a.cache[j]), np.array(b.cache[j]), 1e-4, f"layer {i} {what}")
+        else:
+            assert isinstance(a, KVCache) and a.offset == b.offset == len(PROMPT) + keep
+            n = a.offset
+            for x, y, what in ((a.keys, b.keys, "keys"), (a.values, b.values, "values")):
+                assert_close(np.array(x[..., :n, :]), np.array(y[..., :n, :]), 1e-5, f"layer {i} {what}")
+    step = mx.array([[seq[len(PROMPT) + keep]]])
+    assert_close(np.array(target.forward(step, cache=rolled).logits), np.array(target.forward(step, cache=ref).logits),
+                 1e-4, "next-token logits")
 
 
 # ------------------------------------------------------------------------------------------ DFlash2

@@ -8,6 +8,7 @@ from inference.cycle import sample
 from inference.torch_loop import DrafterProposer, dflash_generate, target_generate
 from models.drafter import DFlashDraftModel
 from models.target import cache_kwarg
+from models.tiny import MOE_FAMILY_ARCHS
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
 
 ARCHS = ["qwen3", "llama", "qwen3_5"]
@@ -36,7 +37,8 @@ def runs(tiny_targets):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", "gpt_oss", "gemma4", "gemma4_e"])
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS, "gpt_oss", "gemma4",
+                                  "gemma4_e"])
 def test_random_drafter_is_lossless(runs, arch):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
@@ -104,7 +106,7 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
-@pytest.mark.parametrize("arch", ARCHS + FAMILIES)
+@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS) + FAMILIES)
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
     proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
@@ -148,13 +150,15 @@ def test_hybrid_state_equals_a_fresh_prefill_after_every_cycle():
     assert len(checked) == len(res.acceptance_lengths) and min(res.acceptance_lengths) < B  # partial blocks rolled back
 
 
-@pytest.mark.parametrize("keep", [1, 3, 7])
-def test_rollback_restores_exactly_what_the_committed_tokens_give(tiny_targets, keep):
+@pytest.mark.parametrize("arch, keep", [("qwen3_5", 1), ("qwen3_5", 3), ("qwen3_5", 7), ("qwen3_next", 3)])
+def test_rollback_restores_exactly_what_the_committed_tokens_give(tiny_targets, arch, keep):
     """Snapshot + replay vs feeding only the committed tokens: layer 0 sees identical inputs (embeddings),
-    so it must agree to rounding; deeper layers within the noise of different kernel shapes."""
+    so it must agree to rounding; deeper layers within the noise of different kernel shapes. Qwen3-Next's
+    GatedDeltaNet (fused projections) rolls back by the same snapshot + replay: transformers' own recording crop
+    cuts its conv window but not its recurrent state (2.7 off in the logits), so it is never used."""
     from inference.rollback_torch import CacheRollback
 
-    target = tiny_targets("qwen3_5")
+    target = tiny_targets(arch)
     block = [11, 12, 13, 14, 15, 16, 17, 18]
     rolled, ref = target.new_cache(), target.new_cache()
     for cache in (rolled, ref):
@@ -478,6 +482,35 @@ def test_rollback_counts_each_verify_pass_once_and_keeps_nothing_after_commit(ti
     assert rollback._inputs == {} and all(not m._forward_pre_hooks for _, m in rollback.linear)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k25"])
+def test_latent_attention_cache_crops_to_what_the_committed_tokens_give(tiny_targets, arch):
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2.5's text tower) caches one compressed latent and one
+    rope key per position: the rollback crops both, and the cropped cache holds what feeding only the committed
+    tokens gives, and decodes the next token to the same logits."""
+    from inference.rollback_torch import CacheRollback
+
+    target = tiny_targets(arch)
+    block, keep = [11, 12, 13, 14, 15, 16, 17, 18], 3
+    rolled, ref = target.new_cache(), target.new_cache()
+    for cache in (rolled, ref):
+        target.forward(torch.tensor([PROMPT]), cache=cache, with_logits=False)
+    rollback = CacheRollback(target)
+    assert rollback.linear == []
+    with rollback.recording(rolled):
+        target.forward(torch.tensor([block]), cache=rolled, with_logits=False)
+    rollback.commit(rolled, keep=keep, block_len=len(block))
+    rollback.check(rolled, len(PROMPT) + keep)
+    target.forward(torch.tensor([block[:keep]]), cache=ref, with_logits=False)
+    latent = target.config.kv_lora_rank
+    for i, (a, b) in enumerate(zip(rolled.layers, ref.layers)):
+        assert a.keys.shape == b.keys.shape == (1, 1, len(PROMPT) + keep, latent)  # the latent, not per-head K
+        assert_close(a.keys, b.keys, 1e-5, f"layer {i} latent")
+        assert_close(a.values, b.values, 1e-5, f"layer {i} rope key")
+    step = [[21]]
+    assert_close(target.forward(torch.tensor(step), cache=rolled).logits,
+                 target.forward(torch.tensor(step), cache=ref).logits, 1e-5, "next-token logits")
+
+
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma4", "gemma4_e"])
 def test_the_new_families_decode_as_full_forwards_without_a_cache(runs, arch):
     """The loop's tokens equal greedy decoding by full forwards without any cache (an independent reference):
@@ -503,13 +536,13 @@ def test_the_static_loop_refuses_the_new_families_and_auto_runs_them_eager(runs,
 
     target, _, drafter = runs(arch)
     word = "attention sinks" if arch == "gpt_oss" else "sliding-window layers"
-    refused = f"does not run {target.model_type} targets: .*{word}.*--loop eager"
+    refused = f"cannot run {target.model_type}: .*{word}.*--loop eager"
     with pytest.raises(StaticLoopUnsupported, match=refused):
         check_static_target(target)
-    with pytest.raises(StaticLoopUnsupported, match="does not run"):
+    with pytest.raises(StaticLoopUnsupported, match="cannot run"):
         StaticTarget(target, [1, 3], max_len=64, block_size=B)
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"), is_hybrid=False, layer_types=target.layer_types,
                                    model_type=target.model_type, model=target.model, family=target.family)
     assert choose_loop("auto", on_gpu, drafter) == "eager"
-    with pytest.raises(StaticLoopUnsupported, match="does not run"):
+    with pytest.raises(StaticLoopUnsupported, match="cannot run"):
         choose_loop("static", on_gpu, drafter)

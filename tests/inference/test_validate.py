@@ -167,6 +167,55 @@ def test_perfect_drafter_tau_is_the_block_size(setup):
     assert report["identical_share"] == 1.0
 
 
+def test_tau_uncut_counts_the_last_cycles_full_acceptance(setup, tmp_path, capsys):
+    """Planted acceptance lengths (a reference proposer's mistakes): the token budget cuts each prompt's last
+    cycle, so tau (budget-cut) and tau_uncut (that cycle's full acceptance) are known exactly, per prompt and
+    pooled; report.md names which published numbers use which, and --compare shows both."""
+    from inference.report import TAU_NAMES
+    from inference.validate import write_outputs
+    from tests.helpers import expected_acceptance
+
+    session = Session("torch", setup["target"], setup["draft"])
+    prompts = load_prompts(setup["prompts"])[:2]
+    ids = render_prompts(session.tokenizer, prompts, "off")
+    B, plans = 8, {}
+    for p_ids, planted in zip(ids, ({3, 5}, {2})):
+        ref = session.baseline(p_ids, max_new_tokens=NEW + 2 * B, eos_token_ids=[])
+        plans[tuple(p_ids)] = (p_ids + ref.tokens, {len(p_ids) + k for k in planted})
+    proposer = ReferenceProposer([], session.proposer.layer_ids, B, session.target.vocab_size)
+    run, baseline = session.run, session.baseline
+
+    def run_planted(prompt, **kw):
+        proposer.sequence, proposer.mistakes = plans[tuple(prompt)]
+        return run(prompt, **kw, eos_token_ids=[])
+
+    session.proposer, session.run = proposer, run_planted
+    session.baseline = lambda prompt, **kw: baseline(prompt, **kw, eos_token_ids=[])
+    runs, _ = measure(session, ids, prompts, max_new_tokens=NEW, warmup=False, progress=False)
+    report = build_report(runs, B, greedy=True, environment={"temperature": 0.0})
+    cut = [expected_acceptance(len(p), NEW, B, plans[tuple(p)][1]) for p in ids]
+    full = [expected_acceptance(len(p), NEW, B, plans[tuple(p)][1], uncut=True) for p in ids]
+    assert (cut, full) == ([[3, 2, 6], [2, 8, 1]], [[3, 2, 8], [2, 8, 8]])  # 12 new tokens: the 3rd cycle is cut
+    for p, c, f in zip(report["per_prompt"], cut, full, strict=True):
+        assert p["acceptance_lengths"] == c and p["tau"] == pytest.approx(sum(c) / 3)
+        assert p["tau_uncut"] == pytest.approx(sum(f) / 3) and p["committed_uncut"] == sum(f)
+    assert report["tau"] == pytest.approx(22 / 6) and report["tau_uncut"] == pytest.approx(31 / 6)
+    assert report["tau_uncut_per_prompt_mean"] == pytest.approx((13 / 3 + 18 / 3) / 2)
+    assert report["identical_share"] == 1.0
+    paths = write_outputs({**report, **{k: None for k in ("truncated", "baseline_truncated")}, "truncated": 2,
+                           "baseline_truncated": 2}, tmp_path / "a")
+    md = paths["md"].read_text()
+    assert all(line in md for line in TAU_NAMES) and "tau uncut pooled" in md
+    assert "z-lab's current loop (at 07ebd93)" in TAU_NAMES[0] and "z-lab's earlier loop" in TAU_NAMES[1]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.json").write_text(json.dumps({**report, "schema": "draftsmith.validate/1",
+                                                            "tau_uncut": None}))  # a report of an earlier version
+    capsys.readouterr()
+    run_compare([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "cmp")
+    shown = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert shown["tau_uncut"][:2] == [f"{31 / 6:.4g}", "-"] and shown["tau"][:2] == [f"{22 / 6:.4g}"] * 2
+
+
 def test_mlx_backend_and_compare(setup, torch_report, capsys):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
@@ -393,6 +442,7 @@ def test_a_cycles_numbers_from_hand_made_drafts():
     assert r.tokens == [1, 7, 8, 5] and r.acceptance_lengths == [3] and r.position_accepts == [1, 1, 0]
     assert r.record_cycle([2, 3, 4], [2, 3, 4, 6], set(), 6) == (4, "max_new_tokens")
     assert r.tokens == [1, 7, 8, 5, 2, 3] and r.acceptance_lengths == [3, 2] and r.position_accepts == [2, 2, 0]
+    assert r.last_cycle_uncut == 4 and r.tau_uncut == 3.5  # the cut cycle accepted all 3 drafts + the bonus
     r.decode_s, r.stop_reason = 2.0, "max_new_tokens"
     assert r.tau == 2.5 and r.decode_tokens_per_s == 2.5  # 5 tokens after the prefill's one, in 2 s
     assert r.to_json()["stop_reason"] == "max_new_tokens" and r.to_json()["decode_tokens_per_s"] == 2.5
@@ -435,7 +485,7 @@ def test_a_generations_json_carries_each_number_under_its_own_name():
                          block_size=4, prefill_s=0.25, decode_s=2.0, stop_reason="eos")
     assert r.to_json() == {
         "tokens": list(range(10, 18)), "num_tokens": 8, "acceptance_lengths": [3, 1, 3], "tau": 7 / 3,
-        "acceptance_histogram": {"1": 1, "3": 2}, "position_accepts": [2, 2, 0], "block_size": 4,
+        "tau_uncut": 7 / 3, "acceptance_histogram": {"1": 1, "3": 2}, "position_accepts": [2, 2, 0], "block_size": 4,
         "prefill_s": 0.25, "decode_s": 2.0, "decode_tokens_per_s": 3.5, "stop_reason": "eos"}
     assert GenerationResult(tokens=[1, 2, 3], decode_s=0.004).decode_tokens_per_s == pytest.approx(500.0)
 

@@ -509,3 +509,94 @@ def test_flops_without_the_lm_head():
     cfg = DFlashConfig.from_dict(load("config_flat.json"))
     assert cfg.flops_per_token(0) - cfg.flops_per_token(0, lm_head=False) == 2 * 4096 * 151936
     assert cfg.flops_per_token(1, lm_head=False) - cfg.flops_per_token(0, lm_head=False) == 5 * 4 * 32 * 128
+
+
+# Kimi K2.5's published shapes (moonshotai/Kimi-K2.5 text_config; DeepSeek-V3's differs in heads and vocab)
+KIMI_TEXT = {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840,
+             "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432, "kv_lora_rank": 512,
+             "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+             "head_dim": 64, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+             "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}}
+
+
+@pytest.mark.parametrize("config, heads", [({"model_type": "kimi_k25", "text_config": KIMI_TEXT}, 64),
+                                           ({**KIMI_TEXT, "model_type": "deepseek_v3", "num_attention_heads": 128,
+                                             "num_key_value_heads": 128, "vocab_size": 129280}, 128)])
+def test_latent_attention_targets_give_the_published_kimi_drafter_shape(config, heads):
+    """MLA configs say head_dim = the rope width (64) and as many KV heads as query heads: the drafter takes the
+    value-head width (128) and 8 KV heads instead, z-lab's Kimi-K2.5 drafter (64 x 128 heads, 8 KV heads, MLP
+    18432, 6 taps [1, 12, 24, 35, 47, 58], RoPE base 50000); about 3.5B parameters with 6 layers."""
+    from models.config import TargetShape
+
+    shape = TargetShape.from_config(config)
+    assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (heads, 8, 128)
+    cfg = DFlashConfig.for_target(shape, mask_token_id=128815, num_hidden_layers=6, num_taps=6, block_size=8)
+    assert cfg.target_layer_ids == [1, 12, 24, 35, 47, 58] and cfg.intermediate_size == 18432
+    assert cfg.rope_theta == 50000.0 and cfg.to_dict()["rope_parameters"]["rope_type"] == "default"
+    if heads == 64:
+        assert 3.4e9 < cfg.num_parameters() < 3.6e9  # the published folder: 6.48 GiB of bf16
+
+
+def test_a_kimi_shaped_drafter_folder_without_its_yarn_block_loads(tmp_path):
+    """A drafter folder with the published Kimi-K2.5 drafter's keys (flat layout, block 8, mask 163838) loads.
+    The published config also carries the target's YaRN block (rope_scaling), which this reader refuses for now
+    (the drafters' RoPE is plain): the test folder leaves it out."""
+    d = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 7168, "vocab_size": 163840,
+         "head_dim": 128, "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 6,
+         "intermediate_size": 18432, "num_target_layers": 61, "max_position_embeddings": 262144,
+         "rope_theta": 50000.0, "block_size": 8, "rms_norm_eps": 1e-5,
+         "dflash_config": {"target_layer_ids": [1, 12, 24, 35, 47, 58], "mask_token_id": 163838}}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = DFlashConfig.load(tmp_path)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.num_key_value_heads, cfg.target_layer_ids[-1]) == (8, 163838, 8, 58)
+    with pytest.raises(ConfigError, match="plain full-head RoPE"):
+        DFlashConfig.from_dict({**d, "rope_scaling": {"rope_type": "yarn", "factor": 64.0}})
+
+
+def _chat_tokenizer(controls: list[str], template: str, fill: bool, unk: str | None = None):
+    """The tiny byte tokenizer with a family's chat-control tokens and template; ``fill``: reserved specials after
+    them up to the 288 embedding rows (no spare row, as Kimi's 163840), then ``unk``."""
+    from models.tiny import TINY_VOCAB, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": controls})
+    reserved = TINY_VOCAB - len(tok) - bool(unk) if fill else 0
+    tok.add_special_tokens({"additional_special_tokens": [f"<|reserved_token_{i}|>" for i in range(reserved)]})
+    if unk:
+        tok.add_special_tokens({"unk_token": unk})
+    tok.chat_template = template
+    return tok
+
+
+def test_kimi_and_deepseek_control_tokens_are_never_the_mask():
+    """Kimi K2.5's template writes <|im_system|> / <|im_user|> / <|im_assistant|> / <|im_middle|> / <|im_end|> and
+    its vocabulary has no spare row: the mask is a reserved token, never a control token; an explicit control token
+    is refused, an explicit UNK (the published drafter's 163838 is Kimi's [UNK]) is taken. DeepSeek-V3's template
+    (<｜User｜>, <｜Assistant｜>, <｜end▁of▁sentence｜>) leaves spare rows: the first one."""
+    from models.mask_token import resolve_mask_token
+
+    kimi_controls = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
+    kimi = _chat_tokenizer(kimi_controls, (
+        "{% for m in messages %}{% if m.role == 'system' %}<|im_system|>system<|im_middle|>{% elif m.role == 'user' %}"
+        "<|im_user|>user<|im_middle|>{% else %}<|im_assistant|>assistant<|im_middle|>{% endif %}{{ m.content }}"
+        "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"),
+        fill=True, unk="[UNK]")
+    assert len(kimi) == 288
+    controls = {kimi.convert_tokens_to_ids(t) for t in kimi_controls}
+    choice = resolve_mask_token(288, kimi)
+    assert choice.id not in controls and choice.token == "<|reserved_token_0|>" and "reserved" in choice.reason
+    for control in sorted(controls):
+        with pytest.raises(ConfigError, match="chat-control token|produced by the chat template|eos token"):
+            resolve_mask_token(288, kimi, explicit=control)
+    unk = kimi.convert_tokens_to_ids("[UNK]")
+    assert resolve_mask_token(288, kimi, explicit=unk).id == unk
+    with pytest.raises(ConfigError, match="present in the training data"):
+        resolve_mask_token(288, kimi, explicit=unk, produced_ids={unk})
+
+    deepseek_controls = ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
+    deepseek = _chat_tokenizer(deepseek_controls, (
+        "<｜begin▁of▁sentence｜>{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+        "{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% else %}{{ m.content }}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"), fill=False)
+    choice = resolve_mask_token(288, deepseek)
+    assert choice.id == len(deepseek) == 269 and choice.token is None  # the first spare row

@@ -22,7 +22,7 @@ from models.dequantize import dequantize, dequantize_weights, read_safetensors  
 from models.quantization import QuantizationError, parse_quantization  # noqa: E402
 from models.quantize import quantize_to_mlx, resolve_target  # noqa: E402
 from models.target import load_mlx_target  # noqa: E402
-from models.tiny import save_tiny_target  # noqa: E402
+from models.tiny import MOE_FAMILY_ARCHS, save_tiny_target  # noqa: E402
 
 TOL = 1e-4  # see the module docstring for the measured differences
 
@@ -126,8 +126,12 @@ def test_tiny_model_quantized_by_mlx_lm_dequantizes_bitwise(sources, tmp_path, b
 
 
 # ---------------------------------------------------------------------------- torch vs MLX forward
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_vl", "qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_vl", "qwen3_moe", "qwen3_5_moe",
+                                  *MOE_FAMILY_ARCHS])
 def test_dequantized_torch_target_matches_the_mlx_quantized_target(sources, tmp_path, arch):
+    """Training against the quantized target: mlx_lm quantizes each family (GLM's shared experts, Qwen3-Next's
+    fused GatedDeltaNet projections, DeepSeek-V3 / Kimi's latent attention, whose kv_b_proj mlx_lm splits in two)
+    and torch reads the folder back to the same forward."""
     from models.target import TargetModel
     from models.target_mlx import TargetModel as MlxTarget
 

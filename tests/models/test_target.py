@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.target import TargetModel, UnsupportedTarget
-from models.tiny import TINY_ARCHS, save_tiny_target, tiny_target, tiny_tokenizer
+from models.tiny import HYBRID_ARCHS, TINY_ARCHS, save_tiny_target, tiny_target, tiny_tokenizer
 from tests.helpers import assert_close
 
 
@@ -22,7 +22,7 @@ def test_taps_are_layer_outputs(arch):
     assert_close(out.features, torch.cat([hs[6], hs[2], hs[4]], -1), atol=0, what="features in config order")
     assert_close(out.logits, ref.logits, atol=0, what="logits")
     assert target.num_layers == 8 and target.hidden_size == 64 and target.vocab_size == 288
-    assert target.is_hybrid == arch.startswith("qwen3_5")
+    assert target.is_hybrid == (arch in HYBRID_ARCHS)
 
 
 def test_forward_stops_after_the_deepest_tap_when_no_logits_are_needed():
@@ -41,15 +41,39 @@ def test_hooks_are_removed_after_each_call():
     assert all(not layer._forward_hooks for layer in target.layers)
 
 
-def test_multimodal_checkpoint_loads_its_text_tower(tmp_path):
-    save_tiny_target(tmp_path, "qwen3_5_vl")
+@pytest.mark.parametrize("arch, text_type", [("qwen3_5_vl", "qwen3_5_text"), ("kimi_k25", "deepseek_v3")])
+def test_multimodal_checkpoint_loads_its_text_tower(tmp_path, arch, text_type):
+    """Qwen3.5's multimodal checkpoint loads through AutoModelForCausalLM, Kimi K2.5's (which it refuses) as a
+    DeepSeek-V3 causal LM from the ``language_model.`` weights: no vision weights in memory, none missing."""
+    save_tiny_target(tmp_path, arch)
     target = TargetModel.from_pretrained(tmp_path)
-    full = tiny_target("qwen3_5_vl")
-    assert target.model_type == "qwen3_5_text" and target.is_hybrid and target.tokenizer is not None
+    full = tiny_target(arch)
+    assert target.model_type == text_type and target.is_hybrid == (arch == "qwen3_5_vl")
+    assert target.tokenizer is not None and target.eos_token_ids() == [258]
+    assert not any(n.startswith(("model.visual", "vision_tower", "mm_projector")) for n, _ in
+                   target.model.named_parameters())
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         ref = full.model.language_model(ids, output_hidden_states=True).hidden_states
+        logits = full(input_ids=ids).logits
     assert_close(target.forward(ids, [2], with_logits=False).features, ref[3], atol=0, what="text tower")
+    assert_close(target.forward(ids).logits, logits, atol=0, what="text tower logits")
+
+
+def test_kimi_k25_folder_as_transformers_writes_it_loads_too(tmp_path):
+    """transformers 5.24's save_pretrained of the Kimi K2.5 model writes its text layers as
+    ``language_model.model.blocks.N`` (the published checkpoint and mlx_lm: ``layers``): both load the same."""
+    full = tiny_target("kimi_k25")
+    full.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert any(".blocks." in k and k.startswith("language_model.") for k in f.keys())
+    target = TargetModel.from_pretrained(tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert_close(target.forward(ids).logits, full(input_ids=ids).logits, atol=0, what="logits")
 
 
 def test_unsupported_architecture_is_refused_before_loading(tmp_path):
@@ -65,7 +89,7 @@ def test_eos_ids_come_from_the_generation_config(tmp_path):
 
 
 @pytest.mark.parametrize("shards", [None, "60KB"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5_vl", "kimi_k25"])
 def test_borrowed_parts_are_the_loaded_embedding_and_head(tmp_path, arch, shards):
     """Offline training loads only the embedding and LM head (the multimodal checkpoint's text-tower names
     too): the same tensors and facts as the whole target, no decoder weights in memory, forward refused.

@@ -901,9 +901,9 @@ def test_values_given_as_text_or_a_tuple_read_like_the_command_line():
     from train.config import load_config
     from train.overrides import ConfigValueError
 
-    cfg = load_config(["recipe=tiny"], overrides={"train.grad_checkpointing": "Yes", "train.compile": "no",
+    cfg = load_config(["recipe=tiny"], overrides={"train.grad_checkpointing": "Yes", "eval.at_start": "no",
                                                   "train.betas": " [0.8, 0.9]", "drafter.target_layer_ids": (1, 2, 3)})
-    assert (cfg.train.grad_checkpointing, cfg.train.compile, cfg.train.betas) == (True, False, [0.8, 0.9])
+    assert (cfg.train.grad_checkpointing, cfg.eval.at_start, cfg.train.betas) == (True, False, [0.8, 0.9])
     assert cfg.drafter.target_layer_ids == [1, 2, 3]
     with pytest.raises(ConfigValueError, match=re.escape("out_dir=['runs', 'x']: expected a string")):
         load_config(["recipe=tiny"], overrides={"out_dir": ["runs", "x"]})  # never the text "['runs', 'x']"

@@ -180,8 +180,8 @@ def test_causal_block_mask_has_no_full_tile_inside_a_block():
 
 @pytest.mark.parametrize("mode,target_compiled", [("online", True), ("offline", False)])
 def test_train_compile_compiles_the_target_only_with_online_features(mode, target_compiled):
+    from train.compiling import compile_models
     from train.config import load_config
-    from train.distill import compile_models
 
     calls = []
 
@@ -195,6 +195,145 @@ def test_train_compile_compiles_the_target_only_with_online_features(mode, targe
     cfg = load_config(["recipe=tiny", "train.compile=true", f"features.mode={mode}", "features.store=/unused"])
     compile_models(cfg, "cuda", Model("drafter"), Model("target"))
     assert calls == ["drafter", "target"] if target_compiled else calls == ["drafter"]
+
+
+@pytest.mark.parametrize("setting,device,compiled", [
+    ("auto", "cuda", True), ("auto", "cpu", False), ("auto", "mps", False), ("true", "cuda", True),
+    ("false", "cuda", False), (False, "cuda", False), ("no", "cuda", False), ("on", "cuda", True),
+])
+def test_train_compile_auto_compiles_on_cuda_only(setting, device, compiled):
+    from train.compiling import compile_wanted
+
+    assert compile_wanted(setting, device) is compiled
+
+
+def test_every_recipe_compiles_by_default_and_an_old_false_still_reads():
+    """train.compile is auto in the config and in every shipped recipe (none sets it off); a checkpoint's
+    config.yaml written when it was a boolean (`compile: false`) still loads, as false."""
+    import yaml
+
+    from train.config import load_config
+    from train.overrides import recipe_names, recipes_dir
+
+    for name in recipe_names():
+        assert "compile" not in (yaml.safe_load((recipes_dir() / f"{name}.yaml").read_text()).get("train") or {}), name
+        if name != "small":  # small.yaml names a local folder that is not here: its config loads all the same
+            assert load_config([f"recipe={name}"]).train.compile == "auto", name
+    assert load_config(["recipe=tiny"], overrides={"train.compile": False}).train.compile == "false"
+    assert load_config(["recipe=tiny", "train.compile=yes"]).train.compile == "true"
+    with pytest.raises(ValueError, match=r"train.compile='sometimes': use one of \('auto', 'true', 'false'\)"):
+        load_config(["recipe=tiny", "train.compile=sometimes"])
+
+
+def test_resume_takes_a_change_of_train_compile():
+    """A speed setting: a checkpoint written with the old boolean default resumes under auto (and any change)."""
+    from train.checkpoint import config_changes
+    from train.config import RunConfig, load_config
+
+    saved = load_config(["recipe=tiny"]).to_dict()
+    saved["train"]["compile"] = False  # as checkpoints wrote it before auto
+    refused, harmless = config_changes(saved, load_config(["recipe=tiny"]).to_dict(), RunConfig().to_dict())
+    assert refused == [] and harmless == ["train.compile: False -> 'auto'"]
+
+
+@pytest.mark.parametrize("first_call", ["eval", "step"])
+def test_a_failing_compile_falls_back_to_eager_once_with_the_eager_losses(first_call, tmp_path, monkeypatch):
+    """A compiler that fails at the first compiled call (the step-0 eval or the first step): one warning, the eager
+    layers back, the same call again, and the run ends with the eager run's losses. On the CPU auto never compiles:
+    the run is told to, and torch.compile hands back functions whose first call raises dynamo's backend error."""
+    import warnings
+
+    import train.compiling
+    from tests.helpers.tiny_run import FAST, golden_input_dirs, losses, metrics, run
+
+    inputs = golden_input_dirs(tmp_path / "inputs")
+    args = [*inputs, *FAST, "train.max_steps=3", "logging.every=1"]
+    if first_call == "eval":
+        args.append("eval.at_start=true")
+    run(tmp_path / "eager", *args)
+    calls = []
+
+    def inductor(*a, **k):
+        raise AssertionError("never run")
+
+    def failing_compile(fn, *a, **k):
+        def compiled(*args, **kwargs):
+            calls.append(fn)
+            raise torch._dynamo.exc.BackendCompilerFailed(inductor, RuntimeError("planted: no C++ compiler"), None)
+        return compiled
+
+    monkeypatch.setattr(train.compiling, "compile_wanted", lambda setting, device_type: True)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = run(tmp_path / "fell_back", *args)
+    said = [str(w.message) for w in seen if "train.compile" in str(w.message)]
+    assert said == ["train.compile: compiling the layers failed (BackendCompilerFailed: backend='inductor' raised: "
+                    "RuntimeError: planted: no C++ compiler); running the eager layers (the same math, slower): set "
+                    "train.compile=false to skip the attempt"]
+    assert len(calls) == 1  # the first compiled call; every later one ran the eager layers
+    assert result["steps"] == 3
+    assert losses(tmp_path / "fell_back") == losses(tmp_path / "eager")
+    if first_call == "eval":
+        assert [r["eval_loss"] for r in metrics(tmp_path / "fell_back") if "eval_loss" in r] == \
+            [r["eval_loss"] for r in metrics(tmp_path / "eager") if "eval_loss" in r]
+    assert not any("compile_s" in r or "mfu" in r for r in metrics(tmp_path / "fell_back"))  # CPU: no MFU
+
+
+def test_a_compiled_run_prints_its_one_time_compile_and_logs_it_in_the_first_row(tmp_path, monkeypatch, capsys):
+    """A compiled run (here torch.compile hands back the functions as they are) prints one train.compile line
+    after its first step, and its first logged row, alone, carries compile_s; the losses are the eager run's."""
+    import train.compiling
+    from tests.helpers.tiny_run import FAST, golden_input_dirs, losses, metrics, run
+
+    args = [*golden_input_dirs(tmp_path / "inputs"), *FAST, "train.max_steps=3", "logging.every=2"]
+    run(tmp_path / "eager", *args)
+    monkeypatch.setattr(train.compiling, "compile_wanted", lambda setting, device_type: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: fn)
+    capsys.readouterr()
+    run(tmp_path / "compiled", *args)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train.compile:")]
+    assert len(said) == 1 and said[0].startswith("train.compile: drafter and target layers compiled: ")
+    assert "first step" in said[0]
+    rows = [r for r in metrics(tmp_path / "compiled") if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 3] and "compile_s" in rows[0] and "compile_s" not in rows[1]
+    assert losses(tmp_path / "compiled") == losses(tmp_path / "eager")
+
+
+def test_logged_flops_are_the_benchs_count_and_mfu_divides_by_the_cards_peak(monkeypatch):
+    """The training log's model FLOPs (train.loop.flop_counter, on the host's blocks) are train.bench's count for
+    the same blocks plus the tapped target layers; on CUDA the step row's mfu divides by the bench's peak."""
+    from types import SimpleNamespace
+
+    from models.config import DFlashConfig
+    from models.target import TargetModel
+    from models.tiny import tiny_target
+    from train.bench import step_flops
+    from train.config import load_config
+    from train.flops import PEAK_BF16_TFLOPS, tapped_parameters
+    from train.loop import flop_counter, utilisation
+
+    target = TargetModel(tiny_target("qwen3"))
+    cfg = DFlashConfig.for_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                  num_target_layers=target.num_layers, mask_token_id=target.vocab_size - 1,
+                                  num_hidden_layers=2, num_taps=3, block_size=8)
+    ids, lm, doc, pos = _packed_rows(2, 96, seed=3)
+    blocks = draw_blocks(ids, lm, doc, pos, 6, 8, cfg.mask_token_id, torch.Generator().manual_seed(0))
+    a = SimpleNamespace(hidden=cfg.hidden_size, layers=2, heads=cfg.num_attention_heads,
+                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+                        taps=3, vocab=cfg.vocab_size, block=8, seq=96, batch=2)
+    drafter_only = step_flops(a, blocks, int(blocks.scored_index.numel()))
+    online = flop_counter(load_config(["recipe=tiny"]), cfg, target)
+    offline = flop_counter(load_config(["recipe=tiny", "features.mode=offline", "features.store=/unused"]), cfg,
+                           target)
+    assert offline(blocks, 192) == drafter_only > 0
+    assert online(blocks, 192) == drafter_only + 2 * tapped_parameters(target, cfg.target_layer_ids) * 192
+    assert tapped_parameters(target, [1, 3]) == sum(p.numel() for p in target.layers[:4].parameters())
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), world=2)
+    assert utilisation(gpu, 1.0e15) == {"tflops": 1000.0, "mfu": round(500 / PEAK_BF16_TFLOPS["H100"], 4)}
+    assert utilisation(SimpleNamespace(device=torch.device("cpu"), world=1), 1.0e15) == {}
 
 
 @pytest.mark.parametrize("s,block,anchors", [

@@ -291,23 +291,21 @@ def test_held_out_prompts_start_at_their_own_document():
     assert held_out_prompts(rows, 2) == [[100], [103, 104]]
 
 
-def test_true_tau_pools_cycles_and_leaves_each_generations_last_cycle_out_of_uncut(monkeypatch):
-    """eval_tau_true = committed tokens / cycles over all prompts; the uncut figure drops each
-    generation's last cycle (cut by EOS or the budget, so shorter than the drafter earned)."""
-    import types
-
+def test_true_tau_pools_cycles_and_counts_each_generations_last_cycle_in_full_when_uncut(monkeypatch):
+    """eval_tau_true = committed tokens / cycles over all prompts; the uncut figure counts each generation's
+    last cycle (cut by EOS or the budget) with its full acceptance, as validate's tau_uncut does."""
     import inference.torch_loop as loop
+    from inference.stats import GenerationResult
     from train.eval import true_tau
 
-    results = iter([[3, 2, 1], [4, 1]])
+    results = iter([GenerationResult([], acceptance_lengths=[3, 2, 1], last_cycle_uncut=5),  # the budget cut it
+                    GenerationResult([], acceptance_lengths=[4, 1], last_cycle_uncut=1)])  # an EOS ended it whole
     monkeypatch.setattr(loop, "DrafterProposer", lambda drafter, target: None)
-    monkeypatch.setattr(loop, "dflash_generate",
-                        lambda target, proposer, prompt, max_new_tokens: types.SimpleNamespace(
-                            acceptance_lengths=next(results)))
+    monkeypatch.setattr(loop, "dflash_generate", lambda target, proposer, prompt, max_new_tokens: next(results))
     drafter = torch.nn.Linear(2, 2).train()
     out = true_tau(drafter, None, [[1, 2], [3]], max_new_tokens=8)
     assert out == {"eval_tau_true": pytest.approx(11 / 5), "eval_true_cycles": 5,
-                   "eval_tau_true_uncut": pytest.approx(3.0), "eval_true_hist": {"1": 2, "2": 1, "3": 1, "4": 1}}
+                   "eval_tau_true_uncut": pytest.approx(15 / 5), "eval_true_hist": {"1": 2, "2": 1, "3": 1, "4": 1}}
     assert drafter.training  # put back in training mode
 
 

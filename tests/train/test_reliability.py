@@ -552,7 +552,11 @@ def test_console_lines_a_person_reads():
     ev = {"step": 200, "eval_loss": 3.91234, "eval_tau_sim": 2.3149, "eval_pos_acc": [0.5], "eval_blocks": 512,
           "eval_tau_true": 2.049, "eval_true_cycles": 96, "eval_tau_true_uncut": 2.12, "eval_true_hist": {"1": 3}}
     assert eval_line(ev, 200) == ("eval  200/200  held-out loss 3.9123  sim tau 2.31 (512 blocks)  true tau 2.05 "
-                                  "(96 cycles; 2.12 without each prompt's last cycle)")
+                                  "(96 cycles; 2.12 uncut: each prompt's last cycle in full)")
+    gpu = {**row, "tokens_per_s": 12600.0, "tflops": 1022.8, "mfu": 0.517, "compile_s": 61.25}
+    assert step_line(gpu, 200, 62.0) == ("step   20/200  epoch 0.25  loss 4.2156  sim tau 1.87  lr 6.00e-05  "
+                                         "12.6k tok/s  MFU 0.517  0:01:02  ce 4.301  grad_norm 1.25  new_metric 0.5  "
+                                         "tflops 1023  compile_s 61.25")
     assert eval_line({"step": 3}) == "eval  3  no held-out rows (data.eval_rows=0)"
     evals = [{"step": 0, "eval_tau_sim": 1.0}, {"step": 5, "eval_tau_sim": 1.5, "eval_tau_true": 1.2},
              {"step": 10, "eval_tau_sim": 2.0}]

@@ -617,3 +617,37 @@ def test_offline_processes_with_and_without_the_whole_target_take_the_same_steps
     assert_close([b[s] for s in (1, 2, 3)], [a[s] for s in (1, 2, 3)], atol=1e-5, what="offline, 2 processes vs 1")
     evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if line]
     assert any("eval_tau_true" in r for r in evals)
+
+
+@pytest.mark.parametrize("recipe, words", [
+    ("glm-4.5-air", ["~199 GiB of weights", "does not fit one 80 GB GPU", "target.device_map=auto spreads it over 5"]),
+    ("qwen3-next-80b-a3b", ["~148 GiB of weights", "target.device_map=auto spreads it over 3"]),
+    ("kimi-k2.5", ["~554 GiB of weights", "does not fit one node of 8 x 80 GB even spread",
+                   "features.mode=offline", "data.extract --device-map auto", "several such nodes"]),
+])
+def test_dry_run_of_the_large_moe_recipes_says_where_the_target_goes(monkeypatch, recipe, words):
+    """GLM-4.5-Air and Qwen3-Next-80B-A3B need a node's GPUs (target.device_map), Kimi K2.5 (554 GiB as stored)
+    more than a node of 8 x 80 GB holds beside its drafter: offline features extracted on nodes that hold it. The
+    drafters follow the published ones where there is one (Kimi: 6 layers, 64 x 128 heads, 8 KV heads, block 8,
+    mask 163838; Qwen3-Coder-Next: 8 layers)."""
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's shape facts (test)"))
+    p = plan_module.plan(load_config([f"recipe={recipe}", "devices=8x80"]))
+    for w in words:
+        assert w in p["placement"], (w, p["placement"])
+    dev = p["devices"]
+    if recipe == "kimi-k2.5":
+        assert p["target_layer_ids"] == [1, 12, 24, 35, 47, 58] and dev["fits"]  # offline: embedding + head per GPU
+        assert (p["drafter"]["heads"], p["drafter"]["kv_heads"], p["drafter"]["head_dim"], p["drafter"]["block_size"]) \
+            == (64, 8, 128, 8) and 3400 < p["drafter"]["params_m"] < 3600
+        online = plan_module.plan(load_config([f"recipe={recipe}", "devices=8x80", "features.mode=online",
+                                               "target.device_map=auto"]))["devices"]
+        assert not online["fits"] and "features.mode=offline with the features extracted on nodes" in online["warning"]
+    else:
+        assert not dev["fits"] and "target.device_map=auto" in dev["warning"]
+        spread = plan_module.plan(load_config([f"recipe={recipe}", "devices=8x80", "target.device_map=auto"]))
+        assert spread["devices"]["fits"]
+    if recipe == "qwen3-next-80b-a3b":
+        assert p["drafter"]["layers"] == 8
