@@ -68,6 +68,17 @@ AUTO_LOOP_ON_CUDA = {
         "eager", "GatedDeltaNet graph replay is lossless (tests/test_cuda.py, H200, 8a48cc6) but its speed is not "
         "measured yet (lab/gpu/measure.sh measures it)", None),
 }
+# --- the issue-46 families. GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi (rows the h-famB merge left out):
+AUTO_LOOP_ON_CUDA.update({
+    "glm4_moe": AutoLoop("eager", "its static graph replay is exact on the CPU but not measured on a GPU yet", None),
+    "qwen3_next": AutoLoop("eager", "the static loop refuses it (fused GatedDeltaNet projections)", None),
+    "deepseek_v3": AutoLoop("eager", "the static loop refuses it (latent-attention caches)", None),
+})
+# gpt-oss and Gemma 4:
+AUTO_LOOP_ON_CUDA.update({
+    "gpt_oss": AutoLoop("eager", "the static loop refuses it (attention sinks, sliding-window layers)", None),
+    "gemma4": AutoLoop("eager", "the static loop refuses it (sliding-window and KV-shared layers)", None),
+})
 NOT_MEASURED = AutoLoop("eager", "no loop is measured on a GPU for this family", None)
 
 
