@@ -33,6 +33,13 @@ Segments are tokenized one by one (``add_special_tokens=False``: the template re
 itself), so mask boundaries are exact by construction and the answer's tokens are tokenized
 alone, as the server's generated tokens would be.
 
+Templates that read a message's reasoning from ``thinking`` (gpt-oss's harmony, Gemma 4) get it there
+whichever name the data uses (``reasoning_content`` or ``thinking``: ``reasoning_field``). Renders are
+stable from day to day: the template's ``strftime_now`` (harmony's "Current date:", Llama 3.x's "Today
+Date:") answers ``CHAT_DATE`` while draftsmith renders (``pinned_date``), and a template's
+``reasoning_effort`` is ``REASONING_EFFORT`` (``template_kwargs``); a server that renders its own date
+sees a prompt that differs from ours in that line only.
+
 Regenerated answers carry the ids the target generated (``token_ids`` on the message); those are
 used for the answer instead of re-tokenizing its text (decode then encode is not the identity:
 BPE merges, invalid UTF-8), when the decoded ids are the answer text the template rendered (or
@@ -47,9 +54,16 @@ to would end turns mid-sentence.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import hashlib
 import json
+import re
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+from transformers.utils import chat_template_utils
 
 SENTINEL = "\u2063DRAFTSMITH\u2063"  # invisible separator: never produced by a template
 # Version of the rules above that turn a conversation into labels. Every prepared folder records it, so a
@@ -58,6 +72,12 @@ SENTINEL = "\u2063DRAFTSMITH\u2063"  # invisible separator: never produced by a 
 # template without an end-of-turn token changed no version: no family supported before had such a template.)
 LABEL_RULES = 2
 LABEL_RULES_BEFORE_RECORDED = 1  # folders prepared before the version was recorded
+
+
+# The date templates read through strftime_now (any fixed day: gpt-oss's release), and gpt-oss's reasoning effort.
+CHAT_DATE = datetime.datetime(2025, 8, 5)
+REASONING_EFFORT = "medium"
+REASONING_FIELDS = ("reasoning_content", "thinking")
 
 
 class TemplateError(ValueError):
@@ -82,13 +102,77 @@ def require_chat_template(tokenizer, target: str, fix: str = "") -> None:
             "the chat / instruct model's folder, or copy that model's chat_template.jinja into this one" + fix)
 
 
+def _template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return " ".join(template.values()) if isinstance(template, dict) else str(template)
+
+
+@functools.lru_cache(maxsize=32)
+def _reads(template: str, name: str) -> bool:
+    # any loop variable (message.thinking, m['thinking']); not a name that merely ends in it (enable_thinking)
+    return re.search(rf"""\w(\.{name}\b|\[['"]{name}['"]\])""", template) is not None
+
+
+def reasoning_field(tokenizer) -> str:
+    """The message field the template renders reasoning from: ``thinking`` (gpt-oss's harmony, Gemma 4) when it
+    reads that one and not ``reasoning_content`` (Qwen3, and the default)."""
+    template = _template_text(tokenizer)
+    return "thinking" if _reads(template, "thinking") and not _reads(template, "reasoning_content") else \
+        "reasoning_content"
+
+
+def template_kwargs(tokenizer) -> dict:
+    """What every render passes besides the thinking switch: for a template that reads it, the pinned reasoning
+    effort (gpt-oss)."""
+    return {"reasoning_effort": REASONING_EFFORT} if "reasoning_effort" in _template_text(tokenizer) else {}
+
+
+class _PinnedClock:
+    """What a template's ``strftime_now`` asks for the time: ``CHAT_DATE``."""
+
+    @staticmethod
+    def now(tz=None) -> datetime.datetime:
+        return CHAT_DATE
+
+
+_CLOCK_LOCK = threading.RLock()
+
+
+@contextmanager
+def pinned_date():
+    """Templates rendered inside see ``CHAT_DATE`` as today. transformers gives templates ``strftime_now`` as a
+    global of its own (a callable passed as a template variable is replaced by a placeholder), reading the clock
+    of its module: that clock is swapped for the call."""
+    with _CLOCK_LOCK:
+        saved = getattr(chat_template_utils, "datetime", None)
+        chat_template_utils.datetime = _PinnedClock
+        try:
+            yield
+        finally:
+            chat_template_utils.datetime = saved
+
+
 def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
            thinking: bool | None = None) -> str:
-    """The target's chat template as text. ``thinking=None`` leaves the template's default."""
+    """The target's chat template as text. ``thinking=None`` leaves the template's default. Reasoning goes in the
+    field the template reads (``reasoning_field``); date and reasoning effort are pinned (``template_kwargs``)."""
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     require_chat_template(tokenizer, "the target")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **kwargs)
+    field = reasoning_field(tokenizer)
+    messages = [_reasoning_in(m, field) for m in messages]
+    with pinned_date():
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs(tokenizer), **kwargs)
+
+
+def _reasoning_in(message: dict, field: str) -> dict:
+    """The message with its reasoning (under either name) under ``field`` alone."""
+    other = next((k for k in REASONING_FIELDS if k != field and k in message), None)
+    if other is None:
+        return message
+    out = {k: v for k, v in message.items() if k != other}
+    out.setdefault(field, message[other])
+    return out
 
 
 def _lcp(a: str, b: str) -> int:
@@ -103,9 +187,10 @@ def prepare_messages(messages: list[dict], thinking: bool | None) -> list[dict]:
     """Messages as the template should see them: thinking off drops reasoning (the server would too)."""
     out = []
     for m in messages:
-        m = {k: v for k, v in m.items() if k in ("role", "content", "reasoning_content")}
+        m = {k: v for k, v in m.items() if k in ("role", "content", *REASONING_FIELDS)}
         if thinking is False:
-            m.pop("reasoning_content", None)
+            for k in REASONING_FIELDS:
+                m.pop(k, None)
         out.append(m)
     return out
 

@@ -32,7 +32,7 @@ from models.config import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS
                            ConfigError, DFlashConfig, is_drafter_config, layer_order_problem,
                            read_json_file)
 from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir
-from models.mask_token import tokenizer_emitted_ids
+from models.mask_token import mask_problem
 from models.weights import STRAY_KEY, weight_files
 
 # Top-level keys of the flat layout (docs/design.md, "config.json"; written by DFlashConfig.to_dict).
@@ -72,8 +72,12 @@ def schema_problems(d: dict[str, Any], folder: Path | None = None, *, hf: bool =
     if "block_size" in d and "block_size" in nested and d["block_size"] != nested["block_size"]:
         problems.append(f"block_size={d['block_size']} but dflash_config.block_size={nested['block_size']}")
     rope = d.get("rope_parameters") or {}
-    if rope.get("rope_type") != "default":
-        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r}, expected 'default' (plain RoPE)")
+    if rope.get("rope_type") == "yarn":  # a published gpt-oss drafter's block, kept by a warm start from it
+        problems += [f"rope_parameters.{k} missing from its YaRN block" for k in
+                     ("factor", "original_max_position_embeddings") if k not in rope]
+    elif rope.get("rope_type") != "default":
+        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r}, expected 'default' (plain RoPE) or "
+                        "'yarn'")
     if "rope_theta" in d and rope.get("rope_theta") != d["rope_theta"]:
         problems.append(f"rope_theta={d['rope_theta']} but rope_parameters.rope_theta={rope.get('rope_theta')}")
     problems += [f"rope_parameters.{k} is set: the drafter's RoPE is full-head 1-D" for k in FORBIDDEN_ROPE_KEYS
@@ -215,10 +219,13 @@ def target_problems(config: DFlashConfig, target: str | Path | None) -> tuple[li
             tok = AutoTokenizer.from_pretrained(str(folder))
         except (OSError, ValueError) as e:
             return problems, f"target shape (tokenizer not readable: {e})"
-        if config.mask_token_id in tokenizer_emitted_ids(tok):
+        # The rule training resolves the mask by (models.mask_token): a spare row, the tokenizer's own mask token
+        # (Gemma 4's <mask>, z-lab's choice) or an unused special are fine; text, EOS and template tokens are not.
+        why = mask_problem(tok, config.mask_token_id)
+        if why:
             name = tok.convert_ids_to_tokens(config.mask_token_id)
             problems.append(f"mask_token_id={config.mask_token_id} ({name!r}) is a token the target's tokenizer "
-                            "emits: drafts would confuse it with real text")
+                            f"emits ({why}): drafts would confuse it with real text")
         checked = "target shape and tokenizer"
     return problems, f"{checked} ({target})"
 

@@ -4,7 +4,9 @@ Attention layers are cropped. GatedDeltaNet layers (Qwen3.5 / 3.6) keep a recurr
 conv window that cannot be cropped, so before the verify pass we snapshot both and record each
 linear-attention layer's input; after acceptance we restore the snapshot and replay only the
 committed steps through that layer (O(accepted), not O(context)). A fully accepted block needs
-no replay.
+no replay. Sliding-window layers are full layers in ``TargetModel.new_cache`` (cropped like any other);
+Gemma 4 E-models' KV-shared layers (``DummyLayer``) hold nothing: they read their store layer's keys, so
+rolling that one back rolls them back.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
 from models.target import TargetModel, cache_kwarg
 
@@ -102,6 +104,8 @@ class CacheRollback:
         snapshot (taken at the previous committed length) plus exactly the ``keep`` committed tokens."""
         for idx, layer in enumerate(cache.layers):
             if isinstance(layer, LinearAttentionCacheLayerMixin):
+                continue
+            if isinstance(layer, DummyLayer):  # Gemma 4 E-models: KV-shared layers hold nothing (their store does)
                 continue
             n = layer.get_seq_length()
             if n != committed:

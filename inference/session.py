@@ -10,8 +10,9 @@ timers and cache treatment). The loop (``--loop auto|eager|static|compiled``, ``
   launch-bound (an 8B target's decode step took 84 ms eager, 10.8 ms replayed as a graph), so eager
   speedups there measure the host, not the drafter. Hybrid targets (Qwen3.5 / 3.6, GatedDeltaNet) and GLM
   4.x MoE stay eager until their graph replay's speed has been measured on a GPU (``--loop static`` runs
-  them, exact on the CPU); Qwen3-Next and latent-attention targets (DeepSeek-V3, Kimi) run eager (the static
-  loop refuses them).
+  them, exact on the CPU); Qwen3-Next, latent-attention targets (DeepSeek-V3, Kimi), gpt-oss and Gemma 4 run
+  eager (the static loop refuses them), and so do drafters with a YaRN rope block or attention biases (a
+  published gpt-oss drafter's: the static drafter pass has plain RoPE and no biases).
 * a block size other than the drafter's runs the eager loop, DFlash and the baseline both (the graphs
   are captured for one block shape), with one warning saying so;
 * ``static`` / ``compiled`` (graphs + torch.compile'd layers) / ``eager`` force one; the MLX backend runs
@@ -67,6 +68,17 @@ AUTO_LOOP_ON_CUDA = {
         "eager", "GatedDeltaNet graph replay is lossless (tests/test_cuda.py, H200, 8a48cc6) but its speed is not "
         "measured yet (lab/gpu/measure.sh measures it)", None),
 }
+# --- the issue-46 families. GLM 4.x MoE, Qwen3-Next, DeepSeek-V3 / Kimi (rows the h-famB merge left out):
+AUTO_LOOP_ON_CUDA.update({
+    "glm4_moe": AutoLoop("eager", "its static graph replay is exact on the CPU but not measured on a GPU yet", None),
+    "qwen3_next": AutoLoop("eager", "the static loop refuses it (fused GatedDeltaNet projections)", None),
+    "deepseek_v3": AutoLoop("eager", "the static loop refuses it (latent-attention caches)", None),
+})
+# gpt-oss and Gemma 4:
+AUTO_LOOP_ON_CUDA.update({
+    "gpt_oss": AutoLoop("eager", "the static loop refuses it (attention sinks, sliding-window layers)", None),
+    "gemma4": AutoLoop("eager", "the static loop refuses it (sliding-window and KV-shared layers)", None),
+})
 NOT_MEASURED = AutoLoop("eager", "no loop is measured on a GPU for this family", None)
 
 
@@ -101,6 +113,10 @@ def choose_loop(requested: str, target, drafter, block_size: int | None = None) 
         return "eager"
     try:
         check_static_target(target)
+        if getattr(drafter.config, "rope_scaling", None) or getattr(drafter.config, "attention_bias", False):
+            raise StaticLoopUnsupported("the static drafter pass has plain RoPE and no attention biases; this "
+                                        "drafter's config carries a YaRN block or attention_bias (a published "
+                                        "gpt-oss drafter's): use --loop eager")
     except StaticLoopUnsupported:
         if requested == "auto":
             return "eager"

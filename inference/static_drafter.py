@@ -34,6 +34,10 @@ class StaticDrafterProposer:
                  compile: bool = False):
         cfg = drafter.config
         cfg.check_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=target.num_layers)
+        if cfg.rope_scaling or cfg.attention_bias:
+            raise StaticLoopUnsupported("the static drafter pass has plain RoPE and no attention biases; this "
+                                        "drafter's config carries a YaRN block or attention_bias (a published "
+                                        "gpt-oss drafter's): use the eager loop")
         warn_if_mask_is_emitted(cfg.mask_token_id, target.tokenizer)
         drafter.bind_target(target.embed_tokens, target.lm_head)
         self.drafter, self.layer_ids, self.block_size = drafter, list(cfg.target_layer_ids), cfg.block_size

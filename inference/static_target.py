@@ -19,7 +19,8 @@ eager loop (``torch_loop.py``) measures the host. Here every per-token pass has 
 its drafter twin is ``inference.static_drafter``. Supported targets: Qwen3 (dense/MoE), Llama 3.x,
 Qwen3.5 / 3.6 (hybrid, dense/MoE), GLM 4.x MoE. Refused, in one line (``check_static_target``): Qwen3-Next
 (its GatedDeltaNet fuses the projections the static pass reads) and latent-attention targets (DeepSeek-V3,
-Kimi: their caches hold latents, not per-head K/V).
+Kimi: their caches hold latents, not per-head K/V), gpt-oss (attention sinks) and Gemma 4 (sliding, KV-shared
+layers): ``--loop auto`` runs them on the eager loop.
 """
 
 from __future__ import annotations

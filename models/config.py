@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
+from models.rope import rope_scaling_of
+
 ARCHITECTURE = "DFlashDraftModel"
 ARCHITECTURE2 = "DFlash2DraftModel"  # DFlash2: the v1 backbone + per-layer dynamic convs + a candidate selector
 ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": ARCHITECTURE2}  # by variant (the recipe's drafter.variant)
@@ -259,6 +261,13 @@ class DFlashConfig:
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
     input_embedding_scale: float | None = None
+    # A YaRN block ({factor, original_max_position_embeddings, beta_fast, ...}) when the config carries one (z-lab's
+    # published gpt-oss drafters copy their target's); None = plain RoPE, what draftsmith trains. A v1 drafter may
+    # soft-cap its logits too (``final_logit_softcapping``, z-lab's Gemma 4 drafter: 30).
+    rope_scaling: dict[str, Any] | None = None
+    # Biases on q/k/v/o (Qwen3's ``attention_bias``): z-lab's published gpt-oss drafters have them; draftsmith trains
+    # without.
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [whole_number("target_layer_ids", i) for i in self.target_layer_ids]
@@ -314,6 +323,13 @@ class DFlashConfig:
         if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ConfigError("rope_theta", self.rope_theta, "must be a positive RoPE base frequency",
                               "use the target's rope_theta (e.g. 1000000)")
+        if self.rope_scaling is not None:
+            try:
+                self.rope_scaling = rope_scaling_of({**self.rope_scaling, "rope_type": "yarn"})
+            except ValueError as e:
+                raise ConfigError("rope_scaling", self.rope_scaling, str(e),
+                                  "give factor and original_max_position_embeddings (YaRN), or no rope_scaling "
+                                  "(plain RoPE)") from None
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 "num_key_value_heads", self.num_key_value_heads,
@@ -373,7 +389,13 @@ class DFlashConfig:
         if self.variant == "dflash2":
             self._validate_dflash2()
         else:
-            stray = [n for n in (*DFLASH2_KEYS, *DFLASH2_OPTIONAL) if getattr(self, n) is not None]
+            cap = self.final_logit_softcapping  # the one DFlash2 field a v1 drafter may have (Gemma 4's)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                    or not (math.isfinite(cap) and cap > 0)):
+                raise ConfigError("final_logit_softcapping", cap, "must be a positive number",
+                                  "leave it out (no soft-capping) or give the cap, e.g. 30.0")
+            stray = [n for n in (*DFLASH2_KEYS, *DFLASH2_OPTIONAL) if getattr(self, n) is not None
+                     and n != "final_logit_softcapping"]
             if stray:
                 raise ConfigError(stray[0], getattr(self, stray[0]), "is a DFlash2 setting on a variant dflash drafter",
                                   "set variant=dflash2, or leave it out")
@@ -453,7 +475,7 @@ class DFlashConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
@@ -464,9 +486,11 @@ class DFlashConfig:
             "torch_dtype": self.torch_dtype,
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,
-            # Plain full-head 1-D RoPE, whatever the target uses (never a Qwen3.5 mrope block).
+            # Plain full-head 1-D RoPE, whatever the target uses (never a Qwen3.5 mrope block); YaRN only when the
+            # config carried it (a published gpt-oss drafter's).
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": ({"rope_type": "default", "rope_theta": self.rope_theta} if not self.rope_scaling
+                                else {"rope_type": "yarn", "rope_theta": self.rope_theta, **self.rope_scaling}),
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
@@ -480,6 +504,8 @@ class DFlashConfig:
             nested.update({k: getattr(self, k) for k in DFLASH2_KEYS})
             nested.update({k: getattr(self, k) for k, default in DFLASH2_OPTIONAL.items()
                            if getattr(self, k) != default})
+        if self.variant == "dflash" and self.final_logit_softcapping:
+            d["final_logit_softcapping"] = self.final_logit_softcapping  # top level, as z-lab's Gemma 4 drafter
         if self.quantization:
             d["quantization"] = dict(self.quantization)
             d["quantization_config"] = dict(self.quantization)  # mlx-lm writes both, with the same value
@@ -517,10 +543,17 @@ class DFlashConfig:
 
         rope_params = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-        if rope_type not in ("default", None):
+        other = d.get("rope_scaling") if d.get("rope_parameters") else None
+        if other and other.get("rope_type", other.get("type", "default")) != rope_type:
+            raise ConfigError("rope_scaling", other, f"says another RoPE than rope_parameters ({rope_type})",
+                              "keep one rope block, or make both agree")
+        try:
+            rope_scaling = rope_scaling_of(rope_params)
+        except ValueError as e:
             raise ConfigError("rope_parameters.rope_type", rope_type,
-                              "the drafter uses plain full-head RoPE",
-                              "write rope_parameters={'rope_type': 'default', 'rope_theta': ...}")
+                              f"{e}: draftsmith's drafters run plain full-head RoPE or the YaRN block z-lab's "
+                              "gpt-oss drafters publish",
+                              "write rope_parameters={'rope_type': 'default', 'rope_theta': ...}") from None
         rope_theta = pick("rope_theta", ("rope_theta", d.get("rope_theta")),
                           ("rope_parameters.rope_theta", rope_params.get("rope_theta")))
         block_size = pick("block_size", ("block_size", d.get("block_size")),
@@ -554,6 +587,11 @@ class DFlashConfig:
                 dflash2[name] = whole_number(name, value) if name in DFLASH2_KEYS else value
             if not dflash2["final_logit_softcapping"]:  # 0 means off, as in z-lab's code
                 dflash2["final_logit_softcapping"] = None
+        else:  # a v1 drafter's logit soft-cap (z-lab's Gemma 4 drafter: top level); 0 means off
+            cap = pick("final_logit_softcapping", ("dflash_config.final_logit_softcapping",
+                                                   nested.get("final_logit_softcapping")),
+                       ("final_logit_softcapping", d.get("final_logit_softcapping")), required=False)
+            dflash2["final_logit_softcapping"] = cap or None
         slides = d.get("use_sliding_window") or "sliding_attention" in layer_types
         sliding = d.get("sliding_window") if slides else None
         if d.get("use_sliding_window") and not layer_types:
@@ -582,6 +620,8 @@ class DFlashConfig:
             quantization=d.get("quantization") or None,
             draftsmith=d.get("draftsmith") or None,
             variant=variant,
+            rope_scaling=rope_scaling,
+            attention_bias=bool(d.get("attention_bias") or False),
             **dflash2,
         )
 
@@ -669,6 +709,8 @@ class DFlashConfig:
         [V, r] codebooks + ``hidden_projection`` [r, H]). The target's embedding and LM head are borrowed."""
         H, hd = self.hidden_size, self.head_dim
         attn = H * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * H
+        if self.attention_bias:
+            attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + H
         per_layer = attn + 3 * H * self.intermediate_size + 2 * H + 2 * hd
         counts = {"backbone": self.num_hidden_layers * per_layer + self.fc_in_features * H + 2 * H}
         if self.variant == "dflash2":
@@ -697,6 +739,9 @@ class DFlashConfig:
                 p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
                 p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
                 p + "mlp.down_proj.weight": (H, inter)})
+            if self.attention_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
+                               p + "self_attn.v_proj.bias": (kv * hd,), p + "self_attn.o_proj.bias": (H,)})
             if self.variant == "dflash2":
                 for conv in ("attention_conv", "mlp_conv"):
                     shapes[f"{p}{conv}.base_kernel"] = (2, self.conv_kernel_size, H)

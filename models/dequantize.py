@@ -12,7 +12,8 @@ train against the exact weights the Mac runs, a torch node reads the MLX folder 
   ``*.biases``, ``config.json`` with ``quantization: {group_size, bits}`` and per-layer entries, some
   layers left unquantized), undoes mlx_lm's ``sanitize`` for the architecture (Qwen3.5 text-tower
   prefixes, ``1 + w`` norms and conv1d layout; MoE ``switch_mlp`` experts re-fused into
-  transformers' ``experts.gate_up_proj`` / ``experts.down_proj``) and builds the transformers model;
+  transformers' ``experts.gate_up_proj`` / ``experts.down_proj``; gpt-oss's and Gemma 4's experts likewise) and
+  builds the transformers model;
   ``models.target.load_mlx_target`` wraps it in a target adapter. Loading needs only torch,
   safetensors and transformers, no MLX.
 """
@@ -181,6 +182,9 @@ def to_hf_state_dict(weights: dict[str, torch.Tensor], model_type: str) -> dict[
         for key in [k for k in out if k.endswith(".self_attn.embed_q.weight")]:
             out[key.replace("embed_q", "kv_b_proj")] = latent_up_projection(out.pop(key), out.pop(
                 key.replace("embed_q", "unembed_out")))
+    experts = FAMILY_EXPERTS.get(check_supported(model_type))
+    if experts is not None:
+        experts(out)
     return out
 
 
@@ -189,6 +193,34 @@ def latent_up_projection(embed_q: torch.Tensor, unembed_out: torch.Tensor) -> to
     mlx_lm's two halves of it: ``embed_q`` ``[heads, kv_lora_rank, nope]`` (the key half, transposed, which mlx_lm
     applies to the queries) and ``unembed_out`` ``[heads, v, kv_lora_rank]`` (the value half)."""
     return torch.cat([embed_q.transpose(1, 2), unembed_out], dim=1).reshape(-1, embed_q.shape[1]).contiguous()
+
+
+# --- gpt-oss and Gemma 4 (issue 46): their experts as mlx_lm stores them -> transformers' parameters
+def _gpt_oss_experts(out: dict[str, torch.Tensor]) -> None:
+    """``experts.{gate,up,down}_proj.{weight,bias}`` (weights [E, out, in]) -> transformers' ``experts.gate_up_proj``
+    [E, H, 2I] with gate and up interleaved (gate at even columns), ``down_proj`` [E, I, H] and their ``_bias``."""
+    for key in [k for k in out if k.endswith(".mlp.experts.gate_proj.weight")]:
+        p = key.removesuffix(".gate_proj.weight")
+        gate, up = out.pop(key), out.pop(f"{p}.up_proj.weight")
+        e, i, h = gate.shape
+        out[f"{p}.gate_up_proj"] = torch.stack([gate, up], dim=-2).reshape(e, 2 * i, h).transpose(-1, -2).contiguous()
+        gb, ub = out.pop(f"{p}.gate_proj.bias"), out.pop(f"{p}.up_proj.bias")
+        out[f"{p}.gate_up_proj_bias"] = torch.stack([gb, ub], dim=-1).reshape(e, 2 * i)
+        out[f"{p}.down_proj"] = out.pop(f"{p}.down_proj.weight").transpose(-1, -2).contiguous()
+        out[f"{p}.down_proj_bias"] = out.pop(f"{p}.down_proj.bias")
+
+
+def _gemma4_experts(out: dict[str, torch.Tensor]) -> None:
+    """``experts.switch_glu.{gate,up,down}_proj.weight`` -> ``experts.gate_up_proj`` (gate then up) and
+    ``experts.down_proj``, the layout mlx_lm's Gemma 4 ``sanitize`` splits."""
+    for key in [k for k in out if k.endswith(".experts.switch_glu.gate_proj.weight")]:
+        p = key.removesuffix(".switch_glu.gate_proj.weight")
+        out[f"{p}.gate_up_proj"] = torch.cat([out.pop(key), out.pop(f"{p}.switch_glu.up_proj.weight")], dim=-2)
+        out[f"{p}.down_proj"] = out.pop(f"{p}.switch_glu.down_proj.weight")
+
+
+FAMILY_EXPERTS = {}  # family -> rewrites its experts in place
+FAMILY_EXPERTS.update({"gpt_oss": _gpt_oss_experts, "gemma4": _gemma4_experts})
 
 
 def build_hf_model(config_dict: dict, state: dict[str, torch.Tensor], dtype: torch.dtype):

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from models.config import MODELING_FILE, DFlashConfig
 from models.flex_options import kernel_options, parse_flex_backward, resolve_tiles
 from models.hub import resolve_model_dir
+from models.rope import yarn_inv_freq
 from models.weights import drop_stray_keys, load_state_dict, save_state_dict
 
 
@@ -37,12 +38,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """Plain full-head RoPE tables for integer positions ``[b, s]`` -> ``[b, 1, s, head_dim]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None):
+    """Full-head RoPE tables for integer positions ``[b, s]`` -> ``[b, 1, s, head_dim]``: plain, or YaRN when
+    ``scaling`` (the config's ``rope_scaling``) is given, whose attention factor multiplies cos and sin."""
+    if scaling:
+        inv, factor = yarn_inv_freq(head_dim, theta, scaling)
+        inv_freq = torch.from_numpy(inv).to(positions.device)
+    else:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                                    / head_dim))
+        factor = 1.0
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,10 +109,11 @@ class DFlashAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        bias = config.attention_bias  # published gpt-oss drafters: biases on all four
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # flex attention's backward tiles (models/flex_options.py), set by DFlashDraftModel.forward
@@ -259,7 +272,11 @@ class DFlashDraftModel(nn.Module):
         return self._require("embed")(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._require("head")(hidden)
+        """The target's LM head; a v1 drafter whose config sets ``final_logit_softcapping`` (z-lab's Gemma 4
+        drafter) soft-caps them (DFlash2 applies its own multiplier and cap, ``models.drafter2.unary_logits``)."""
+        logits = self._require("head")(hidden)
+        cap = self.config.final_logit_softcapping if self.variant == "dflash" else None
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def _require(self, part: str) -> nn.Module:
         if part not in self._target:
@@ -285,8 +302,9 @@ class DFlashDraftModel(nn.Module):
                              f"layers {self.config.target_layer_ids} concatenated")
         context = self.hidden_norm(self.fc(target_hidden))
         dtype = noise_embedding.dtype
-        rope_ctx = rope_cos_sin(position_ids[:, :c], self.config.head_dim, self.config.rope_theta, dtype)
-        rope_blk = rope_cos_sin(position_ids[:, c:], self.config.head_dim, self.config.rope_theta, dtype)
+        rope = (self.config.head_dim, self.config.rope_theta, dtype, self.config.rope_scaling)
+        rope_ctx = rope_cos_sin(position_ids[:, :c], *rope)
+        rope_blk = rope_cos_sin(position_ids[:, c:], *rope)
         masks = self._masks(attention_mask, position_ids, c, cache)
         if target_hidden.is_cuda and any(isinstance(m, BlockMask) for m in masks.values()):
             self._set_flex_tiles(target_hidden.device)

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from models.config import DFlashConfig
 from models.hub import resolve_model_dir
+from models.rope import yarn_inv_freq
 from models.weights import drop_stray_keys, weight_files
 
 QUANT_SUFFIXES = (".scales", ".biases")
@@ -42,12 +43,21 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtype):
-    """Plain full-head RoPE tables for integer positions ``[b, s]`` -> ``[b, 1, s, head_dim]``."""
-    inv_freq = 1.0 / (theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim))
+def rope_cos_sin(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtype, scaling: dict | None = None):
+    """Full-head RoPE tables for integer positions ``[b, s]`` -> ``[b, 1, s, head_dim]``: plain, or YaRN when
+    ``scaling`` (the config's ``rope_scaling``) is given, whose attention factor multiplies cos and sin."""
+    if scaling:
+        inv, factor = yarn_inv_freq(head_dim, theta, scaling)
+        inv_freq = mx.array(inv)
+    else:
+        inv_freq = 1.0 / (theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim))
+        factor = 1.0
     freqs = positions.astype(mx.float32)[..., None] * inv_freq
     emb = mx.concatenate([freqs, freqs], axis=-1)[:, None]
-    return mx.cos(emb).astype(dtype), mx.sin(emb).astype(dtype)
+    cos, sin = mx.cos(emb), mx.sin(emb)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -84,10 +94,11 @@ class DFlashAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        bias = config.attention_bias  # published gpt-oss drafters: biases on all four
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -193,7 +204,10 @@ class DFlashDraftModel(nn.Module):
         return self._require("embed")(ids)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        return self._require("head")(hidden)
+        """The target's LM head; soft-capped when a v1 drafter's config says so (twin of the torch drafter)."""
+        logits = self._require("head")(hidden)
+        cap = self.config.final_logit_softcapping if self.variant == "dflash" else None
+        return mx.tanh(logits / cap) * cap if cap else logits
 
     def _require(self, part: str):
         if part not in self._target.value:
@@ -219,8 +233,9 @@ class DFlashDraftModel(nn.Module):
                              f"layers {self.config.target_layer_ids} concatenated")
         context = self.hidden_norm(self.fc(target_hidden))
         dtype = noise_embedding.dtype
-        rope_ctx = rope_cos_sin(position_ids[:, :c], self.config.head_dim, self.config.rope_theta, dtype)
-        rope_blk = rope_cos_sin(position_ids[:, c:], self.config.head_dim, self.config.rope_theta, dtype)
+        rope = (self.config.head_dim, self.config.rope_theta, dtype, self.config.rope_scaling)
+        rope_ctx = rope_cos_sin(position_ids[:, :c], *rope)
+        rope_blk = rope_cos_sin(position_ids[:, c:], *rope)
         masks = self._masks(attention_mask, position_ids, c, cache)
         hidden = noise_embedding
         for layer in self.layers:

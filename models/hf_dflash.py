@@ -6,7 +6,9 @@ transformers only, and computes exactly what draftsmith's ``models/drafter.py`` 
 compute (parity tests hold them together).
 
 forward(noise_embedding [b, q, H], target_hidden [b, c, taps*H], position_ids [b, c+q],
-attention_mask=None) -> hidden states at the block positions (apply the target's LM head).
+attention_mask=None) -> hidden states at the block positions (apply the target's LM head, then
+``cap * tanh(logits / cap)`` when config.json sets ``final_logit_softcapping``). RoPE is plain full-head
+RoPE, or YaRN when ``rope_parameters`` is a YaRN block (as published gpt-oss drafters carry).
 With ``attention_mask=None`` the block sees all its context and itself; sliding-window layers
 (``layer_types``) see context keys within ``sliding_window`` positions, and inside the block all
 of it (``dflash_config.sliding_block_attention: bidirectional``) or only earlier slots (``causal``).
@@ -20,16 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 
-def _rope(x, positions, theta):
+def _rope(x, positions, theta, yarn=None):
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    if yarn is None:
+        inv, factor = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)), 1.0
+    else:  # (inverse frequencies, attention factor) of the config's YaRN block, as transformers computes them
+        inv, factor = yarn(x.device)
     f = positions.float()[..., None] * inv
     emb = torch.cat([f, f], -1)[:, None]
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     x1, x2 = x.chunk(2, -1)
-    return x * emb.cos().to(x.dtype) + torch.cat([-x2, x1], -1) * emb.sin().to(x.dtype)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
 
 
 class DFlashAttention(nn.Module):
@@ -37,21 +46,26 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.hd, config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.hd, config.rms_norm_eps)
         self.theta = config.rope_theta if hasattr(config, "rope_theta") else config.rope_parameters["rope_theta"]
+        rope = getattr(config, "rope_parameters", None) or {}
+        # computed at call time, in float32 on the input's device (the model is built on the meta device)
+        self.yarn = (lambda device: ROPE_INIT_FUNCTIONS["yarn"](config, device)) if rope.get("rope_type") == "yarn" \
+            else None
 
     def forward(self, x, ctx, pos, mask):
         b, q, _ = x.shape
         c = ctx.shape[1]
         split = lambda t, n: t.view(b, t.shape[1], n, self.hd).transpose(1, 2)  # noqa: E731
         both = torch.cat([ctx, x], 1)  # injected context keys/values first, then the block
-        qs = _rope(self.q_norm(split(self.q_proj(x), self.nh)), pos[:, c:], self.theta)
-        ks = _rope(self.k_norm(split(self.k_proj(both), self.nkv)), pos, self.theta)
+        qs = _rope(self.q_norm(split(self.q_proj(x), self.nh)), pos[:, c:], self.theta, self.yarn)
+        ks = _rope(self.k_norm(split(self.k_proj(both), self.nkv)), pos, self.theta, self.yarn)
         vs = split(self.v_proj(both), self.nkv)
         rep = self.nh // self.nkv
         out = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1),

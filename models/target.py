@@ -4,7 +4,8 @@ One adapter covers the architectures whose decoder stack is ``embed_tokens -> la
 with an ``lm_head``: Qwen3 (dense, MoE), Llama 3.x and Qwen3.5 / 3.6 (hybrid GatedDeltaNet +
 attention, dense and MoE; the text tower of the multimodal checkpoint), GLM 4.x MoE, Qwen3-Next
 (hybrid, like Qwen3.5), DeepSeek-V3 and Kimi K2 / K2.5 (multi-head latent attention; K2.5's text
-tower). What differs per family is in ``models.target_folder.FAMILY_FACTS``. Taps are forward hooks
+tower), gpt-oss (attention sinks) and Gemma 4 (scaled embedding, soft-capped logits). What differs per
+family is in ``models.target_folder.FAMILY_FACTS``. Taps are forward hooks
 on the chosen layers, so only those layers' outputs are kept; when logits are not needed and no
 cache is being filled, the forward stops right after the deepest tapped layer.
 """
@@ -169,6 +170,10 @@ class TargetModel:
         self.embed_tokens = self.decoder.embed_tokens
         self.lm_head = model.get_output_embeddings()
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
+        self.facts = family_facts(self.family)
+        # Gemma 4: logits = cap * tanh(logits / cap), as the model's own forward computes them (greedy decoding
+        # never sees it, sampling and the target's distributions do).
+        self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None) or None
         warn_if_slow_linear_attention(self.family, self.device)
         # What the weights are ("none", "mlx-4bit-g64", "bnb-4bit", ...): recorded as "trained against".
         self.quantization = "none"
@@ -260,10 +265,15 @@ class TargetModel:
 
     # ----------------------------------------------------------------- compute
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The block embedding the drafter borrows: Gemma's ``embed_tokens`` multiplies by sqrt(hidden) itself."""
         return self.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """The target's logits: the LM head, then the config's soft-capping where it sets one (Gemma 4)."""
+        logits = self.lm_head(hidden)
+        if self.softcap:  # the same three rounded ops as transformers' Gemma forward
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's ``(cos, sin)`` for one row at ``positions`` [T], as its layers take them.
@@ -320,8 +330,8 @@ class TargetModel:
         plain = cache is None and attention_mask is None and position_ids is None
         configs = self._attention_configs
         try:
-            with attention_implementation(configs, CAUSAL_SDPA if plain and mask_free(configs, self.layer_types)
-                                          else None):
+            fast = plain and self.facts.sdpa and mask_free(configs, self.layer_types)  # sinks: never SDPA
+            with attention_implementation(configs, CAUSAL_SDPA if fast else None):
                 out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=cache is not None, **{self._cache_kw: cache})
         except _StopForward:
@@ -336,7 +346,7 @@ class TargetModel:
         logits = None
         if with_logits:
             hidden = out.last_hidden_state
-            logits = self.lm_head(hidden if logits_slice is None else hidden[:, logits_slice]).to(device)
+            logits = self.logits(hidden if logits_slice is None else hidden[:, logits_slice]).to(device)
         return TargetOutput(features=features, logits=logits, cache=cache)
 
     # ------------------------------------------------------------------ load
@@ -422,6 +432,8 @@ class TargetModel:
         head_weight = found.get(wanted["head"])
         head.weight = (embed.weight if head_weight is None
                        else nn.Parameter(head_weight.to(dtype), requires_grad=False))
+        if hasattr(embed, "scalar_embed_scale"):  # Gemma: sqrt(hidden), a non-persistent buffer left on meta
+            embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=embed.weight.device)
         if (directory / "generation_config.json").is_file():  # eos ids, as from_pretrained reads them
             model.generation_config = GenerationConfig.from_pretrained(directory)
         tokenizer = load_tokenizer(directory) if any(directory.glob("tokenizer*")) else None

@@ -36,12 +36,15 @@ class FamilyFacts:
     attention (the cache holds one compressed latent and one rope key per position, not per-head K/V).
     ``static_loop``: "auto" (``--loop auto`` takes the static CUDA-graph loop on a GPU), "asked" (it runs the
     family exactly, checked on the CPU, but ``auto`` stays eager until its graph replay is measured on a GPU), or
-    the one-line reason the static loop refuses it.
+    the one-line reason the static loop refuses it. ``sdpa``: False when the attention has a term SDPA has no
+    argument for (gpt-oss's learned sinks): such a target never runs under SDPA or the project's ``CAUSAL_SDPA``
+    fast path, which would drop it silently.
     """
 
     linear_attention: str | None = None
     latent_attention: bool = False
     static_loop: str = "auto"
+    sdpa: bool = True
 
 
 MLA_STATIC = ("its multi-head latent attention caches one compressed latent and one rope key per position, not the "
@@ -57,6 +60,16 @@ FAMILY_FACTS = {
         "GatedDeltaNet pass (Qwen3.5's in_proj_qkv/z/b/a) does not read")),
     "deepseek_v3": FamilyFacts(latent_attention=True, static_loop=MLA_STATIC),
 }
+# --- gpt-oss and Gemma 4 (issue 46). gpt-oss: alternating sliding / full attention with learned attention sinks,
+# MoE. Gemma 4: the text tower of the multimodal checkpoint (gemma4) or a bare text checkpoint (gemma4_text):
+# 31B dense, 26B-A4B MoE, E2B / E4B with per-layer input embeddings and KV-shared layers.
+SUPPORTED.update({"gpt_oss": "gpt_oss", "gemma4": "gemma4", "gemma4_text": "gemma4"})
+FAMILY_FACTS.update({
+    "gpt_oss": FamilyFacts(sdpa=False, static_loop="its learned attention sinks (the static loop's SDPA would drop "
+                                                   "them) and sliding-window layers"),
+    "gemma4": FamilyFacts(static_loop="its sliding-window layers, global layers with their own head size and "
+                                      "KV-shared layers"),
+})
 
 
 class UnsupportedTarget(ValueError):
@@ -64,7 +77,7 @@ class UnsupportedTarget(ValueError):
 
 
 TARGET_NAMES = ("Qwen3 (dense, MoE), Llama 3.x, Qwen3.5 / 3.6 (hybrid, dense and MoE), GLM 4.x MoE, Qwen3-Next, "
-                "DeepSeek-V3, Kimi K2 / K2.5")
+                "DeepSeek-V3, Kimi K2 / K2.5, gpt-oss, Gemma 4")
 
 
 def check_supported(model_type: str) -> str:

@@ -10,27 +10,33 @@ whatever the list held and puts it back).
 Architectures (same list as the torch adapter, ``models.target_folder.SUPPORTED``): Qwen3 dense / MoE,
 Llama 3.x, Qwen3.5 / 3.6 hybrid (GatedDeltaNet + attention, dense / MoE, the text tower of the
 multimodal checkpoints), GLM 4.x MoE, Qwen3-Next (hybrid), DeepSeek-V3 and Kimi K2 / K2.5 (latent
-attention; mlx_lm's ``kimi_k25`` wraps the text model in ``language_model``). bf16 and mlx-community
-affine-quantized (4 / 8 bit) checkpoints both load through ``mlx_lm.load``; transformers 5 folders whose
-configs mlx_lm does not read yet (only ``rope_parameters``, ``num_local_experts``, ``qwen3_5_text``) are
-adapted by config overrides.
+attention; mlx_lm's ``kimi_k25`` wraps the text model in ``language_model``), gpt-oss and Gemma 4. bf16 and
+mlx-community affine-quantized (4 / 8 bit) checkpoints both load through mlx_lm (``mlx_lm_load``);
+transformers 5 folders whose configs mlx_lm does not read yet (only ``rope_parameters``,
+``num_local_experts``, ``qwen3_5_text``, Gemma 4's ``per_layer_config``) are adapted by config overrides, and
+weights transformers saves in another layout than mlx_lm reads (Kimi K2.5's names, gpt-oss's bf16 experts)
+are converted on load.
+
+What a family does outside the decoder layers is the adapter's, as in torch: Gemma 4 multiplies the
+embedding by sqrt(hidden) in the model's forward (``embed_tokens`` here is that scaled embedding, what the
+drafter's block is embedded with) and soft-caps the logits (``logits``).
 """
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-import re
-
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from models.quantization import describe_mlx
+from models.rope import yarn_inv_freq
 from models.target_folder import SUPPORTED, UnsupportedTarget, check_supported, read_target_config
 
 __all__ = ["TargetModel", "TargetOutput", "Capture", "check_supported", "UnsupportedTarget", "SUPPORTED"]
@@ -90,11 +96,16 @@ class TargetModel:
         self.language_model = model if inner is None else inner
         self.decoder = self.language_model.model
         self.args = self.language_model.args
-        self.embed_tokens = self.decoder.embed_tokens
+        embedding = self.decoder.embed_tokens
         if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.language_model, "lm_head"):
-            self.lm_head = self.embed_tokens.as_linear
+            self.lm_head = embedding.as_linear
         else:
             self.lm_head = self.language_model.lm_head
+        # Gemma 4 scales the embedding inside the model's forward, not in embed_tokens: the drafter borrows
+        # the scaled one, as the torch adapter's embed_tokens is (the LM head stays the raw table).
+        scale = getattr(self.decoder, "embed_scale", None)
+        self.embed_tokens = embedding if scale is None else ScaledEmbedding(embedding, scale)
+        self.softcap: float | None = getattr(self.language_model, "final_logit_softcapping", None) or None
         self.model.eval()
 
     # ------------------------------------------------------------------ facts
@@ -127,8 +138,14 @@ class TargetModel:
 
     @property
     def layer_types(self) -> list[str]:
+        listed = getattr(self.decoder, "layer_types", None)  # gpt-oss keeps them on the decoder
+        if listed:
+            return list(listed)
         types = []
         for layer in self.layers:
+            if getattr(layer, "layer_type", None):  # Gemma 4 names each layer's
+                types.append(layer.layer_type)
+                continue
             if getattr(layer, "is_linear", False):
                 types.append("linear_attention")
             elif getattr(layer, "use_sliding", False):
@@ -167,7 +184,11 @@ class TargetModel:
         return self.embed_tokens(ids)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        return self.lm_head(hidden)
+        """The LM head, then the config's soft-capping where it sets one (Gemma 4), as mlx_lm's forward."""
+        logits = self.lm_head(hidden)
+        if self.softcap:
+            logits = mx.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def new_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -206,7 +227,7 @@ class TargetModel:
         features = mx.concatenate([cap.outputs[i] for i in layer_ids], axis=-1) if layer_ids else None
         logits = None
         if with_logits:
-            logits = self.lm_head(hidden if logits_slice is None else hidden[:, logits_slice])
+            logits = self.logits(hidden if logits_slice is None else hidden[:, logits_slice])
         return TargetOutput(features=features, logits=logits, cache=cache)
 
     # ------------------------------------------------------------------ load
@@ -242,7 +263,10 @@ def mlx_lm_load(directory: Path, config: dict, lazy: bool = False) -> tuple:
     overrides = mlx_lm_overrides(config)
     renames = SAVED_NAMES.get(config.get("model_type"))
     classes = _get_classes if renames is None else _renaming(renames)
+    convert = SAVED_LAYOUTS.get(config.get("model_type"))  # gpt-oss's bf16 experts (issue 46, below)
+    classes = classes if convert is None else _converting(convert)
     model, read = load_model(Path(directory), lazy, model_config=overrides, get_model_classes=classes)
+    fix_after_load(model, config)
     return model, load_tokenizer(Path(directory), eos_token_ids=read.get("eos_token_id", None)), read
 
 
@@ -283,6 +307,9 @@ def mlx_lm_overrides(config: dict) -> dict:
         out.setdefault("mlp_only_layers", config.get("mlp_only_layers") or [])
     if model_type in FLAT_ROPE_MODEL_TYPES:
         out.update(flat_rope_overrides(config))
+    family = FAMILY_OVERRIDES.get(model_type)  # gpt-oss / Gemma 4 (issue 46), below
+    if family is not None:
+        out.update(family(config))
     return out
 
 
@@ -309,3 +336,107 @@ def flat_rope_overrides(config: dict) -> dict:
     if config.get("rope_scaling") is None:
         out["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else dict(rope)
     return out
+
+
+def fix_after_load(model, config: dict) -> None:
+    """What the config says but mlx_lm's model does not do, applied to the loaded model.
+
+    gpt-oss ships YaRN with ``truncate: false`` (the correction range is not rounded to whole dimensions);
+    mlx_lm's ``YarnRoPE`` always rounds it, so its rotary frequencies (and every layer after the first) were
+    off (logits by 1e-2 to 0.1 on tiny targets). The frequencies are set to transformers' unrounded ones.
+    """
+    text = config.get("text_config") or config
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("truncate") is False:
+        for layer in getattr(model, "layers", []):
+            r = getattr(getattr(layer, "self_attn", None), "rope", None)
+            if r is not None and hasattr(r, "_freqs"):
+                inv, _ = yarn_inv_freq(r.dims, float(rope.get("rope_theta", text.get("rope_theta"))), rope)
+                r._freqs = mx.array(1.0 / inv)
+
+
+class ScaledEmbedding:
+    """An embedding whose rows come out multiplied by ``scale`` (Gemma 4: sqrt(hidden), applied in the compute
+    dtype as mlx_lm's forward applies it); everything else (``weight``, ``scales``, ``as_linear``) is the
+    embedding's own."""
+
+    def __init__(self, embedding, scale: float):
+        self.embedding, self.scale = embedding, scale
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.embedding(ids) * self.scale
+
+    def __getattr__(self, name):
+        return getattr(self.embedding, name)
+
+
+# --- gpt-oss and Gemma 4 (issue 46): per-family config overrides and loading --------------------------------
+FLAT_ROPE_MODEL_TYPES += ("gpt_oss",)  # its YaRN block: without rope_scaling mlx_lm runs plain RoPE (logits off by 2.5)
+
+
+def _gemma4_text(text: dict) -> dict:
+    """transformers 5.24 saves Gemma 4's global-layer head size and K/V heads as ``per_layer_config`` (one entry
+    per full layer); mlx_lm reads ``global_head_dim`` / ``num_global_key_value_heads`` (Google's spelling)."""
+    full = [v for k, v in (text.get("per_layer_config") or {}).items()
+            if text["layer_types"][int(k)] == "full_attention"]
+    out = {}
+    if full and "global_head_dim" not in text and "head_dim" in full[0]:
+        out["global_head_dim"] = full[0]["head_dim"]
+    if full and "num_global_key_value_heads" not in text and "num_key_value_heads" in full[0]:
+        out["num_global_key_value_heads"] = full[0]["num_key_value_heads"]
+    return out
+
+
+def _gemma4(config: dict) -> dict:
+    """The multimodal checkpoint: its text tower's keys go inside ``text_config``, and the top-level
+    ``vocab_size`` mlx_lm copies over the text tower's (its default, 262144, would replace the tower's own)."""
+    text = config.get("text_config") or {}
+    out = {"text_config": {**text, **_gemma4_text(text)}}
+    if "vocab_size" not in config and "vocab_size" in text:
+        out["vocab_size"] = text["vocab_size"]
+    return out
+
+
+FAMILY_OVERRIDES = {}  # model_type -> config.json -> the keys mlx_lm needs
+FAMILY_OVERRIDES.update({"gemma4_text": _gemma4_text, "gemma4": _gemma4})
+
+
+def gpt_oss_from_transformers(weights: dict) -> dict:
+    """gpt-oss experts as transformers saves them in bf16 (``experts.gate_up_proj`` [E, H, 2I], gate and up
+    interleaved, ``experts.down_proj`` [E, I, H], and their ``_bias``) -> the split layout mlx_lm's ``sanitize``
+    passes through (``experts.{gate,up,down}_proj.{weight,bias}``, weights [E, out, in]). Other layouts (the
+    original MXFP4 ``*_blocks``, mlx-community folders) are returned as they are."""
+    if not any(k.endswith(".experts.gate_up_proj") for k in weights):
+        return weights
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(".experts.gate_up_proj"):
+            t = v.swapaxes(-1, -2)
+            out[k.replace("gate_up_proj", "gate_proj.weight")] = mx.contiguous(t[:, ::2])
+            out[k.replace("gate_up_proj", "up_proj.weight")] = mx.contiguous(t[:, 1::2])
+        elif k.endswith(".experts.gate_up_proj_bias"):
+            out[k.replace("gate_up_proj_bias", "gate_proj.bias")] = mx.contiguous(v[:, ::2])
+            out[k.replace("gate_up_proj_bias", "up_proj.bias")] = mx.contiguous(v[:, 1::2])
+        elif k.endswith(".experts.down_proj"):
+            out[k + ".weight"] = mx.contiguous(v.swapaxes(-1, -2))
+        elif k.endswith(".experts.down_proj_bias"):
+            out[k.replace("down_proj_bias", "down_proj.bias")] = v
+        else:
+            out[k] = v
+    return out
+
+
+# model_type -> weights as transformers saved them -> the layout mlx_lm's sanitize reads
+SAVED_LAYOUTS = {"gpt_oss": gpt_oss_from_transformers}
+
+
+def _converting(convert):
+    """mlx_lm's model classes lookup, with a model class that converts the weights before its own ``sanitize``."""
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights):
+            return model_class.sanitize(self, convert(weights))
+        return type(model_class.__name__, (model_class,), {"sanitize": sanitize,
+                                                            "__module__": model_class.__module__}), args_class
+    return classes

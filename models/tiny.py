@@ -3,7 +3,8 @@
 Tests and the ``tiny`` recipe use them: no download, seconds to build, and the same code paths
 as the real models (Qwen3 dense / MoE, Llama 3, Qwen3.5 hybrid with GatedDeltaNet layers, and
 the Qwen3.5 multimodal checkpoint whose text tower is the target; GLM 4.x MoE, Qwen3-Next,
-DeepSeek-V3 and the Kimi K2.5 multimodal checkpoint, ``MOE_FAMILY_ARCHS``).
+DeepSeek-V3 and the Kimi K2.5 multimodal checkpoint, ``MOE_FAMILY_ARCHS``; gpt-oss and Gemma 4,
+``FAMILY_ARCHS``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import (AutoConfig, AutoModelForCausalLM, Kimi_K25ForConditionalGeneration, LlamaConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration,
+                          Gemma4TextConfig, GptOssConfig, Kimi_K25ForConditionalGeneration, LlamaConfig,
                           PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeTextConfig,
                           Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
@@ -51,9 +53,107 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
+# --- gpt-oss and Gemma 4 (issue 46): tiny chat templates of their formats (ours, written from the formats'
+# facts) and tiny configs with every layer kind the loops meet.
+#
+# Harmony-like (gpt-oss): a system turn with the current date (``strftime_now``, which draftsmith pins: see
+# ``data.chat.render``) and the reasoning effort; reasoning in the message's ``thinking`` field, rendered as an
+# analysis channel on the last assistant turn only; the last turn ends with <|return|>, earlier ones <|end|>.
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>You are a tiny model.\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "{% if loop.last and message.thinking is defined and message.thinking %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}"
+    "{% if loop.last and not add_generation_prompt %}<|return|>{% else %}<|end|>{% endif %}"
+    "{% else %}"
+    "<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+# Gemma-4-like: <|turn>role ... <turn|> turns, the model's role named "model", thoughts from ``thinking`` in a
+# thought channel (earlier turns' dropped), and an empty thought channel in the prompt when thinking is off.
+GEMMA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}<|turn>model\n"
+    "{% if loop.last and message.thinking is defined and message.thinking %}"
+    "<|channel>thought\n{{ message.thinking }}<channel|>{% endif %}"
+    "{{ message.content }}<turn|>\n"
+    "{% else %}<|turn>{{ message.role }}\n{{ message.content }}<turn|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<|channel>thought\n<channel|>{% endif %}"
+    "{% endif %}"
+)
+# template -> (its control tokens, its own mask token)
+FAMILY_TEMPLATES = {
+    "harmony": (["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"], None),
+    "gemma": (["<|turn>", "<turn|>", "<|channel>", "<channel|>"], "<mask>"),
+}
+TINY_TEMPLATES = ("chatml", "llama3", *FAMILY_TEMPLATES)
+FAMILY_ARCHS = ("gpt_oss", "gemma4_text", "gemma4", "gemma4_e")
+
+
+def default_template(arch: str) -> str:
+    """The tiny chat template an architecture's folder is saved with."""
+    return {"llama": "llama3", "gpt_oss": "harmony"}.get(arch, "gemma" if arch.startswith("gemma4") else "chatml")
+
+
+def family_config(arch: str, vocab_size: int, num_layers: int):
+    """Tiny gpt-oss / Gemma 4 configs: every layer kind of the real models, sliding windows of 8 tokens (real:
+    128, 512 / 1024) so a 20-token prompt crosses them.
+
+    ``gpt_oss``: alternating sliding / full layers, learned attention sinks, MoE in every layer, q/k/v/o biases,
+    YaRN RoPE with ``truncate: false`` (gpt-oss-20b's block). ``gemma4_text``: the 31B layout (sliding : full
+    2 : 1, last layer full; full layers with their own head size and K == V; proportional partial RoPE on full
+    layers; logits soft-capped at 30; tied embeddings scaled by sqrt(hidden)). ``gemma4``: the multimodal
+    checkpoint (a one-layer vision tower) whose text tower is the 26B-A4B layout (a MoE block beside the dense
+    MLP in every layer). ``gemma4_e``: the E2B / E4B layout (per-layer input embeddings, the last two layers
+    reading the K/V of earlier ones, double-wide MLP there).
+    """
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, initializer_range=0.1, bos_token_id=256, eos_token_id=258,
+                  pad_token_id=256)
+    if arch == "gpt_oss":
+        return GptOssConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+                            + ["sliding_attention"] * (num_layers % 2), max_position_embeddings=131072,
+                            tie_word_embeddings=False, rms_norm_eps=1e-5,
+                            rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 4096,
+                                             "rope_theta": 150000.0}, **common)
+    layer_types = ["full_attention" if (i + 1) % 3 == 0 or i == num_layers - 1 else "sliding_attention"
+                   for i in range(num_layers)]
+    text = dict(intermediate_size=128, layer_types=layer_types, sliding_window=8, final_logit_softcapping=30.0,
+                tie_word_embeddings=True, max_position_embeddings=4096, global_head_dim=32,
+                num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                vocab_size_per_layer_input=vocab_size, num_kv_shared_layers=0, **common,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}})
+    if arch == "gemma4_text":
+        return Gemma4TextConfig(**text)
+    if arch == "gemma4_e":
+        return Gemma4TextConfig(**{**text, "attention_k_eq_v": False, "num_global_key_value_heads": None,
+                                   "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2,
+                                   "use_double_wide_mlp": True})
+    moe = Gemma4TextConfig(**text, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+    v = vocab_size
+    return Gemma4Config(text_config=moe.to_dict(), vision_config=vision, audio_config=None, tie_word_embeddings=True,
+                        image_token_id=v - 1, video_token_id=v - 2, boi_token_id=v - 3, eoi_token_id=v - 4,
+                        boa_token_id=v - 5, eoa_token_id=v - 6, eoa_token_index=v - 6, audio_token_id=v - 7)
+
 
 def tiny_tokenizer(template: str = "chatml", reserved: int = 0, mask_token: str | None = None):
-    """A byte-level tokenizer (one token per byte) with ChatML (default) or Llama 3 chat template.
+    """A byte-level tokenizer (one token per byte) with ChatML (default), Llama 3, harmony-like (gpt-oss) or
+    Gemma-4-like chat template (``TINY_TEMPLATES``; the last two add their control tokens after the fixed ones,
+    and the Gemma one its own ``<mask>`` token, as Gemma 4's tokenizer has).
 
     ``reserved``: that many ``<|reserved_special_token_i|>`` specials after the fixed ones (Llama 3
     style; ``reserved=TINY_VOCAB - 265`` leaves no spare embedding row). ``mask_token``: an extra
@@ -65,15 +165,25 @@ def tiny_tokenizer(template: str = "chatml", reserved: int = 0, mask_token: str 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256.. in list order
-    extra = [f"<|reserved_special_token_{i}|>" for i in range(reserved)] + ([mask_token] if mask_token else [])
+    if template in FAMILY_TEMPLATES:
+        controls, family_mask = FAMILY_TEMPLATES[template]
+        mask_token = mask_token or family_mask
+    else:
+        controls = []
+    extra = (controls + [f"<|reserved_special_token_{i}|>" for i in range(reserved)]
+             + ([mask_token] if mask_token else []))
     if extra:
         tok.add_special_tokens(extra)  # ids 265.. after the fixed specials
     if template == "chatml":
         eos, chat_template = "<|im_end|>", CHATML_TEMPLATE
     elif template == "llama3":
         eos, chat_template = "<|eot_id|>", LLAMA3_TEMPLATE
+    elif template == "harmony":
+        eos, chat_template = "<|return|>", HARMONY_TEMPLATE
+    elif template == "gemma":
+        eos, chat_template = "<turn|>", GEMMA_TEMPLATE
     else:
-        raise ValueError(f"unknown tiny template {template!r}: use 'chatml' or 'llama3'")
+        raise ValueError(f"unknown tiny template {template!r}: use one of {', '.join(TINY_TEMPLATES)}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
                                    **({"mask_token": mask_token} if mask_token else {}))
     assert [fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(256, 256 + len(SPECIAL_TOKENS))), \
@@ -113,6 +223,8 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int):
                              image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2)
     if arch in MOE_FAMILY_ARCHS:
         return moe_family_config(arch, common)
+    if arch in FAMILY_ARCHS:  # gpt-oss / Gemma 4
+        return family_config(arch, vocab_size, num_layers)
     raise ValueError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
 
 
@@ -182,7 +294,8 @@ def kimi_checkpoint_layout(directory: Path) -> None:
         index.write_text(json.dumps(data, indent=2))
 
 
-TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", *MOE_FAMILY_ARCHS)
+TINY_ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", *MOE_FAMILY_ARCHS,
+              *FAMILY_ARCHS)
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next")  # GatedDeltaNet + attention layers
 
 
@@ -194,6 +307,8 @@ def tiny_target(arch: str = "qwen3", seed: int = 0, num_layers: int = 8, vocab_s
     if arch in ("qwen3_5_vl", "kimi_k25"):  # multimodal checkpoints: AutoModelForCausalLM builds no vision tower
         cls = Qwen3_5ForConditionalGeneration if arch == "qwen3_5_vl" else Kimi_K25ForConditionalGeneration
         model = cls._from_config(config, dtype=dtype)
+    elif arch == "gemma4":
+        model = Gemma4ForConditionalGeneration._from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
@@ -208,7 +323,7 @@ def save_tiny_target(directory: str | Path, arch: str = "qwen3", seed: int = 0, 
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if arch == "kimi_k25":
         kimi_checkpoint_layout(directory)
-    tok = tiny_tokenizer(template or ("llama3" if arch == "llama" else "chatml"))
+    tok = tiny_tokenizer(template or default_template(arch))
     tok.save_pretrained(directory)
     gen = {"eos_token_id": tok.eos_token_id, "bos_token_id": 256, "do_sample": False}
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2))

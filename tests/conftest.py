@@ -16,13 +16,13 @@ torch.set_num_threads(1)  # tiny models: thread start-up costs more than it save
 def tiny_targets():
     """Tiny targets by architecture, built once per session."""
     from models.target import TargetModel
-    from models.tiny import tiny_target, tiny_tokenizer
+    from models.tiny import default_template, tiny_target, tiny_tokenizer
 
     cache = {}
 
     def get(arch: str):
         if arch not in cache:
-            tok = tiny_tokenizer("llama3" if arch == "llama" else "chatml")
+            tok = tiny_tokenizer(default_template(arch))
             cache[arch] = TargetModel(tiny_target(arch, seed=0), tok)
         return cache[arch]
 

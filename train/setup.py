@@ -365,7 +365,9 @@ def resolve_drafter_config(cfg, target, produced_ids: set[int], mixed_precision:
 WARM_START_TARGET = ("hidden_size", "vocab_size", "num_target_layers")
 WARM_START_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                    "target_layer_ids", "block_size", "mask_token_id", "rope_theta")
-WARM_START_KEPT = ("rms_norm_eps", "layer_types", "sliding_window", "sliding_block_attention")
+# rope_scaling, attention_bias: a published gpt-oss drafter's YaRN block and q/k/v/o biases, its weights' own
+WARM_START_KEPT = ("rms_norm_eps", "layer_types", "sliding_window", "sliding_block_attention", "rope_scaling",
+                   "attention_bias")
 # A DFlash2 run from a DFlash2 folder keeps its conv and selector settings too (no recipe key sets them); from a v1
 # folder only the backbone is taken (not its layer kinds: DFlash2's are sliding), with identity convs and a fresh
 # selector.

@@ -15,11 +15,11 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
 
 from data import tiny_chat
 from data.chat import tokenize_conversation
-from models.tiny import TINY_ARCHS, save_tiny_target, tiny_tokenizer
+from models.tiny import TINY_ARCHS, default_template, save_tiny_target, tiny_tokenizer
 
 FIT_VERSION = 2  # bump when the fitting procedure changes (invalidates cached tiny targets)
 NUM_LAYERS = 6  # of the target tiny:<arch> builds
@@ -36,13 +36,11 @@ def build_tiny_target(directory: str | Path, arch: str = "qwen3", num_layers: in
         return directory
     log(f"building tiny {arch} target in {directory} (fit {fit_steps} steps on tiny chat)")
     save_tiny_target(directory, arch=arch, seed=seed, num_layers=num_layers)
-    from transformers import Kimi_K25ForConditionalGeneration
-
     # Kimi K2.5's multimodal checkpoint (AutoModelForCausalLM refuses it) is fitted whole and saved in its published
     # layout again (models.tiny.kimi_checkpoint_layout)
     cls = Kimi_K25ForConditionalGeneration if arch == "kimi_k25" else AutoModelForCausalLM
     model = cls.from_pretrained(directory, dtype=torch.float32)
-    tok = tiny_tokenizer("llama3" if arch == "llama" else "chatml")
+    tok = tiny_tokenizer(default_template(arch))
     rows = []
     for conv in tiny_chat.build(conversations, seed=seed + 1000):  # other conversations than the training data
         for row in tokenize_conversation(tok, conv["messages"], thinking=False)[0]:

@@ -448,3 +448,57 @@ def test_a_regenerated_answer_ending_with_its_stop_token_keeps_its_ids_on_a_glm_
     assert row.retokenized == 0 and [row.input_ids[a:b] for a, b in loss_spans(row.loss_mask)] == [ids]
     (cut,), _ = tokenize_conversation(tok, [messages[0], {**messages[1], "cut": True}], None)
     assert cut.input_ids[-1] == user and cut.loss_mask[-1] == 0
+
+
+# ------------------------------------------------------------------ gpt-oss (harmony) and Gemma 4 templates
+@pytest.mark.parametrize("template, thought, end", [
+    ("harmony", "<|channel|>analysis<|message|>Pick a common one.<|end|><|start|>assistant<|channel|>final<|message|>",
+     "<|return|>"),
+    ("gemma", "<|channel>thought\nPick a common one.<channel|>", "<turn|>"),
+])
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking"])
+def test_reasoning_reaches_templates_that_read_thinking_and_is_labelled(template, thought, end, field):
+    """gpt-oss's harmony and Gemma 4 read a message's reasoning from ``thinking``; data carries it as
+    ``reasoning_content`` (servers) or ``thinking``: either way the analysis / thought channel is rendered and
+    labelled with the final answer, and the end-of-turn token after it."""
+    tok = tiny_tokenizer(template)
+    messages = [{k if k != "reasoning_content" else field: v for k, v in m.items()} for m in SINGLE]
+    (row,), dropped = tokenize_conversation(tok, messages, thinking=True)
+    assert dropped == 0
+    labelled = tok.decode([i for i, m in zip(row.input_ids, row.loss_mask) if m])
+    assert labelled == thought + "Blue, like the sky." + end
+    (plain,), _ = tokenize_conversation(tok, messages, thinking=False)  # thinking off drops it, whichever field
+    channel = "<|channel|>final<|message|>" if template == "harmony" else ""  # the model writes the channel itself
+    assert tok.decode([i for i, m in zip(plain.input_ids, plain.loss_mask) if m]) == \
+        channel + "Blue, like the sky." + end
+
+
+def test_a_template_that_reads_reasoning_content_gets_a_thinking_field_there():
+    from data.chat import reasoning_field, render
+
+    assert [reasoning_field(tiny_tokenizer(t)) for t in ("chatml", "harmony", "gemma", "llama3")] == [
+        "reasoning_content", "thinking", "thinking", "reasoning_content"]
+    tok = tiny_tokenizer("chatml")
+    text = render(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "t"}])
+    assert "<think>\nt\n</think>" in text
+
+
+def test_the_harmony_date_and_reasoning_effort_are_pinned_and_the_clock_restored(monkeypatch):
+    """gpt-oss's template writes today's date into every prompt (strftime_now): renders, prepared data and served
+    prompts changed from day to day. draftsmith renders with CHAT_DATE and reasoning effort medium, and leaves
+    transformers' clock as it found it."""
+    import datetime
+
+    from transformers.utils import chat_template_utils
+
+    from data import chat
+
+    tok = tiny_tokenizer("harmony")
+    clock = chat_template_utils.datetime
+    first = chat.render(tok, SINGLE[:2], add_generation_prompt=True)
+    assert "Current date: 2025-08-05\n" in first and "Reasoning: medium<|end|>" in first
+    assert chat_template_utils.datetime is clock  # restored
+    monkeypatch.setattr(chat, "CHAT_DATE", datetime.datetime(2031, 1, 2))
+    assert "Current date: 2031-01-02\n" in chat.render(tok, SINGLE[:2], add_generation_prompt=True)
+    direct = tok.apply_chat_template(SINGLE[:2], tokenize=False, add_generation_prompt=True)
+    assert f"Current date: {datetime.datetime.now():%Y-%m-%d}" in direct  # transformers' own call: today

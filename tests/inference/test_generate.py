@@ -582,3 +582,113 @@ def test_no_speed_is_printed_for_a_run_that_decoded_no_token(folders, monkeypatc
     target, draft = folders
     main(["--backend", "torch", "--target", target, "--draft", draft, "--prompt-ids", "257,72"])
     assert "1 tokens | tau 0.00 | decode - tok/s" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ gpt-oss and Gemma 4 (issue 46)
+def published_drafter(folder, target, family: str):
+    """A drafter folder shaped like z-lab's published one for the family (its config keys, tiny sizes): gpt-oss's
+    carries the target's YaRN block (``rope_scaling`` beside ``rope_theta``), q/k/v/o biases (``attention_bias``),
+    ``model_type: gpt_oss`` and block 8; Gemma 4's has 4 sliding
+    layers + 1 full (no is_causal: causal inside the block, z-lab's convention), ``block_size`` at the top only,
+    the tokenizer's own ``<mask>`` and logits soft-capped at 30. Weights: a seeded drafter of that shape."""
+    from safetensors.torch import save_file
+
+    from models.config import DFlashConfig
+    from models.mask_token import resolve_mask_token
+
+    mask = resolve_mask_token(target.vocab_size, target.tokenizer).id
+    common = {"architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+              "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "head_dim": 16,
+              "hidden_act": "silu", "hidden_size": target.hidden_size, "initializer_range": 0.02,
+              "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+              "num_target_layers": target.num_layers, "tie_word_embeddings": False, "torch_dtype": "float32",
+              "transformers_version": "4.57.1", "use_cache": True, "vocab_size": target.vocab_size}
+    if family == "gpt_oss":  # model_type, biases, eps and dtype key as gpt-oss-20b-DFlash's config has them
+        config = {**common, "model_type": "gpt_oss", "attention_bias": True, "block_size": 8, "num_hidden_layers": 2,
+                  "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+                  "rope_theta": 150000, "dtype": "float32", "bos_token_id": 256, "eos_token_id": 258,
+                  "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                   "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+                  "dflash_config": {"mask_token_id": mask, "target_layer_ids": [1, 3, 5]}}
+        del config["torch_dtype"]
+    else:
+        config = {**common, "block_size": 8, "num_hidden_layers": 5, "final_logit_softcapping": 30.0,
+                  "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 6,
+                  "max_position_embeddings": 4096, "rope_theta": 1000000.0,
+                  "dflash_config": {"mask_token_id": mask, "target_layer_ids": [1, 2, 3, 4, 5, 6]}}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    torch.manual_seed(5)
+    state = DFlashDraftModel(DFlashConfig.load(folder)).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family in ("gpt_oss", "gemma4"):
+        target_dir = save_tiny_target(root / family, family)
+        out[family] = (str(target_dir), str(published_drafter(root / f"{family}-DFlash",
+                                                                TargetModel.from_pretrained(target_dir), family)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_a_drafter_shaped_like_z_labs_published_one_runs_in_generate(family_folders, family, capsys):
+    """gpt-oss-20b-DFlash's and gemma-4-31B-it-DFlash's config layouts load as published: the YaRN block and the
+    logit cap are read (not dropped) and applied by both drafters, the sliding layers causal inside the block;
+    greedy output is the target's own on both backends (the loop decides, whatever the drafter drafts), with the
+    same acceptance on both."""
+    from models.config import DFlashConfig
+
+    target, draft = family_folders[family]
+    cfg = DFlashConfig.load(draft)
+    if family == "gpt_oss":
+        assert cfg.block_size == 8 and cfg.rope_theta == 150000 and cfg.rope_scaling["truncate"] is False
+        assert cfg.attention_bias and cfg.rms_norm_eps == 1e-5
+    else:
+        assert cfg.final_logit_softcapping == 30.0 and cfg.sliding_block_attention == "causal"
+        assert cfg.layer_types.count("sliding_attention") == 4 and cfg.rope_scaling is None
+    args = ["--target", target, "--draft", draft, "--prompt-ids", "257,85,82,68,81,198,72,68,75,75,78,258,198,257",
+            "--max-new-tokens", "24", "--json"]
+    torch_report = main(["--backend", "torch", *args, "--baseline"])
+    assert torch_report["matches_baseline"] is True and len(torch_report["tokens"]) == 24
+    pytest.importorskip("mlx_lm")
+    mlx_report = main(["--backend", "mlx", *args])
+    capsys.readouterr()
+    assert mlx_report["tokens"] == torch_report["tokens"]
+    assert mlx_report["acceptance_lengths"] == torch_report["acceptance_lengths"]
+
+
+def test_a_drafter_rope_engines_do_not_apply_the_same_way_is_refused_by_name(family_folders):
+    """A rope block other than plain or YaRN (a target's llama3 or mrope block copied into the drafter) is one line
+    naming the key, never silently run as plain RoPE."""
+    from models.config import ConfigError, DFlashConfig
+
+    draft = family_folders["gpt_oss"][1]
+    with open(f"{draft}/config.json") as f:
+        config = json.load(f)
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    with pytest.raises(ConfigError, match="rope_parameters.rope_type='llama3'.*plain full-head RoPE or the YaRN"):
+        DFlashConfig.from_dict(config)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0}
+    with pytest.raises(ConfigError, match="needs original_max_position_embeddings"):
+        DFlashConfig.from_dict(config)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_a_published_layout_drafter_exports_with_its_rope_biases_and_cap(family_folders, family, tmp_path):
+    """Warm-started from a published drafter, an export keeps what its weights were trained with (YaRN, biases,
+    the cap) and the shipped modeling file computes the same (the export gate reloads it with AutoModel)."""
+    from export.hf import export_hf
+
+    target, draft = family_folders[family]
+    summary = export_hf(draft, tmp_path / "hf", dtype="fp32", target=target, log=lambda *_: None)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if family == "gpt_oss":
+        assert written["rope_parameters"]["rope_type"] == "yarn" and written["attention_bias"] is True
+    else:
+        assert written["final_logit_softcapping"] == 30.0 and "is_causal" not in written
+    assert summary["parity"]["transformers"]["max_abs"] < 1e-5

@@ -25,6 +25,8 @@ from models.tiny import MOE_FAMILY_ARCHS  # noqa: E402
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "qwen3_5"]
+# gpt-oss, Gemma 4 31B-like, the multimodal 26B-A4B-like, E-model: transformers folders read by draftsmith's loader
+FAMILIES = ["gpt_oss", "gemma4_text", "gemma4", "gemma4_e"]
 PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
 NEW, B = 64, 8
 MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 30, 31, 33, 47, 50, 58)}
@@ -58,7 +60,8 @@ def folders(tmp_path_factory):
     made: dict[str, tuple] = {}
     source = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_vl", "qwen3_q4": "qwen3",
               "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe",
-              **{arch: arch for arch in MOE_FAMILY_ARCHS}}
+              **{arch: arch for arch in MOE_FAMILY_ARCHS}, **{f: f for f in FAMILIES}, "gpt_oss_q4": "gpt_oss",
+              "gemma4_q4": "gemma4"}
 
     def get(name: str):
         if name not in made:
@@ -67,9 +70,15 @@ def folders(tmp_path_factory):
                 save_tiny_target(hf, source[name])
                 if name == "qwen3_5_moe":
                     fuse_experts(hf)
-            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS):  # mlx_lm.convert cannot
-                # read these configs (transformers 5's rope_parameters): TargetModel loads them with its overrides
+            if name in ("qwen3_5_text", "qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS, *FAMILIES):  # mlx_lm.convert
+                # cannot read these configs (transformers 5's rope_parameters, Gemma 4's per_layer_config, gpt-oss's
+                # bf16 experts): TargetModel loads them with its overrides
                 made[name] = (hf, hf)
+            elif name in ("gpt_oss_q4", "gemma4_q4"):  # quantized as mlx_lm.convert -q, with draftsmith's loader
+                from models.quantize import quantize_to_mlx
+
+                made[name] = (hf, quantize_to_mlx(hf, root / f"mlx_{name}", bits=4, group_size=32, dtype="float32",
+                                                  log=lambda *_: None))
             else:
                 out = root / f"mlx_{name}"
                 quant = dict(quantize=True, q_bits=4, q_group_size=32) if name.endswith("_q4") else {}
@@ -124,7 +133,7 @@ def mlx_drafter(torch_drafter: TorchDrafter, tmp_path) -> DFlashDraftModel:
 
 
 # ------------------------------------------------------------------------------- losslessness
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS])
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS, "gpt_oss", "gemma4"])
 def test_random_drafter_is_lossless(runs, arch, tmp_path):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(mlx_drafter(drafter, tmp_path), target), PROMPT, NEW,
@@ -162,7 +171,8 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
-@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS))
+@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS) + ["gpt_oss", "gemma4", "gemma4_e", "gpt_oss_q4",
+                                                                "gemma4_q4"])
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
     proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
@@ -213,7 +223,7 @@ def test_quantized_4bit_target_is_lossless(runs, tmp_path):
 
 # ---------------------------------------------------------------------------- capture and scoping
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe",
-                                  *MOE_FAMILY_ARCHS])
+                                  *MOE_FAMILY_ARCHS, *FAMILIES])
 def test_captured_features_are_the_torch_hidden_states(folders, arch):
     """MLX features and logits equal the torch target's (GLM's partial rotary, Qwen3-Next's GatedDeltaNet,
     DeepSeek-V3 / Kimi's YaRN latent attention once mlx_lm is given the rope keys transformers 5 folds into
@@ -380,7 +390,7 @@ def test_mlx_proposer_drafts_what_the_torch_proposer_drafts(folders, runs, tmp_p
     assert differing  # the drafts depend on the positions: not one token repeated
 
 
-@pytest.mark.parametrize("arch,new", [("qwen3", NEW), ("qwen3_5", 24)])
+@pytest.mark.parametrize("arch,new", [("qwen3", NEW), ("qwen3_5", 24), ("gpt_oss", 24), ("gemma4", 24)])
 def test_mlx_loop_equals_torch_loop(folders, runs, arch, new, tmp_path):
     from inference import torch_loop
     from models.target import TargetModel as TorchTarget
@@ -1011,3 +1021,79 @@ def test_mlx_sessions_load_the_published_dflash2_layout(tmp_path):
     assert isinstance(session.proposer.drafter, DFlash2DraftModel)
     result, base = session.run(PROMPT, baseline=True, max_new_tokens=16, eos_token_ids=[])
     assert result.tokens == base.tokens and len(result.tokens) == 16
+
+
+# ------------------------------------------------------------------------- gpt-oss and Gemma 4 (issue 46)
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
+def test_gemma_embedding_scale_and_soft_capped_logits_match_torch(folders, arch):
+    """mlx_lm scales Gemma's embedding in the model's forward, not in embed_tokens: the adapter's embed_tokens
+    (what the drafter's block is embedded with) is the scaled one, as in torch; logits are soft-capped in both,
+    and the LM head stays the raw (tied) table."""
+    from models.target import TargetModel as TorchTarget
+
+    hf = folders(arch)[0]
+    target, ref = TargetModel.from_pretrained(hf), TorchTarget.from_pretrained(hf, dtype=torch.float32)
+    ids = PROMPT[:12]
+    assert_close(np.array(target.embed_tokens(mx.array([ids]))), ref.embed(torch.tensor([ids])), 1e-6,
+                 f"{arch} block embedding, MLX vs torch")
+    h = np.random.default_rng(0).standard_normal((1, 3, target.hidden_size)).astype(np.float32) * 4
+    assert_close(np.array(target.logits(mx.array(h))), ref.logits(torch.from_numpy(h)), 1e-4, "soft-capped logits")
+    raw = np.array(target.lm_head(mx.array(h)))
+    assert target.softcap == 30.0 and np.abs(raw - np.array(target.logits(mx.array(h)))).max() > 1e-2
+    assert target.layer_types == ref.layer_types and target.vocab_size == ref.vocab_size == 288
+
+
+def test_gpt_oss_yarn_is_transformers_unrounded_one(folders, monkeypatch):
+    """gpt-oss ships YaRN with truncate: false; mlx_lm's rope rounds the correction range whatever the config
+    says, which moved the tiny target's logits by ~1e-2 (0.12 on another seed; every layer after the first): the
+    loader sets the unrounded frequencies, and MLX then matches torch to float32 rounding (~7e-6)."""
+    import models.target_mlx
+    from models.target import TargetModel as TorchTarget
+
+    hf = folders("gpt_oss")[0]
+    ids = PROMPT[:12]
+    ref = TorchTarget.from_pretrained(hf, dtype=torch.float32).forward(torch.tensor([ids]), [1]).logits
+    fixed = TargetModel.from_pretrained(hf).forward(mx.array([ids]), [1], cache=None).logits
+    assert_close(np.array(fixed), ref, 1e-4, "gpt-oss logits, MLX vs torch")
+    monkeypatch.setattr(models.target_mlx, "fix_after_load", lambda model, config: None)
+    rounded = TargetModel.from_pretrained(hf).forward(mx.array([ids]), [1], cache=None).logits
+    assert np.abs(np.array(rounded) - ref.numpy()).max() > 1e-3
+
+
+def test_gpt_oss_experts_load_from_transformers_layout_and_from_mlx_lms(folders, tmp_path):
+    """transformers saves gpt-oss's experts in bf16 as one [E, H, 2I] gate/up tensor (interleaved) and [E, I, H]
+    down, which mlx_lm's sanitize does not read; the loader converts them, and a folder written by mlx_lm (split
+    experts) loads as it is, to the same model."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import save_model
+
+    from models.target_mlx import gpt_oss_from_transformers
+
+    hf = folders("gpt_oss")[0]
+    a = TargetModel.from_pretrained(hf)
+    saved = mx.load(str(hf / "model.safetensors"))
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 128)
+    assert gpt_oss_from_transformers({"x": saved["model.norm.weight"]}).keys() == {"x"}  # other layouts pass
+    save_model(tmp_path, a.model)
+    for f in hf.glob("*.json"):
+        (tmp_path / f.name).write_text(f.read_text())
+    b = TargetModel.from_pretrained(tmp_path)
+    assert "model.layers.0.mlp.experts.gate_proj.weight" in mx.load(str(next(tmp_path.glob("model*.safetensors"))))
+    pa, pb = dict(tree_flatten(a.model.parameters())), dict(tree_flatten(b.model.parameters()))
+    assert pa.keys() == pb.keys() and all(np.array_equal(np.array(pa[k]), np.array(pb[k])) for k in pa)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss_q4", "gemma4_q4"])
+def test_quantized_new_families_read_back_in_torch(folders, arch):
+    """mlx_lm quantizes both families (4-bit, group 32); torch reads the folder back (gpt-oss's split experts
+    re-interleaved and transposed, Gemma's switch_glu experts re-fused) to what MLX runs."""
+    from models.target import TargetModel as TorchTarget
+
+    q = folders(arch)[1]
+    target, ref = TargetModel.from_pretrained(q), TorchTarget.from_pretrained(q, dtype=torch.float32)
+    assert target.quantization == ref.quantization == "mlx-4bit-g32"
+    ids = PROMPT[:12]
+    out = target.forward(mx.array([ids]), [1, 3], cache=target.new_cache())
+    theirs = ref.forward(torch.tensor([ids]), [1, 3])
+    assert_close(np.array(out.features), theirs.features, 1e-4, f"{arch} features, MLX vs torch")
+    assert_close(np.array(out.logits), theirs.logits, 1e-4, f"{arch} logits, MLX vs torch")

@@ -12,6 +12,8 @@ from models.tiny import MOE_FAMILY_ARCHS
 from tests.helpers import ReferenceProposer, assert_close, expected_acceptance, tiny_drafter_config
 
 ARCHS = ["qwen3", "llama", "qwen3_5"]
+# gpt-oss (sliding windows of 8 with sinks), Gemma 4 31B-like, the multimodal 26B-A4B-like, E-model (KV sharing)
+FAMILIES = ["gpt_oss", "gemma4_text", "gemma4", "gemma4_e"]
 PROMPT = [257, 85, 82, 68, 81, 198, 72, 68, 75, 75, 78, 258, 198, 257, 64, 82, 82, 72, 82, 83]
 NEW, B = 64, 8
 MISTAKES = {len(PROMPT) + k for k in (3, 4, 12, 30, 31, 33, 47, 50, 58)}
@@ -35,7 +37,8 @@ def runs(tiny_targets):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS])
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_moe", "qwen3_5_moe", *MOE_FAMILY_ARCHS, "gpt_oss", "gemma4",
+                                  "gemma4_e"])
 def test_random_drafter_is_lossless(runs, arch):
     target, seq, drafter = runs(arch)
     res = dflash_generate(target, DrafterProposer(drafter, target), PROMPT, NEW, eos_token_ids=[])
@@ -103,7 +106,7 @@ def test_a_cycle_cut_by_eos_counts_only_what_it_emitted(runs):
     assert base.tokens == gen[:cut] and sum(base.acceptance_lengths) == cut - 1 == len(base.acceptance_lengths) - 1
 
 
-@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS))
+@pytest.mark.parametrize("arch", ARCHS + list(MOE_FAMILY_ARCHS) + FAMILIES)
 def test_planted_mistakes_give_exact_acceptance_lengths(runs, arch):
     target, seq, drafter = runs(arch)
     proposer = ReferenceProposer(seq, drafter.config.target_layer_ids, B, 288, MISTAKES)
@@ -506,3 +509,40 @@ def test_latent_attention_cache_crops_to_what_the_committed_tokens_give(tiny_tar
     step = [[21]]
     assert_close(target.forward(torch.tensor(step), cache=rolled).logits,
                  target.forward(torch.tensor(step), cache=ref).logits, 1e-5, "next-token logits")
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma4", "gemma4_e"])
+def test_the_new_families_decode_as_full_forwards_without_a_cache(runs, arch):
+    """The loop's tokens equal greedy decoding by full forwards without any cache (an independent reference):
+    the sliding windows of 8 are crossed (prompt 20 + 36 tokens; the loop tests above roll partial blocks back
+    through them over 64), and the sinks, the KV-shared layers and the soft-capped logits are the model's own."""
+    target, seq, drafter = runs(arch)
+    ref = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(36):
+            ref.append(int(target.model(torch.tensor([ref])).logits[0, -1].argmax()))
+    assert ref == seq[:len(PROMPT) + 36]
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma4"])
+def test_the_static_loop_refuses_the_new_families_and_auto_runs_them_eager(runs, monkeypatch, arch):
+    """gpt-oss (sinks, which the static loop's SDPA would drop) and Gemma 4 are refused in one line by the static
+    loop; --loop auto picks the eager loop for them, also on a GPU."""
+    import types
+
+    from inference.session import choose_loop
+    from inference.static_loop import StaticTarget
+    from inference.static_target import StaticLoopUnsupported, check_static_target
+
+    target, _, drafter = runs(arch)
+    word = "attention sinks" if arch == "gpt_oss" else "sliding-window layers"
+    refused = f"cannot run {target.model_type}: .*{word}.*--loop eager"
+    with pytest.raises(StaticLoopUnsupported, match=refused):
+        check_static_target(target)
+    with pytest.raises(StaticLoopUnsupported, match="cannot run"):
+        StaticTarget(target, [1, 3], max_len=64, block_size=B)
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"), is_hybrid=False, layer_types=target.layer_types,
+                                   model_type=target.model_type, model=target.model, family=target.family)
+    assert choose_loop("auto", on_gpu, drafter) == "eager"
+    with pytest.raises(StaticLoopUnsupported, match="cannot run"):
+        choose_loop("static", on_gpu, drafter)

@@ -1000,3 +1000,35 @@ def test_an_mlx_target_made_from_another_model_is_refused_and_the_copy_is_record
     assert "--target mlx-community/Qwen3-8B-4bit --draft me/d" in card
     assert "It was trained against `mlx-community/Qwen3-8B-4bit`, a quantized copy of the target" in card
     assert "vllm serve Qwen/Qwen3-8B" in card
+
+
+@pytest.mark.parametrize("edit, problem", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_parameters.rope_type='llama3': rope type 'llama3': a drafter runs plain RoPE or YaRN"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0}},
+     "a YaRN rope block needs original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}},
+     "says another RoPE than rope_parameters (default)"),
+    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping=-30.0: must be a positive number"),
+])
+def test_a_drafter_rope_block_other_than_plain_or_yarn_or_a_negative_cap_is_refused(edit, problem):
+    """A target's rope block copied into a drafter config: plain RoPE and YaRN (published gpt-oss drafters) run,
+    anything else is named, never run as plain RoPE; a logit cap must be positive."""
+    from models.config import ConfigError, DFlashConfig
+
+    d = json.loads((Path(__file__).parents[1] / "fixtures" / "config_flat.json").read_text())
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        DFlashConfig.from_dict({**d, **edit})
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified"])
+def test_a_relative_of_a_supported_family_is_refused_by_its_model_type(tmp_path, model_type):
+    """Google's own Gemma 4 MTP drafters ("assistant") and the encoder-free 12B are other architectures: named as
+    not supported, before any weight loads, with the families that are."""
+    from models.target import TargetModel, UnsupportedTarget
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(UnsupportedTarget, match=f"not supported yet: {model_type}\\. .*gpt-oss, Gemma 4 .*gemma4, "
+                                                "gemma4_text, .*gpt_oss"):
+        TargetModel.from_pretrained(tmp_path)

@@ -517,3 +517,82 @@ def test_the_loops_pass_their_caches_without_a_deprecation_warning(arch, recwarn
     static_dflash_generate(st, proposer, prompt, 8, eos_token_ids=[], block_size=4)
     deprecations = [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)]
     assert not deprecations, deprecations
+
+
+# ------------------------------------------------------------------ gpt-oss and Gemma 4 (issue 46)
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
+def test_gemma_logits_are_soft_capped_and_the_block_embedding_scaled(tiny_targets, arch):
+    """Gemma 4's logits are cap * tanh(logits / cap) (greedy decoding cannot tell: argmax is the same) and its
+    embedding is the table times sqrt(hidden), as the model's own forward computes them."""
+    target = tiny_targets(arch)
+    ids = torch.tensor([[3, 70, 81, 90, 257, 12, 40]])
+    with torch.no_grad():
+        ref = target.model(ids, output_hidden_states=True)
+        raw = target.lm_head(ref.hidden_states[-1])
+    assert target.softcap == 30.0
+    assert_close(target.forward(ids, [1]).logits, ref.logits, atol=0, what="soft-capped logits")
+    assert_close(target.logits(ref.hidden_states[-1]), ref.logits, atol=0, what="TargetModel.logits")
+    assert_close(ref.logits, 30.0 * torch.tanh(raw / 30.0), atol=1e-5, what="the cap")
+    assert (raw - ref.logits).abs().max() > 1e-3  # the tiny logits are large enough for the cap to show
+    scaled = target.embed_tokens.weight[ids] * target.hidden_size ** 0.5
+    assert_close(target.embed(ids), scaled, atol=1e-6, what="embedding x sqrt(hidden)")
+    assert_close(target.embed(ids), ref.hidden_states[0], atol=0, what="the decoder's input")
+
+
+def test_logits_without_a_cap_in_the_config_are_the_lm_heads(tiny_targets):
+    target = tiny_targets("gpt_oss")
+    h = torch.randn(1, 3, target.hidden_size)
+    assert target.softcap is None and torch.equal(target.logits(h), target.lm_head(h))
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4_text", "gpt_oss"])
+def test_borrowed_parts_of_the_new_families_embed_as_the_whole_target(tmp_path, arch):
+    """Offline training borrows the embedding and LM head only: Gemma's sqrt(hidden) scale (a buffer that is not
+    in the checkpoint, left on the meta device) is there too, and the multimodal checkpoint's text-tower names
+    are read."""
+    save_tiny_target(tmp_path, arch)
+    whole = TargetModel.from_pretrained(tmp_path)
+    part = TargetModel.borrowed_parts(tmp_path, dtype=torch.float32)
+    ids = torch.tensor([[3, 70, 81, 269, 257]])
+    assert_close(part.embed(ids), whole.embed(ids), atol=0, what=f"{arch} borrowed embedding")
+    assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
+    h = torch.randn(1, 2, whole.hidden_size)
+    assert_close(part.logits(h), whole.logits(h), atol=0, what=f"{arch} borrowed logits")
+    assert (part.family, part.layer_types, part.softcap) == (whole.family, whole.layer_types, whole.softcap)
+
+
+def test_gpt_oss_never_runs_under_sdpa(tiny_targets, monkeypatch):
+    """SDPA has no argument for gpt-oss's learned attention sinks and would drop them silently: the plain
+    (unpadded, uncached) forward's CAUSAL_SDPA fast path is never taken for it, even where every layer is full
+    attention and the config says sdpa; a family without sinks takes it there."""
+    import models.target as mt
+
+    asked = []
+    real = mt.attention_implementation
+    monkeypatch.setattr(mt, "attention_implementation", lambda configs, name: asked.append(name) or real(configs, name))
+    ids = torch.tensor([[3, 70, 81, 90]])
+    for arch in ("gpt_oss", "qwen3"):
+        target = tiny_targets(arch)
+        monkeypatch.setattr(target, "layer_types", ["full_attention"] * target.num_layers)
+        for c in target._attention_configs:
+            monkeypatch.setattr(c, "_attn_implementation", "sdpa")
+        target.forward(ids, [1], with_logits=False)
+    assert asked == [None, mt.CAUSAL_SDPA]
+    assert not mt.family_facts("gpt_oss").sdpa and mt.family_facts("gemma4").sdpa
+
+
+def test_gemma_kv_shared_layers_hold_no_cache_and_the_rollback_check_skips_them(tiny_targets):
+    """Gemma 4 E-models' last layers read the K/V of an earlier layer of their kind: their cache layers hold
+    nothing, the per-cycle check skips them, and their store layers hold every committed position."""
+    from transformers.cache_utils import DummyLayer
+
+    from inference.rollback_torch import CacheRollback
+
+    target = tiny_targets("gemma4_e")
+    cache = target.new_cache()
+    target.forward(torch.tensor([list(range(60, 80))]), cache=cache, with_logits=False)
+    shared = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DummyLayer)]
+    assert shared == [6, 7]
+    CacheRollback(target).check(cache, 20)
+    with pytest.raises(AssertionError, match="layer 0 holds 20 positions, committed length is 19"):
+        CacheRollback(target).check(cache, 19)

@@ -378,3 +378,63 @@ def test_wandb_missing_falls_back_to_console_and_jsonl(tiny, tmp_path, monkeypat
     lines = out.splitlines()
     assert [x.split("  epoch")[0] for x in lines if x.startswith("step ")] == ["step  1/2", "step  2/2"]
     assert any(x.startswith("eval  2/2  held-out loss") for x in lines)
+
+
+# ------------------------------------------------------------------ gpt-oss and Gemma 4 (issue 46)
+@pytest.fixture(scope="module")
+def family_inputs(tmp_path_factory):
+    """Per family: its tiny target folder (harmony-like / Gemma-like chat template) and tiny chat prepared with it
+    (as written, no regeneration: the pipeline, not the drafter's quality, is under test)."""
+    from data.prepare import prepare
+    from data.tiny_chat import write
+    from models.tiny import save_tiny_target
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            root = tmp_path_factory.mktemp(family)
+            target = save_tiny_target(root / "target", family)
+            source = write(root / "tiny_chat.jsonl", n=24, seed=0)
+            prepare(str(target), str(source), root / "data", thinking=False, max_length=256, progress=False)
+            built[family] = (target, root / "data")
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_the_new_families_run_the_whole_pipeline(family_inputs, family, tmp_path, capsys):
+    """extract -> train on the offline store, online, and online against the 4-bit MLX target -> export (HF and
+    MLX) -> generate on both backends, lossless: gpt-oss (sinks, sliding windows, YaRN, harmony-like template) and
+    the Gemma 4 multimodal checkpoint (scaled embedding in both backends, soft-capped logits, text tower)."""
+    from data.extract import main as extract_main
+    from export.hf import export_hf
+    from export.mlx import export_mlx
+    from inference.generate import main as generate
+    from models.config import default_layer_ids
+
+    target, data = family_inputs(family)
+    ids = default_layer_ids(8, 3)
+    store = tmp_path / "feats"
+    extract_main(["--target", str(target), "--data", str(data), "--out", str(store), "--layers", *map(str, ids),
+                  "--target-dtype", "float32", "--device", "cpu", "--no-progress"])
+    args = [f"target.path={target}", f"data.prepared={data}", *FAST, *STEPS, "train.max_steps=2", "train.anchors=8",
+            "train.batch_size=2", "eval.batches=1", "data.eval_rows=4"]
+    run(tmp_path / "offline", *args, "features.mode=offline", f"features.store={store}")
+    run(tmp_path / "online", *args)
+    run(tmp_path / "q4", *args, "target.quantization=mlx-4bit-g32")
+    on, off, q4 = (losses(tmp_path / name) for name in ("online", "offline", "q4"))
+    assert_close(off[1], on[1], atol=1e-3, what=f"{family}: first loss, offline bf16 store vs online fp32")
+    assert abs(q4[1] - on[1]) > 1e-6 and abs(q4[1] - on[1]) < 0.5  # another target (4-bit), the same objective
+    assert "mlx-4bit-g32" in capsys.readouterr().out
+    quiet = lambda *_: None  # noqa: E731
+    export_hf(tmp_path / "online" / "final" / "drafter", tmp_path / "hf", dtype="fp32", log=quiet)
+    export_mlx(tmp_path / "online" / "final" / "drafter", tmp_path / "mlx", dtype="fp32", log=quiet)
+    prompt = ["--prompt", "What is 2 plus 3?", "--chat", "--max-new-tokens", "16", "--json"]
+    torch_report = generate(["--backend", "torch", "--target", str(target), "--draft", str(tmp_path / "hf"),
+                             *prompt, "--baseline"])
+    mlx_report = generate(["--backend", "mlx", "--target", str(target), "--draft", str(tmp_path / "mlx"), *prompt])
+    capsys.readouterr()
+    assert torch_report["matches_baseline"] is True and torch_report["tokens"]
+    assert mlx_report["tokens"] == torch_report["tokens"]

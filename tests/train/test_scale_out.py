@@ -400,6 +400,36 @@ def test_offline_features_plan_the_embedding_and_head_alone(monkeypatch):
     assert not tiny_gpus["fits"] and "eval.true_tau_prompts" not in tiny_gpus["warning"]
 
 
+def test_dry_run_plans_gpt_oss_20b_on_one_gpu_and_gemma_4_31b_spread_over_a_node(monkeypatch, capsys):
+    """The shipped gpt-oss-20b and gemma-4-31b recipes plan the published drafters' shapes (gpt-oss: 8 layers,
+    block 8, mask 200000, taps [1, 6, 11, 16, 21], ~0.78B parameters as z-lab's 1.46 GiB; Gemma: 5 layers of
+    64 x 128 heads, 6 taps, ~1.5B as z-lab's 2.86 GiB). gpt-oss-20b (bf16, its MXFP4 experts dequantized) fits one
+    80 GB GPU per process; gemma-4-31B does not, and the plan says target.device_map=auto (or offline features)."""
+    from train import plan as plan_module
+    from train.config import load_config
+
+    monkeypatch.setattr(plan_module, "_fetch_config", lambda cfg: (None, "the recipe's shape facts (test)"))
+    oss = plan_module.plan(load_config(["recipe=gpt-oss-20b", "devices=8x80"]))
+    assert oss["target_layer_ids"] == [1, 6, 11, 16, 21] and oss["target_shape"]["model_type"] == "gpt_oss"
+    d = oss["drafter"]
+    assert (d["layers"], d["block_size"], d["heads"], d["head_dim"], d["rope_theta"]) == (8, 8, 64, 64, 150000.0)
+    assert 780 < d["params_m"] < 790 and load_config(["recipe=gpt-oss-20b"]).drafter.mask_token_id == 200000
+    assert oss["devices"]["fits"] and max(oss["devices"]["per_device_gib"]) < 80
+    gemma = plan_module.plan(load_config(["recipe=gemma-4-31b", "devices=8x80"]))
+    assert gemma["target_layer_ids"] == [1, 12, 23, 35, 46, 57] and gemma["objective"]["gamma"] == 7
+    d = gemma["drafter"]
+    assert (d["layers"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"]) == (5, 64, 8, 128, 10752)
+    assert 1500 < d["params_m"] < 1560 and d["rope_theta"] == 1e6
+    assert not gemma["devices"]["fits"] and "target.device_map=auto" in gemma["devices"]["warning"]
+    spread = plan_module.plan(load_config(["recipe=gemma-4-31b", "devices=8x80", "target.device_map=auto"]))
+    assert spread["devices"]["fits"] and spread["devices"]["layout"].startswith("1 process per node")
+    offline = plan_module.plan(load_config(["recipe=gemma-4-31b", "devices=8x80", "features.mode=offline",
+                                            "features.store=/unused", "eval.true_tau_prompts=0"]))
+    assert offline["devices"]["fits"]
+    plan_module.print_plan(load_config(["recipe=gemma-4-31b", "devices=8x80"]))
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
 def local_target(folder: Path, **text) -> Path:
     """A target folder holding only a multimodal config.json: the text tower nested, without head_dim."""
     text = {"num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
