@@ -12,6 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves, and CI has 2 cores
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``pytest -n auto``: one worker per core, at most 4 (each builds the session's tiny targets and fixtures
+    again, and some tests start two training processes of their own)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def tiny_targets():
     """Tiny targets by architecture, built once per session."""
