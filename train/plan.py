@@ -28,7 +28,8 @@ import huggingface_hub  # hf_hub_download looked up at each call (tests stand in
 import torch
 from huggingface_hub import constants
 
-from models.config import DFlashConfig, TargetShape
+from models.config import DFlashConfig
+from models.target_shape import TargetShape
 from models.hub import is_hub_id
 from models.provenance import describe_objective, objective_of_run
 from models.quantization import parse_quantization
@@ -139,7 +140,7 @@ def target_shape(cfg) -> tuple[dict, str]:
                 shape[k] = text[k]
         shape["model_type"] = fetched.get("model_type", shape["model_type"])
         if text.get("kv_lora_rank") and text.get("num_attention_heads"):  # latent attention: no K/V head width
-            from models.config import mla_drafter_heads
+            from models.target_shape import mla_drafter_heads
 
             shape["num_key_value_heads"], shape["head_dim"] = mla_drafter_heads(text)
         if text.get("layer_types"):  # linear-attention layers (Qwen3.5's GatedDeltaNet) keep no KV cache
@@ -448,7 +449,7 @@ def _drafter_of(cfg, target):
 
 def _measured_row_flops(recipe: str) -> float:
     """FLOPs of a row of the measured step: the recipe's shape facts (no download), rows of 3072 tokens, online."""
-    from models.config import TargetShape
+    from models.target_shape import TargetShape
     from train.config import load_config
 
     ref = load_config([f"recipe={recipe}"])

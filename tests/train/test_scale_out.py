@@ -485,7 +485,8 @@ def test_dry_run_memory_and_compute_figures(tmp_path):
     bf16 target weights, fp32 drafter weights + grads + two AdamW moments (16 bytes a parameter), bf16
     features of every tap, the LM head's fp32 logits for at most ce_chunk queries; a MoE target's forward
     costs its active parameters. No stats.json: the steps are estimated from the source, per process of the node."""
-    from models.config import DFlashConfig, TargetShape
+    from models.config import DFlashConfig
+    from models.target_shape import TargetShape
     from train.config import load_config
     from train.plan import plan
 
