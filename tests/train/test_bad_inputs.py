@@ -1602,7 +1602,7 @@ def test_dry_run_answers_the_planning_questions(monkeypatch, tmp_path):
     import huggingface_hub
     from huggingface_hub import constants
 
-    from train.plan import MEASURED_STEPS
+    from train.estimates import MEASURED_STEPS
 
     source = tmp_path / "chats.jsonl"
     source.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
