@@ -23,12 +23,13 @@ from accelerate.utils import DistributedType
 
 from models.support import UserError, to_device
 from train.block_mask import documents_contiguous
+from train.blocks import attention_masks, draw_blocks
 from train.flops import DrafterShape, drafter_flops, peak_tflops, tapped_parameters, target_flops
 from train.checkpoint import latest_checkpoint
 from train.eval import evaluate_sim, true_tau
 from train.metrics import eval_line
-from train.objective import (attention_masks, block_embedder, block_loss, drafter_forward, draw_blocks, loss_weight,
-                             selector_term, simulated_acceptance)
+from train.objective import block_loss, drafter_forward, loss_weight, simulated_acceptance
+from train.selector_loss import block_embedder, selector_term
 from train.rng import row_generators
 from train.plan import Schedule
 from train.setup import token_batch
@@ -181,7 +182,7 @@ def resync_lr(scheduler) -> tuple[float, float]:
 class MicroBatch:
     rows: list[int]
     tokens: object  # data.features.FeatureBatch of the token columns (no features yet)
-    blocks: object  # train.objective.Blocks
+    blocks: object  # train.blocks.Blocks
     doc: torch.Tensor
     pos: torch.Tensor
     contiguous: bool  # each row's documents are contiguous runs (checked on the host copy)

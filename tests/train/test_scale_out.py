@@ -204,7 +204,8 @@ def drafter_loss(target, batch, seed: int = 0) -> torch.Tensor:
     """The training objective on a batch of target features: one seeded drafter, one anchor draw."""
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.blocks import attention_masks, draw_blocks
+    from train.objective import block_loss, drafter_forward
 
     torch.manual_seed(seed)
     config = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
