@@ -250,8 +250,9 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
     # start-up time: `train.distill --help` imports no torch
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
-    from train.loop import (Preempted, Throughput, advance, checkpoint_due, diverged, draw_step, eval_due,
-                            flop_counter, nonfinite_weights, run_eval, step_row, stop_due, train_step)
+    from train.interrupt import Preempted
+    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, flop_counter,
+                            nonfinite_weights, run_eval, step_row, stop_due, train_step)
     from train.rng import epoch_order
 
     cfg, total = run.cfg, sched.total_steps
@@ -279,7 +280,7 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             checkpoint()
         raise Preempted()
 
-    run.stop.deferring = True  # a SIGTERM from here on ends the step under way, then stops (train.loop.StopRequest)
+    run.stop.deferring = True  # a SIGTERM from now on ends the step under way, then stops (train.interrupt.StopRequest)
     while state.step < sched.total_steps:
         epoch = state.epoch
         order = epoch_order(len(train_ds), cfg.train.seed, epoch, run.rank, run.world)
@@ -382,7 +383,7 @@ def save_final(run, model, step: int) -> Path:
 
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
-    from train.loop import StopRequest, sigterm_as_interrupt
+    from train.interrupt import StopRequest, sigterm_as_interrupt
 
     with contextlib.ExitStack() as held:  # out_dir is this run's until it returns or fails
         stop = held.enter_context(sigterm_as_interrupt(StopRequest()))  # SIGTERM: as Ctrl-C
@@ -434,7 +435,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         last, first_eval, evals, prompts = train_loop(run, model, optimizer, scheduler, target, train_ds, feats,
                                                       eval_ds, eval_feats, drafter_cfg, sched, state, logger)
         final_drafter = save_final(run, model, state.step)  # Ctrl-C here too: resume=true writes final/ again
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.loop.Preempted)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.interrupt.Preempted)
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
         run.log(interrupted_message(run.out_dir, state, args, run.world, getattr(e, "what", "interrupted")))
         raise
