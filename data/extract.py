@@ -52,7 +52,8 @@ from data.prepare import check_target_tokenizer, load_prepared, require_prepared
 from data.store import DTYPES, quantize_fp8, target_identity
 from data.store_writer import StoreWriter, check_store_folder
 from data.store_writer import LOCK  # in the store folder, held by rank 0 while an extraction writes there
-from models.config import ConfigError, default_layer_ids
+from models.config import default_layer_ids
+from models.config_keys import ConfigError
 
 
 @dataclass

@@ -24,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-from models.config import LAYER_ORDER_FIX, ConfigError, layer_order_problem
+from models.config import LAYER_ORDER_FIX, layer_order_problem
+from models.config_keys import ConfigError
 from models.support import to_device
 
 

@@ -57,7 +57,7 @@ from data.regenerate import (RegenerationError, add_generation_args, check_count
 from data.reuse import (CACHE_DIR, LOCK, ROW_SETTINGS, claim_folder, clean_failed, read_json, refuse_folder, reusable,
                         row_settings, settings_diff)
 from data.reuse import META_FILE, PARTIAL_FILE, REGEN_FILE, STATS_FILE, DataMismatch  # noqa: F401 (re-exported)
-from models.config import read_json_file, refuse_drafter_as_target
+from models.config_layout import read_json_file, refuse_drafter_as_target
 
 SERVER_LOG = "regenerate-server.log"
 

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from models.config import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS, DFLASH2_KEYS, MODELING_FILE,
-                           ConfigError, DFlashConfig, is_drafter_config, layer_order_problem,
-                           read_json_file)
+from models.config import DFlashConfig, layer_order_problem
+from models.config_keys import (ARCHITECTURE, ARCHITECTURE2, ARCHITECTURES, CODEBOOKS, DFLASH2_KEYS, MODELING_FILE,
+                                ConfigError)
+from models.config_layout import is_drafter_config, read_json_file
 from models.hub import SMALL_FILES, is_hub_id, resolve_model_dir
 from models.mask_token import mask_problem
 from models.weights import STRAY_KEY, weight_files

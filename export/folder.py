@@ -28,7 +28,7 @@ from typing import Iterator
 
 from export.card import MARKER
 from export.push import sort_files
-from models.config import ARCHITECTURES
+from models.config_keys import ARCHITECTURES
 from models.provenance import refuse_training_output
 
 

@@ -38,7 +38,8 @@ from export.hf import NOT_EXPORTED, provenance
 from export.source import full_precision_source
 from export.usage import QUANTIZED_MLX_LOADERS
 from models.weights import check_finite, folder_tensors
-from models.config import DFlashConfig, mlx_only
+from models.config import DFlashConfig
+from models.config_layout import mlx_only
 from models.drafter2 import load_drafter as load_torch_drafter, select as torch_select, unary_logits as torch_unary
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -32,7 +32,9 @@ from export.card import MARKER, render_card
 from export.check import raise_if, schema_problems, weight_problems
 from export.report import load_report
 from export.source import NotADrafterError, is_drafter_dir, training_output
-from models.config import MODELING_FILE, DFlashConfig, describe_quantization
+from models.config import DFlashConfig
+from models.config_keys import MODELING_FILE
+from models.config_layout import describe_quantization
 from models.hub import INDEX, is_hub_id, repo_id_problem
 from models.weights import (check_finite, folder_tensors, norm_signature, same_signature, weight_hash_differences,
                             weight_hashes)

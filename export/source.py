@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from models.config import DFlashConfig, is_drafter_config
+from models.config import DFlashConfig
+from models.config_layout import is_drafter_config
 # The block's builders and the run folder's layout are shared with train/ (which writes them): models/provenance.py.
 # describe_target_quantization and provenance_from_run are imported from here by export.hf and the tests.
 from models.provenance import (FINAL_STATE, STEP_DIR, checkpoint_dirs, describe_target_quantization,  # noqa: F401

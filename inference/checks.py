@@ -21,7 +21,9 @@ import yaml
 
 from inference.stats import resolve_block_size, warn_if_mask_is_emitted
 from models import hub
-from models.config import ARCHITECTURES, DFlashConfig, drafter_inside_hint, is_drafter_config, read_json_file
+from models.config import DFlashConfig
+from models.config_keys import ARCHITECTURES
+from models.config_layout import drafter_inside_hint, is_drafter_config, read_json_file
 
 log = logging.getLogger("inference")
 

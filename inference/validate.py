@@ -90,7 +90,7 @@ from inference.checks import (
 from inference.prompt_sets import BUILTIN, load_prompts, prompt_set_hash, render_prompts
 from inference.report import (PromptRun, build_report, compare_rows, markdown, table_rows, text_table,
                               write_plot)
-from models.config import describe_quantization
+from models.config_layout import describe_quantization
 from models import hub
 from models.support import full_disk_named, hold, set_aside
 from models.provenance import refuse_training_output

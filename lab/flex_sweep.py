@@ -24,7 +24,7 @@ from data.bench import check_at_least
 from models.flex_options import format_tiles, kernel_options, parse_flex_backward
 from models.random_target import recipe_spec
 from train.bench import e2e_setup, random_rows
-from train.objective import draw_blocks, flex_block_mask
+from train.blocks import draw_blocks, flex_block_mask
 
 # Candidates by head dim. At head_dim 256 a 64-row tile's fp32 gradient accumulators (64 x 256 for
 # dK and dV each) overflow 4 warps' registers: more warps, or 32-row tiles.

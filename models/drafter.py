@@ -18,7 +18,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from models.config import MODELING_FILE, DFlashConfig
+from models.config import DFlashConfig
+from models.config_keys import MODELING_FILE
 from models.flex_options import kernel_options, parse_flex_backward, resolve_tiles
 from models.hub import resolve_model_dir
 from models.rope import yarn_inv_freq

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import CODEBOOKS, DFlashConfig
+from models.config import DFlashConfig
+from models.config_keys import CODEBOOKS
 from models.drafter import DFlashDecoderLayer, DFlashDraftModel, DraftCache
 from models.hub import resolve_model_dir
 

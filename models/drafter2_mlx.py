@@ -17,7 +17,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.config import CODEBOOKS, DFlashConfig
+from models.config import DFlashConfig
+from models.config_keys import CODEBOOKS
 from models.drafter_mlx import DFlashDecoderLayer, DFlashDraftModel, DraftCache
 from models.hub import resolve_model_dir
 

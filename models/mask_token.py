@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from models.config import ConfigError
+from models.config_keys import ConfigError
 
 MASK_NAMES = ("<|mask|>", "<mask>", "[mask]", "<|mask_token|>", "<|fim_mask|>")
 RESERVED_NAME = re.compile(r"reserved|unused", re.IGNORECASE)

@@ -114,7 +114,7 @@ def run_cli(main: Callable[[], object], interrupted: str | None = None) -> None:
     try:
         main()
         sys.stdout.flush()  # inside the try: a closed pipe shows up here when the output was buffered
-    except KeyboardInterrupt as e:  # Ctrl-C: 130; a stop by SIGTERM (train.loop.Preempted) carries its own, 143
+    except KeyboardInterrupt as e:  # Ctrl-C: 130; a stop by SIGTERM (train.interrupt.Preempted) carries its own, 143
         if interrupted:
             print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         raise SystemExit(getattr(e, "exit_status", 130)) from None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from models.config import read_json_file, refuse_drafter_as_target
+from models.config_layout import read_json_file, refuse_drafter_as_target
 from models.hub import SMALL_FILES, fetch_model, resolve_model_dir
 from models.weights import check_folder_weights
 

@@ -35,7 +35,8 @@ def test_flex_backward_equals_dense_on_cuda(sliding, head_dim):
     more compile for little more cover."""
     from tests.train.test_objective import MASK, B, H, _rows
 
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.blocks import attention_masks, draw_blocks
+    from train.objective import block_loss, drafter_forward
 
     ids, lm, doc, pos = (t.cuda() for t in _rows())
     feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2)).cuda()
@@ -161,7 +162,8 @@ def test_graph_loop_equals_eager_loop_on_cuda(arch):
 def test_compiled_flex_over_varying_row_lengths_equals_dense():
     """Training shapes change every batch (row length, anchor count): the compiled flex kernel, with
     dynamic shapes after the first change, keeps matching the dense path on each new shape."""
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.blocks import attention_masks, draw_blocks
+    from train.objective import block_loss, drafter_forward
 
     for s, n in ((40, 6), (56, 9), (72, 12)):  # a static compile, the dynamic one, a shape it serves
         g = torch.Generator().manual_seed(s)
@@ -207,7 +209,8 @@ def test_compiled_drafter_layers_equal_eager():
     with and without gradient checkpointing)."""
     from tests.train.test_objective import MASK, B, H, _rows
 
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.blocks import attention_masks, draw_blocks
+    from train.objective import block_loss, drafter_forward
 
     ids, lm, doc, pos = (t.cuda() for t in _rows())
     feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2)).cuda()
@@ -307,7 +310,8 @@ def test_flex_backward_tiles_keep_the_loss_and_gradients_on_cuda(tiles):
     torch's tiles' loss and gradients (one set of tiles: each is a compile of its own)."""
     from tests.train.test_objective import MASK, B, H, _rows
 
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.blocks import attention_masks, draw_blocks
+    from train.objective import block_loss, drafter_forward
 
     ids, lm, doc, pos = (t.cuda() for t in _rows())
     feats = torch.randn(2, ids.shape[1], 2 * H, generator=torch.Generator().manual_seed(2)).cuda()
@@ -348,7 +352,7 @@ def test_blocks_drawn_on_the_host_equal_blocks_drawn_on_the_gpu():
 
     from tests.train.test_fast_paths import _packed_rows
 
-    from train.objective import draw_blocks
+    from train.blocks import draw_blocks
     from train.rng import row_generators
 
     ids, lm, doc, pos = _packed_rows(3, 300, seed=6)

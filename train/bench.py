@@ -46,8 +46,8 @@ from models.drafter import DFlashDraftModel
 from models.flex_options import parse_flex_backward
 from train import block_mask
 from train.block_mask import documents_contiguous
-from train.objective import (attention_masks, block_loss, drafter_forward, draw_blocks, flex_block_mask,
-                             simulated_acceptance)
+from train.blocks import attention_masks, draw_blocks, flex_block_mask
+from train.objective import block_loss, drafter_forward, simulated_acceptance
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 ``create_block_mask`` evaluates the mask rule at every (query, key) pair (``n*B x (s + n*B)``, about
 92M for 512 blocks of 16 over 3072 tokens) only to learn which 128 x 128 tiles are empty, partial or
 full: ~12 ms per batch on an H100, on the critical path of every step. Under the training rule
-(``train.objective``) each query sees two key intervals: the context ``[start of its document,
+(``train.blocks``) each query sees two key intervals: the context ``[start of its document,
 anchor)`` and its own block ``[s + n*B, s + (n+1)*B)``. With interval ends per query, a tile's
 state is two overlaps per (query, key tile), reduced over the tile's queries: ``n*B x tiles``
 work instead of ``n*B x keys``. The same ``mask_mod`` still applies inside partial tiles, so the

@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shlex
 import shutil
 import sys
 import time
@@ -52,7 +51,7 @@ from tqdm import tqdm
 
 from models.provenance import data_provenance, provenance_of_run
 from train.config import RunConfig, load_config, valid_keys
-from train.metrics import SIMULATED_TAU, TRUE_TAU, clock, header, open_metrics, step_line, tau_trend
+from train.metrics import closing_summary, open_metrics, run_header, step_line
 from train.overrides import recipe_names
 
 LOCK = ".draftsmith.lock"  # in out_dir, held by the main process while the run writes there
@@ -250,8 +249,9 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
     # start-up time: `train.distill --help` imports no torch
     from train.checkpoint import save_checkpoint
     from train.eval import true_tau_prompt_set
-    from train.loop import (Preempted, Throughput, advance, checkpoint_due, diverged, draw_step, eval_due,
-                            flop_counter, nonfinite_weights, run_eval, step_row, stop_due, train_step)
+    from train.interrupt import Preempted
+    from train.loop import (Throughput, advance, checkpoint_due, diverged, draw_step, eval_due, flop_counter,
+                            nonfinite_weights, run_eval, step_row, stop_due, train_step)
     from train.rng import epoch_order
 
     cfg, total = run.cfg, sched.total_steps
@@ -279,7 +279,7 @@ def train_loop(run, model, optimizer, scheduler, target, train_ds, feats, eval_d
             checkpoint()
         raise Preempted()
 
-    run.stop.deferring = True  # a SIGTERM from here on ends the step under way, then stops (train.loop.StopRequest)
+    run.stop.deferring = True  # a SIGTERM from now on ends the step under way, then stops (train.interrupt.StopRequest)
     while state.step < sched.total_steps:
         epoch = state.epoch
         order = epoch_order(len(train_ds), cfg.train.seed, epoch, run.rank, run.world)
@@ -382,7 +382,7 @@ def save_final(run, model, step: int) -> Path:
 
 def train(cfg, argv: list[str] | None = None) -> dict:
     """The whole run, stage by stage. ``argv`` (the command's arguments) only shapes the resume hint."""
-    from train.loop import StopRequest, sigterm_as_interrupt
+    from train.interrupt import StopRequest, sigterm_as_interrupt
 
     with contextlib.ExitStack() as held:  # out_dir is this run's until it returns or fails
         stop = held.enter_context(sigterm_as_interrupt(StopRequest()))  # SIGTERM: as Ctrl-C
@@ -434,7 +434,7 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         last, first_eval, evals, prompts = train_loop(run, model, optimizer, scheduler, target, train_ds, feats,
                                                       eval_ds, eval_feats, drafter_cfg, sched, state, logger)
         final_drafter = save_final(run, model, state.step)  # Ctrl-C here too: resume=true writes final/ again
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.loop.Preempted)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.interrupt.Preempted)
         args = argv if argv is not None else [f"recipe={cfg.recipe}", f"out_dir={run.out_dir}"]
         run.log(interrupted_message(run.out_dir, state, args, run.world, getattr(e, "what", "interrupted")))
         raise
@@ -448,63 +448,6 @@ def run_stages(run, cfg, argv: list[str] | None) -> dict:
         run.log(closing_summary(run, state.step, resumed_at, evals, prompts, final_drafter, target_path))
     return {"out_dir": str(run.out_dir), "steps": state.step, "last": last, "first_eval": first_eval,
             "last_eval": evals[-1] if evals else {}}
-
-
-def run_header(run, target, target_path: str, train_ds, eval_ds, d, n_params: int, sched, step: int) -> str:
-    """What is about to train, once everything has loaded: target, data, drafter, steps, devices, output."""
-    cfg, tr = run.cfg, run.cfg.train
-    quantized = "" if target.quantization in (None, "none") else f", quantization {target.quantization}"
-    warm = f", from {cfg.drafter.init_from}" if cfg.drafter.init_from else ""
-    processes = f"{run.world} process{'es' if run.world > 1 else ''}"
-    resumed = f", resumed at step {step}" if step else ""
-    prepared = cfg.data.prepared or run.out_dir / "data"
-    return header("training", [
-        ("target", f"{target_path}: {target.model_type}, {target.num_layers} layers, "
-                   f"{str(target.dtype).removeprefix('torch.')}{quantized}"),
-        ("data", f"{len(train_ds)} training rows, {len(eval_ds)} held out ({prepared})"),
-        ("drafter", f"{d.num_hidden_layers} layers, block {d.block_size}, taps {list(d.target_layer_ids)}, "
-                    f"{n_params / 1e6:.2f}M parameters{warm}"),
-        ("steps", f"{sched.total_steps} ({sched.total_steps / sched.steps_per_epoch:.3g} epochs of "
-                  f"{sched.steps_per_epoch}){resumed}; {tr.batch_size * tr.grad_accum * run.world} rows a step "
-                  f"(batch {tr.batch_size} x accumulation {tr.grad_accum} x {processes}); lr {tr.lr:g}, {tr.schedule}"),
-        ("devices", f"{processes} on {run.device.type}, {'flex' if run.use_flex else 'dense'} attention, mixed "
-                    f"precision {run.mixed_precision}"),
-        ("output", f"{run.out_dir}: metrics.jsonl, checkpoints/, final/drafter (every setting: config.yaml)"),
-    ])
-
-
-def closing_summary(run, steps: int, resumed_at: int, evals: list[dict], prompts: int, drafter: Path,
-                    target_path: str) -> str:
-    """Elapsed time, where tau went (and what each tau means), where the drafter is, and the commands that
-    take it further, with this run's paths."""
-    cfg = run.cfg
-    this_run = f" ({steps - resumed_at} in this run, resumed at step {resumed_at})" if resumed_at else ""
-    sim, true = tau_trend(evals, "eval_tau_sim"), tau_trend(evals, "eval_tau_true")
-    no_rows = "not measured (no held-out rows: data.eval_rows=0)" if not evals else None
-    no_prompts = "eval.true_tau_prompts=0" if not cfg.eval.true_tau_prompts else "the held-out rows gave no prompts"
-    rows = [("simulated tau", f"{sim}: {SIMULATED_TAU}" if sim else no_rows or "not measured"),
-            ("true tau", f"{true}: {TRUE_TAU.format(n=prompts, m=cfg.eval.true_tau_max_new_tokens)}" if true
-             else no_rows or f"not measured ({no_prompts})")]
-    rows.append(("drafter", str(drafter)))
-    q = shlex.quote
-    tiny = cfg.data.source == "tiny"  # the tiny target only talks its own chats: no shipped prompt set suits it
-    thinking = "" if cfg.data.thinking is None else f" --thinking {'on' if cfg.data.thinking else 'off'}"
-    prompt = "Spell the word river." if tiny else "Explain speculative decoding in two sentences."
-    export = Path(cfg.export.dir) if cfg.export.dir else run.out_dir / "export"
-    commands = [
-        f"draftsmith generate --target {q(str(target_path))} --draft {q(str(drafter))} --prompt {q(prompt)} --chat"
-        f"{thinking} --baseline",
-        f"draftsmith validate --target {q(str(target_path))} --draft {q(str(drafter))}"
-        + (f" --prompts {q(str(run.out_dir / 'tiny_chat.jsonl'))} --n 16 --max-new-tokens "
-           f"{cfg.eval.true_tau_max_new_tokens}" if tiny else "")
-        + f"{thinking} --out {q(str(run.out_dir / 'validate'))}",
-    ]
-    if not cfg.export.hf:
-        commands.append(f"draftsmith export-hf --checkpoint {q(str(drafter))} --out {q(str(export / 'hf'))}")
-    if not cfg.export.push_repo:
-        commands.append(f"draftsmith push --folder {q(str(export / 'hf'))} --repo YOUR_NAME/REPO --dry-run")
-    return (header(f"done: {steps} steps{this_run} in {clock(time.perf_counter() - run.started)}", rows)
-            + "\nnext:\n" + "\n".join(f"  {c}" for c in commands))
 
 
 def cli() -> None:

@@ -21,8 +21,9 @@ import contextlib
 
 import torch
 
-from train.objective import (attention_masks, block_embedder, block_loss, drafter_forward, draw_blocks, selector_term,
-                             simulated_acceptance)
+from train.blocks import attention_masks, draw_blocks
+from train.objective import block_loss, drafter_forward, simulated_acceptance
+from train.selector_loss import block_embedder, selector_term
 from train.rng import row_generators
 
 

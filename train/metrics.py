@@ -1,9 +1,10 @@
 """Where training metrics go: the console, ``metrics.jsonl`` and (optionally) Weights & Biases.
 
 One object, :class:`MetricsLogger`, behind ``log(row)`` and ``close()``. The rows are JSON in ``metrics.jsonl``;
-the console gets lines a person reads (``step_line``, ``eval_line``, and the run's header and closing summary
-through ``header``). Only the main process writes; the others hold a logger that drops everything. wandb is
-optional: when ``logging.wandb=true`` and it is not installed, a no-op run stands in and one warning says so.
+the console gets lines a person reads (``step_line``, ``eval_line``, and the run's header and closing summary,
+``run_header`` and ``closing_summary``, through ``header``). Only the main process writes; the others hold a
+logger that drops everything. wandb is optional: when ``logging.wandb=true`` and it is not installed, a no-op run
+stands in and one warning says so.
 The wandb run id is kept in the loop state (saved in every checkpoint), so ``resume=true``
 continues the same wandb run instead of starting a new one.
 """
@@ -11,6 +12,8 @@ continues the same wandb run instead of starting a new one.
 from __future__ import annotations
 
 import json
+import shlex
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +96,63 @@ def tau_trend(evals: list[dict], key: str) -> str | None:
         return None
     ends = [seen[0]] if len(seen) == 1 else [seen[0], seen[-1]]
     return " -> ".join(f"{r[key]:.2f} at step {r['step']}" for r in ends)
+
+
+def run_header(run, target, target_path: str, train_ds, eval_ds, d, n_params: int, sched, step: int) -> str:
+    """What is about to train, once everything has loaded: target, data, drafter, steps, devices, output."""
+    cfg, tr = run.cfg, run.cfg.train
+    quantized = "" if target.quantization in (None, "none") else f", quantization {target.quantization}"
+    warm = f", from {cfg.drafter.init_from}" if cfg.drafter.init_from else ""
+    processes = f"{run.world} process{'es' if run.world > 1 else ''}"
+    resumed = f", resumed at step {step}" if step else ""
+    prepared = cfg.data.prepared or run.out_dir / "data"
+    return header("training", [
+        ("target", f"{target_path}: {target.model_type}, {target.num_layers} layers, "
+                   f"{str(target.dtype).removeprefix('torch.')}{quantized}"),
+        ("data", f"{len(train_ds)} training rows, {len(eval_ds)} held out ({prepared})"),
+        ("drafter", f"{d.num_hidden_layers} layers, block {d.block_size}, taps {list(d.target_layer_ids)}, "
+                    f"{n_params / 1e6:.2f}M parameters{warm}"),
+        ("steps", f"{sched.total_steps} ({sched.total_steps / sched.steps_per_epoch:.3g} epochs of "
+                  f"{sched.steps_per_epoch}){resumed}; {tr.batch_size * tr.grad_accum * run.world} rows a step "
+                  f"(batch {tr.batch_size} x accumulation {tr.grad_accum} x {processes}); lr {tr.lr:g}, {tr.schedule}"),
+        ("devices", f"{processes} on {run.device.type}, {'flex' if run.use_flex else 'dense'} attention, mixed "
+                    f"precision {run.mixed_precision}"),
+        ("output", f"{run.out_dir}: metrics.jsonl, checkpoints/, final/drafter (every setting: config.yaml)"),
+    ])
+
+
+def closing_summary(run, steps: int, resumed_at: int, evals: list[dict], prompts: int, drafter: Path,
+                    target_path: str) -> str:
+    """Elapsed time, where tau went (and what each tau means), where the drafter is, and the commands that
+    take it further, with this run's paths."""
+    cfg = run.cfg
+    this_run = f" ({steps - resumed_at} in this run, resumed at step {resumed_at})" if resumed_at else ""
+    sim, true = tau_trend(evals, "eval_tau_sim"), tau_trend(evals, "eval_tau_true")
+    no_rows = "not measured (no held-out rows: data.eval_rows=0)" if not evals else None
+    no_prompts = "eval.true_tau_prompts=0" if not cfg.eval.true_tau_prompts else "the held-out rows gave no prompts"
+    rows = [("simulated tau", f"{sim}: {SIMULATED_TAU}" if sim else no_rows or "not measured"),
+            ("true tau", f"{true}: {TRUE_TAU.format(n=prompts, m=cfg.eval.true_tau_max_new_tokens)}" if true
+             else no_rows or f"not measured ({no_prompts})")]
+    rows.append(("drafter", str(drafter)))
+    q = shlex.quote
+    tiny = cfg.data.source == "tiny"  # the tiny target only talks its own chats: no shipped prompt set suits it
+    thinking = "" if cfg.data.thinking is None else f" --thinking {'on' if cfg.data.thinking else 'off'}"
+    prompt = "Spell the word river." if tiny else "Explain speculative decoding in two sentences."
+    export = Path(cfg.export.dir) if cfg.export.dir else run.out_dir / "export"
+    commands = [
+        f"draftsmith generate --target {q(str(target_path))} --draft {q(str(drafter))} --prompt {q(prompt)} --chat"
+        f"{thinking} --baseline",
+        f"draftsmith validate --target {q(str(target_path))} --draft {q(str(drafter))}"
+        + (f" --prompts {q(str(run.out_dir / 'tiny_chat.jsonl'))} --n 16 --max-new-tokens "
+           f"{cfg.eval.true_tau_max_new_tokens}" if tiny else "")
+        + f"{thinking} --out {q(str(run.out_dir / 'validate'))}",
+    ]
+    if not cfg.export.hf:
+        commands.append(f"draftsmith export-hf --checkpoint {q(str(drafter))} --out {q(str(export / 'hf'))}")
+    if not cfg.export.push_repo:
+        commands.append(f"draftsmith push --folder {q(str(export / 'hf'))} --repo YOUR_NAME/REPO --dry-run")
+    return (header(f"done: {steps} steps{this_run} in {clock(time.perf_counter() - run.started)}", rows)
+            + "\nnext:\n" + "\n".join(f"  {c}" for c in commands))
 
 
 class _NoWandb:

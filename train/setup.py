@@ -23,7 +23,10 @@ from data.prepare import ensure_prepared, load_prepared
 from data.readers import check_source, refuse_local_subset
 from data.reuse import META_FILE
 from data.store import FORMAT as STORE_FORMAT, INDEX as STORE_INDEX, FeatureStore, prepared_fingerprint
-from models.config import ConfigError, DFlashConfig, TargetShape, is_drafter_config
+from models.config import DFlashConfig
+from models.config_keys import ConfigError
+from models.config_layout import is_drafter_config
+from models.target_shape import TargetShape
 from models.hub import INDEX, is_hub_id, resolve_model_dir
 from models.mask_token import resolve_mask_token
 from models.provenance import replaced_by_training

@@ -1266,7 +1266,7 @@ def test_a_drafter_config_without_a_shape_key_is_named_by_export_and_validate(tm
     import json
 
     from inference.checks import preflight
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
 
     d = json.loads((export_drafter / "config.json").read_text())
     del d[key]
@@ -1345,7 +1345,7 @@ def test_dflash2_folder_without_is_causal_or_a_codebook(infer_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from inference.session import Session
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.tiny import save_tiny_target
     from tests.helpers.dflash2 import published_folder
 

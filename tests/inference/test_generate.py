@@ -665,7 +665,8 @@ def test_a_drafter_shaped_like_z_labs_published_one_runs_in_generate(family_fold
 def test_a_drafter_rope_engines_do_not_apply_the_same_way_is_refused_by_name(family_folders):
     """A rope block other than plain or YaRN (a target's llama3 or mrope block copied into the drafter) is one line
     naming the key, never silently run as plain RoPE."""
-    from models.config import ConfigError, DFlashConfig
+    from models.config import DFlashConfig
+    from models.config_keys import ConfigError
 
     draft = family_folders["gpt_oss"][1]
     with open(f"{draft}/config.json") as f:

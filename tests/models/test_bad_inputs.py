@@ -85,7 +85,9 @@ def test_compiling_a_target_twice_changes_nothing(arch):
 def test_drafter_shape_zero_from_code_is_refused_not_replaced_by_the_targets(key, value):
     """DFlashConfig.for_target read 0 (and []) as "not given": a caller's num_attention_heads=0 silently became
     the target's. rms_norm_eps 0 and max_position_embeddings 0 were accepted outright."""
-    from models.config import ConfigError, DFlashConfig, TargetShape
+    from models.config import DFlashConfig
+    from models.config_keys import ConfigError
+    from models.target_shape import TargetShape
     from models.tiny import tiny_target
 
     target = TargetShape.from_config(tiny_target("qwen3").config)
@@ -113,7 +115,8 @@ def test_drafter_shape_zero_from_code_is_refused_not_replaced_by_the_targets(key
 def test_a_drafter_config_with_a_fractional_number_or_is_causal_true_is_refused(edit, problem):
     import copy
 
-    from models.config import ConfigError, DFlashConfig
+    from models.config import DFlashConfig
+    from models.config_keys import ConfigError
 
     d = json.loads((Path(__file__).parents[1] / "fixtures" / "config_flat.json").read_text())
     assert "sliding_attention" not in (d.get("layer_types") or [])
@@ -140,7 +143,7 @@ def test_a_drafter_config_with_a_fractional_number_or_is_causal_true_is_refused(
     (-1, "outside the target embedding"),
 ])
 def test_explicit_mask_token_that_the_target_produces_is_refused(mask_id, problem):
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
@@ -150,7 +153,7 @@ def test_explicit_mask_token_that_the_target_produces_is_refused(mask_id, proble
 
 
 def test_mask_token_present_in_the_data_is_refused():
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
@@ -163,7 +166,7 @@ def test_mask_token_present_in_the_data_is_refused():
 
 def test_a_bos_the_chat_template_never_writes_is_still_not_the_mask():
     # The tiny tokenizers' BOS is also a template token, so only that rule was ever exercised.
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
@@ -178,7 +181,7 @@ def test_a_bos_the_chat_template_never_writes_is_still_not_the_mask():
 def test_an_added_token_that_is_not_special_is_never_the_mask():
     """A token added as ordinary text, even one named like a reserved token, is text the tokenizer writes: no
     automatic choice takes it and giving it explicitly is refused."""
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
@@ -191,7 +194,7 @@ def test_an_added_token_that_is_not_special_is_never_the_mask():
 
 
 def test_no_spare_row_and_no_reserved_token_is_a_clear_error():
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.mask_token import resolve_mask_token
     from models.tiny import tiny_tokenizer
 
@@ -836,7 +839,7 @@ def test_a_bad_flex_backward_setting_says_the_accepted_forms(setting, said):
 ])
 def test_a_dflash2_config_with_inconsistent_shape_keys_is_refused_before_any_weight_loads(tmp_path, edit, problem):
     """Each published-layout key checked with the shape it depends on, in one line naming the key and the fix."""
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.drafter2 import load_drafter
     from tests.helpers.dflash2 import published_folder
 
@@ -851,7 +854,7 @@ def test_a_dflash2_config_with_inconsistent_shape_keys_is_refused_before_any_wei
 
 
 def test_dflash2_settings_on_a_v1_drafter_and_a_v2_folder_in_a_v1_loader_are_refused(tmp_path):
-    from models.config import ConfigError
+    from models.config_keys import ConfigError
     from models.drafter import DFlashDraftModel
     from tests.helpers.dflash2 import published_folder, tiny_dflash2_config
 
@@ -891,7 +894,8 @@ def test_target_layer_ids_out_of_order_are_refused_everywhere(tmp_path, export_d
     extract --layers."""
     from data.features import check_layer_ids
     from export.check import schema_problems
-    from models.config import ConfigError, DFlashConfig
+    from models.config import DFlashConfig
+    from models.config_keys import ConfigError
     from train.config import load_config
 
     ordered = "layer ids must be strictly increasing (engines concatenate the features in ascending layer order, "
@@ -1015,7 +1019,8 @@ def test_an_mlx_target_made_from_another_model_is_refused_and_the_copy_is_record
 def test_a_drafter_rope_block_other_than_plain_or_yarn_or_a_negative_cap_is_refused(edit, problem):
     """A target's rope block copied into a drafter config: plain RoPE and YaRN (published gpt-oss drafters) run,
     anything else is named, never run as plain RoPE; a logit cap must be positive."""
-    from models.config import ConfigError, DFlashConfig
+    from models.config import DFlashConfig
+    from models.config_keys import ConfigError
 
     d = json.loads((Path(__file__).parents[1] / "fixtures" / "config_flat.json").read_text())
     with pytest.raises(ConfigError, match=re.escape(problem)):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from models.config import ConfigError, DFlashConfig, default_layer_ids
+from models.config import DFlashConfig, default_layer_ids
+from models.config_keys import ConfigError
 from models.mask_token import choose_mask_token, tokenizer_emitted_ids
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -163,7 +164,7 @@ def test_quantization_is_part_of_the_config():
 def test_one_resolver_takes_the_targets_shape_and_rope_base(arch, theta):
     """Heads / KV heads / head dim / MLP / eps / RoPE base from the target's config (Qwen3.5: its nested text
     tower, whose partial rotary is not copied); a keyword overrides; param count and FLOPs match the model."""
-    from models.config import TargetShape
+    from models.target_shape import TargetShape
     from models.drafter import DFlashDraftModel
     from models.tiny import tiny_target
 
@@ -371,7 +372,7 @@ def test_written_engine_values_are_exact():
 
 
 def test_mlx_quantization_is_written_under_both_keys_and_mlx_only_drops_auto_map():
-    from models.config import mlx_only
+    from models.config_layout import mlx_only
 
     d = DFlashConfig.from_dict(cfg_dict(quantization={"bits": 4, "group_size": 64})).to_dict()
     assert d["quantization"] == d["quantization_config"] == {"bits": 4, "group_size": 64, "mode": "affine"}
@@ -387,7 +388,7 @@ def test_quantization_that_is_not_mlx_affine_is_refused(q):
 
 
 def test_describe_quantization_names_bits_mode_and_group():
-    from models.config import describe_quantization
+    from models.config_layout import describe_quantization
 
     assert describe_quantization({"bits": 4, "group_size": 64}) == "4-bit affine, group 64"
     assert describe_quantization({"quant_method": "fp8"}) == "fp8"
@@ -471,7 +472,7 @@ def test_replace_refuses_an_unknown_field_and_load_names_a_truncated_file(tmp_pa
 
 
 def test_resolver_takes_the_targets_eps_and_head_dim_and_derives_heads_from_head_dim():
-    from models.config import TargetShape
+    from models.target_shape import TargetShape
 
     shape = TargetShape(hidden_size=2048, vocab_size=1000, num_layers=36, num_attention_heads=16, head_dim=256,
                         num_key_value_heads=4, rms_norm_eps=1e-5, intermediate_size=6144)
@@ -484,7 +485,7 @@ def test_resolver_takes_the_targets_eps_and_head_dim_and_derives_heads_from_head
 
 
 def test_target_shape_reads_explicit_head_dim_and_the_full_attention_rope_block():
-    from models.config import TargetShape
+    from models.target_shape import TargetShape
 
     shape = TargetShape.from_config({"hidden_size": 2560, "vocab_size": 1000, "num_hidden_layers": 34,
                                      "num_attention_heads": 8, "head_dim": 256, "rope_parameters": {
@@ -497,7 +498,7 @@ def test_target_shape_reads_explicit_head_dim_and_the_full_attention_rope_block(
 
 
 def test_a_drafter_config_is_known_by_its_architecture_or_its_dflash_block():
-    from models.config import is_drafter_config
+    from models.config_layout import is_drafter_config
 
     assert is_drafter_config({"architectures": ["DFlashDraftModel"]})
     assert is_drafter_config({"architectures": ["Qwen3ForCausalLM"], "dflash_config": {"block_size": 16}})
@@ -526,7 +527,7 @@ def test_latent_attention_targets_give_the_published_kimi_drafter_shape(config, 
     """MLA configs say head_dim = the rope width (64) and as many KV heads as query heads: the drafter takes the
     value-head width (128) and 8 KV heads instead, z-lab's Kimi-K2.5 drafter (64 x 128 heads, 8 KV heads, MLP
     18432, 6 taps [1, 12, 24, 35, 47, 58], RoPE base 50000); about 3.5B parameters with 6 layers."""
-    from models.config import TargetShape
+    from models.target_shape import TargetShape
 
     shape = TargetShape.from_config(config)
     assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (heads, 8, 128)

@@ -722,7 +722,8 @@ def test_bad_loss_weighting_fails_at_config_time(overrides, message):
 
 
 def test_block_loss_refuses_an_unknown_weighting_or_normaliser():
-    from train.objective import block_loss, draw_blocks
+    from train.blocks import draw_blocks
+    from train.objective import block_loss
 
     ids = torch.arange(12)[None]
     blocks = draw_blocks(ids, torch.ones_like(ids), None, None, 2, 4, 0, torch.Generator().manual_seed(0))
@@ -799,7 +800,8 @@ def test_kl_loss_with_half_of_the_teacher_is_refused(missing):
     name, not left to fail on None inside the loss."""
     import torch
 
-    from train.objective import block_loss, draw_blocks
+    from train.blocks import draw_blocks
+    from train.objective import block_loss
 
     ids = torch.arange(8)[None]
     blocks = draw_blocks(ids, torch.ones_like(ids), None, None, 4, 4, 0, torch.Generator().manual_seed(0))
@@ -815,7 +817,7 @@ def test_anchor_draw_with_a_generator_count_other_than_the_rows(count):
     generators silently)."""
     import torch
 
-    from train.objective import sample_anchors
+    from train.blocks import sample_anchors
 
     gens = [torch.Generator().manual_seed(i) for i in range(count)]
     with pytest.raises(ValueError, match=f"{count} generators for 2 rows: pass one per row"):
@@ -1602,7 +1604,7 @@ def test_dry_run_answers_the_planning_questions(monkeypatch, tmp_path):
     import huggingface_hub
     from huggingface_hub import constants
 
-    from train.plan import MEASURED_STEPS
+    from train.estimates import MEASURED_STEPS
 
     source = tmp_path / "chats.jsonl"
     source.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},

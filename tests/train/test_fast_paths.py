@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from train.block_mask import direct_block_mask, documents_contiguous, tile_states
-from train.objective import draw_blocks, flex_block_mask
+from train.blocks import draw_blocks, flex_block_mask
 
 
 def _tiles(bm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,7 @@ def test_direct_block_mask_with_anchors_on_tile_edges():
     """Anchors at 127, 128, 255...: a context interval that ends exactly on a 128-key tile edge (a
     query tile whose first anchor is 127 sees keys 0..126, tile 0 partial, not full). Random draws
     almost never put an anchor there."""
-    from train.objective import build_blocks
+    from train.blocks import build_blocks
 
     s, block = 400, 16
     ids = torch.randint(0, 90, (1, s), generator=torch.Generator().manual_seed(0))
@@ -87,7 +87,7 @@ def test_direct_block_mask_on_uniform_query_tiles(s, block, anchors, valid, seco
     """Tiles whose state hangs on one key: the end of the context interval (strictly before the
     anchor), the last key of a block, the start of a document and the empty context of padding
     blocks."""
-    from train.objective import build_blocks
+    from train.blocks import build_blocks
 
     ids = torch.randint(0, 90, (1, s), generator=torch.Generator().manual_seed(0))
     lm, doc, pos = torch.ones(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long), torch.arange(s)[None]
@@ -148,7 +148,7 @@ def test_the_trainer_checks_document_runs_on_the_host_and_the_mask_agrees(monkey
     """draw_step records documents_contiguous of the token batch's host copy; the mask built with it
     equals the one that checks the device copy itself, and that check is not made again."""
     import train.block_mask as bm_module
-    from train.objective import attention_masks
+    from train.blocks import attention_masks
 
     ids, lm, doc, pos = _packed_rows(2, 200, seed=4)
     assert documents_contiguous(doc)
@@ -345,7 +345,7 @@ def test_direct_block_mask_on_ragged_tiles(s, block, anchors):
     partial tile for create_block_mask (it pads the mask with False), so the direct mask must not call
     it full. Both cases have such a tile: the last block against its own keys, and a last query tile
     whose one block sees all of context tile 0."""
-    from train.objective import build_blocks
+    from train.blocks import build_blocks
 
     ids = torch.randint(0, 90, (1, s), generator=torch.Generator().manual_seed(0))
     lm, doc, pos = torch.ones(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long), torch.arange(s)[None]

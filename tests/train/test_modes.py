@@ -275,7 +275,8 @@ def test_packed_context_never_crosses_documents(tiny):
     from data.prepare import load_prepared
     from models.drafter import DFlashDraftModel
     from models.target import TargetModel
-    from train.objective import build_blocks, dense_mask, drafter_forward, draw_blocks
+    from train.blocks import build_blocks, dense_mask, draw_blocks
+    from train.objective import drafter_forward
 
     target = TargetModel.from_pretrained(str(tiny["target"]), dtype=torch.float32)
     ds, _ = load_prepared(tiny["packed"], tokenizer=target.tokenizer)

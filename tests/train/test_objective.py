@@ -9,16 +9,8 @@ from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
 from tests.helpers import assert_close
 from train.config import load_config
-from train.objective import (
-    attention_masks,
-    block_loss,
-    dense_mask,
-    drafter_forward,
-    draw_blocks,
-    flex_block_mask,
-    simulated_acceptance,
-    slot_weights,
-)
+from train.blocks import attention_masks, dense_mask, draw_blocks, flex_block_mask
+from train.objective import block_loss, drafter_forward, simulated_acceptance, slot_weights
 from train.overrides import ConfigKeyError
 
 B, H, V, MASK = 4, 32, 64, 63
@@ -678,7 +670,7 @@ def _grid_by_hand(alpha: float) -> list[list[float]]:
 def _grid_blocks():
     """Blocks of one row whose hidden rows give GRID_CE exactly: vocabulary 2, head [[0, 0], [0, 1]], every label 0,
     so a slot's CE is softplus(h[1]) and h[1] = log(exp(CE) - 1) sets it (the masked slot's CE: GRID_CE's 9.0)."""
-    from train.objective import Blocks
+    from train.blocks import Blocks
 
     mask = torch.tensor([GRID_MASK])
     blocks = Blocks(anchors=torch.tensor([[0, 4]]), valid=torch.tensor([[True, True]]), doc=torch.zeros(1, 2).long(),

@@ -161,7 +161,7 @@ def test_the_resume_hint_starts_the_run_the_way_it_was_started(monkeypatch, argv
     import sys
     import types
 
-    from train.loop import launch_command
+    from train.interrupt import launch_command
 
     main = types.ModuleType("__main__")
     main.__spec__ = types.SimpleNamespace(name=module) if module else None
@@ -177,7 +177,7 @@ def test_the_resume_hint_starts_the_run_the_way_it_was_started(monkeypatch, argv
 def test_the_resume_hint_names_launcher_flags_it_cannot_rebuild(monkeypatch, env, world, noted):
     """An FSDP / DeepSpeed config file or several machines reach the processes only as their effects: the
     hint printed a bare `accelerate launch --num_processes N`, which would start another kind of run."""
-    from train.loop import launcher_note
+    from train.interrupt import launcher_note
 
     for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -484,7 +484,7 @@ def test_true_tau_runs_only_with_an_eval():
 
 
 def test_the_resume_command_drops_every_spelling_of_resume(monkeypatch):
-    from train.loop import resume_command
+    from train.interrupt import resume_command
 
     monkeypatch.setattr(sys, "argv", ["train/distill.py"])
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
@@ -969,7 +969,8 @@ def test_processes_stop_for_a_sigterm_after_the_same_step():
     """A SIGTERM reaches each process at its own moment: they stop after the step at whose start any of them had
     one (the flag rides the step's collective), or after an eval by one collective of their own; one process
     decides alone, and outside the loop a SIGTERM stops at once as Ctrl-C does."""
-    from train.loop import Preempted, Run, StepStats, StopRequest, stop_due
+    from train.interrupt import Preempted, StopRequest
+    from train.loop import Run, StepStats, stop_due
 
     class TwoProcesses:
         num_processes, device = 2, torch.device("cpu")

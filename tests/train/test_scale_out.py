@@ -204,7 +204,8 @@ def drafter_loss(target, batch, seed: int = 0) -> torch.Tensor:
     """The training objective on a batch of target features: one seeded drafter, one anchor draw."""
     from models.config import DFlashConfig
     from models.drafter import DFlashDraftModel
-    from train.objective import attention_masks, block_loss, drafter_forward, draw_blocks
+    from train.blocks import attention_masks, draw_blocks
+    from train.objective import block_loss, drafter_forward
 
     torch.manual_seed(seed)
     config = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -485,7 +486,8 @@ def test_dry_run_memory_and_compute_figures(tmp_path):
     bf16 target weights, fp32 drafter weights + grads + two AdamW moments (16 bytes a parameter), bf16
     features of every tap, the LM head's fp32 logits for at most ce_chunk queries; a MoE target's forward
     costs its active parameters. No stats.json: the steps are estimated from the source, per process of the node."""
-    from models.config import DFlashConfig, TargetShape
+    from models.config import DFlashConfig
+    from models.target_shape import TargetShape
     from train.config import load_config
     from train.plan import plan
 

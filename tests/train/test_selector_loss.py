@@ -11,7 +11,9 @@ import torch
 
 from models.drafter2 import unary_logits
 from tests.helpers import assert_close
-from train.objective import Blocks, SelectorTerm, _selector_ce, block_loss, dpace_weights, draw_blocks, slot_weights
+from train.blocks import Blocks, draw_blocks
+from train.objective import block_loss, dpace_weights, slot_weights
+from train.selector_loss import SelectorTerm, _selector_ce
 
 # ----------------------------------------------------------------------------- a hand-built case
 # One row, two blocks of B = 4 (3 slots each), vocabulary 6, K = 3 candidates, selector rank 2. The head is the
@@ -266,7 +268,9 @@ def test_a_dflash2_step_in_micro_batches_is_the_one_big_batch_step(weighting, tm
     """train_step with 2 rows in one micro-batch, and with 1 row in each of 2 (accumulation), logs the loss and the
     selector CE and leaves the gradients of one block_loss over both rows (LM head in chunks of 3 slots): the
     selector term is normalised with the unary one, so it is exact across micro-batches too."""
-    from train.objective import attention_masks, block_embedder, drafter_forward, selector_term
+    from train.blocks import attention_masks
+    from train.objective import drafter_forward
+    from train.selector_loss import block_embedder, selector_term
     from train.rng import row_generators
 
     over = ["train.loss_weighting=dpace"] if weighting == "dpace" else ["train.gamma=4"]
@@ -295,7 +299,9 @@ def test_gradients_reach_every_selector_and_conv_parameter():
     parameter has a gradient (none unused: DDP needs them all) and hidden_projection's is not zero, so the edge
     term leaves zero at the first step; the codebooks' are zero there only because the projection is."""
     from models.drafter2 import DFlash2DraftModel
-    from train.objective import attention_masks, block_embedder, drafter_forward, selector_term
+    from train.blocks import attention_masks
+    from train.objective import drafter_forward
+    from train.selector_loss import block_embedder, selector_term
 
     d, emb, head = _v2_drafter()
     fresh = DFlash2DraftModel(d.config).init_weights().bind_target(emb, head).train()
@@ -319,7 +325,9 @@ def test_the_simulated_acceptance_of_a_dflash2_drafter_is_its_selector_walk():
     """block_loss's ``correct`` for DFlash2 is the drafter's own proposal (``propose``, what the loops call: the walk
     from the bonus token over the unary top-K) compared with the labels, block by block; ``unary_correct`` is the
     unary argmax's. The selector is set to disagree with the argmax, so the two differ."""
-    from train.objective import attention_masks, block_embedder, drafter_forward, selector_term
+    from train.blocks import attention_masks
+    from train.objective import drafter_forward
+    from train.selector_loss import block_embedder, selector_term
 
     d, emb, head = _v2_drafter()
     with torch.no_grad():
