@@ -299,7 +299,9 @@ def test_provenance_records_the_loss_weighting_of_the_run():
 
     dpace = load_config(["recipe=tiny", "train.loss_weighting=dpace", "train.dpace_normaliser=tokens"]).to_dict()
     assert provenance_from_run(dpace)["objective"] == {"weighting": "dpace", "alpha": 0.5, "normaliser": "tokens"}
-    decay = load_config(["recipe=tiny"]).to_dict()
+    assert provenance_from_run(load_config(["recipe=tiny"]).to_dict())["objective"] == {
+        "weighting": "dpace", "alpha": 0.5, "normaliser": "weights"}  # the default
+    decay = load_config(["recipe=tiny", "train.loss_weighting=decay"]).to_dict()
     assert provenance_from_run(decay)["objective"] == {"weighting": "decay", "gamma": 4.0}  # block 8
     assert objective_of_run(load_config(["recipe=small"]).to_dict()) == {"weighting": "decay", "gamma": 1.0}
     older = {"drafter": {"block_size": 16}, "train": {"gamma": None, "lr": 6e-4}}

@@ -697,9 +697,11 @@ def test_bad_training_values_fail_at_config_time(override, message):
     (["train.loss_weighting=dpace", "train.dpace_normaliser=batch"],
      "train.dpace_normaliser='batch': use weights \\(the default\\), tokens or rows"),
     # a key of the other weighting would be ignored without a word
-    (["train.dpace_alpha=0.3"], "train.dpace_alpha=0.3 set with train.loss_weighting=decay, which ignores it: add "
-                                "train.loss_weighting=dpace, or drop the dpace_\\* key"),
-    (["train.dpace_normaliser=rows"], "train.dpace_normaliser=rows set with train.loss_weighting=decay"),
+    (["train.loss_weighting=decay", "train.dpace_alpha=0.3"],
+     "train.dpace_alpha=0.3 set with train.loss_weighting=decay, which ignores it: add train.loss_weighting=dpace, "
+     "or drop the dpace_\\* key"),
+    (["train.loss_weighting=decay", "train.dpace_normaliser=rows"],
+     "train.dpace_normaliser=rows set with train.loss_weighting=decay"),
     (["train.loss_weighting=dpace", "train.gamma=2"], "train.gamma=2.0 is the decay weighting's constant and does "
                                                       "nothing with train.loss_weighting=dpace: unset it with "
                                                       "train.gamma=null"),
@@ -716,7 +718,8 @@ def test_bad_loss_weighting_fails_at_config_time(overrides, message):
     cfg = load_config(["recipe=small", "train.loss_weighting=dpace", "train.gamma=null"])
     assert (cfg.train.dpace_alpha, cfg.train.dpace_normaliser) == (0.5, "weights")
     assert cfg.loss_weighting() == {"gamma": None, "weighting": "dpace", "dpace_alpha": 0.5, "normaliser": "weights"}
-    decay = load_config(["recipe=tiny"])
+    assert load_config(["recipe=tiny"]).loss_weighting() == cfg.loss_weighting()  # D-PACE is the default
+    decay = load_config(["recipe=tiny", "train.loss_weighting=decay"])
     assert (decay.train.loss_weighting, decay.train.dpace_alpha, decay.train.dpace_normaliser) == ("decay", None, None)
     assert decay.loss_weighting() == {"gamma": 4.0, "weighting": "decay", "normaliser": "weights"}
 
@@ -741,23 +744,23 @@ def test_resume_refuses_a_change_of_the_loss_weighting_and_reads_an_older_checkp
     def cfg(*over):
         return load_config(["recipe=tiny", *over]).to_dict()
 
-    dpace = ["train.loss_weighting=dpace"]
+    dpace, decay = ["train.loss_weighting=dpace"], ["train.loss_weighting=decay"]
     defaults = RunConfig().to_dict()
+    assert defaults["train"]["loss_weighting"] == "dpace"  # the default since the reference-budget ablation
     assert config_changes(cfg(*dpace), cfg(*dpace, "train.dpace_alpha=0.5"), defaults) == ([], [])  # resolved
     for change, said in [(["train.dpace_alpha=0.3"], "train.dpace_alpha: 0.5 -> 0.3"),
                          (["train.dpace_normaliser=tokens"], "train.dpace_normaliser: 'weights' -> 'tokens'")]:
         assert config_changes(cfg(*dpace), cfg(*dpace, *change), defaults)[0] == [said]
-    assert config_changes(cfg(), cfg(*dpace), defaults)[0] == [
+    assert config_changes(cfg(*decay), cfg(*dpace), defaults)[0] == [
         "train.dpace_alpha: None -> 0.5", "train.dpace_normaliser: None -> 'weights'",
         "train.loss_weighting: 'decay' -> 'dpace'"]
-    older = cfg()
+    older = cfg(*decay)
     for key in ("loss_weighting", "dpace_alpha", "dpace_normaliser"):
         del older["train"][key]
-    assert config_changes(older, cfg(), defaults) == ([], [])
+    # saved before the keys existed: it trained with decay, though the default is now D-PACE
+    assert config_changes(older, cfg(*decay), defaults) == ([], [])
+    assert "train.loss_weighting: 'decay' -> 'dpace'" in config_changes(older, cfg(), defaults)[0]
     assert "train.loss_weighting: 'decay' -> 'dpace'" in config_changes(older, cfg(*dpace), defaults)[0]
-    later = RunConfig().to_dict()
-    later["train"]["loss_weighting"] = "dpace"  # a later default: the older checkpoint still trained with decay
-    assert config_changes(older, cfg(), later) == ([], [])
 
 
 @pytest.mark.parametrize("overrides, message", [

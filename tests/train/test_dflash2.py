@@ -95,7 +95,8 @@ def test_a_two_step_dflash2_run_drops_its_loss_and_resume_refuses_another_select
     assert 1.0 <= last["eval_tau_sim"] <= 8.0 and last["eval_selector_ce"] > 0
     assert last["eval_true_cycles"] > 0 and last["eval_tau_true"] >= 0
     prov = json.loads((out / "final" / "drafter" / "config.json").read_text())["draftsmith"]
-    assert prov["objective"] == {"weighting": "decay", "gamma": 4.0, "selector_loss_alpha": 1.0}
+    assert prov["objective"] == {"weighting": "dpace", "alpha": 0.5, "normaliser": "weights",
+                                 "selector_loss_alpha": 1.0}
     with pytest.raises(ResumeConfigError, match=r"train.selector_loss_alpha: 1.0 -> 0.5"):
         run(out, *_common(golden_inputs), "drafter.variant=dflash2", "train.max_steps=3", "train.batch_size=4",
             "train.selector_loss_alpha=0.5", "resume=true")

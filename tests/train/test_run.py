@@ -49,7 +49,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny_inputs, tmp_path):
 
 
 def test_tiny_recipe_learns(tiny_inputs, tmp_path):
-    """Held-out simulated tau >= 1.5x the untrained drafter's; true tau (torch loop) within 15% of it."""
+    """Held-out simulated tau >= 1.5x the untrained drafter's; true tau (torch loop) >= 2 and within 25% of it."""
     import torch
 
     from inference.torch_loop import DrafterProposer, dflash_generate
@@ -63,8 +63,10 @@ def test_tiny_recipe_learns(tiny_inputs, tmp_path):
           f"true {after['eval_tau_true']:.3f} uncut {after['eval_tau_true_uncut']:.3f}")
     assert after["eval_tau_sim"] >= 1.5 * before["eval_tau_sim"]
     # The simulation scores whole blocks at uniform anchors: the loop's cycles that no EOS or budget cut
-    # come close, a little below (the loop dwells where the drafter is weak). Measured 2.26 vs 2.67.
-    assert 0.8 * after["eval_tau_sim"] <= after["eval_tau_true_uncut"] <= 1.05 * after["eval_tau_sim"]
+    # come close, a little below (the loop dwells where the drafter is weak). Measured 2.26 vs 2.67 with the
+    # decay weighting (0.85x); 2.65 vs 3.32 with D-PACE (0.80x: it lifts the later slots the loop rarely reaches).
+    assert 0.75 * after["eval_tau_sim"] <= after["eval_tau_true_uncut"] <= 1.05 * after["eval_tau_sim"]
+    assert after["eval_tau_true"] >= 2.0  # measured 2.54 (from ~1.0 untrained)
     assert after["eval_tau_true"] < after["eval_tau_true_uncut"]  # the short answers' last cycles are cut
     # the anchor count stays on the device through a step; the logged rate is still a plain number
     steps = [r for r in metrics(tmp_path) if "loss" in r]
