@@ -252,7 +252,8 @@ def _result_row(a, target, use_flex: bool, n_anchors: int, dt: float, done: list
            "anchors": n_anchors, "block": a.block,
            "steps": a.steps, "step_s": round(dt / a.steps, 4),
            "tokens_per_s": round(a.seq * a.batch * a.grad_accum * a.steps / dt, 1),
-           "anchors_per_s": round(blocks_done / dt, 1), "tflops": round(flops / dt / 1e12, 3)}
+           # tflops to 4 significant digits: a tiny CPU shape's is ~1e-4, which 3 decimals round to 0
+           "anchors_per_s": round(blocks_done / dt, 1), "tflops": float(f"{flops / dt / 1e12:.4g}")}
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
         name = torch.cuda.get_device_name()

@@ -75,4 +75,6 @@ def test_tiny_recipe_learns(tiny_inputs, tmp_path):
     target = TargetModel.from_pretrained(tiny_inputs[0].split("=", 1)[1], dtype=torch.float32)
     drafter = DFlashDraftModel.from_pretrained(tmp_path / "final" / "drafter", dtype=torch.float32)
     res = dflash_generate(target, DrafterProposer(drafter, target), [257, 85, 82, 68, 81, 198], max_new_tokens=16)
-    assert res.tau >= 1.0
+    # every cycle commits the target's own token at least: >= 1 per cycle uncut (the budget-cut tau can dip
+    # below 1 when the answer's end-of-turn opens the last cycle and the drafter gets nothing accepted)
+    assert res.tokens and res.tau_uncut >= 1.0

@@ -417,7 +417,7 @@ def test_dry_run_plans_gpt_oss_20b_on_one_gpu_and_gemma_4_31b_spread_over_a_node
     assert 780 < d["params_m"] < 790 and load_config(["recipe=gpt-oss-20b"]).drafter.mask_token_id == 200000
     assert oss["devices"]["fits"] and max(oss["devices"]["per_device_gib"]) < 80
     gemma = plan_module.plan(load_config(["recipe=gemma-4-31b", "devices=8x80"]))
-    assert gemma["target_layer_ids"] == [1, 12, 23, 35, 46, 57] and gemma["objective"]["gamma"] == 7
+    assert gemma["target_layer_ids"] == [1, 12, 23, 35, 46, 57] and gemma["objective"]["weighting"].startswith("D-PACE")
     d = gemma["drafter"]
     assert (d["layers"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"]) == (5, 64, 8, 128, 10752)
     assert 1500 < d["params_m"] < 1560 and d["rope_theta"] == 1e6

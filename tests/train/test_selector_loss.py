@@ -273,7 +273,7 @@ def test_a_dflash2_step_in_micro_batches_is_the_one_big_batch_step(weighting, tm
     from train.selector_loss import block_embedder, selector_term
     from train.rng import row_generators
 
-    over = ["train.loss_weighting=dpace"] if weighting == "dpace" else ["train.gamma=4"]
+    over = [f"train.loss_weighting={weighting}"] + ([] if weighting == "dpace" else ["train.gamma=4"])
     one, g_one = _v2_step([[0, 1]], over, tmp_path)
     two, g_two = _v2_step([[0], [1]], [*over, "train.grad_accum=2"], tmp_path)
     d, emb, head = _v2_drafter()
