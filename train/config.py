@@ -141,7 +141,7 @@ class TrainConfig:
     # decay: the paper's fixed w_k = exp(-(k-1)/gamma), normalised by the weight sum;
     # dpace: D-PACE, w_j = sum_{k>=j} prod_{i<=k} ((1 - dpace_alpha) exp(-CE_i) + dpace_alpha), from the drafter's
     # own per-slot CE (detached), normalised by dpace_normaliser.
-    loss_weighting: str = "dpace"  # dpace | decay (dpace: lab/README.md, "D-PACE")
+    loss_weighting: str = "dpace"  # dpace | decay (why D-PACE: lab/README.md, "D-PACE and DFlash2 at ...")
     gamma: float | None = None  # decay only; None = 7 / 5 / 4 for block 16 / 10 / 8
     dpace_alpha: float | None = None  # dpace only, in [0, 1]; None = 0.5 (1 = weights independent of the drafter)
     # dpace only; None = weights. weights: sum w CE / sum w (the decay's convention, a weighted mean CE);
