@@ -48,8 +48,10 @@ REQUIRED_DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size")
 FORBIDDEN_KEYS = ("eagle_aux_hidden_state_layer_ids", "rope_scaling", "partial_rotary_factor", "mrope_section",
                   "mrope_interleaved")
 FORBIDDEN_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
-# Parity tolerance on logits, relative to the largest |logit| of the reference, by compute dtype.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
+# Parity tolerance on logits, relative to the largest |logit| of the reference, by compute dtype. bf16 keeps 8
+# significant bits to fp16's 11, so 8x fp16's: the MLX bf16 export of a trained tiny drafter measured 4.35e-2 (its
+# fp32 export 3.5e-6: the maths agree, the rest is rounding), while a wrong weight or op moves logits by O(1).
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 8e-2}
 LOW_TOP1 = 0.9  # a quantized draft agreeing less often than this with the full-precision one is worth a warning
 
 

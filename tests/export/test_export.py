@@ -520,11 +520,11 @@ def test_parity_rule_tolerances_and_non_finite_logits():
 
     stats = logit_stats(np.array([[10.0, 0.0]]), np.array([[9.0, 0.0]]))
     assert stats["rel"] == pytest.approx(0.1) and stats["max_abs"] == pytest.approx(1.0) and stats["top1"] == 1.0
-    check_parity({"max_abs": 0.3, "rel": 0.03, "top1": 1.0}, "bfloat16", "x")  # within 4e-2
-    check_parity({"max_abs": 0.4, "rel": 4e-2, "top1": 1.0}, "bfloat16", "x")  # the tolerance itself passes
+    check_parity({"max_abs": 0.45, "rel": 0.045, "top1": 1.0}, "bfloat16", "x")  # within 8e-2 (measured, below)
+    check_parity({"max_abs": 0.8, "rel": 8e-2, "top1": 1.0}, "bfloat16", "x")  # the tolerance itself passes
     zeros = np.zeros((2, 3))  # all-zero logits agree exactly: no 0 / 0
     assert logit_stats(zeros, zeros) == {"max_abs": 0.0, "mean_abs": 0.0, "rel": 0.0, "top1": 1.0}
-    for rel, dtype in ((0.05, "bfloat16"), (0.02, "float16"), (2e-4, "float32")):
+    for rel, dtype in ((0.09, "bfloat16"), (0.02, "float16"), (2e-4, "float32")):
         with pytest.raises(ExportCheckError, match=f"tolerance .* for {dtype}"):
             check_parity({"max_abs": rel * 10, "rel": rel, "top1": 1.0}, dtype, "x")
     with pytest.raises(ExportCheckError, match="logits differ by nan"):
@@ -540,9 +540,9 @@ def test_logit_stats_by_row_and_a_dtype_without_its_own_tolerance():
     got = np.array([[3.0, 0.0, 1.0], [0.0, 1.0, 2.5]])  # row 2's argmax moves: 1 of 2 rows agree
     stats = logit_stats(ref, got)
     assert stats["top1"] == 0.5 and stats["max_abs"] == 1.5 and stats["mean_abs"] == pytest.approx(2.5 / 6)
-    check_parity({"max_abs": 0.3, "rel": 0.03, "top1": 1.0}, "int8", "x")  # within bfloat16's 4e-2
-    with pytest.raises(ExportCheckError, match="tolerance 4e-02 for int8"):
-        check_parity({"max_abs": 0.5, "rel": 0.05, "top1": 1.0}, "int8", "x")
+    check_parity({"max_abs": 0.3, "rel": 0.03, "top1": 1.0}, "int8", "x")  # within bfloat16's 8e-2
+    with pytest.raises(ExportCheckError, match="tolerance 8e-02 for int8"):
+        check_parity({"max_abs": 0.9, "rel": 0.09, "top1": 1.0}, "int8", "x")
 
 
 def test_an_auto_map_to_a_file_the_folder_lacks_is_named(tmp_path):
