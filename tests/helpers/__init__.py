@@ -106,3 +106,16 @@ def tiny_store_rows(n: int = 2):
 
     return [FeatureRow(torch.arange(3), torch.ones(3, dtype=torch.int8), torch.zeros(3, dtype=torch.int32),
                        torch.arange(3, dtype=torch.int32), torch.randn(3, 4)) for _ in range(n)]
+
+
+class GradCapture:
+    """Stands in for the optimizer: keeps the gradients train_step leaves for it."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {k: p.grad.clone() for k, p in self.model.named_parameters()}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)

@@ -7,7 +7,7 @@ import torch
 
 from models.config import DFlashConfig
 from models.drafter import DFlashDraftModel
-from tests.helpers import assert_close
+from tests.helpers import GradCapture, assert_close
 from train.config import load_config
 from train.blocks import attention_masks, dense_mask, draw_blocks, flex_block_mask
 from train.objective import block_loss, drafter_forward, simulated_acceptance, slot_weights
@@ -813,19 +813,6 @@ def test_dpace_loss_is_the_weighted_sum_over_the_normaliser_at_every_chunk_size(
     assert 0.2 < float(out.weight) / m < 2.5  # not the uniform 1 per slot
 
 
-class _Capture:
-    """Stands in for the optimizer: keeps the gradients train_step leaves for it."""
-
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def step(self):
-        self.grads = {k: p.grad.clone() for k, p in self.model.named_parameters()}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
-
-
 def _train_step(split: list[list[int]], overrides: list[str], mode: str, tmp_path):
     """train_step over the rows of _rows() in the micro-batches ``split`` (one process): (logged loss, grads)."""
     import types
@@ -848,7 +835,7 @@ def _train_step(split: list[list[int]], overrides: list[str], mode: str, tmp_pat
         blocks = draw_blocks(ids[rows], lm[rows], doc[rows], pos[rows], 6, B, MASK, row_generators(0, 0, rows))
         micro.append(MicroBatch(rows, None, blocks, doc[rows], pos[rows], True, int(lm[rows].numel())))
     run = Run(cfg, Accelerator(cpu=True, mixed_precision="no"), tmp_path, "", "no", print)
-    optimizer = _Capture(d)
+    optimizer = GradCapture(d)
     target = types.SimpleNamespace(embed_tokens=emb, lm_head=head)
     stats = train_step(run, d, optimizer, types.SimpleNamespace(step=lambda: None), target, provider, micro,
                        d.config)

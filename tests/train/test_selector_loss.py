@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.drafter2 import unary_logits
-from tests.helpers import assert_close
+from tests.helpers import GradCapture, assert_close
 from train.blocks import Blocks, draw_blocks
 from train.objective import block_loss, dpace_weights, slot_weights
 from train.selector_loss import SelectorTerm, _selector_ce
@@ -224,17 +224,6 @@ def _v2_drafter():
     return d.bind_target(emb, head), emb, head
 
 
-class _Capture:
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def step(self):
-        self.grads = {k: p.grad.clone() for k, p in self.model.named_parameters()}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
-
-
 def _v2_step(split: list[list[int]], overrides: list[str], tmp_path):
     """train_step of a DFlash2 drafter over the rows of _rows() in the micro-batches ``split``: (stats, grads)."""
     import types
@@ -257,7 +246,7 @@ def _v2_step(split: list[list[int]], overrides: list[str], tmp_path):
         blocks = draw_blocks(ids[rows], lm[rows], doc[rows], pos[rows], 6, B, MASK, row_generators(0, 0, rows))
         micro.append(MicroBatch(rows, None, blocks, doc[rows], pos[rows], True, int(lm[rows].numel())))
     run = Run(cfg, Accelerator(cpu=True, mixed_precision="no"), tmp_path, "", "no", print)
-    optimizer = _Capture(d)
+    optimizer = GradCapture(d)
     target = types.SimpleNamespace(embed_tokens=emb, lm_head=head)
     stats = train_step(run, d, optimizer, types.SimpleNamespace(step=lambda: None), target, provider, micro, d.config)
     return stats, optimizer.grads
